@@ -1,0 +1,257 @@
+"""The DFlash drafter: a few Qwen3-style layers that denoise a whole block at once.
+
+The drafter has no embedding or LM head of its own; it borrows the target's. It is
+conditioned on the target's hidden states (the "taps"), which are projected once by
+``fc`` + ``hidden_norm`` and injected as extra keys/values into every layer (paper §3).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.base import BaseModelArgs
+from mlx_lm.models.rope_utils import initialize_rope
+
+from . import target as tgt
+
+# Keys of the published checkpoints that may live under "dflash_config".
+_DFLASH_KEYS = ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers")
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """The paper's rule: ``num_taps`` layers spread evenly from layer 1 to L-3."""
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_taps - 1)) for i in range(num_taps)]
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float = 1e-6
+    head_dim: int | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    vocab_size: int | None = None
+    num_target_layers: int | None = None
+    block_size: int = 16
+    target_layer_ids: list[int] = field(default_factory=list)
+    mask_token_id: int | None = None
+    model_type: str = "qwen3"
+
+    @classmethod
+    def from_dict(cls, params: dict) -> "ModelArgs":
+        params = dict(params)
+        nested = params.get("dflash_config") or {}
+        for key in _DFLASH_KEYS:
+            if nested.get(key) is not None:
+                params[key] = nested[key]
+        return super().from_dict(params)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        # transformers >= 5 nests rope settings under rope_parameters.
+        rope = self.rope_parameters or {}
+        if self.rope_theta is None:
+            self.rope_theta = rope.get("rope_theta", 1_000_000.0)
+        if self.rope_scaling is None and rope.get("rope_type", "default") != "default":
+            self.rope_scaling = rope
+        self.target_layer_ids = list(self.target_layer_ids or [])
+        if not self.target_layer_ids and self.num_target_layers:
+            self.target_layer_ids = default_target_layer_ids(
+                self.num_target_layers, self.num_hidden_layers
+            )
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        dim, hd = args.hidden_size, args.head_dim
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.scale = hd**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(
+            hd,
+            base=args.rope_theta,
+            traditional=False,
+            scaling_config=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+    def _heads(self, x: mx.array, n: int) -> mx.array:
+        B, L, _ = x.shape
+        return x.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
+
+    def __call__(
+        self,
+        x: mx.array,
+        ctx: mx.array,
+        cache: Any | None = None,
+        mask: mx.array | None = None,
+        block_offset: int | mx.array | None = None,
+    ) -> mx.array:
+        B, L, _ = x.shape
+        ctx_offset = cache.offset if cache is not None else 0
+        if block_offset is None:
+            # The block sits right after the context: [ctx..., last, mask, ...].
+            block_offset = ctx_offset + ctx.shape[1]
+
+        q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), block_offset)
+        k = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), block_offset)
+        v = self._heads(self.v_proj(x), self.n_kv_heads)
+
+        k_ctx = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), ctx_offset)
+        v_ctx = self._heads(self.v_proj(ctx), self.n_kv_heads)
+        if cache is not None:
+            # Only the context is cached; the noisy block is recomputed every cycle.
+            if ctx.shape[1] > 0:
+                k_ctx, v_ctx = cache.update_and_fetch(k_ctx, v_ctx)
+            elif cache.offset > 0:
+                k_ctx, v_ctx = cache.keys_and_values()
+        if k_ctx.shape[0] != B:
+            k_ctx = mx.broadcast_to(k_ctx, (B, *k_ctx.shape[1:]))
+            v_ctx = mx.broadcast_to(v_ctx, (B, *v_ctx.shape[1:]))
+        keys = mx.concatenate([k_ctx, k], axis=2)
+        values = mx.concatenate([v_ctx, v], axis=2)
+
+        # No causal mask: the block attends to the whole context and to itself both ways.
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, h, ctx, cache=None, mask=None, block_offset=None) -> mx.array:
+        # The context is used as it comes out of hidden_norm, not re-normed per layer.
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cache, mask, block_offset)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DraftModel(nn.Module):
+    """The DFlash drafter (v1 checkpoints, e.g. ``z-lab/Qwen3-8B-DFlash-b16``).
+
+    ``__call__`` maps the embedded noisy block and the new target taps to the block's
+    final hidden states; the caller applies the target's LM head to them.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        n_taps = len(args.target_layer_ids) or args.num_hidden_layers
+        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.args.target_layer_ids
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.args.mask_token_id
+
+    def __call__(
+        self,
+        noise_embedding: mx.array,
+        target_hidden: mx.array,
+        cache: list[Any] | None = None,
+        mask: mx.array | None = None,
+        block_offset: int | mx.array | None = None,
+    ) -> mx.array:
+        """Run the drafter on one block per batch row.
+
+        Args:
+            noise_embedding: ``(B, L, H)`` target embeddings of ``[last, mask, ...]``.
+            target_hidden: ``(1 or B, Lc, n_taps * H)`` taps of the context positions not
+              yet in ``cache`` (all of them when ``cache`` is None).
+            cache: Per-layer context caches; they grow by ``Lc``.
+            mask: Optional attention mask over ``[context, block]`` keys (training).
+            block_offset: Position of the block's first token; defaults to right after
+              the context. An array of shape ``(B,)`` gives each row its own position.
+
+        Returns:
+            ``(B, L, H)`` normed hidden states of the block.
+        """
+        ctx = self.hidden_norm(self.fc(target_hidden))  # (B, Lc, H)
+        h = noise_embedding
+        if cache is None:
+            cache = [None] * len(self.layers)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, ctx, c, mask, block_offset)
+        return self.norm(h)
+
+    def propose(
+        self,
+        model: nn.Module,
+        block: mx.array,
+        target_hidden: mx.array | None,
+        cache: list[Any],
+    ) -> mx.array:
+        """Draft logits for a block, through the target's embedding and LM head.
+
+        Args:
+            model: The target whose embedding and head the drafter borrows.
+            block: ``(1, B)`` ids ``[last, mask, ..., mask]``.
+            target_hidden: Taps of context positions not yet in ``cache`` (or None).
+            cache: The drafter's per-layer context caches.
+
+        Returns:
+            ``(1, B - 1, vocab)`` logits for block positions ``1..B-1``.
+        """
+        if target_hidden is None:
+            width = len(self.target_layer_ids) * self.args.hidden_size
+            target_hidden = mx.zeros((1, 0, width), dtype=self.norm.weight.dtype)
+        h = self(tgt.embed(model, block), target_hidden, cache)
+        return tgt.lm_head(model, h[:, 1:])
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        out = {}
+        for k, v in weights.items():
+            if k.startswith("model."):
+                k = k[len("model.") :]
+            # Some exports carry the target's embedding or head; the drafter borrows them.
+            if k.startswith(("embed_tokens.", "lm_head.")) or "rotary_emb" in k:
+                continue
+            out[k] = v
+        return out

@@ -1,0 +1,417 @@
+"""DFlash generation: draft a block, verify it in one target pass, keep the agreed prefix.
+
+Three layers, as in mlx-lm: ``dflash_generate_step`` (token ids), ``stream_generate``
+(text and stats as ``GenerationResponse``), and ``generate`` (drains it).
+"""
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Generator, NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from . import target as tgt
+from .cache import DFlashCache, make_cache
+from .errors import DFlashError
+
+Sampler = Callable[[mx.array], mx.array]
+
+# A stream for generation on whichever thread runs the generator (CLI or TUI worker).
+generation_stream = mx.new_thread_local_stream(mx.default_device())
+
+
+def _greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+class StepOutput(NamedTuple):
+    """One cycle of ``dflash_generate_step``.
+
+    ``tokens`` are the new tokens (accepted drafts then the bonus token), ``num_accepted``
+    how many of the ``num_draft`` drafted tokens the target agreed with. The prefill's
+    first token comes alone with ``num_draft == 0``.
+    """
+
+    tokens: list[int]
+    num_accepted: int
+    num_draft: int
+
+
+def resolve_block_size(draft: nn.Module | None, block_size: int | None) -> int:
+    """Check ``block_size`` against the drafter; None means the drafter's trained size."""
+    if draft is None:
+        if block_size not in (None, 1):
+            raise DFlashError(
+                f"block_size={block_size} needs a drafter, but none was loaded. "
+                "Pass a drafter (--draft) or use block_size=1."
+            )
+        return 1
+    trained = draft.block_size
+    if block_size is None:
+        return trained
+    if not isinstance(block_size, int) or not 1 <= block_size <= trained:
+        raise DFlashError(
+            f"block_size must be an integer from 1 to the drafter's trained block size "
+            f"{trained} (got {block_size!r})."
+        )
+    return block_size
+
+
+def _prompt_ids(prompt) -> list[int]:
+    if isinstance(prompt, mx.array):
+        prompt = prompt.reshape(-1).tolist()
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise DFlashError("The prompt is empty: pass at least one token or character.")
+    return ids
+
+
+def dflash_generate_step(
+    prompt: mx.array | list[int],
+    model: nn.Module,
+    draft: nn.Module | None,
+    *,
+    block_size: int | None = None,
+    max_tokens: int = 256,
+    sampler: Sampler | None = None,
+    stop_tokens: set[int] | frozenset[int] = frozenset(),
+    prompt_cache: DFlashCache | None = None,
+    prefill_step_size: int = 512,
+    stream: mx.Stream = generation_stream,
+) -> Generator[StepOutput, None, None]:
+    """Generate token ids with DFlash speculative decoding.
+
+    Every emitted token is sampled from the target with ``sampler`` (greedy by default),
+    so greedy output equals the target's own greedy decoding token for token.
+
+    Args:
+        prompt: The prompt token ids (the chat template already applied).
+        model: The target, an mlx-lm model.
+        draft: The DFlash drafter, or None for plain decoding.
+        block_size: Tokens verified per cycle, 1..drafter's trained size (default).
+        max_tokens: The most tokens to generate.
+        sampler: ``logprobs -> token ids``, e.g. from ``mlx_lm.sample_utils.make_sampler``.
+        stop_tokens: Generation ends right after the first of these, even mid-block.
+        prompt_cache: A ``DFlashCache`` to continue from; its common prefix with
+          ``prompt`` is reused and the rest is prefilled. Updated in place.
+        prefill_step_size: Prompt tokens per prefill chunk.
+        stream: The MLX stream to run on.
+
+    Yields:
+        StepOutput: The tokens of each cycle with its acceptance counts.
+
+    Raises:
+        DFlashError: On an empty prompt, ``max_tokens < 1`` or a bad ``block_size``.
+    """
+    ids = _prompt_ids(prompt)
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise DFlashError(f"max_tokens must be a positive integer (got {max_tokens!r}).")
+    block_size = resolve_block_size(draft, block_size)
+    sampler = sampler or _greedy
+    cache = prompt_cache if prompt_cache is not None else make_cache(model, draft)
+    if draft is not None and cache.draft is None:
+        raise DFlashError(
+            "The prompt cache was made without a drafter; make it with make_cache(model, draft)."
+        )
+    tap_ids = draft.target_layer_ids if cache.draft else []
+    mask_id = draft.mask_token_id if draft is not None else None
+
+    def _sample(logits: mx.array) -> mx.array:
+        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    def _prefill(tokens: list[int]) -> mx.array:
+        for i in range(0, len(tokens), prefill_step_size):
+            chunk = tokens[i : i + prefill_step_size]
+            logits, taps = tgt.forward_with_taps(model, mx.array(chunk)[None], cache.target, tap_ids)
+            cache.append_pending(taps)
+            cache.tokens.extend(chunk)
+            mx.eval(logits, cache.pending, [c.state for c in cache.target])
+        return logits[0, -1:]
+
+    def _draft_block(last: int, num_draft: int) -> mx.array:
+        # The drafter always sees its trained block: [last, MASK x (B-1)].
+        block = mx.array([[last] + [mask_id] * (draft.block_size - 1)])
+        draft_logits = draft.propose(model, block, cache.take_pending(), cache.draft)
+        return mx.argmax(draft_logits[:, :num_draft], axis=-1)  # (1, num_draft)
+
+    def _rewind(num_kept: int, num_verified: int, taps: mx.array | None) -> None:
+        for c in cache.target:
+            c.trim(num_verified - num_kept)
+        cache.append_pending(None if taps is None else taps[:, :num_kept])
+
+    with mx.stream(stream):
+        # Reuse the longest common prefix; at least one token is prefilled for its logits.
+        reuse = cache.reusable_prefix(ids)
+        cache.trim_to(reuse)
+        last = _sample(_prefill(ids[reuse:])).item()
+        yield StepOutput([last], 0, 0)
+        generated, stopped = 1, last in stop_tokens
+
+        try:
+            while generated < max_tokens and not stopped:
+                verify_size = min(block_size, max_tokens - generated)
+                num_draft = verify_size - 1
+                block = mx.array([[last]])
+                if num_draft > 0:
+                    block = mx.concatenate([block, _draft_block(last, num_draft)], axis=1)
+                logits, taps = tgt.forward_with_taps(model, block, cache.target, tap_ids)
+                target_tokens = _sample(logits[0])  # (verify_size,)
+                # The one host synchronisation of the cycle.
+                mx.eval(block, target_tokens)
+                drafted, posterior = block[0, 1:].tolist(), target_tokens.tolist()
+
+                n = 0
+                while n < num_draft and drafted[n] == posterior[n]:
+                    n += 1
+                emitted = posterior[: n + 1]
+                for j, tok in enumerate(emitted):
+                    if tok in stop_tokens:
+                        emitted, stopped = emitted[: j + 1], True
+                        break
+                _rewind(len(emitted), verify_size, taps)
+                cache.tokens.append(last)
+                cache.tokens.extend(emitted[:-1])
+                last = emitted[-1]
+                generated += len(emitted)
+                yield StepOutput(emitted, n, num_draft)
+        finally:
+            # A cycle cut short (an exception) leaves unverified entries: drop them.
+            if cache.offset != len(cache.tokens):
+                cache.trim_to(len(cache.tokens))
+
+
+@dataclass
+class GenerationResponse:
+    """The output of :func:`stream_generate`, one per cycle. All plain Python values.
+
+    Args:
+        text: The new segment of decoded text (may be empty).
+        tokens: This cycle's new token ids (a stop token is not included).
+        acceptance_length: Tokens this cycle's target pass produced (``num_accepted + 1``).
+        mean_acceptance_length: The running mean over the cycles so far (the paper's tau).
+        cycle: 0 for the prefill's first token, then 1, 2, ... per draft/verify cycle.
+        prompt_tokens: Prompt tokens prefilled (after any cache reuse).
+        prompt_tps: Prompt tokens per second (prefill up to the first token).
+        generation_tokens: Tokens generated so far.
+        generation_tps: Generated tokens per second since the first token.
+        peak_memory: Peak memory so far, in GB.
+        finish_reason: ``"stop"``, ``"length"`` or None while generating.
+    """
+
+    text: str
+    tokens: list[int]
+    acceptance_length: int
+    mean_acceptance_length: float
+    cycle: int
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: str | None = None
+
+
+def stream_generate(
+    model: nn.Module,
+    draft: nn.Module | None,
+    tokenizer: TokenizerWrapper,
+    prompt: str | list[int] | mx.array,
+    *,
+    max_tokens: int = 256,
+    block_size: int | None = None,
+    sampler: Sampler | None = None,
+    prompt_cache: DFlashCache | None = None,
+    prefill_step_size: int = 512,
+) -> Generator[GenerationResponse, None, None]:
+    """Stream text from ``model`` with DFlash drafting by ``draft``.
+
+    Args:
+        model: The target model.
+        draft: The DFlash drafter, or None for plain decoding through the same API.
+        tokenizer: The target's tokenizer (an mlx-lm ``TokenizerWrapper``).
+        prompt: Text (encoded as is: apply the chat template first) or token ids.
+        max_tokens: The most tokens to generate.
+        block_size: Tokens verified per cycle; defaults to the drafter's block size.
+        sampler: ``logprobs -> ids``; greedy when None.
+        prompt_cache: A ``DFlashCache`` to reuse across calls (multi-turn chat).
+        prefill_step_size: Prompt tokens per prefill chunk.
+
+    Yields:
+        GenerationResponse: One per cycle; the last one has ``finish_reason`` set.
+    """
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if isinstance(prompt, str):
+        if not prompt:
+            raise DFlashError("The prompt is empty: pass at least one character.")
+        bos = tokenizer.bos_token
+        prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    ids = _prompt_ids(prompt)
+    reused = prompt_cache.reusable_prefix(ids) if prompt_cache is not None else 0
+    stop_tokens = frozenset(tokenizer.eos_token_ids)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+
+    steps = dflash_generate_step(
+        ids,
+        model,
+        draft,
+        block_size=block_size,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        stop_tokens=stop_tokens,
+        prompt_cache=prompt_cache,
+        prefill_step_size=prefill_step_size,
+    )
+    tic = time.perf_counter()
+    prompt_tps, generated, cycles, acceptance_sum = 0.0, 0, 0, 0
+    for step in steps:
+        now = time.perf_counter()
+        if generated == 0:
+            prompt_tps = (len(ids) - reused) / max(now - tic, 1e-9)
+            tic = now
+        else:
+            cycles += 1
+            acceptance_sum += step.num_accepted + 1
+        generated += len(step.tokens)
+        finish = None
+        tokens = list(step.tokens)
+        if tokens[-1] in stop_tokens:
+            tokens.pop()
+            finish = "stop"
+        elif generated >= max_tokens:
+            finish = "length"
+        for t in tokens:
+            detokenizer.add_token(t)
+        if finish:
+            detokenizer.finalize()
+        elapsed = max(now - tic, 1e-9)
+        yield GenerationResponse(
+            text=detokenizer.last_segment,
+            tokens=tokens,
+            acceptance_length=step.num_accepted + 1,
+            mean_acceptance_length=acceptance_sum / cycles if cycles else 1.0,
+            cycle=cycles,
+            prompt_tokens=len(ids) - reused,
+            prompt_tps=prompt_tps,
+            generation_tokens=generated,
+            generation_tps=(generated - 1) / elapsed if generated > 1 else 0.0,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason=finish,
+        )
+        if finish:
+            break
+
+
+def generate(
+    model: nn.Module,
+    draft: nn.Module | None,
+    tokenizer: TokenizerWrapper,
+    prompt: str | list[int] | mx.array,
+    verbose: bool = False,
+    **kwargs,
+) -> str:
+    """Generate a complete response; see :func:`stream_generate` for the arguments.
+
+    Returns:
+        The generated text. With ``verbose`` it is also printed as it streams, followed
+        by prompt/generation speed, mean acceptance length and peak memory.
+    """
+    text, response, histogram = "", None, {}
+    if verbose:
+        print("=" * 10)
+    for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
+        text += response.text
+        if verbose:
+            print(response.text, end="", flush=True)
+        if response.cycle > 0:
+            histogram[response.acceptance_length] = histogram.get(response.acceptance_length, 0) + 1
+    if verbose and response is not None:
+        print()
+        print("=" * 10)
+        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+        print(
+            f"Generation: {response.generation_tokens} tokens, "
+            f"{response.generation_tps:.3f} tokens-per-sec"
+        )
+        hist = " ".join(f"{k}:{v}" for k, v in sorted(histogram.items()))
+        print(f"Acceptance length: {response.mean_acceptance_length:.2f} mean [{hist}]")
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return text
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash-generate", description="Generate text with DFlash speculative decoding."
+    )
+    parser.add_argument(
+        "--model", default=None, help="Target: local folder or Hugging Face id (default: the embedded pair)."
+    )
+    parser.add_argument("--draft", default=None, help="DFlash drafter: local folder or Hugging Face id.")
+    parser.add_argument("--prompt", "-p", default="Hello", help="The prompt ('-' reads stdin).")
+    parser.add_argument("--max-tokens", "-m", type=int, default=256, help="Most tokens to generate.")
+    parser.add_argument("--block-size", type=int, default=None, help="Tokens verified per cycle.")
+    parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0 = greedy).")
+    parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling threshold.")
+    parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling.")
+    parser.add_argument("--system-prompt", default=None, help="System message for the chat template.")
+    parser.add_argument(
+        "--ignore-chat-template", action="store_true", help="Use the prompt as is, without the chat template."
+    )
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="Cast both models to this dtype."
+    )
+    parser.add_argument("--no-draft", action="store_true", help="Plain decoding, without the drafter.")
+    parser.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    return parser
+
+
+def apply_chat_template(tokenizer, prompt: str, system_prompt: str | None = None) -> list[int] | str:
+    """The prompt as token ids in the chat template, or as is when there is none."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return prompt
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .loading import load
+
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens must be at least 1 (got {args.max_tokens}).")
+    if args.temp < 0:
+        parser.error(f"--temp must be >= 0 (got {args.temp}).")
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:
+        model, draft, tokenizer = load(args.model, args.draft, dtype=args.dtype)
+        if args.no_draft:
+            draft = None
+        if not args.ignore_chat_template:
+            prompt = apply_chat_template(tokenizer, prompt, args.system_prompt)
+        generate(
+            model,
+            draft,
+            tokenizer,
+            prompt,
+            verbose=args.verbose,
+            max_tokens=args.max_tokens,
+            block_size=args.block_size,
+            sampler=make_sampler(args.temp, args.top_p),
+        )
+    except DFlashError as e:
+        print(f"dflash-generate: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""Load a target + DFlash drafter pair from local folders or the Hugging Face hub.
+
+Targets go through mlx-lm's own loader; drafters are read here. Nothing shipped inside
+a checkpoint is ever executed (``auto_map`` / remote code is ignored).
+"""
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_model, load_tokenizer
+
+from . import target as tgt
+from .drafter import DraftModel, ModelArgs
+from .errors import DFlashError
+
+# The files a model folder needs; nothing else is fetched from the hub.
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+MASK_TOKENS = ("<|MASK|>", "<|mask|>", "<mask>")
+DEFAULT_PAIR = "dflash-tiny"
+
+
+def default_pair_path() -> Path:
+    """The folder of the embedded default pair (``target/`` and ``draft/``)."""
+    return Path(str(resources.files("dflash_mlx.assets"))) / DEFAULT_PAIR
+
+
+def resolve(path_or_repo: str | Path, *, what: str, revision: str | None = None) -> Path:
+    """A local folder for ``path_or_repo``: the folder itself, or a hub snapshot.
+
+    Raises:
+        DFlashError: If it is neither an existing folder nor a reachable hub repository.
+    """
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise DFlashError(f"The {what} path {path} is a file; pass the model's folder.")
+    text = str(path_or_repo)
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise DFlashError(
+            f"The {what} {text!r} is neither an existing folder nor a Hugging Face id "
+            "like 'org/name'. Check the path."
+        )
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(text, revision=revision, allow_patterns=ALLOW_PATTERNS))
+    except Exception as e:  # the hub client raises many types: offline, 404, auth, ...
+        raise DFlashError(
+            f"Could not get the {what} {text!r} from the Hugging Face hub "
+            f"({type(e).__name__}). Pass a local folder, or check the id and your connection."
+        ) from e
+
+
+def read_config(path: Path, what: str) -> dict[str, Any]:
+    file = path / "config.json"
+    if not file.is_file():
+        raise DFlashError(f"No config.json in {path}: the {what} must be a model folder.")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"{file} is not valid JSON ({e}). Re-download or re-convert the {what}.")
+    if not isinstance(config, dict):
+        raise DFlashError(f"{file} is not a JSON object. Re-download or re-convert the {what}.")
+    return config
+
+
+def is_drafter_config(config: dict[str, Any]) -> bool:
+    archs = config.get("architectures") or []
+    return (
+        any("DFlash" in a for a in archs)
+        or "dflash_config" in config
+        or "target_layer_ids" in config
+    )
+
+
+def _read_weights(path: Path, what: str) -> dict[str, mx.array]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DFlashError(f"No *.safetensors weights in {path}. Re-download or re-convert the {what}.")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:
+            raise DFlashError(
+                f"Could not read {f} ({e}). The file is corrupt or incomplete: "
+                f"re-download or re-convert the {what}."
+            ) from e
+    return weights
+
+
+def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
+    """Load an mlx-lm target and its tokenizer from a local folder."""
+    config = read_config(path, "target")
+    if is_drafter_config(config):
+        raise DFlashError(
+            f"{path} holds a DFlash drafter, not a target model. Pass it as the drafter (--draft) "
+            "and give the target model with --model."
+        )
+    if config.get("model_type") not in tgt.SUPPORTED_MODEL_TYPES:
+        raise DFlashError(
+            f"Unsupported target architecture model_type={config.get('model_type')!r} in {path}: "
+            f"DFlash supports {', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets."
+        )
+    _read_weights(path, "target")  # a clear message for missing or corrupt files
+    try:
+        model, config = load_model(path, trust_remote_code=False)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise DFlashError(f"Could not load the target from {path}: {e}") from e
+    try:
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:
+        raise DFlashError(
+            f"Could not load the tokenizer from {path} ({type(e).__name__}: {e}). "
+            "The target folder needs its tokenizer files."
+        ) from e
+    if dtype is not None:
+        _cast(model, dtype)
+    return model, tokenizer
+
+
+def load_draft(
+    path: Path, *, num_target_layers: int | None = None, dtype: str | None = None
+) -> DraftModel:
+    """Load a DFlash drafter (z-lab format: config.json + *.safetensors)."""
+    config = read_config(path, "drafter")
+    if not is_drafter_config(config):
+        archs = config.get("architectures")
+        raise DFlashError(
+            f"{path} is not a DFlash drafter (architectures={archs}, no dflash_config). "
+            "Pass a DFlash checkpoint such as z-lab/Qwen3-8B-DFlash-b16 as the drafter."
+        )
+    config = dict(config)
+    if num_target_layers and not config.get("num_target_layers"):
+        config["num_target_layers"] = num_target_layers
+    try:
+        args = ModelArgs.from_dict(config)
+    except TypeError as e:
+        raise DFlashError(f"The drafter config {path / 'config.json'} is missing a field: {e}") from e
+    if not args.target_layer_ids:
+        raise DFlashError(
+            f"The drafter config in {path} has no target_layer_ids and no num_target_layers; "
+            "add dflash_config.target_layer_ids to its config.json."
+        )
+    draft = DraftModel(args)
+    weights = draft.sanitize(_read_weights(path, "drafter"))
+    if (q := config.get("quantization")) is not None:
+        nn.quantize(
+            draft,
+            group_size=q["group_size"],
+            bits=q["bits"],
+            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
+        )
+    expected = dict(tree_flatten(draft.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise DFlashError(
+            f"The drafter weights in {path} do not match its config: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}. Re-download or re-convert the drafter."
+        )
+    bad = [k for k, v in weights.items() if v.shape != expected[k].shape]
+    if bad:
+        k = bad[0]
+        raise DFlashError(
+            f"The drafter weight {k} in {path} has shape {weights[k].shape}, but its config "
+            f"implies {expected[k].shape}. The config and the weights do not belong together."
+        )
+    draft.load_weights(list(weights.items()))
+    if dtype is not None:
+        _cast(draft, dtype)
+    mx.eval(draft.parameters())
+    draft.eval()
+    return draft
+
+
+def _cast(model: nn.Module, dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise DFlashError(f"Unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
+    # Quantized weights and their integer tensors keep their types.
+    model.apply(lambda x: x.astype(DTYPES[dtype]) if mx.issubdtype(x.dtype, mx.floating) else x)
+
+
+def _compute_dtype(model: nn.Module) -> str | None:
+    emb = model.model.embed_tokens
+    w = getattr(emb, "scales", emb.weight)
+    return {v: k for k, v in DTYPES.items()}.get(w.dtype)
+
+
+def check_pair(model: nn.Module, draft: DraftModel, tokenizer: TokenizerWrapper | None = None) -> None:
+    """Check once, at load, that ``draft`` was made for ``model``.
+
+    Raises:
+        DFlashError: Naming the first mismatch and what to do about it.
+    """
+    a, fix = draft.args, "Pass the drafter trained for this target with --draft."
+    n_layers, hidden, vocab = tgt.num_layers(model), tgt.hidden_size(model), tgt.vocab_size(model)
+    if a.hidden_size != hidden:
+        raise DFlashError(
+            f"The drafter has hidden_size={a.hidden_size}, but the target has hidden_size={hidden}. {fix}"
+        )
+    if a.vocab_size is not None and a.vocab_size != vocab:
+        raise DFlashError(
+            f"The drafter was made for vocab_size={a.vocab_size}, but the target has "
+            f"vocab_size={vocab}. {fix}"
+        )
+    if a.num_target_layers is not None and a.num_target_layers != n_layers:
+        raise DFlashError(
+            f"The drafter was trained on a target with num_target_layers={a.num_target_layers}, "
+            f"but this target has {n_layers} layers. {fix}"
+        )
+    bad = [i for i in a.target_layer_ids if not 0 <= i < n_layers]
+    if bad:
+        raise DFlashError(
+            f"The drafter taps target layers {a.target_layer_ids}, but the target has only "
+            f"{n_layers} layers (0..{n_layers - 1}). {fix}"
+        )
+    if a.block_size < 2:
+        raise DFlashError(f"The drafter's block_size must be at least 2 (got {a.block_size}). {fix}")
+    if a.mask_token_id is None and tokenizer is not None:
+        vocab_map = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        a.mask_token_id = next((vocab_map[t] for t in MASK_TOKENS if t in vocab_map), None)
+    if a.mask_token_id is None:
+        raise DFlashError(
+            "The drafter config has no mask_token_id and the tokenizer has no mask token; "
+            "add dflash_config.mask_token_id to the drafter's config.json."
+        )
+    if not 0 <= a.mask_token_id < vocab:
+        raise DFlashError(
+            f"The drafter's mask_token_id={a.mask_token_id} is outside the target's vocabulary "
+            f"(0..{vocab - 1}). {fix}"
+        )
+
+
+def load(
+    model: str | Path | None = None,
+    draft: str | Path | None = None,
+    *,
+    dtype: str | None = None,
+    revision: str | None = None,
+) -> tuple[nn.Module, DraftModel | None, TokenizerWrapper]:
+    """Load a target, its DFlash drafter and the tokenizer.
+
+    Args:
+        model: Target folder or Hugging Face id. None loads the embedded default pair.
+        draft: Drafter folder or Hugging Face id. None with a target means plain decoding.
+        dtype: Cast both models to ``"float32"``, ``"bfloat16"`` or ``"float16"``. By default
+          the target keeps its dtype and the drafter takes the target's.
+        revision: Hub revision for both, if they come from the hub.
+
+    Returns:
+        ``(model, draft, tokenizer)``; ``draft`` is None when none was given.
+
+    Raises:
+        DFlashError: On missing or corrupt files, a non-DFlash drafter, an unsupported
+          target, or a drafter made for another target.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise DFlashError(f"Unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
+    if model is None:
+        pair = default_pair_path()
+        if not (pair / "target" / "config.json").is_file():
+            raise DFlashError(
+                f"The embedded default pair is missing from this install ({pair}). "
+                "Reinstall mlx-dflash, or pass --model and --draft."
+            )
+        model, draft = pair / "target", (pair / "draft" if draft is None else draft)
+    target_path = resolve(model, what="target", revision=revision)
+    target_model, tokenizer = load_target(target_path, dtype=dtype)
+    tgt.check_supported(target_model)
+    if draft is None:
+        return target_model, None, tokenizer
+    draft_path = resolve(draft, what="drafter", revision=revision)
+    draft_model = load_draft(
+        draft_path,
+        num_target_layers=tgt.num_layers(target_model),
+        dtype=dtype or _compute_dtype(target_model),
+    )
+    check_pair(target_model, draft_model, tokenizer)
+    return target_model, draft_model, tokenizer

@@ -1,0 +1,92 @@
+"""The target side: hidden-state taps, embedding and LM head, without patching mlx-lm.
+
+Tap ``i`` is the output of decoder layer ``i`` (0-based), which is HF's
+``hidden_states[i + 1]`` since HF's ``hidden_states[0]`` is the embedding output.
+"""
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+
+# mlx-lm model families whose decoder we know how to walk layer by layer.
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+def _layer_masks(model: nn.Module, h: mx.array, cache: list[Any]) -> list:
+    inner = model.model
+    if model.model_type == "llama":
+        fa = create_attention_mask(h, cache[inner.fa_idx])
+        if inner.swa_idx is None:
+            return [fa] * len(inner.layers)
+        swa = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.sliding_window)
+        return [swa if layer.use_sliding else fa for layer in inner.layers]
+    return [create_attention_mask(h, cache[0])] * len(inner.layers)
+
+
+def check_supported(model: nn.Module, name: str = "target") -> None:
+    """Raise a one-line error for targets whose decoder we cannot tap."""
+    model_type = getattr(model, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"Unsupported {name} architecture model_type={model_type!r}: DFlash taps are "
+            f"implemented for {', '.join(SUPPORTED_MODEL_TYPES)}. Use one of those targets."
+        )
+
+
+def num_layers(model: nn.Module) -> int:
+    return len(model.model.layers)
+
+
+def hidden_size(model: nn.Module) -> int:
+    return model.args.hidden_size
+
+
+def vocab_size(model: nn.Module) -> int:
+    return model.args.vocab_size
+
+
+def embed(model: nn.Module, tokens: mx.array) -> mx.array:
+    """The target's input embedding, shared with the drafter."""
+    return model.model.embed_tokens(tokens)
+
+
+def lm_head(model: nn.Module, h: mx.array) -> mx.array:
+    """The target's output head (tied or untied), shared with the drafter."""
+    if getattr(model.args, "tie_word_embeddings", False):
+        return model.model.embed_tokens.as_linear(h)
+    return model.lm_head(h)
+
+
+def forward_with_taps(
+    model: nn.Module,
+    tokens: mx.array,
+    cache: list[Any],
+    tap_ids: list[int],
+) -> tuple[mx.array, mx.array | None]:
+    """Run the target on ``tokens`` and capture the hidden states after ``tap_ids``.
+
+    Args:
+        model: An mlx-lm Qwen3, Qwen2 or Llama model.
+        tokens: ``(B, L)`` token ids.
+        cache: The target's per-layer caches, updated in place.
+        tap_ids: 0-based decoder layer indices to capture (may be empty).
+
+    Returns:
+        ``(logits, target_hidden)``: ``(B, L, vocab)`` logits and the taps concatenated
+        in ``tap_ids`` order, ``(B, L, len(tap_ids) * H)``, or None if ``tap_ids`` is empty.
+    """
+    inner = model.model
+    h = inner.embed_tokens(tokens)
+    masks = _layer_masks(model, h, cache)
+    wanted = set(tap_ids)
+    captured = {}
+    for i, (layer, c, mask) in enumerate(zip(inner.layers, cache, masks)):
+        h = layer(h, mask, c)
+        if i in wanted:
+            captured[i] = h
+    logits = lm_head(model, inner.norm(h))
+    if not tap_ids:
+        return logits, None
+    return logits, mx.concatenate([captured[i] for i in tap_ids], axis=-1)

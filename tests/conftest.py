@@ -1,0 +1,36 @@
+import mlx.core as mx
+import pytest
+from checkpoints import write_draft, write_target
+
+from dflash_mlx import load
+
+TARGET_KINDS = {"qwen3-tied": ("qwen3", True), "qwen3-untied": ("qwen3", False), "llama": ("llama", False)}
+
+
+@pytest.fixture(scope="session")
+def pair_dirs(tmp_path_factory):
+    """Folders of tiny random targets (one per kind) and a drafter made for them."""
+    root = tmp_path_factory.mktemp("pairs")
+    dirs = {}
+    for name, (kind, tied) in TARGET_KINDS.items():
+        write_target(root / name, kind=kind, tied=tied)
+        dirs[name] = root / name
+    write_draft(root / "draft")
+    dirs["draft"] = root / "draft"
+    return dirs
+
+
+@pytest.fixture(scope="session", params=list(TARGET_KINDS))
+def tiny_pair(request, pair_dirs):
+    """(model, draft, tokenizer) loaded through load(), for each target kind."""
+    return load(pair_dirs[request.param], pair_dirs["draft"])
+
+
+@pytest.fixture(scope="session")
+def qwen3_pair(pair_dirs):
+    return load(pair_dirs["qwen3-tied"], pair_dirs["draft"])
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    mx.random.seed(0)

@@ -1,0 +1,26 @@
+"""Drafters with known behaviour, built on the real DraftModel so the caches stay real."""
+
+import mlx.core as mx
+
+from dflash_mlx.drafter import DraftModel
+
+
+class ScriptedDraft(DraftModel):
+    """Proposes a fixed continuation: the target's own greedy tokens (an oracle), optionally
+    corrupted at some positions, or always wrong."""
+
+    def __init__(self, base: DraftModel, sequence: list[int], vocab: int, wrong_every: int = 0):
+        super().__init__(base.args)
+        self.update(base.parameters())
+        self.sequence, self.vocab, self.wrong_every = sequence, vocab, wrong_every
+
+    def propose(self, model, block, target_hidden, cache):
+        mx.eval(super().propose(model, block, target_hidden, cache))  # keeps the context cache real
+        start = cache[0].offset  # absolute position of block[0]
+        ids = []
+        for pos in range(start + 1, start + block.shape[1]):
+            tok = self.sequence[pos] if pos < len(self.sequence) else 0
+            if self.wrong_every == 1 or (self.wrong_every and pos % self.wrong_every == 0):
+                tok = (tok + 1) % self.vocab
+            ids.append(tok)
+        return mx.eye(self.vocab)[mx.array(ids)][None] * 10.0

@@ -1,0 +1,164 @@
+import mlx.core as mx
+import pytest
+from checkpoints import EOS_ID, VOCAB
+from mlx_lm.generate import generate_step
+from oracles import ScriptedDraft
+
+from dflash_mlx import DFlashError, dflash_generate_step, make_cache
+
+MAX_REF = 200
+
+
+def _prompt(length: int, seed: int = 3) -> list[int]:
+    return mx.random.randint(0, VOCAB - 4, (length,), key=mx.random.key(seed)).tolist()
+
+
+def reference(model, prompt: list[int], max_tokens: int = MAX_REF) -> list[int]:
+    """mlx-lm's own greedy decoding of the target."""
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens)
+    return [int(tok) for tok, _ in steps]
+
+
+def run(model, draft, prompt, **kwargs):
+    out, cycles = [], []
+    for step in dflash_generate_step(prompt, model, draft, **kwargs):
+        out.extend(step.tokens)
+        cycles.append(step)
+    return out, cycles
+
+
+def _truncate_at_stop(tokens, stop):
+    for i, t in enumerate(tokens):
+        if t in stop:
+            return tokens[: i + 1]
+    return tokens
+
+
+@pytest.mark.parametrize("prompt_len", [1, 7, 130])
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_lossless_random_drafter(tiny_pair, block_size, prompt_len):
+    model, draft, _ = tiny_pair
+    prompt = _prompt(prompt_len)
+    ref = reference(model, prompt)
+    for max_tokens in sorted({1, 2, block_size - 1, block_size, block_size + 1, MAX_REF}):
+        out, _ = run(model, draft, prompt, block_size=block_size, max_tokens=max_tokens)
+        assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
+
+
+@pytest.mark.parametrize("wrong_every", [0, 1, 3, 5])
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_lossless_scripted_drafters(qwen3_pair, block_size, wrong_every):
+    model, draft, _ = qwen3_pair
+    prompt = _prompt(7)
+    ref = reference(model, prompt)
+    oracle = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=wrong_every)
+    for max_tokens in (1, block_size - 1, block_size + 1, MAX_REF):
+        out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=max(max_tokens, 1))
+        assert out == ref[: len(out)] and len(out) == max(max_tokens, 1)
+    for step in cycles[1:]:
+        if wrong_every == 0:
+            # An oracle has every draft accepted: acceptance length == block size.
+            assert step.num_accepted == step.num_draft
+        if wrong_every == 1:
+            assert step.num_accepted == 0 and len(step.tokens) == 1
+    if wrong_every == 0:
+        assert max(s.num_accepted + 1 for s in cycles[1:]) == block_size
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_stop_tokens_inside_accepted_block(qwen3_pair, block_size):
+    model, draft, _ = qwen3_pair
+    prompt = _prompt(7)
+    ref = reference(model, prompt)
+    oracle = ScriptedDraft(draft, prompt + ref, VOCAB)
+    # Stop on a token deep inside the first fully accepted block, and on a later one.
+    for stop_index in (3, 2 * block_size + 1):
+        stop = {ref[stop_index]}
+        expected = _truncate_at_stop(ref, stop)
+        for drafter in (oracle, draft):
+            out, cycles = run(model, drafter, prompt, block_size=block_size, max_tokens=MAX_REF, stop_tokens=stop)
+            assert out == expected
+            assert out[-1] in stop
+
+
+def test_stop_on_first_token(qwen3_pair):
+    model, draft, _ = qwen3_pair
+    prompt = _prompt(7)
+    first = reference(model, prompt, 1)
+    out, cycles = run(model, draft, prompt, stop_tokens={first[0]})
+    assert out == first and len(cycles) == 1
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_cache_offsets_track_committed_tokens(qwen3_pair, wrong_every):
+    model, draft, _ = qwen3_pair
+    prompt = _prompt(7)
+    ref = reference(model, prompt)
+    oracle = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=wrong_every)
+    cache = make_cache(model, oracle)
+    emitted = 0
+    for step in dflash_generate_step(prompt, model, oracle, max_tokens=100, prompt_cache=cache):
+        emitted += len(step.tokens)
+        committed = len(prompt) + emitted - 1  # the newest token is not yet run through the target
+        assert cache.offset == committed == len(cache.tokens)
+        assert all(c.offset == committed for c in cache.target)
+        assert cache.draft_offset + cache.pending_length == committed
+        assert all(c.offset == cache.draft_offset for c in cache.draft)
+    assert cache.tokens == (prompt + ref)[:committed]
+
+
+def test_plain_decoding_without_drafter(tiny_pair):
+    model, _, _ = tiny_pair
+    prompt = _prompt(7)
+    out, cycles = run(model, None, prompt, max_tokens=50)
+    assert out == reference(model, prompt, 50)
+    assert all(s.num_draft == 0 for s in cycles)
+
+
+def test_block_size_one_with_drafter(qwen3_pair):
+    model, draft, _ = qwen3_pair
+    prompt = _prompt(7)
+    out, cycles = run(model, draft, prompt, block_size=1, max_tokens=30)
+    assert out == reference(model, prompt, 30)
+    assert all(len(s.tokens) == 1 for s in cycles)
+
+
+def test_prompt_cache_reuse_across_turns(qwen3_pair):
+    model, draft, _ = qwen3_pair
+    prompt = _prompt(20)
+    cache = make_cache(model, draft)
+    first, _ = run(model, draft, prompt, max_tokens=30, prompt_cache=cache)
+    follow = prompt + first + _prompt(5, seed=9)
+    second, _ = run(model, draft, follow, max_tokens=40, prompt_cache=cache)
+    assert second == reference(model, follow, 40)
+    # A prompt that diverges early is recomputed from the divergence point.
+    other = prompt[:5] + _prompt(9, seed=11)
+    third, _ = run(model, draft, other, max_tokens=40, prompt_cache=cache)
+    assert third == reference(model, other, 40)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens must be a positive integer (got 0)"),
+        ({"block_size": 17}, "block_size must be an integer from 1 to the drafter's trained block size 16 (got 17)"),
+        ({"block_size": 0}, "(got 0)"),
+    ],
+)
+def test_bad_arguments(qwen3_pair, kwargs, message):
+    model, draft, _ = qwen3_pair
+    with pytest.raises(DFlashError) as e:
+        run(model, draft, [1, 2, 3], **kwargs)
+    assert message in str(e.value)
+
+
+def test_empty_prompt(qwen3_pair):
+    model, draft, _ = qwen3_pair
+    with pytest.raises(DFlashError, match="The prompt is empty"):
+        run(model, draft, [])
+
+
+def test_block_size_without_drafter(qwen3_pair):
+    model, _, _ = qwen3_pair
+    with pytest.raises(DFlashError, match="block_size=4 needs a drafter"):
+        run(model, None, [1, 2], block_size=4)
