@@ -1,0 +1,1 @@
+"""dflash-convert: Hugging Face checkpoints to MLX, targets and DFlash drafters."""

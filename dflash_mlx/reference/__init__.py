@@ -1,0 +1,1 @@
+"""PyTorch reference implementation of DFlash (optional extra: mlx-dflash[reference])."""

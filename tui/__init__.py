@@ -1,0 +1,1 @@
+"""dflash-chat: a Textual terminal chat app for DFlash."""
