@@ -15,7 +15,7 @@ from dflash_mlx.drafter import DraftModel, ModelArgs
 VOCAB = 128
 HIDDEN = 64
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
-EOS_ID = VOCAB - 3  # <|im_end|>
+EOS_ID = VOCAB - 2  # <|im_end|>
 MASK_ID = VOCAB - 1
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> "

@@ -34,3 +34,13 @@ def qwen3_pair(pair_dirs):
 @pytest.fixture(autouse=True)
 def _seed():
     mx.random.seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _offline_hub(monkeypatch, tmp_path):
+    """No test may reach the network: the hub client runs offline on an empty cache."""
+    import huggingface_hub.constants as hf
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hf, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hf, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))

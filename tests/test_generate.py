@@ -1,6 +1,6 @@
 import mlx.core as mx
 import pytest
-from checkpoints import EOS_ID, VOCAB
+from checkpoints import VOCAB
 from mlx_lm.generate import generate_step
 from oracles import ScriptedDraft
 

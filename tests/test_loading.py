@@ -1,0 +1,207 @@
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+from checkpoints import EOS_ID, draft_config, write_draft
+
+from dflash_mlx import DFlashError, generate, load, stream_generate
+
+
+@pytest.fixture()
+def folders(tmp_path, pair_dirs):
+    """Fresh copies of a tiny target and drafter that a test may damage."""
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    shutil.copytree(pair_dirs["qwen3-tied"], target)
+    shutil.copytree(pair_dirs["draft"], draft)
+    return target, draft
+
+
+def _edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if key in ("mask_token_id", "target_layer_ids"):
+            config["dflash_config"][key] = value
+        elif value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _error(*args, **kwargs) -> str:
+    with pytest.raises(DFlashError) as e:
+        load(*args, **kwargs)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_loads_pair_from_local_folders(folders):
+    model, draft, tokenizer = load(*folders)
+    assert draft.block_size == 16 and draft.target_layer_ids == [1, 2]
+    assert tokenizer.eos_token_ids == {EOS_ID}
+
+
+def test_target_only_is_plain_decoding(folders):
+    model, draft, tokenizer = load(folders[0])
+    assert draft is None
+    text = generate(model, None, tokenizer, "t1 t2 t3", max_tokens=5)
+    assert isinstance(text, str)
+
+
+def test_hidden_size_mismatch(folders, tmp_path):
+    config = draft_config()
+    write_draft(tmp_path / "wide", **{})
+    _edit_config(tmp_path / "wide", hidden_size=96, intermediate_size=128)
+    # Rewrite the weights so the drafter itself is consistent, only the pair is wrong.
+    from dflash_mlx.drafter import DraftModel, ModelArgs
+    from mlx.utils import tree_flatten
+
+    args = ModelArgs.from_dict({**config, "hidden_size": 96})
+    mx.save_safetensors(str(tmp_path / "wide" / "model.safetensors"), dict(tree_flatten(DraftModel(args).parameters())))
+    message = _error(folders[0], tmp_path / "wide")
+    assert "hidden_size=96" in message and "hidden_size=64" in message and "--draft" in message
+
+
+def test_vocab_mismatch(folders):
+    _edit_config(folders[1], vocab_size=1000)
+    assert "vocab_size=1000" in _error(*folders)
+
+
+def test_num_target_layers_mismatch(folders):
+    _edit_config(folders[1], num_target_layers=36)
+    assert "num_target_layers=36" in _error(*folders)
+
+
+def test_target_layer_ids_beyond_depth(folders):
+    _edit_config(folders[1], num_target_layers=None, target_layer_ids=[1, 9])
+    message = _error(*folders)
+    assert "[1, 9]" in message and "only 4 layers" in message
+
+
+def test_mask_token_outside_vocab(folders):
+    _edit_config(folders[1], mask_token_id=5000)
+    assert "mask_token_id=5000 is outside" in _error(*folders)
+
+
+def test_mask_token_found_in_tokenizer_when_absent(folders):
+    config = json.loads((folders[1] / "config.json").read_text())
+    del config["dflash_config"]["mask_token_id"]
+    (folders[1] / "config.json").write_text(json.dumps(config))
+    _, draft, _ = load(*folders)
+    assert draft.mask_token_id == 127  # <|mask|> in the tokenizer
+
+
+def test_drafter_block_size_too_small(folders):
+    _edit_config(folders[1], block_size=1)
+    assert "block_size must be at least 2 (got 1)" in _error(*folders)
+
+
+def test_missing_config(folders):
+    (folders[1] / "config.json").unlink()
+    assert "No config.json in" in _error(*folders)
+
+
+def test_missing_weights(folders):
+    (folders[0] / "model.safetensors").unlink()
+    assert "No *.safetensors weights in" in _error(*folders)
+
+
+def test_corrupt_weights(folders):
+    path = folders[1] / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    message = _error(*folders)
+    assert "corrupt or incomplete" in message and "model.safetensors" in message
+
+
+def test_corrupt_config(folders):
+    (folders[0] / "config.json").write_text("{not json")
+    assert "is not valid JSON" in _error(*folders)
+
+
+def test_non_dflash_folder_as_drafter(folders):
+    message = _error(folders[0], folders[0])
+    assert "is not a DFlash drafter" in message
+
+
+def test_drafter_as_target(folders):
+    message = _error(folders[1], folders[1])
+    assert "holds a DFlash drafter, not a target" in message and "--draft" in message
+
+
+def test_unsupported_target_architecture(folders):
+    _edit_config(folders[0], model_type="mamba")
+    assert "Unsupported target architecture model_type='mamba'" in _error(*folders)
+
+
+def test_drafter_weights_that_do_not_match_config(folders):
+    _edit_config(folders[1], num_hidden_layers=3)
+    assert "do not match its config" in _error(*folders)
+
+
+def test_missing_folder_and_bad_id():
+    assert "neither an existing folder nor a Hugging Face id" in _error("./no/such/folder")
+
+
+def test_hub_id_not_in_cache_fails_cleanly():
+    message = _error("some-org/some-model")
+    assert "Could not get the target 'some-org/some-model' from the Hugging Face hub" in message
+
+
+def test_hub_id_loads_from_local_cache(pair_dirs, tmp_path):
+    """The real huggingface_hub path, resolved offline from an HF cache layout."""
+    import huggingface_hub.constants as hf
+
+    for repo, src in (("acme/tiny", pair_dirs["qwen3-tied"]), ("acme/tiny-DFlash", pair_dirs["draft"])):
+        root = tmp_path / "hf-cache" / f"models--{repo.replace('/', '--')}"
+        shutil.copytree(src, root / "snapshots" / ("0" * 40))
+        (root / "refs").mkdir()
+        (root / "refs" / "main").write_text("0" * 40)
+    assert hf.HF_HUB_CACHE == str(tmp_path / "hf-cache")
+    model, draft, _ = load("acme/tiny", "acme/tiny-DFlash")
+    assert draft is not None and model.model_type == "qwen3"
+
+
+def test_remote_code_is_never_executed(folders, tmp_path):
+    marker = tmp_path / "executed"
+    code = f"open({str(marker)!r}, 'w').write('x')\n"
+    (folders[1] / "dflash.py").write_text(code)
+    (folders[0] / "custom.py").write_text(code)
+    _, draft, _ = load(*folders)  # the drafter's auto_map points at dflash.py
+    assert draft is not None and not marker.exists()
+    _edit_config(folders[0], model_file="custom.py")
+    _error(*folders)
+    assert not marker.exists()
+
+
+def test_bad_dtype(folders):
+    assert "Unsupported dtype 'float8'" in _error(*folders, dtype="float8")
+
+
+def test_dtype_cast(folders):
+    model, draft, _ = load(*folders, dtype="bfloat16")
+    assert model.model.embed_tokens.weight.dtype == mx.bfloat16
+    assert draft.fc.weight.dtype == mx.bfloat16
+
+
+def test_stream_generate_response_fields(qwen3_pair):
+    model, draft, tokenizer = qwen3_pair
+    responses = list(stream_generate(model, draft, tokenizer, "t1 t2 t3", max_tokens=20))
+    last = responses[-1]
+    assert last.finish_reason in ("stop", "length")
+    assert sum(len(r.tokens) for r in responses) <= 20
+    assert last.prompt_tokens == 3 and last.generation_tps >= 0 and last.peak_memory >= 0
+    assert all(isinstance(t, int) for r in responses for t in r.tokens)
+    assert [r.cycle for r in responses] == list(range(len(responses)))
+    for bad, message in (("", "The prompt is empty"), ([], "The prompt is empty")):
+        with pytest.raises(DFlashError, match=message):
+            list(stream_generate(model, draft, tokenizer, bad))
+    with pytest.raises(DFlashError, match="max_tokens must be a positive integer"):
+        list(stream_generate(model, draft, tokenizer, "t1", max_tokens=-1))
+
+
+def test_llama_and_untied_targets_load(pair_dirs):
+    for name in ("llama", "qwen3-untied"):
+        model, draft, _ = load(pair_dirs[name], pair_dirs["draft"])
+        assert draft is not None

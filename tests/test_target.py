@@ -1,0 +1,57 @@
+import copy
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from dflash_mlx import target as tgt
+
+
+def _mlx_lm_hidden_after(model, tokens, layer_id):
+    """mlx-lm's own decoder, cut after ``layer_id`` and with the final norm removed."""
+    inner = copy.copy(model.model)
+    inner.layers = model.model.layers[: layer_id + 1]
+    inner.norm = nn.Identity()
+    return inner(tokens)
+
+
+def test_taps_match_mlx_lm_hidden_states(tiny_pair):
+    model, _, _ = tiny_pair
+    tokens = mx.array([[5, 9, 2, 77, 31, 8, 100]])
+    tap_ids = [0, 1, 3]
+    logits, taps = tgt.forward_with_taps(model, tokens, make_prompt_cache(model), tap_ids)
+    assert mx.allclose(logits, model(tokens), atol=1e-5).item()
+    H = tgt.hidden_size(model)
+    assert taps.shape == (1, 7, len(tap_ids) * H)
+    for n, layer_id in enumerate(tap_ids):
+        expected = _mlx_lm_hidden_after(model, tokens, layer_id)
+        assert mx.abs(taps[..., n * H : (n + 1) * H] - expected).max().item() < 1e-5
+
+
+def test_taps_with_cache_and_trim_match_a_straight_run(tiny_pair):
+    model, _, _ = tiny_pair
+    tokens = mx.array([[5, 9, 2, 77, 31, 8, 100, 3, 4]])
+    straight_logits, straight = tgt.forward_with_taps(model, tokens, make_prompt_cache(model), [1, 2])
+    cache = make_prompt_cache(model)
+    tgt.forward_with_taps(model, tokens[:, :4], cache, [1, 2])
+    tgt.forward_with_taps(model, mx.array([[1, 1, 1]]), cache, [1, 2])  # a rejected block
+    for c in cache:
+        c.trim(3)
+    logits, taps = tgt.forward_with_taps(model, tokens[:, 4:], cache, [1, 2])
+    assert mx.allclose(taps, straight[:, 4:], atol=1e-5).item()
+    assert mx.allclose(logits, straight_logits[:, 4:], atol=1e-5).item()
+
+
+def test_no_taps(tiny_pair):
+    model, _, _ = tiny_pair
+    logits, taps = tgt.forward_with_taps(model, mx.array([[1, 2]]), make_prompt_cache(model), [])
+    assert taps is None and logits.shape[:2] == (1, 2)
+
+
+def test_unsupported_target_is_named():
+    class Fake(nn.Module):
+        model_type = "mamba"
+
+    with pytest.raises(ValueError, match="Unsupported target architecture model_type='mamba'"):
+        tgt.check_supported(Fake())
