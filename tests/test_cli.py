@@ -1,0 +1,49 @@
+import subprocess
+import sys
+
+import pytest
+
+from dflash_mlx.generate import main
+
+
+def test_help_smoke():
+    out = subprocess.run([sys.executable, "-m", "dflash_mlx.generate", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ("--model", "--draft", "--prompt", "--max-tokens", "--block-size", "--temp", "--system-prompt"):
+        assert flag in out.stdout
+
+
+def test_generates_with_a_pair(pair_dirs, capsys):
+    main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
+          "--prompt", "t1 t2 t3", "--max-tokens", "12", "--block-size", "4"])
+    out = capsys.readouterr().out
+    assert "Generation:" in out and "Acceptance length:" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-tokens", "0"], "--max-tokens must be at least 1 (got 0)"),
+        (["--temp", "-1"], "--temp must be >= 0"),
+        (["--block-size", "x"], "invalid int value"),
+    ],
+)
+def test_bad_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_model_gives_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tmp_path), "--prompt", "x"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1
+    assert err.startswith("dflash-generate: error: No config.json in") and "\n" not in err
+
+
+def test_block_size_out_of_range_is_one_line(pair_dirs, capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--block-size", "40"])
+    assert "block_size must be an integer from 1 to the drafter's trained block size 16 (got 40)" in capsys.readouterr().err
