@@ -12,14 +12,16 @@ from typing import Callable, Generator, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import target as tgt
 from .cache import DFlashCache, make_cache
 from .errors import DFlashError
+from .sampling import can_sample_proposals, check_proposal, make_sampler, speculative_accept
 
 Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 # A stream for generation on whichever thread runs the generator (CLI or TUI worker).
 generation_stream = mx.new_thread_local_stream(mx.default_device())
@@ -79,6 +81,9 @@ def dflash_generate_step(
     block_size: int | None = None,
     max_tokens: int = 256,
     sampler: Sampler | None = None,
+    logits_processors: list[LogitsProcessor] | None = None,
+    proposal: str = "greedy",
+    seed: int | None = None,
     stop_tokens: set[int] | frozenset[int] = frozenset(),
     prompt_cache: DFlashCache | None = None,
     prefill_step_size: int = 512,
@@ -86,8 +91,8 @@ def dflash_generate_step(
 ) -> Generator[StepOutput, None, None]:
     """Generate token ids with DFlash speculative decoding.
 
-    Every emitted token is sampled from the target with ``sampler`` (greedy by default),
-    so greedy output equals the target's own greedy decoding token for token.
+    Every emitted token follows the target's own distribution under ``sampler`` (greedy by
+    default), so greedy output equals the target's own greedy decoding token for token.
 
     Args:
         prompt: The prompt token ids (the chat template already applied).
@@ -95,7 +100,13 @@ def dflash_generate_step(
         draft: The DFlash drafter, or None for plain decoding.
         block_size: Tokens verified per cycle, 1..drafter's trained size (default).
         max_tokens: The most tokens to generate.
-        sampler: ``logprobs -> token ids``, e.g. from ``mlx_lm.sample_utils.make_sampler``.
+        sampler: ``logprobs -> token ids``: :func:`dflash_mlx.sampling.make_sampler` or any
+          mlx-lm sampler. Greedy when None.
+        logits_processors: mlx-lm logits processors (e.g. a repetition penalty), applied to
+          the target's logits at every position with that position's preceding tokens.
+        proposal: ``"greedy"`` drafts the drafter's argmax; ``"sample"`` draws drafts from the
+          drafter's distribution (needs a non-greedy :class:`dflash_mlx.sampling.Sampler`).
+        seed: Seed MLX's random generator first: the same seed gives the same output.
         stop_tokens: Generation ends right after the first of these, even mid-block.
         prompt_cache: A ``DFlashCache`` to continue from; its common prefix with
           ``prompt`` is reused and the rest is prefilled. Updated in place.
@@ -106,13 +117,16 @@ def dflash_generate_step(
         StepOutput: The tokens of each cycle with its acceptance counts.
 
     Raises:
-        DFlashError: On an empty prompt, ``max_tokens < 1`` or a bad ``block_size``.
+        DFlashError: On an empty prompt, ``max_tokens < 1``, a bad ``block_size`` or
+          ``proposal``.
     """
     ids = _prompt_ids(prompt)
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise DFlashError(f"max_tokens must be a positive integer (got {max_tokens!r}).")
     block_size = resolve_block_size(draft, block_size)
+    check_proposal(proposal)
     sampler = sampler or _greedy
+    sample_proposals = proposal == "sample" and can_sample_proposals(sampler)
     cache = prompt_cache if prompt_cache is not None else make_cache(model, draft)
     if draft is not None and cache.draft is None:
         raise DFlashError(
@@ -121,8 +135,19 @@ def dflash_generate_step(
     tap_ids = draft.target_layer_ids if cache.draft else []
     mask_id = draft.mask_token_id if draft is not None else None
 
-    def _sample(logits: mx.array) -> mx.array:
-        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    def _logprobs(logits: mx.array, block: mx.array | None = None) -> mx.array:
+        # Row i of a verified block sees the cached tokens plus block[: i + 1].
+        if logits_processors:
+            seen = mx.array(cache.tokens, dtype=mx.uint32)
+            rows = []
+            for i in range(logits.shape[0]):
+                tokens = seen if block is None else mx.concatenate([seen, block[0, : i + 1]])
+                row = logits[i : i + 1]
+                for processor in logits_processors:
+                    row = processor(tokens, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def _prefill(tokens: list[int]) -> mx.array:
         for i in range(0, len(tokens), prefill_step_size):
@@ -133,11 +158,14 @@ def dflash_generate_step(
             mx.eval(logits, cache.pending, [c.state for c in cache.target])
         return logits[0, -1:]
 
-    def _draft_block(last: int, num_draft: int) -> mx.array:
+    def _draft_block(last: int, num_draft: int) -> tuple[mx.array, mx.array | None]:
         # The drafter always sees its trained block: [last, MASK x (B-1)].
-        block = mx.array([[last] + [mask_id] * (draft.block_size - 1)])
-        draft_logits = draft.propose(model, block, cache.take_pending(), cache.draft)
-        return mx.argmax(draft_logits[:, :num_draft], axis=-1)  # (1, num_draft)
+        block = mx.array([[last] + [mask_id] * (draft.block_size - 1)], dtype=mx.uint32)
+        draft_logits = draft.propose(model, block, cache.take_pending(), cache.draft)[0, :num_draft]
+        if not sample_proposals:
+            return mx.argmax(draft_logits, axis=-1).astype(mx.uint32), None
+        q = sampler.probs(draft_logits - mx.logsumexp(draft_logits, axis=-1, keepdims=True))
+        return mx.random.categorical(mx.log(q)).astype(mx.uint32), q  # (num_draft,), (num_draft, V)
 
     def _rewind(num_kept: int, num_verified: int, taps: mx.array | None) -> None:
         for c in cache.target:
@@ -145,10 +173,12 @@ def dflash_generate_step(
         cache.append_pending(None if taps is None else taps[:, :num_kept])
 
     with mx.stream(stream):
+        if seed is not None:
+            mx.random.seed(seed)
         # Reuse the longest common prefix; at least one token is prefilled for its logits.
         reuse = cache.reusable_prefix(ids)
         cache.trim_to(reuse)
-        last = _sample(_prefill(ids[reuse:])).item()
+        last = sampler(_logprobs(_prefill(ids[reuse:]))).item()
         yield StepOutput([last], 0, 0)
         generated, stopped = 1, last in stop_tokens
 
@@ -156,19 +186,26 @@ def dflash_generate_step(
             while generated < max_tokens and not stopped:
                 verify_size = min(block_size, max_tokens - generated)
                 num_draft = verify_size - 1
-                block = mx.array([[last]])
+                block, q = mx.array([[last]], dtype=mx.uint32), None
                 if num_draft > 0:
-                    block = mx.concatenate([block, _draft_block(last, num_draft)], axis=1)
+                    drafts, q = _draft_block(last, num_draft)
+                    block = mx.concatenate([block, drafts[None]], axis=1)
                 logits, taps = tgt.forward_with_taps(model, block, cache.target, tap_ids)
-                target_tokens = _sample(logits[0])  # (verify_size,)
+                logprobs = _logprobs(logits[0], block)
+                if q is None:
+                    # One-hot proposals: keep the drafts that the target's own samples match.
+                    target_tokens = sampler(logprobs)  # (verify_size,)
+                    passed = block[0, 1:] == target_tokens[:-1]
+                else:
+                    passed, target_tokens = speculative_accept(block[0, 1:], q, sampler.probs(logprobs))
                 # The one host synchronisation of the cycle.
-                mx.eval(block, target_tokens)
-                drafted, posterior = block[0, 1:].tolist(), target_tokens.tolist()
+                mx.eval(block, passed, target_tokens)
+                drafted, passed, posterior = block[0, 1:].tolist(), passed.tolist(), target_tokens.tolist()
 
                 n = 0
-                while n < num_draft and drafted[n] == posterior[n]:
+                while n < num_draft and passed[n]:
                     n += 1
-                emitted = posterior[: n + 1]
+                emitted = drafted[:n] + [posterior[n]]
                 for j, tok in enumerate(emitted):
                     if tok in stop_tokens:
                         emitted, stopped = emitted[: j + 1], True
@@ -225,6 +262,9 @@ def stream_generate(
     max_tokens: int = 256,
     block_size: int | None = None,
     sampler: Sampler | None = None,
+    logits_processors: list[LogitsProcessor] | None = None,
+    proposal: str = "greedy",
+    seed: int | None = None,
     prompt_cache: DFlashCache | None = None,
     prefill_step_size: int = 512,
 ) -> Generator[GenerationResponse, None, None]:
@@ -238,6 +278,9 @@ def stream_generate(
         max_tokens: The most tokens to generate.
         block_size: Tokens verified per cycle; defaults to the drafter's block size.
         sampler: ``logprobs -> ids``; greedy when None.
+        logits_processors: mlx-lm logits processors applied to the target's logits.
+        proposal: ``"greedy"`` or ``"sample"`` drafts; see :func:`dflash_generate_step`.
+        seed: Seed for sampling; the same seed gives the same output.
         prompt_cache: A ``DFlashCache`` to reuse across calls (multi-turn chat).
         prefill_step_size: Prompt tokens per prefill chunk.
 
@@ -264,6 +307,9 @@ def stream_generate(
         block_size=block_size,
         max_tokens=max_tokens,
         sampler=sampler,
+        logits_processors=logits_processors,
+        proposal=proposal,
+        seed=seed,
         stop_tokens=stop_tokens,
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step_size,
@@ -357,7 +403,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", "-m", type=int, default=256, help="Most tokens to generate.")
     parser.add_argument("--block-size", type=int, default=None, help="Tokens verified per cycle.")
     parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0 = greedy).")
-    parser.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling threshold.")
+    parser.add_argument("--top-p", type=float, default=0.0, help="Nucleus sampling threshold (0 = off).")
+    parser.add_argument("--top-k", type=int, default=0, help="Sample from the k most likely tokens (0 = off).")
+    parser.add_argument("--min-p", type=float, default=0.0, help="Min-p sampling threshold (0 = off).")
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=None, help="Penalty for repeating recent tokens (e.g. 1.1)."
+    )
+    parser.add_argument(
+        "--proposal", choices=["greedy", "sample"], default="greedy", help="How the drafter proposes when sampling."
+    )
     parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling.")
     parser.add_argument("--system-prompt", default=None, help="System message for the chat template.")
     parser.add_argument(
@@ -389,8 +443,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--max-tokens must be at least 1 (got {args.max_tokens}).")
     if args.temp < 0:
         parser.error(f"--temp must be >= 0 (got {args.temp}).")
-    if args.seed is not None:
-        mx.random.seed(args.seed)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
         model, draft, tokenizer = load(args.model, args.draft, dtype=args.dtype)
@@ -406,7 +458,10 @@ def main(argv: list[str] | None = None) -> None:
             verbose=args.verbose,
             max_tokens=args.max_tokens,
             block_size=args.block_size,
-            sampler=make_sampler(args.temp, args.top_p),
+            sampler=make_sampler(args.temp, args.top_p, args.min_p, args.top_k),
+            logits_processors=make_logits_processors(repetition_penalty=args.repetition_penalty),
+            proposal=args.proposal,
+            seed=args.seed,
         )
     except DFlashError as e:
         print(f"dflash-generate: error: {e}", file=sys.stderr)

@@ -1,0 +1,124 @@
+"""Sampling for speculative decoding that keeps the target's exact output distribution.
+
+Two ways to propose a block:
+  * ``"greedy"``: the drafter's argmax. Verification samples each position from the target
+    with the caller's sampler and keeps the prefix that matches. This is speculative sampling
+    with a one-hot proposal, so it works with any mlx-lm sampler.
+  * ``"sample"``: tokens drawn from the drafter's own distribution q, accepted with probability
+    min(1, p/q); on rejection the token comes from normalize(max(p - q, 0))
+    (Leviathan et al. 2023; Chen et al. 2023). This needs the target distribution p, which a
+    :class:`Sampler` from :func:`make_sampler` provides.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, categorical_sampling
+from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
+
+from .errors import DFlashError
+
+PROPOSALS = ("greedy", "sample")
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """mlx-lm's sampler (``logprobs -> ids``) that also exposes the distribution it draws from."""
+
+    temp: float = 0.0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    top_k: int = 0
+    min_tokens_to_keep: int = 1
+    _sample: Callable = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(
+            self,
+            "_sample",
+            _mlx_lm_make_sampler(self.temp, self.top_p, self.min_p, self.min_tokens_to_keep, self.top_k),
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return self._sample(logprobs)
+
+    def filtered(self, logprobs: mx.array) -> mx.array:
+        """The logprobs with the filtered-out tokens at -inf, in mlx-lm's order."""
+        if 0 < self.top_p < 1.0:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p != 0.0:
+            logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        return logprobs
+
+    def probs(self, logprobs: mx.array) -> mx.array:
+        """The distribution ``__call__`` samples from, ``(..., vocab)``."""
+        return mx.softmax(self.filtered(logprobs) * (1.0 / self.temp), axis=-1)
+
+
+def make_sampler(
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    min_p: float = 0.0,
+    top_k: int = 0,
+    min_tokens_to_keep: int = 1,
+) -> Sampler:
+    """Make a sampler with mlx-lm's settings and semantics (``temp=0`` is greedy).
+
+    Raises:
+        DFlashError: For settings outside their ranges.
+    """
+    if temp < 0:
+        raise DFlashError(f"temp must be >= 0 (got {temp}).")
+    if not 0 <= top_p <= 1:
+        raise DFlashError(f"top_p must be in [0, 1] (got {top_p}); 0 or 1 turns it off.")
+    if not 0 <= min_p <= 1:
+        raise DFlashError(f"min_p must be in [0, 1] (got {min_p}); 0 turns it off.")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise DFlashError(f"top_k must be a non-negative integer (got {top_k!r}); 0 turns it off.")
+    return Sampler(temp, top_p, min_p, top_k, min_tokens_to_keep)
+
+
+def can_sample_proposals(sampler) -> bool:
+    return isinstance(sampler, Sampler) and not sampler.greedy
+
+
+def speculative_accept(
+    draft_tokens: mx.array, q: mx.array, p: mx.array
+) -> tuple[mx.array, mx.array]:
+    """The speculative-sampling acceptance test for one block, all on device.
+
+    Args:
+        draft_tokens: ``(k,)`` proposed ids, drawn from ``q``.
+        q: ``(k, vocab)`` the drafter's distribution at each proposed position.
+        p: ``(k + 1, vocab)`` the target's distribution at each position, the last one
+          for the bonus token.
+
+    Returns:
+        ``(accepted, replacement)``: ``(k,)`` booleans (draft i passes its test) and
+        ``(k + 1,)`` ids: at ``i < k`` a sample of normalize(max(p_i - q_i, 0)) to use if
+        draft i is the first rejected one, at ``k`` the bonus token drawn from p_k.
+    """
+    k = draft_tokens.shape[0]
+    rows = mx.arange(k)
+    p_d, q_d = p[rows, draft_tokens], q[rows, draft_tokens]
+    # Accept with probability min(1, p/q): u < p/q, written without dividing by q.
+    accepted = mx.random.uniform(shape=(k,)) * q_d < p_d
+    residual = mx.maximum(p[:k] - q, 0.0)
+    total = residual.sum(axis=-1, keepdims=True)
+    # p == q leaves no residual; then p itself is the right fallback.
+    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[:k])
+    dist = mx.concatenate([residual, p[k:]], axis=0)
+    replacement = categorical_sampling(mx.log(dist), 1.0)
+    return accepted, replacement
+
+
+def check_proposal(proposal: str) -> None:
+    if proposal not in PROPOSALS:
+        raise DFlashError(f"proposal must be one of {', '.join(PROPOSALS)} (got {proposal!r}).")
