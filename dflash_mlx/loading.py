@@ -24,6 +24,10 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.mode
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 MASK_TOKENS = ("<|MASK|>", "<|mask|>", "<mask>")
 DEFAULT_PAIR = "dflash-tiny"
+# A converted pair folder holds this manifest next to its target/ and draft/ subfolders.
+PAIR_MANIFEST = "dflash_pair.json"
+# Pass as ``draft`` to take the drafter from a pair folder or the registry of known pairs.
+AUTO_DRAFT = "auto"
 
 
 def default_pair_path() -> Path:
@@ -57,6 +61,51 @@ def resolve(path_or_repo: str | Path, *, what: str, revision: str | None = None)
             f"Could not get the {what} {text!r} from the Hugging Face hub "
             f"({type(e).__name__}). Pass a local folder, or check the id and your connection."
         ) from e
+
+
+def read_pair_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of a converted pair folder (see ``dflash-convert``), or None for other folders.
+
+    Raises:
+        DFlashError: If the manifest is unreadable or names subfolders that are missing.
+    """
+    file = Path(path) / PAIR_MANIFEST
+    if not file.is_file():
+        return None
+    fix = "Re-convert the pair with dflash-convert, or re-download it."
+    try:
+        manifest = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"{file} is not valid JSON ({e}). {fix}") from e
+    if not isinstance(manifest, dict):
+        raise DFlashError(f"{file} is not a JSON object. {fix}")
+    for key in ("target", "draft"):
+        sub = manifest.get(key)
+        # Subfolders only: a manifest must not point outside its own folder.
+        if not isinstance(sub, str) or not sub or Path(sub).is_absolute() or ".." in Path(sub).parts:
+            raise DFlashError(f"{file} does not name its {key} subfolder (got {sub!r}). {fix}")
+        if not (file.parent / sub).is_dir():
+            raise DFlashError(
+                f"The pair in {file.parent} is incomplete: its {key} folder {sub!r} is missing. {fix}"
+            )
+    return manifest
+
+
+def known_draft(model: str | Path) -> str | None:
+    """The Hugging Face id of the official drafter for target ``model``, or None if unknown."""
+    # Imported here: the registry ships with dflash_mlx.convert, which builds on this module.
+    from .convert.registry import find_draft
+
+    return find_draft(model)
+
+
+def _no_known_draft(model: str | Path) -> DFlashError:
+    from .convert.registry import known_targets
+
+    return DFlashError(
+        f"No known DFlash drafter for the target {str(model)!r}. Pass the drafter with --draft "
+        f"(known targets: {', '.join(known_targets())})."
+    )
 
 
 def read_config(path: Path, what: str) -> dict[str, Any]:
@@ -250,8 +299,13 @@ def load(
     """Load a target, its DFlash drafter and the tokenizer.
 
     Args:
-        model: Target folder or Hugging Face id. None loads the embedded default pair.
-        draft: Drafter folder or Hugging Face id. None with a target means plain decoding.
+        model: Target folder or Hugging Face id, or a pair folder written by
+          ``dflash-convert`` (its ``dflash_pair.json`` names the target and the drafter).
+          None loads the embedded default pair.
+        draft: Drafter folder or Hugging Face id (a pair folder gives its drafter).
+          ``"auto"`` takes the pair folder's drafter, or else the official drafter of a
+          known target (see ``dflash_mlx.convert.registry``). None takes the pair
+          folder's drafter, and means plain decoding for any other target.
         dtype: Cast both models to ``"float32"``, ``"bfloat16"`` or ``"float16"``. By default
           the target keeps its dtype and the drafter takes the target's.
         revision: Hub revision for both, if they come from the hub.
@@ -261,7 +315,8 @@ def load(
 
     Raises:
         DFlashError: On missing or corrupt files, a non-DFlash drafter, an unsupported
-          target, or a drafter made for another target.
+          target, a drafter made for another target, or ``draft="auto"`` for a target
+          with no known drafter.
     """
     if dtype is not None and dtype not in DTYPES:
         raise DFlashError(f"Unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
@@ -272,13 +327,24 @@ def load(
                 f"The embedded default pair is missing from this install ({pair}). "
                 "Reinstall mlx-dflash, or pass --model and --draft."
             )
-        model, draft = pair / "target", (pair / "draft" if draft is None else draft)
+        model, draft = pair / "target", (pair / "draft" if draft in (None, AUTO_DRAFT) else draft)
     target_path = resolve(model, what="target", revision=revision)
+    draft_revision = revision
+    if (manifest := read_pair_manifest(target_path)) is not None:
+        root, target_path = target_path, target_path / manifest["target"]
+        if draft is None or draft == AUTO_DRAFT:
+            draft = root / manifest["draft"]
+    elif draft == AUTO_DRAFT:
+        draft, draft_revision = known_draft(model), None
+        if draft is None:
+            raise _no_known_draft(model)
     target_model, tokenizer = load_target(target_path, dtype=dtype)
     tgt.check_supported(target_model)
     if draft is None:
         return target_model, None, tokenizer
-    draft_path = resolve(draft, what="drafter", revision=revision)
+    draft_path = resolve(draft, what="drafter", revision=draft_revision)
+    if (manifest := read_pair_manifest(draft_path)) is not None:
+        draft_path = draft_path / manifest["draft"]
     draft_model = load_draft(
         draft_path,
         num_target_layers=tgt.num_layers(target_model),
