@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -347,7 +346,9 @@ def convert(
         draft = _load_checked_draft(target_src, draft_src, draft_dtype)
 
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
+        # Not tempfile.mkdtemp: its 0700 mode would stick to the renamed pair folder.
+        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.partial"
+        tmp.mkdir()
         try:
             progress.step("converting the target with mlx-lm")
             # mlx-lm reports on stdout; keep stdout for our own report.
@@ -402,9 +403,17 @@ def convert(
 
 def _load_checked_draft(target_src: Path, draft_src: Path, dtype: str | None) -> DraftModel:
     """The drafter, checked against the target before anything is converted."""
-    # Lazy: the target's weights are never read here, only its config and layer count.
-    target_skeleton, _ = load_model(target_src, lazy=True)
-    tokenizer = load_tokenizer(target_src)
+    if not any(target_src.glob("*.safetensors")):
+        raise DFlashError(
+            f"No *.safetensors weights in {target_src}: the target must be a model folder with "
+            "safetensors weights. Re-download it, or convert its .bin weights to safetensors first."
+        )
+    try:
+        # Lazy: the target's weights are never read here, only its config and layer count.
+        target_skeleton, _ = load_model(target_src, lazy=True)
+        tokenizer = load_tokenizer(target_src)
+    except (ValueError, FileNotFoundError, KeyError, OSError) as e:
+        raise DFlashError(f"Could not load the target from {target_src} ({type(e).__name__}: {e}).") from e
     draft = load_draft(draft_src, num_target_layers=tgt.num_layers(target_skeleton), dtype=dtype)
     # Also fills a missing mask_token_id from the tokenizer, for the normalized config.
     check_pair(target_skeleton, draft, tokenizer)

@@ -177,6 +177,19 @@ def test_convert_known_hub_target_without_drafter(hub_cache, tmp_path):
     }
 
 
+def test_convert_known_mlx_community_target(hf, hub_cache, tmp_path):
+    # An already quantized MLX conversion of a known target, as published by mlx-community.
+    _convert(hf, tmp_path / "q4", quantize=True, q_bits=4, check=False)
+    _write_hub_cache(hub_cache, "mlx-community/Qwen3-4B-4bit", tmp_path / "q4" / "target")
+    result = convert("mlx-community/Qwen3-4B-4bit", str(tmp_path / "pair"), verbose=False, check_tokens=8)
+    assert result.draft == "z-lab/Qwen3-4B-DFlash-b16" and result.check.tokens_match
+    model, draft, _ = load(tmp_path / "pair")
+    assert isinstance(model.model.layers[0].mlp.up_proj, nn.QuantizedLinear) and draft is not None
+    with pytest.raises(DFlashError, match="is already quantized; drop -q/--quantize"):
+        convert("mlx-community/Qwen3-4B-4bit", str(tmp_path / "again"), quantize=True, verbose=False)
+    assert load("mlx-community/Qwen3-4B-4bit", draft="auto")[1] is not None
+
+
 def test_load_draft_auto_from_hub_cache(hub_cache):
     model, draft, _ = load("Qwen/Qwen3-4B", draft="auto")
     assert draft is not None
@@ -342,7 +355,14 @@ def test_list_known_pairs(capsys):
 def _bad_inputs(hf, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    shutil.copy(hf / "target" / "config.json", no_weights / "config.json")
     return {
+        "no-weights": (
+            dict(hf_path=str(no_weights)),
+            r"No \*\.safetensors weights in .*no-weights: the target",
+        ),
         "not-a-model-folder": (
             dict(hf_path=str(empty)),
             r"No config\.json in .*empty: the target must be a model folder",
@@ -382,6 +402,7 @@ def _bad_inputs(hf, tmp_path):
     "case",
     [
         "not-a-model-folder",
+        "no-weights",
         "no-such-path",
         "drafter-as-target",
         "target-as-drafter",
@@ -400,8 +421,8 @@ def test_bad_input_messages(hf, tmp_path, case):
     with pytest.raises(DFlashError, match=message) as e:
         convert(mlx_path=str(tmp_path / "out"), verbose=False, **kwargs)
     assert "\n" not in str(e.value)
-    # Nothing was written: only the fixture's empty folder is there.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+    # Nothing was written: only the fixture's own folders are there.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "no-weights"]
 
 
 def test_converted_pair_as_target_is_refused(hf, tmp_path):
@@ -443,3 +464,18 @@ def test_cli_converts_and_reports(hf, tmp_path, capsys):
     # Progress goes to stderr, with the stages in order.
     assert captured.err.index("converting the target") < captured.err.index("converting the drafter")
     assert "6/6 done" in captured.err
+
+
+def test_generate_cli_runs_a_pair_folder(hf, tmp_path, capsys):
+    from dflash_mlx.generate import main as generate_main
+
+    _convert(hf, tmp_path / "pair", check=False)
+    generate_main(["--model", str(tmp_path / "pair"), "--prompt", "t1 t2 t3", "--max-tokens", "8"])
+    assert "Acceptance length" in capsys.readouterr().out
+
+
+def test_pair_folder_permissions_follow_umask(hf, tmp_path):
+    _convert(hf, tmp_path / "pair", check=False)
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    assert (tmp_path / "pair").stat().st_mode == probe.stat().st_mode
