@@ -18,7 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import target as tgt
 from .cache import DFlashCache, make_cache
 from .errors import DFlashError
-from .sampling import can_sample_proposals, check_proposal, make_sampler, speculative_accept
+from .sampling import accept_one_hot, can_sample_proposals, check_proposal, make_sampler, speculative_accept
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -195,7 +195,7 @@ def dflash_generate_step(
                 if q is None:
                     # One-hot proposals: keep the drafts that the target's own samples match.
                     target_tokens = sampler(logprobs)  # (verify_size,)
-                    passed = block[0, 1:] == target_tokens[:-1]
+                    passed = accept_one_hot(block[0, 1:], target_tokens)
                 else:
                     passed, target_tokens = speculative_accept(block[0, 1:], q, sampler.probs(logprobs))
                 # The one host synchronisation of the cycle.

@@ -89,6 +89,15 @@ def can_sample_proposals(sampler) -> bool:
     return isinstance(sampler, Sampler) and not sampler.greedy
 
 
+def accept_one_hot(draft_tokens: mx.array, target_tokens: mx.array) -> mx.array:
+    """The acceptance test for one-hot (greedy) proposals: the target's own sample must match.
+
+    Accepting with probability p(d) and otherwise taking the target's sample (which is then
+    drawn from p without d) is exactly speculative sampling with q one-hot at d.
+    """
+    return draft_tokens == target_tokens[: draft_tokens.shape[0]]
+
+
 def speculative_accept(
     draft_tokens: mx.array, q: mx.array, p: mx.array
 ) -> tuple[mx.array, mx.array]:

@@ -88,14 +88,16 @@ def write_tokenizer(path: Path) -> None:
     )
 
 
-def write_target(path: Path, kind: str = "qwen3", tied: bool = True, layers: int = 4, seed: int = 0):
+def write_target(
+    path: Path, kind: str = "qwen3", tied: bool = True, layers: int = 4, seed: int = 0, embed_scale: float = 0.5
+):
     """An HF-format target folder (config.json, model.safetensors, tokenizer). Returns the model."""
     config = target_config(kind, tied, layers)
     module = _module_for(config)
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     # Larger embeddings than the default init, so logits are far from ties.
-    model.model.embed_tokens.weight = mx.random.normal((VOCAB, HIDDEN)) * 0.5
+    model.model.embed_tokens.weight = mx.random.normal((VOCAB, HIDDEN)) * embed_scale
     # Sharp attention, so that outputs depend on the whole context and its positions:
     # a rollback or position bug must change the tokens.
     for layer in model.model.layers:

@@ -1,0 +1,171 @@
+"""Speculative sampling keeps the target's distribution: checked against exact marginals."""
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from checkpoints import VOCAB, write_target
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors
+from oracles import ScriptedDraft
+
+from dflash_mlx import DFlashError, dflash_generate_step, load
+from dflash_mlx.sampling import make_sampler, speculative_accept
+
+# The package exports a function named generate, which hides the module of that name.
+gen = importlib.import_module("dflash_mlx.generate")
+
+PROMPT = [3, 17, 42, 8, 99]
+TEMP = 1.0
+RUNS = 600
+DEPTH = 3
+
+
+def _tokens(model, draft, prompt=PROMPT, **kwargs):
+    return [t for s in dflash_generate_step(prompt, model, draft, **kwargs) for t in s.tokens]
+
+
+def _exact_marginals(model) -> list[np.ndarray]:
+    """p(x_1), p(x_2), p(x_3) of the target at TEMP, by enumerating all prefixes."""
+    sampler = make_sampler(TEMP)
+
+    def next_probs(prefixes):
+        logits = model(mx.array([PROMPT + p for p in prefixes]))[:, -1]
+        return np.array(sampler.probs(logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
+
+    marginals, joint, prefixes = [], np.ones(1), [[]]
+    for depth in range(DEPTH):
+        probs = next_probs(prefixes) * joint[:, None]  # (n_prefixes, V)
+        marginals.append(probs.sum(axis=0))
+        if depth + 1 < DEPTH:
+            joint = probs.reshape(-1)
+            prefixes = [p + [t] for p in prefixes for t in range(VOCAB)]
+    return marginals
+
+
+def _tv(counts: np.ndarray, probs: np.ndarray) -> float:
+    return 0.5 * float(np.abs(counts / counts.sum() - probs).sum())
+
+
+def _tv_bound(probs: np.ndarray, n: int) -> float:
+    """The 99.9th percentile of the TV distance of n exact samples: a bound a correct sampler meets."""
+    rng = np.random.default_rng(0)
+    draws = rng.multinomial(n, probs / probs.sum(), size=2000)
+    return float(np.quantile([_tv(d, probs) for d in draws], 0.999))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, pair_dirs):
+    """A target with smaller logits than the shared one, so that sampling has real choices."""
+    folder = tmp_path_factory.mktemp("sampling") / "target"
+    write_target(folder, embed_scale=0.2)
+    return load(folder, pair_dirs["draft"])
+
+
+@pytest.fixture(scope="module")
+def exact(pair):
+    return _exact_marginals(pair[0])
+
+
+def _drafter(pair, proposal):
+    model, draft, _ = pair
+    if proposal == "greedy":
+        # Proposes the target's greedy continuation: accepted often at TEMP, not always.
+        greedy = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=DEPTH)]
+        return ScriptedDraft(draft, PROMPT + greedy, VOCAB)
+    return draft  # the random drafter's own distribution q
+
+
+def _excess(pair, exact, proposal) -> list[float]:
+    """TV distance minus its bound, per position; all negative for a correct sampler."""
+    model, drafter = pair[0], _drafter(pair, proposal)
+    counts = np.zeros((DEPTH, VOCAB))
+    sampler = make_sampler(TEMP)
+    for seed in range(RUNS):
+        out = _tokens(model, drafter, sampler=sampler, proposal=proposal, seed=seed, block_size=DEPTH, max_tokens=DEPTH)
+        for pos, tok in enumerate(out):
+            counts[pos, tok] += 1
+    return [_tv(counts[p], exact[p]) - _tv_bound(exact[p], RUNS) for p in range(DEPTH)]
+
+
+@pytest.mark.parametrize("proposal", ["greedy", "sample"])
+def test_distribution_matches_target(pair, exact, proposal):
+    excess = _excess(pair, exact, proposal)
+    assert max(excess) < 0, excess
+
+
+@pytest.mark.parametrize("proposal", ["greedy", "sample"])
+def test_broken_acceptance_rule_fails_the_same_check(pair, exact, proposal, monkeypatch):
+    """Negative control: with an always-accept rule the check above must fail."""
+    monkeypatch.setattr(gen, "accept_one_hot", lambda d, t: mx.ones(d.shape, dtype=mx.bool_))
+    monkeypatch.setattr(
+        gen, "speculative_accept", lambda d, q, p: (mx.ones(d.shape, dtype=mx.bool_), speculative_accept(d, q, p)[1])
+    )
+    excess = _excess(pair, exact, proposal)
+    assert max(excess) > 0, excess
+
+
+def _allowed(model, prompt, out, keep):
+    """For each emitted token, whether the target's filtered distribution allows it."""
+    logits = model(mx.array([prompt + out]))[0, len(prompt) - 1 : -1]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    allowed = keep(logprobs) > -float("inf")
+    return [bool(allowed[i, t].item()) for i, t in enumerate(out)]
+
+
+@pytest.mark.parametrize("proposal", ["greedy", "sample"])
+@pytest.mark.parametrize("settings", [{"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.3}])
+def test_filters_never_emit_a_disallowed_token(pair, proposal, settings):
+    model, draft, _ = pair
+    sampler = make_sampler(temp=1.5, **settings)
+    out = _tokens(model, draft, sampler=sampler, proposal=proposal, seed=1, max_tokens=60, block_size=4)
+    assert len(out) == 60
+    assert all(_allowed(model, PROMPT, out, sampler.filtered))
+
+
+@pytest.mark.parametrize("proposal", ["greedy", "sample"])
+def test_same_seed_same_output(pair, proposal):
+    model, draft, _ = pair
+    sampler = make_sampler(temp=1.0)
+    runs = [_tokens(model, draft, sampler=sampler, proposal=proposal, seed=s, max_tokens=40) for s in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+@pytest.mark.parametrize("proposal", ["greedy", "sample"])
+def test_temperature_zero_is_greedy(pair, proposal):
+    model, draft, _ = pair
+    out = _tokens(model, draft, sampler=make_sampler(0.0), proposal=proposal, max_tokens=40)
+    assert out == [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=40)]
+
+
+def test_repetition_penalty_matches_mlx_lm(pair):
+    model, draft, _ = pair
+    processors = make_logits_processors(repetition_penalty=1.5, repetition_context_size=8)
+    greedy = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=40)]
+    oracle = ScriptedDraft(draft, PROMPT + greedy, VOCAB)
+    ref = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=40, logits_processors=processors)]
+    for drafter in (draft, oracle):
+        assert _tokens(model, drafter, logits_processors=processors, max_tokens=40, block_size=8) == ref
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temp": -1}, "temp must be >= 0 (got -1)"),
+        ({"top_p": 1.5}, "top_p must be in [0, 1] (got 1.5)"),
+        ({"min_p": -0.1}, "min_p must be in [0, 1]"),
+        ({"top_k": -2}, "top_k must be a non-negative integer (got -2)"),
+    ],
+)
+def test_bad_settings(kwargs, message):
+    with pytest.raises(DFlashError) as e:
+        make_sampler(**kwargs)
+    assert message in str(e.value)
+
+
+def test_bad_proposal(pair):
+    model, draft, _ = pair
+    with pytest.raises(DFlashError, match="proposal must be one of greedy, sample"):
+        _tokens(model, draft, proposal="beam")
