@@ -80,7 +80,7 @@ class Attention(nn.Module):
         dim, hd = args.hidden_size, args.head_dim
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
-        self.scale = hd**-0.5
+        self.head_dim, self.scale = hd, hd**-0.5
         bias = args.attention_bias
         self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
         self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
@@ -98,7 +98,8 @@ class Attention(nn.Module):
 
     def _heads(self, x: mx.array, n: int) -> mx.array:
         B, L, _ = x.shape
-        return x.reshape(B, L, n, -1).transpose(0, 2, 1, 3)
+        # An explicit head_dim: an empty context (L == 0) cannot infer a -1.
+        return x.reshape(B, L, n, self.head_dim).transpose(0, 2, 1, 3)
 
     def __call__(
         self,
