@@ -338,7 +338,8 @@ def load_reference(
     model = Path(model)
     config = _read_config(model, "target")
     target = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, local_files_only=True)
-    target = target.to(device).eval()
+    # Inference only: no gradients for the target, even when a drafter is trained against it.
+    target = target.to(device).eval().requires_grad_(False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     except (OSError, ValueError):

@@ -1,0 +1,349 @@
+"""Parity of the MLX port with the PyTorch reference and with transformers, in fp32.
+
+Both sides load the same checkpoint folders (tests/checkpoints.py). The reference runs on CUDA
+when available, else on CPU; MLX runs on its default device.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import mlx.core as mx  # noqa: E402
+from checkpoints import HIDDEN, MASK_ID, VOCAB, write_draft  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from oracles import ScriptedDraft  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from torch_oracles import ScriptedReferenceDraft, train_agreeing_draft  # noqa: E402
+from transformers import DynamicCache, GenerationConfig  # noqa: E402
+
+from dflash_mlx import dflash_generate_step, load, make_cache  # noqa: E402
+from dflash_mlx import target as tgt  # noqa: E402
+from dflash_mlx.reference import (  # noqa: E402
+    default_device,
+    forward_with_taps,
+    load_draft,
+    load_reference,
+    reference_generate,
+)
+
+DEVICE = default_device()
+ATOL = 1e-4
+KINDS = ["qwen3-tied", "qwen3-untied", "llama"]
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_settings():
+    threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
+    # Tiny models: extra CPU threads only contend; and no TF32 on CUDA, parity is in true fp32.
+    torch.set_num_threads(1)
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_num_threads(threads)
+    torch.set_float32_matmul_precision(precision)
+
+
+@pytest.fixture(scope="module")
+def dirs(pair_dirs, tmp_path_factory):
+    """conftest's folders, plus a drafter made for blocks of 4 and drafters fitted to each target."""
+    root = tmp_path_factory.mktemp("parity")
+    write_draft(root / "draft4", block_size=4)
+    return {**pair_dirs, "draft16": pair_dirs["draft"], "draft4": root / "draft4", "root": root}
+
+
+@pytest.fixture(scope="module")
+def pairs(dirs):
+    """``pairs(kind, draft) -> (model, mlx_draft, target, ref_draft)``, each loaded once."""
+    loaded = {}
+
+    def get(kind: str, draft: str = "draft16"):
+        if (kind, draft) not in loaded:
+            model, mlx_draft, _ = load(dirs[kind], dirs[draft])
+            target, ref_draft, _ = load_reference(dirs[kind], dirs[draft], device=DEVICE)
+            loaded[kind, draft] = model, mlx_draft, target, ref_draft
+        return loaded[kind, draft]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def trained(dirs, pairs):
+    """``trained(kind)``: ``pairs`` with a drafter fitted (in PyTorch) to the target's greedy text,
+    so that it agrees often; saved in the z-lab format and loaded back by both sides."""
+
+    def get(kind: str):
+        name = f"trained-{kind}"
+        if name not in dirs:
+            _, _, target, _ = pairs(kind)
+            prompt = _prompt(9)
+            sequence = prompt + reference_generate(prompt, target, None, max_tokens=100).tokens
+            fitted = train_agreeing_draft(
+                load_draft(dirs["draft16"], device=DEVICE), target, sequence, steps=40
+            )
+            path = dirs["root"] / name
+            path.mkdir()
+            weights = {k: v.detach().cpu().contiguous() for k, v in fitted.state_dict().items()}
+            save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+            (path / "config.json").write_text((dirs["draft16"] / "config.json").read_text())
+            dirs[name] = path
+        return pairs(kind, name)
+
+    return get
+
+
+def _prompt(length: int, seed: int = 3) -> list[int]:
+    return np.random.default_rng(seed).integers(0, VOCAB - 4, length).tolist()
+
+
+def _numpy(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().float().cpu().numpy()
+    return np.array(x.astype(mx.float32) if isinstance(x, mx.array) else x, dtype=np.float32)
+
+
+def _max_diff(a, b) -> float:
+    return float(np.abs(_numpy(a) - _numpy(b)).max())
+
+
+def _tensor(x) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(x), device=DEVICE)
+
+
+def _hf_greedy(target, prompt: list[int], max_tokens: int, stop: int | None = None, **kwargs) -> list[int]:
+    """transformers' own greedy ``generate``, stopping only on ``stop``."""
+    config = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_tokens,
+        eos_token_id=stop,
+        pad_token_id=0,
+        **kwargs.pop("config", {}),
+    )
+    out = target.generate(_tensor([prompt]), generation_config=config, **kwargs)
+    return out[0, len(prompt) :].tolist()
+
+
+def _mlx_steps(prompt, model, draft, **kwargs) -> list[tuple]:
+    return [tuple(step) for step in dflash_generate_step(prompt, model, draft, **kwargs)]
+
+
+def _ref_steps(prompt, target, draft, **kwargs) -> list[tuple]:
+    return [tuple(step) for step in reference_generate(prompt, target, draft, **kwargs).steps]
+
+
+# --- drafter and target parity ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_drafter_logits_match(pairs, kind, block_size, record_property):
+    model, draft, target, ref = pairs(kind, f"draft{block_size}")
+    assert draft.block_size == ref.block_size == block_size
+    width = len(draft.target_layer_ids) * HIDDEN
+    rng = np.random.default_rng(block_size)
+    mx_cache, pt_cache = make_cache(model, draft).draft, ref.make_cache()
+    seen, worst = [], 0.0
+    # An empty context cache, then one context chunk, then several more.
+    for chunk in (0, 7, 1, 5, 12):
+        taps = (2 * rng.standard_normal((1, chunk, width))).astype(np.float32)
+        seen.append(taps)
+        block = [[int(rng.integers(VOCAB - 4))] + [MASK_ID] * (block_size - 1)]
+        a = draft.propose(model, mx.array(block), mx.array(taps) if chunk else None, mx_cache)
+        b = ref.propose(target, _tensor(block), _tensor(taps) if chunk else None, pt_cache)
+        assert a.shape == tuple(b.shape) == (1, block_size - 1, VOCAB)
+        diff = _max_diff(a, b)
+        assert diff <= ATOL, f"context {sum(t.shape[1] for t in seen)}: max |diff| {diff}"
+        assert mx_cache[0].offset == pt_cache[0].offset == sum(t.shape[1] for t in seen)
+        worst = max(worst, diff)
+
+    # Without a cache, the whole context at once: the block sits right after it in both.
+    taps = np.concatenate(seen, axis=1)
+    a = draft(tgt.embed(model, mx.array(block)), mx.array(taps))
+    with torch.no_grad():
+        b = ref(target.get_input_embeddings()(_tensor(block)), _tensor(taps))
+    worst = max(worst, _max_diff(a, b))
+    assert _max_diff(a, b) <= ATOL
+    record_property("max_abs_diff", worst)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_taps_match_hidden_states(pairs, kind, record_property):
+    model, draft, target, _ = pairs(kind)
+    n = tgt.num_layers(model)
+    prompt, more = _prompt(13), _prompt(4, seed=5)
+    # MLX in two calls, so the second runs at cached positions 13..16.
+    cache = make_prompt_cache(model)
+    chunks = [tgt.forward_with_taps(model, mx.array([ids]), cache, list(range(n))) for ids in (prompt, more)]
+    logits = mx.concatenate([c[0] for c in chunks], axis=1)
+    taps = mx.concatenate([c[1] for c in chunks], axis=1).reshape(1, len(prompt) + len(more), n, HIDDEN)
+    with torch.no_grad():
+        out = target(_tensor([prompt + more]), output_hidden_states=True)
+
+    diffs = [_max_diff(taps[:, :, i], out.hidden_states[i + 1]) for i in range(n - 1)]
+    # transformers puts the final norm on its last hidden state; MLX tap n-1 is the raw layer output.
+    diffs.append(_max_diff(model.model.norm(taps[:, :, n - 1]), out.hidden_states[n]))
+    diffs.append(_max_diff(logits, out.logits))
+    assert max(diffs) <= ATOL, diffs
+    assert _max_diff(taps[:, :, n - 1], out.hidden_states[n]) > 1e-2  # the norm really differs
+
+    # The reference's own taps, also in two calls with a cache, for the drafter's tap ids.
+    ids = draft.target_layer_ids
+    pt_cache = DynamicCache()
+    pt = [forward_with_taps(target, _tensor([c]), pt_cache, ids)[1] for c in (prompt, more)]
+    mx_cache = make_prompt_cache(model)
+    ml = [tgt.forward_with_taps(model, mx.array([c]), mx_cache, ids)[1] for c in (prompt, more)]
+    diffs += [_max_diff(a, b) for a, b in zip(ml, pt)]
+    assert max(diffs) <= ATOL, diffs
+    record_property("max_abs_diff", max(diffs))
+
+
+# --- end to end at temperature 0 -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_end_to_end_random_drafter(pairs, kind, block_size):
+    model, draft, target, ref = pairs(kind, f"draft{block_size}")
+    prompt = _prompt(9)
+    expected = _hf_greedy(target, prompt, MAX_TOKENS)
+    for max_tokens in (1, block_size + 1, MAX_TOKENS):
+        steps = _mlx_steps(prompt, model, draft, max_tokens=max_tokens)
+        assert steps == _ref_steps(prompt, target, ref, max_tokens=max_tokens), max_tokens
+        assert [t for s in steps for t in s[0]] == expected[:max_tokens]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("wrong_every", [0, 3])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_end_to_end_scripted_drafters(pairs, kind, wrong_every, block_size):
+    model, draft, target, ref = pairs(kind)
+    prompt = _prompt(9)
+    expected = _hf_greedy(target, prompt, MAX_TOKENS)
+    mlx_oracle = ScriptedDraft(draft, prompt + expected, VOCAB, wrong_every=wrong_every)
+    ref_oracle = ScriptedReferenceDraft(ref, prompt + expected, VOCAB, wrong_every=wrong_every)
+    kwargs = dict(max_tokens=MAX_TOKENS, block_size=block_size)
+    steps = _mlx_steps(prompt, model, mlx_oracle, **kwargs)
+    assert steps == _ref_steps(prompt, target, ref_oracle, **kwargs)
+    assert [t for s in steps for t in s[0]] == expected
+    lengths = [s[1] + 1 for s in steps[1:]]
+    if wrong_every:
+        assert 1 < max(lengths) and min(lengths) < block_size
+    else:
+        assert max(lengths) == block_size
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_end_to_end_stop_token_mid_block(pairs, kind, block_size):
+    model, draft, target, ref = pairs(kind)
+    prompt = _prompt(9)
+    expected = _hf_greedy(target, prompt, MAX_TOKENS)
+    index = block_size + block_size // 2  # inside the second block, fully accepted by the oracle
+    stop = expected[index]
+    truncated = expected[: expected.index(stop) + 1]
+    assert _hf_greedy(target, prompt, MAX_TOKENS, stop=stop) == truncated
+    mlx_oracle = ScriptedDraft(draft, prompt + expected, VOCAB)
+    ref_oracle = ScriptedReferenceDraft(ref, prompt + expected, VOCAB)
+    kwargs = dict(max_tokens=MAX_TOKENS, block_size=block_size, stop_tokens={stop})
+    steps = _mlx_steps(prompt, model, mlx_oracle, **kwargs)
+    assert steps == _ref_steps(prompt, target, ref_oracle, **kwargs)
+    assert [t for s in steps for t in s[0]] == truncated
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_end_to_end_trained_drafter(trained, kind, block_size):
+    model, draft, target, ref = trained(kind)
+    prompt = _prompt(9)
+    expected = _hf_greedy(target, prompt, MAX_TOKENS)
+    for max_tokens in (block_size + 1, MAX_TOKENS):
+        kwargs = dict(max_tokens=max_tokens, block_size=block_size)
+        steps = _mlx_steps(prompt, model, draft, **kwargs)
+        assert steps == _ref_steps(prompt, target, ref, **kwargs)
+        assert [t for s in steps for t in s[0]] == expected[:max_tokens]
+    # The real drafter network agrees often, so acceptance lengths > 1 are compared.
+    assert max(s[1] + 1 for s in steps[1:]) > 1
+
+
+# --- transformers' own DFlash ----------------------------------------------------------------
+
+
+def _transformers_drafter(ref):
+    """Our drafter's weights in transformers' DFlash drafter class, or a skip saying why not."""
+    try:
+        from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+        from transformers.generation import DFlashTokenCandidateGenerator  # noqa: F401
+    except ImportError:
+        pytest.skip(
+            f"transformers {transformers.__version__} has no DFlash drafter model "
+            "(MuseGlimmerAssistantModel + speculation_type='dflash'), so it cannot run our pair."
+        )
+    a = ref.args
+    config = MuseGlimmerAssistantConfig(
+        hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.num_hidden_layers,
+        num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=a.num_key_value_heads,
+        head_dim=a.head_dim,
+        rms_norm_eps=a.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": a.rope_theta},
+        layer_types=["full_attention"] * a.num_hidden_layers,
+        block_size=a.block_size,
+        mask_token_id=a.mask_token_id,
+        target_layer_ids=a.target_layer_ids,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    # Same layers and names, except that fc + hidden_norm live under "encoder" there.
+    renames = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
+    model = MuseGlimmerAssistantModel(config)
+    model.load_state_dict({renames.get(k, k): v for k, v in ref.state_dict().items()}, strict=True)
+    return model.to(DEVICE).eval()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_transformers_dflash_matches(trained, kind, record_property):
+    model, draft, target, ref = trained(kind)
+    assistant = _transformers_drafter(ref)
+
+    # One drafter pass on the same context and block: transformers' block states vs ours.
+    rng = np.random.default_rng(0)
+    taps = _tensor((2 * rng.standard_normal((1, 11, len(ref.target_layer_ids) * HIDDEN))).astype(np.float32))
+    noise = target.get_input_embeddings()(_tensor([[5] + [MASK_ID] * (ref.block_size - 1)]))
+    with torch.no_grad():
+        ours = ref(noise, taps)
+        states = assistant(noise_embeds=noise, context_hidden_states=taps).last_hidden_state
+    mlx_states = draft(mx.array(_numpy(noise)), mx.array(_numpy(taps)))
+    diffs = [_max_diff(states, ours), _max_diff(mlx_states, states)]
+    assert max(diffs) <= ATOL, diffs
+
+    # Greedy generation: transformers' DFlash loop gives our tokens, cycle for cycle. The target
+    # cache length at each target call tells how many tokens each cycle committed.
+    committed = []
+
+    def _record(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache") if cache is None else cache
+        committed.append(0 if cache is None else cache.get_seq_length())
+
+    prompt = _prompt(9)
+    handle = target.register_forward_pre_hook(_record, with_kwargs=True)
+    try:
+        theirs = _hf_greedy(
+            target, prompt, MAX_TOKENS, config={"speculation_type": "dflash"}, assistant_model=assistant
+        )
+    finally:
+        handle.remove()
+    result = reference_generate(prompt, target, ref, max_tokens=MAX_TOKENS)
+    mlx_tokens = [t for s in _mlx_steps(prompt, model, draft, max_tokens=MAX_TOKENS) for t in s[0]]
+    assert theirs == result.tokens == mlx_tokens
+    # Compare the cycles where we drafted a full block (transformers drafts full blocks to the end).
+    full = [s.num_draft == ref.block_size - 1 for s in result.steps[1:]]
+    n = full.index(False) if False in full else len(full)
+    their_lengths = np.diff(committed[1:]).tolist()
+    assert their_lengths[:n] == result.acceptance_lengths[:n]
+    assert max(result.acceptance_lengths[:n]) > 1
+    record_property("max_abs_diff", max(diffs))
