@@ -162,3 +162,16 @@ def test_block_size_without_drafter(qwen3_pair):
     model, _, _ = qwen3_pair
     with pytest.raises(DFlashError, match="block_size=4 needs a drafter"):
         run(model, None, [1, 2], block_size=4)
+
+
+def test_runs_on_another_thread(qwen3_pair):
+    """The generation stream is thread-local, so a worker thread (the chat app's) can drive the loop."""
+    import threading
+
+    model, draft, _ = qwen3_pair
+    prompt = _prompt(7)
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("out", run(model, draft, prompt, max_tokens=40)[0]))
+    thread.start()
+    thread.join()
+    assert result["out"] == reference(model, prompt, 40)
