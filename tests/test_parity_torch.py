@@ -4,6 +4,9 @@ Both sides load the same checkpoint folders (tests/checkpoints.py). The referenc
 when available, else on CPU; MLX runs on its default device.
 """
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
@@ -18,7 +21,7 @@ from safetensors.torch import save_file  # noqa: E402
 from torch_oracles import ScriptedReferenceDraft, train_agreeing_draft  # noqa: E402
 from transformers import DynamicCache, GenerationConfig  # noqa: E402
 
-from dflash_mlx import dflash_generate_step, load, make_cache  # noqa: E402
+from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache  # noqa: E402
 from dflash_mlx import target as tgt  # noqa: E402
 from dflash_mlx.reference import (  # noqa: E402
     default_device,
@@ -347,3 +350,26 @@ def test_transformers_dflash_matches(trained, kind, record_property):
     assert their_lengths[:n] == result.acceptance_lengths[:n]
     assert max(result.acceptance_lengths[:n]) > 1
     record_property("max_abs_diff", max(diffs))
+
+
+# --- the reference's own input checks --------------------------------------------------------
+
+
+def test_reference_rejects_bad_input(dirs, pairs, tmp_path):
+    _, _, target, ref = pairs("qwen3-tied")
+    with pytest.raises(DFlashError, match="block_size must be an integer from 1 to .* 16 \\(got 17\\)"):
+        reference_generate([1, 2], target, ref, block_size=17)
+    with pytest.raises(DFlashError, match="max_tokens must be a positive integer \\(got 0\\)"):
+        reference_generate([1, 2], target, ref, max_tokens=0)
+    with pytest.raises(DFlashError, match="prompt is empty"):
+        reference_generate([], target, ref)
+    with pytest.raises(DFlashError, match="No config.json in"):
+        load_reference(tmp_path, dirs["draft16"], device=DEVICE)
+
+    # A later drafter variant with sliding layers is refused, not silently run as full attention.
+    config = json.loads((dirs["draft16"] / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention", "full_attention"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shutil.copy(dirs["draft16"] / "model.safetensors", tmp_path)
+    with pytest.raises(DFlashError, match="full-attention DFlash drafters only"):
+        load_draft(tmp_path, device=DEVICE)

@@ -18,7 +18,13 @@ from safetensors.torch import load_file
 from ..errors import DFlashError
 
 # Keys of the published checkpoints that may live under "dflash_config".
-_DFLASH_KEYS = ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers")
+_DFLASH_KEYS = (
+    "block_size",
+    "target_layer_ids",
+    "mask_token_id",
+    "num_target_layers",
+    "input_embedding_scale",
+)
 # Tokens that stand for the mask when a drafter config has no mask_token_id.
 _MASK_TOKENS = ("<|MASK|>", "<|mask|>", "<mask>")
 
@@ -48,6 +54,8 @@ class DraftArgs:
     block_size: int = 16
     target_layer_ids: list[int] = field(default_factory=list)
     mask_token_id: int | None = None
+    layer_types: list[str] | None = None
+    input_embedding_scale: float = 1.0
 
     @classmethod
     def from_dict(cls, config: dict) -> "DraftArgs":
@@ -70,6 +78,14 @@ class DraftArgs:
             raise DFlashError(
                 f"The PyTorch reference implements plain RoPE only, but the drafter config asks for "
                 f"rope_type={scaling.get('rope_type', scaling.get('type'))!r}. Use the MLX drafter for it."
+            )
+        # Later drafter variants add sliding/causal layers or a scaled noise embedding; the MLX
+        # drafter implements neither, so refuse them instead of computing something else.
+        if any(t != "full_attention" for t in self.layer_types or []) or self.input_embedding_scale != 1.0:
+            raise DFlashError(
+                f"The PyTorch reference implements full-attention DFlash drafters only (got "
+                f"layer_types={self.layer_types}, input_embedding_scale={self.input_embedding_scale}). "
+                "Use a v1 drafter such as z-lab/Qwen3-8B-DFlash-b16."
             )
         self.target_layer_ids = list(self.target_layer_ids or [])
         if not self.target_layer_ids and self.num_target_layers:
