@@ -228,6 +228,7 @@ class DraftModel(nn.Module):
         block: mx.array,
         target_hidden: mx.array | None,
         cache: list[Any],
+        history: list[int] | None = None,
     ) -> mx.array:
         """Draft logits for a block, through the target's embedding and LM head.
 
@@ -236,6 +237,7 @@ class DraftModel(nn.Module):
             block: ``(1, B)`` ids ``[last, mask, ..., mask]``.
             target_hidden: Taps of context positions not yet in ``cache`` (or None).
             cache: The drafter's per-layer context caches.
+            history: The token ids before ``block`` (unused here; other proposers need them).
 
         Returns:
             ``(1, B - 1, vocab)`` logits for block positions ``1..B-1``.

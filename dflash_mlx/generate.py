@@ -161,7 +161,10 @@ def dflash_generate_step(
     def _draft_block(last: int, num_draft: int) -> tuple[mx.array, mx.array | None]:
         # The drafter always sees its trained block: [last, MASK x (B-1)].
         block = mx.array([[last] + [mask_id] * (draft.block_size - 1)], dtype=mx.uint32)
-        draft_logits = draft.propose(model, block, cache.take_pending(), cache.draft)[0, :num_draft]
+        draft_logits = draft.propose(model, block, cache.take_pending(), cache.draft, history=cache.tokens)
+        draft_logits = draft_logits[0, :num_draft]  # a proposer may offer fewer tokens
+        if draft_logits.shape[0] == 0:
+            return mx.zeros((0,), dtype=mx.uint32), None
         if not sample_proposals:
             return mx.argmax(draft_logits, axis=-1).astype(mx.uint32), None
         q = sampler.probs(draft_logits - mx.logsumexp(draft_logits, axis=-1, keepdims=True))
@@ -184,12 +187,13 @@ def dflash_generate_step(
 
         try:
             while generated < max_tokens and not stopped:
-                verify_size = min(block_size, max_tokens - generated)
-                num_draft = verify_size - 1
+                num_draft = min(block_size, max_tokens - generated) - 1
                 block, q = mx.array([[last]], dtype=mx.uint32), None
                 if num_draft > 0:
                     drafts, q = _draft_block(last, num_draft)
+                    num_draft = drafts.shape[0]
                     block = mx.concatenate([block, drafts[None]], axis=1)
+                verify_size = num_draft + 1
                 logits, taps = tgt.forward_with_taps(model, block, cache.target, tap_ids)
                 logprobs = _logprobs(logits[0], block)
                 if q is None:

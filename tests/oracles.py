@@ -14,7 +14,7 @@ class ScriptedDraft(DraftModel):
         self.update(base.parameters())
         self.sequence, self.vocab, self.wrong_every = sequence, vocab, wrong_every
 
-    def propose(self, model, block, target_hidden, cache):
+    def propose(self, model, block, target_hidden, cache, history=None):
         mx.eval(super().propose(model, block, target_hidden, cache))  # keeps the context cache real
         start = cache[0].offset  # absolute position of block[0]
         ids = []
