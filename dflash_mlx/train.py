@@ -1,0 +1,488 @@
+"""Train a DFlash drafter for any mlx-lm target, as in the paper (arXiv 2602.06036).
+
+One flat loop in the spirit of nanoGPT's ``train.py``. The target is frozen; the drafter
+borrows its embedding and LM head, and only its own layers, ``fc`` and norms learn.
+Each step packs a few sequences (prompt + the target's own greedy response), runs the
+target once for the taps, and trains many blocks per sequence at random anchors.
+
+    dflash-train --model path/to/target --data prompts.jsonl --out runs/draft
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from . import target as tgt
+from .drafter import DraftModel, ModelArgs, default_target_layer_ids
+from .errors import DFlashError
+from .generate import dflash_generate_step
+from .loading import DTYPES, MASK_TOKENS, default_pair_path, load_draft, load_target, resolve
+from .train_data import (
+    dataset_examples,
+    generate_responses,
+    make_batch,
+    position_weights,
+    read_prompts,
+    render_prompt,
+    sequence_length,
+    usable,
+)
+
+STATE_DIR = "training_state"
+
+
+@dataclass
+class TrainingArgs:
+    model: str | None = field(default=None, metadata={"help": "Target folder or hub id (default: embedded)."})
+    data: str | None = field(default=None, metadata={"help": "Prompts JSONL ('messages' or 'prompt')."})
+    out: str = field(default="dflash-draft", metadata={"help": "Checkpoint folder (z-lab drafter format)."})
+    responses: str = field(
+        default="generate",
+        metadata={"help": "'generate': the target's greedy answers; 'dataset': the file's."},
+    )
+    cache: str | None = field(
+        default=None, metadata={"help": "Response cache JSONL (default: OUT/data.jsonl)."}
+    )
+    max_prompts: int | None = field(
+        default=None, metadata={"help": "Most prompts to generate responses for."}
+    )
+    data_minutes: float | None = field(default=None, metadata={"help": "Wall-time budget for generating."})
+    gen_max_tokens: int = field(default=256, metadata={"help": "Most tokens per generated response."})
+    gen_batch_size: int = field(default=1, metadata={"help": "Responses generated together (1: plain loop)."})
+    max_prompt_tokens: int = field(default=384, metadata={"help": "Longer prompts are skipped."})
+    data_only: bool = field(default=False, metadata={"help": "Stop after the data step."})
+    eval_data: str | None = field(default=None, metadata={"help": "Held-out prompts JSONL for acceptance."})
+    block_size: int = field(default=16, metadata={"help": "Tokens per draft block."})
+    num_layers: int = field(default=2, metadata={"help": "Drafter decoder layers."})
+    intermediate_size: int | None = field(
+        default=None, metadata={"help": "Drafter MLP size (default: target's)."}
+    )
+    num_taps: int = field(default=4, metadata={"help": "Target layers tapped (the paper's spread)."})
+    target_layer_ids: list[int] | None = field(default=None, metadata={"help": "Explicit tapped layers."})
+    mask_token_id: int | None = field(
+        default=None, metadata={"help": "Mask token (default: the tokenizer's)."}
+    )
+    dtype: str = field(default="float32", metadata={"help": "Training dtype of both models."})
+    iters: int = field(default=1000, metadata={"help": "Optimizer steps."})
+    batch_size: int = field(default=4, metadata={"help": "Sequences per step."})
+    blocks_per_seq: int = field(default=16, metadata={"help": "Anchored blocks per sequence."})
+    max_seq_len: int = field(default=512, metadata={"help": "Sequences are cut to this many tokens."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak learning rate."})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "Final LR as a fraction of the peak."})
+    warmup: int = field(default=50, metadata={"help": "Linear warmup steps."})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
+    grad_clip: float = field(default=1.0, metadata={"help": "Gradient norm clip (0: off)."})
+    loss_decay: float = field(default=7.0, metadata={"help": "Block position weight exp(-(k-1)/d); 0: flat."})
+    val_examples: int = field(default=16, metadata={"help": "Examples held out for the validation loss."})
+    eval_every: int = field(default=200, metadata={"help": "Steps between evaluations (0: only at the end)."})
+    eval_prompts: int = field(default=8, metadata={"help": "Held-out prompts per acceptance evaluation."})
+    eval_max_tokens: int = field(default=128, metadata={"help": "Tokens generated per evaluation prompt."})
+    save_every: int = field(default=200, metadata={"help": "Steps between checkpoints."})
+    log_every: int = field(default=10, metadata={"help": "Steps between progress lines."})
+    stop_at: int | None = field(default=None, metadata={"help": "Stop after this step (resume later)."})
+    resume: bool = field(default=False, metadata={"help": "Continue from the checkpoint in --out."})
+    cache_taps: bool = field(default=True, metadata={"help": "Keep each example's taps in memory."})
+    compile: bool = field(default=True, metadata={"help": "Compile the training step with mx.compile."})
+    seed: int = field(default=0, metadata={"help": "Seed for the drafter init and the data sampling."})
+
+
+def get_lr(it: int, args: TrainingArgs) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio * learning_rate``."""
+    if it < args.warmup:
+        return args.learning_rate * (it + 1) / args.warmup
+    progress = min(1.0, (it - args.warmup) / max(1, args.iters - args.warmup))
+    coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return args.learning_rate * (args.min_lr_ratio + (1 - args.min_lr_ratio) * coeff)
+
+
+def _check_args(args: TrainingArgs) -> None:
+    positive = [
+        "block_size",
+        "num_layers",
+        "num_taps",
+        "iters",
+        "batch_size",
+        "blocks_per_seq",
+        "gen_max_tokens",
+        "gen_batch_size",
+    ]
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise DFlashError(f"{name} must be at least 1 (got {getattr(args, name)}).")
+    if args.block_size < 2:
+        raise DFlashError(
+            f"block_size must be at least 2: one clean token and one to draft (got {args.block_size})."
+        )
+    if args.max_seq_len < args.block_size:
+        raise DFlashError(f"max_seq_len={args.max_seq_len} must be at least block_size={args.block_size}.")
+    if args.learning_rate <= 0 or args.loss_decay < 0:
+        raise DFlashError("learning_rate must be > 0 and loss_decay >= 0.")
+    if args.responses not in ("generate", "dataset"):
+        raise DFlashError(f"responses must be 'generate' or 'dataset' (got {args.responses!r}).")
+    if args.dtype not in DTYPES:
+        raise DFlashError(f"dtype={args.dtype!r} is not one of {', '.join(DTYPES)}.")
+    if args.data is None:
+        raise DFlashError("No training prompts: pass a JSONL file with --data.")
+
+
+def draft_config(target: nn.Module, tokenizer, args: TrainingArgs) -> dict:
+    """A z-lab-format drafter config whose attention shapes follow the target's."""
+    a, n_layers = target.args, tgt.num_layers(target)
+    ids = args.target_layer_ids or default_target_layer_ids(n_layers, args.num_taps)
+    if not all(0 <= i < n_layers for i in ids) or len(set(ids)) != len(ids):
+        raise DFlashError(
+            f"target_layer_ids={ids} must be distinct layers of the target (0..{n_layers - 1}); "
+            f"pass fewer --num-taps or valid --target-layer-ids."
+        )
+    mask_id = args.mask_token_id
+    if mask_id is None:
+        vocab = tokenizer.get_vocab()
+        mask_id = next((vocab[t] for t in MASK_TOKENS if t in vocab), None)
+    if mask_id is None or not 0 <= mask_id < a.vocab_size:
+        raise DFlashError(
+            f"No usable mask token (got {mask_id}): the tokenizer has none of {', '.join(MASK_TOKENS)}. "
+            f"Pass --mask-token-id with an id below {a.vocab_size}."
+        )
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": a.hidden_size,
+        "intermediate_size": args.intermediate_size or a.intermediate_size,
+        "num_hidden_layers": args.num_layers,
+        "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads,
+        "head_dim": getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads,
+        "rms_norm_eps": a.rms_norm_eps,
+        "rope_theta": getattr(a, "rope_theta", 10000.0),
+        "max_position_embeddings": getattr(a, "max_position_embeddings", None) or 32768,
+        "vocab_size": a.vocab_size,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "num_target_layers": n_layers,
+        "block_size": args.block_size,
+        "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": list(ids)},
+        "torch_dtype": "float32",
+    }
+    if getattr(a, "rope_scaling", None):
+        config["rope_scaling"] = a.rope_scaling
+    return config
+
+
+def _write(path: Path, write) -> None:
+    # Write then rename, so an interrupted save never leaves a torn checkpoint.
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_draft(draft: DraftModel, config: dict, out: Path) -> None:
+    """Save ``config.json`` + ``model.safetensors`` (float32) in the z-lab layout ``load`` reads."""
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.astype(mx.float32) for k, v in tree_flatten(draft.parameters())}
+    _write(out / "model.safetensors", lambda p: mx.save_safetensors(str(p), weights, {"format": "pt"}))
+    _write(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2)))
+
+
+def save_checkpoint(out, draft, config, optimizer, step, rng, args) -> None:
+    """The drafter plus what resuming needs: optimizer state, step and the data RNG.
+
+    MLX's RNG only draws the initial weights, which the checkpoint holds; every later
+    random choice (examples, anchors) comes from the saved numpy generator.
+    """
+    save_draft(draft, config, out)
+    state_dir = out / STATE_DIR
+    state_dir.mkdir(exist_ok=True)
+    arrays = dict(tree_flatten(optimizer.state))
+    _write(state_dir / "optimizer.safetensors", lambda p: mx.save_safetensors(str(p), arrays))
+    state = {"step": step, "numpy_rng": rng.bit_generator.state, "args": dataclasses.asdict(args)}
+    _write(state_dir / "state.json", lambda p: p.write_text(json.dumps(state)))
+
+
+def _load_state(out: Path, optimizer) -> tuple[int, dict]:
+    arrays = mx.load(str(out / STATE_DIR / "optimizer.safetensors"))
+    optimizer.state = tree_unflatten(list(arrays.items()))
+    state = json.loads((out / STATE_DIR / "state.json").read_text())
+    return state["step"], state["numpy_rng"]
+
+
+def block_mask(anchors: mx.array, starts: mx.array, context_len: int, block_size: int) -> mx.array:
+    """Which keys each training block may see: ``(nb, 1, B, L + B)`` booleans.
+
+    Block i sees the context of its own sequence strictly before its anchor (what the
+    target has verified when the block is drafted), and its own block both ways. It never
+    sees another block: those are other batch rows.
+    """
+    nb = anchors.shape[0]
+    pos = mx.arange(context_len)[None]
+    ctx = (pos >= starts[:, None]) & (pos < anchors[:, None])  # (nb, L)
+    mask = mx.concatenate([ctx, mx.ones((nb, block_size), dtype=mx.bool_)], axis=1)
+    return mx.broadcast_to(mask[:, None, None, :], (nb, 1, block_size, context_len + block_size))
+
+
+def block_logits(draft, target, taps, blocks, anchors, starts) -> mx.array:
+    """Draft logits ``(nb, B - 1, vocab)`` of many blocks over one packed context ``taps``.
+
+    Each block row gets its own RoPE position (its anchor), as in inference.
+    """
+    mask = block_mask(anchors, starts, taps.shape[1], blocks.shape[1])
+    h = draft(tgt.embed(target, blocks), taps, mask=mask, block_offset=anchors)
+    return tgt.lm_head(target, h[:, 1:])
+
+
+def block_loss(draft, target, taps, blocks, anchors, starts, labels, weights) -> mx.array:
+    """Weighted cross-entropy on the masked block positions."""
+    logits = block_logits(draft, target, taps, blocks, anchors, starts).astype(mx.float32)
+    ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+    return (ce * weights).sum() / weights.sum()
+
+
+def _to_mx(batch: dict) -> dict:
+    return {k: mx.array(v) for k, v in batch.items()}
+
+
+def evaluate_acceptance(
+    target: nn.Module, draft: DraftModel, prompts: list[list[int]], max_tokens: int, stop_tokens
+) -> tuple[float, dict[int, int]]:
+    """Mean acceptance length (``num_accepted + 1`` per cycle) with the real speculative loop."""
+    hist = Counter()
+    for ids in prompts:
+        for step in dflash_generate_step(ids, target, draft, max_tokens=max_tokens, stop_tokens=stop_tokens):
+            if step.num_draft:
+                hist[step.num_accepted + 1] += 1
+    cycles = sum(hist.values())
+    return sum(k * v for k, v in hist.items()) / max(cycles, 1), dict(sorted(hist.items()))
+
+
+def _progress(step: int, total: int, loss: float, tps: float, eta_s: float) -> None:
+    filled = int(20 * step / total)
+    line = (
+        f"[{'#' * filled}{'.' * (20 - filled)}] {step}/{total} loss {loss:.3f} "
+        f"{tps:,.0f} tok/s ETA {int(eta_s) // 60}m{int(eta_s) % 60:02d}s"
+    )
+    if sys.stdout.isatty():
+        print("\r" + line, end="\n" if step == total else "", flush=True)
+    else:
+        print(line, flush=True)
+
+
+def train(args: TrainingArgs) -> DraftModel | None:
+    """Generate (or read) the data, then train and save a drafter for ``args.model``.
+
+    Returns:
+        The trained drafter (also saved in ``args.out``), or None with ``data_only``.
+
+    Raises:
+        DFlashError: On bad arguments, data or models.
+    """
+    _check_args(args)
+    out = Path(args.out)
+    target_path = resolve(args.model, what="target") if args.model else default_pair_path() / "target"
+    target, tokenizer = load_target(target_path, dtype=args.dtype)
+    tgt.check_supported(target)
+    target.freeze()
+    stop_tokens = frozenset(tokenizer.eos_token_ids)
+
+    # ---- data: the target's own greedy responses, cached and resumable ----
+    prompts = read_prompts(args.data)
+    if args.responses == "generate":
+        cache = args.cache or out / "data.jsonl"
+        examples = generate_responses(
+            target,
+            tokenizer,
+            prompts,
+            cache,
+            max_tokens=args.gen_max_tokens,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_prompts=args.max_prompts,
+            minutes=args.data_minutes,
+            batch_size=args.gen_batch_size,
+        )
+    else:
+        examples = dataset_examples(tokenizer, prompts[: args.max_prompts], args.max_prompt_tokens)
+    if args.data_only:
+        return None
+    examples = usable(examples, args.max_seq_len)
+    n_val = min(args.val_examples, len(examples) // 5)
+    train_ex, val_ex = examples[: len(examples) - n_val], examples[len(examples) - n_val :]
+    if not train_ex:
+        raise DFlashError(
+            f"No usable training examples in {args.data}: check --max-seq-len and the responses."
+        )
+    if args.eval_data:
+        eval_prompts = [
+            render_prompt(tokenizer, m) for m, _ in read_prompts(args.eval_data)[: args.eval_prompts]
+        ]
+    else:
+        eval_prompts = [ex["prompt_ids"] for ex in (val_ex or train_ex)[: args.eval_prompts]]
+    print(
+        f"data: {len(train_ex)} train / {len(val_ex)} val examples, {len(eval_prompts)} eval prompts",
+        flush=True,
+    )
+
+    # ---- drafter, optimizer, optional resume ----
+    resuming = args.resume and (out / STATE_DIR / "state.json").is_file()
+    mx.random.seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    if resuming:
+        draft = load_draft(out, dtype=args.dtype)
+        config = json.loads((out / "config.json").read_text())
+    else:
+        config = draft_config(target, tokenizer, args)
+        draft = DraftModel(ModelArgs.from_dict(config))
+        draft.set_dtype(DTYPES[args.dtype])
+    draft.train()
+    B, mask_id, tap_ids = draft.block_size, draft.mask_token_id, draft.target_layer_ids
+    optimizer = optim.AdamW(
+        learning_rate=args.learning_rate, betas=[0.9, 0.95], weight_decay=args.weight_decay
+    )
+    optimizer.init(draft.trainable_parameters())
+    start = 0
+    if resuming:
+        start, rng_state = _load_state(out, optimizer)
+        optimizer.init(draft.trainable_parameters())
+        rng.bit_generator.state = rng_state
+        print(f"resumed from {out} at step {start}", flush=True)
+    n_params = sum(v.size for _, v in tree_flatten(draft.trainable_parameters()))
+    print(f"drafter: {args.num_layers} layers, {n_params / 1e6:.2f}M trainable, taps {tap_ids}", flush=True)
+
+    weights = position_weights(B, args.loss_decay)
+    batch_kwargs = dict(
+        batch_size=args.batch_size,
+        blocks_per_seq=args.blocks_per_seq,
+        block_size=B,
+        max_seq_len=args.max_seq_len,
+        mask_token_id=mask_id,
+        weights=weights,
+    )
+    val_rng = np.random.default_rng(args.seed + 1)
+    val_batches = [make_batch(val_ex, val_rng, **batch_kwargs) for _ in range(2)] if val_ex else []
+
+    n_layers, tap_cache = tgt.num_layers(target), {}
+
+    def taps_for(batch: dict, examples: list[dict]) -> mx.array:
+        """The packed taps ``(1, S * L, n_taps * H)`` of a batch, each sequence in its slot."""
+        S, L = batch["tokens"].shape
+        parts = []
+        for s, i in enumerate(batch["index"].tolist()):
+            key = examples[i]["key"]
+            taps = tap_cache.get(key)
+            if taps is None:
+                # The frozen target runs once per example; its taps are constants here.
+                ids = batch["tokens"][s : s + 1, : min(args.max_seq_len, sequence_length(examples[i]))]
+                _, taps = tgt.forward_with_taps(target, ids, [None] * n_layers, tap_ids)
+                taps = mx.stop_gradient(taps)
+                mx.eval(taps)
+                if args.cache_taps:
+                    tap_cache[key] = taps
+            parts.append(mx.pad(taps, [(0, 0), (0, L - taps.shape[1]), (0, 0)]))
+        return mx.concatenate(parts, axis=1)
+
+    loss_and_grad = nn.value_and_grad(draft, partial(block_loss, draft, target))
+    state = [draft.state, optimizer.state]
+
+    def step_fn(taps, blocks, anchors, starts, labels, weights):
+        loss, grads = loss_and_grad(taps, blocks, anchors, starts, labels, weights)
+        if args.grad_clip > 0:
+            grads, _ = optim.clip_grad_norm(grads, args.grad_clip)
+        optimizer.update(draft, grads)
+        return loss
+
+    if args.compile:
+        step_fn = partial(mx.compile, inputs=state, outputs=state)(step_fn)
+
+    def run_eval(step: int) -> dict:
+        draft.eval()
+        val = [
+            block_loss(draft, target, taps_for(b, val_ex), *[b[k] for k in _KEYS]).item()
+            for b in map(_to_mx, val_batches)
+        ]
+        mean, hist = evaluate_acceptance(target, draft, eval_prompts, args.eval_max_tokens, stop_tokens)
+        draft.train()
+        record = {
+            "step": step,
+            "val_loss": float(np.mean(val)) if val else None,
+            "acceptance": mean,
+            "hist": hist,
+        }
+        print(f"eval step {step}: val loss {record['val_loss']}, acceptance {mean:.2f} {hist}", flush=True)
+        return record
+
+    # ---- the loop ----
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = open(out / "metrics.jsonl", "a")
+    tic, tokens_done, losses = time.perf_counter(), 0, []
+    for it in range(start, min(args.iters, args.stop_at or args.iters)):
+        optimizer.learning_rate = get_lr(it, args)
+        batch = _to_mx(make_batch(train_ex, rng, **batch_kwargs))
+        taps = taps_for(batch, train_ex)
+        loss = step_fn(taps, *[batch[k] for k in _KEYS])
+        mx.eval(loss, state)
+        losses.append(loss.item())
+        tokens_done += int(batch["weights"].size)
+        step = it + 1
+        if step % args.log_every == 0 or step == args.iters:
+            elapsed = time.perf_counter() - tic
+            eta = elapsed / (step - start) * (args.iters - step)
+            # The mean training loss since the last progress line.
+            loss, losses = float(np.mean(losses)), []
+            _progress(step, args.iters, loss, tokens_done / elapsed, eta)
+            metrics.write(json.dumps({"step": step, "loss": loss, "lr": get_lr(it, args)}) + "\n")
+        if (args.eval_every and step % args.eval_every == 0) or step == args.iters:
+            metrics.write(json.dumps(run_eval(step)) + "\n")
+        if step % args.save_every == 0 or step in (args.iters, args.stop_at):
+            save_checkpoint(out, draft, config, optimizer, step, rng, args)
+        metrics.flush()
+    metrics.close()
+    draft.eval()
+    return draft
+
+
+_KEYS = ("blocks", "anchors", "starts", "labels", "weights")
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash-train", description="Train a DFlash drafter for an mlx-lm target."
+    )
+    for f in dataclasses.fields(TrainingArgs):
+        flag, help_text = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        if f.type is bool:
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
+        elif f.name == "target_layer_ids":
+            parser.add_argument(flag, type=int, nargs="+", default=None, help=help_text)
+        else:
+            kind = next((t for t in (int, float) if f.type is t or t in getattr(f.type, "__args__", ())), str)
+            choices = {"responses": ["generate", "dataset"], "dtype": list(DTYPES)}
+            parser.add_argument(
+                flag, type=kind, default=f.default, help=help_text, choices=choices.get(f.name)
+            )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        train(TrainingArgs(**vars(args)))
+    except DFlashError as e:
+        print(f"dflash-train: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

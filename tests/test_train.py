@@ -1,0 +1,239 @@
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from checkpoints import MASK_ID, VOCAB, write_draft, write_target
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from dflash_mlx import DFlashError, dflash_generate_step, load
+from dflash_mlx import target as tgt
+from dflash_mlx.cache import make_draft_cache
+from dflash_mlx.train import TrainingArgs, block_logits, block_mask, get_lr, main, train
+from dflash_mlx.train_data import generate_responses, make_batch, position_weights, read_prompts
+
+
+def _words(n: int, seed: int) -> str:
+    ids = np.random.default_rng(seed).integers(0, VOCAB - 4, n)
+    return " ".join(f"t{i}" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target, a prompt file and a response cache generated once for the module."""
+    root = tmp_path_factory.mktemp("train")
+    write_target(root / "target", layers=4)
+    prompts = root / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"messages": [{"role": "user", "content": _words(6 + i % 5, i)}]}) + "\n")
+        f.write(json.dumps({"text": "a corpus line, skipped"}) + "\n")
+    model, _, tokenizer = load(root / "target", dtype="float32")
+    cache = root / "data.jsonl"
+    generate_responses(model, tokenizer, read_prompts(prompts), cache, max_tokens=40, verbose=False)
+    return root, prompts, cache
+
+
+def _args(setup, out, **kwargs) -> TrainingArgs:
+    root, prompts, cache = setup
+    base = dict(
+        model=str(root / "target"), data=str(prompts), cache=str(cache), out=str(out), block_size=4,
+        num_layers=1, target_layer_ids=[1, 2], intermediate_size=64, iters=40, batch_size=2, blocks_per_seq=8,
+        max_seq_len=64, learning_rate=3e-3, warmup=2, val_examples=2, eval_every=0, eval_prompts=2,
+        eval_max_tokens=12, save_every=1000, log_every=1,
+    )  # fmt: skip
+    return TrainingArgs(**{**base, **kwargs})
+
+
+def test_data_step_is_greedy_and_resumable(setup, tmp_path):
+    root, prompts, _ = setup
+    model, _, tokenizer = load(root / "target", dtype="float32")
+    cache = tmp_path / "c.jsonl"
+    first = generate_responses(model, tokenizer, read_prompts(prompts), cache, max_prompts=2, max_tokens=20)
+    lines = cache.read_text().splitlines()
+    assert len(first) == 2 and len(lines) == 2
+    with open(cache, "a") as f:
+        f.write('{"key": "torn')  # an interrupted write
+    more = generate_responses(model, tokenizer, read_prompts(prompts), cache, max_prompts=4, max_tokens=20)
+    assert len(more) == 4 and cache.read_text().splitlines()[:2] == lines
+    assert len({ex["key"] for ex in more}) == 4
+    ex = more[3]
+    ref = [int(t) for t, _ in generate_step(mx.array(ex["prompt_ids"]), model, max_tokens=20)]
+    stop = next((i for i, t in enumerate(ref) if t in tokenizer.eos_token_ids), len(ref) - 1)
+    assert ex["response_ids"] == ref[: stop + 1]
+
+
+def test_batched_generation_matches_plain_loop(setup, tmp_path):
+    root, prompts, _ = setup
+    model, _, tokenizer = load(root / "target", dtype="float32")
+    plain = generate_responses(model, tokenizer, read_prompts(prompts), tmp_path / "a.jsonl", max_tokens=30)
+    batched = generate_responses(
+        model, tokenizer, read_prompts(prompts), tmp_path / "b.jsonl", max_tokens=30, batch_size=4
+    )
+    by_key = {ex["key"]: ex for ex in batched}
+    assert len(by_key) == len(plain) == 12
+    for ex in plain:
+        assert by_key[ex["key"]]["response_ids"] == ex["response_ids"]
+    assert any(ex["finish_reason"] == "stop" for ex in plain) or all(
+        len(e["response_ids"]) == 30 for e in plain
+    )
+
+
+def test_taps_with_fresh_cache_or_none(qwen3_pair):
+    model, _, _ = qwen3_pair
+    tokens = mx.array([[5, 9, 2, 77, 31, 8]])
+    logits_a, taps_a = tgt.forward_with_taps(model, tokens, make_prompt_cache(model), [0, 2])
+    logits_b, taps_b = tgt.forward_with_taps(model, tokens, [None] * tgt.num_layers(model), [0, 2])
+    assert mx.allclose(taps_a, taps_b, atol=1e-5) and mx.allclose(logits_a, logits_b, atol=1e-5)
+
+
+def test_make_batch_anchors_and_labels():
+    rng = np.random.default_rng(0)
+    examples = [
+        {"prompt_ids": [1, 2, 3], "response_ids": [10, 11, 12, 13, 14, 15]},
+        {"prompt_ids": [4, 5], "response_ids": [20, 21, 22]},
+    ]
+    w = position_weights(4, 2.0)
+    assert w[0] == 1.0 and np.all(np.diff(w) < 0)
+    b = make_batch(examples, rng, batch_size=3, blocks_per_seq=5, block_size=4, max_seq_len=64, mask_token_id=99,
+                   weights=w, pad_to=8)  # fmt: skip
+    L = b["tokens"].shape[1]
+    longest = max(int((row != 0).sum()) for row in b["tokens"])
+    assert L % 8 == 0 and longest <= L < longest + 8 and np.all(b["blocks"][:, 1:] == 99)
+    for n in range(15):
+        s, a = divmod(int(b["anchors"][n]), L)
+        assert b["starts"][n] == s * L
+        ids = b["tokens"][s]
+        ex = next(e for e in examples if list(ids[: len(e["prompt_ids"])]) == e["prompt_ids"])
+        T = len(ex["prompt_ids"]) + len(ex["response_ids"])
+        assert len(ex["prompt_ids"]) <= a <= T - 2  # anchors inside the response
+        assert b["blocks"][n, 0] == ids[a]
+        k = min(3, T - 1 - a)
+        assert list(b["labels"][n, :k]) == list(ids[a + 1 : a + 1 + k])
+        assert np.all(b["weights"][n, k:] == 0) and np.allclose(b["weights"][n, :k], w[:k])
+
+
+def test_block_mask_isolates_blocks(qwen3_pair):
+    model, draft, _ = qwen3_pair
+    B, L, W = draft.block_size, 32, len(draft.target_layer_ids) * 64
+    anchors, starts = mx.array([5, 20, 40, 50]), mx.array([0, 0, 32, 32])
+    mask = block_mask(anchors, starts, 2 * L, B)
+    assert mask.shape == (4, 1, B, 2 * L + B)
+    assert mask[2, 0, 0, :32].sum().item() == 0 and mask[2, 0, 3, 32:40].all().item()
+    assert mask[2, 0, 0, 40:64].sum().item() == 0 and mask[2, 0, 0, 64:].all().item()
+
+    taps = mx.random.normal((1, 2 * L, W))
+    blocks = mx.random.randint(0, VOCAB, (4, B))
+    ref = block_logits(draft, model, taps, blocks, anchors, starts)
+    # Other blocks' tokens, context at or after the anchor, another sequence: no effect on block 1.
+    other = blocks.at[0].add(1).at[2].add(1)
+    later = taps.at[:, 20:].add(1.0)
+    for t, bl in ((taps, other), (later, blocks)):
+        out = block_logits(draft, model, t, bl, anchors, starts)
+        assert mx.allclose(out[1], ref[1], atol=1e-5)
+    # Its own context before the anchor does change it (so the test above can fail).
+    earlier = block_logits(draft, model, taps.at[:, 19:20].add(1.0), blocks, anchors, starts)
+    assert not mx.allclose(earlier[1], ref[1], atol=1e-3)
+    assert mx.allclose(earlier[0], ref[0], atol=1e-5)
+
+
+def test_training_layout_matches_inference(qwen3_pair):
+    """A block trained in a packed slot sees exactly what propose() sees at generation time."""
+    model, draft, _ = qwen3_pair
+    ids = mx.random.randint(0, VOCAB - 4, (1, 30))
+    a, L = 21, 32
+    _, taps = tgt.forward_with_taps(model, ids, [None] * 4, draft.target_layer_ids)
+    packed = mx.concatenate(
+        [mx.random.normal((1, L, taps.shape[-1])), taps, mx.zeros((1, 2, taps.shape[-1]))], 1
+    )
+    block = mx.array([[ids[0, a].item()] + [MASK_ID] * (draft.block_size - 1)])
+    train_logits = block_logits(draft, model, packed, block, mx.array([L + a]), mx.array([L]))
+    infer_logits = draft.propose(model, block, taps[:, :a], make_draft_cache(draft))
+    assert mx.allclose(train_logits, infer_logits, atol=1e-4)
+
+
+def test_train_end_to_end(setup, tmp_path):
+    root, _, _ = setup
+    out = tmp_path / "draft"
+    train(_args(setup, out, eval_every=20))
+    losses = [r["loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r]
+    assert np.mean(losses[-5:]) < 0.8 * losses[0]
+    evals = [r for r in map(json.loads, open(out / "metrics.jsonl")) if "acceptance" in r]
+    assert [r["step"] for r in evals] == [20, 40] and all(r["acceptance"] >= 1 for r in evals)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 2]}
+    model, draft, tokenizer = load(root / "target", out, dtype="float32")
+    assert draft.block_size == 4 and draft.args.num_hidden_layers == 1
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _words(5, 99)}], add_generation_prompt=True
+    )
+    plain = [t for s in dflash_generate_step(prompt, model, None, max_tokens=20) for t in s.tokens]
+    spec = [t for s in dflash_generate_step(prompt, model, draft, max_tokens=20) for t in s.tokens]
+    assert spec == plain
+
+
+def test_resume_matches_uninterrupted(setup, tmp_path):
+    straight, split = tmp_path / "a", tmp_path / "b"
+    train(_args(setup, straight, iters=6, stop_at=None))
+    train(_args(setup, split, iters=6, stop_at=3))
+    state = json.loads((split / "training_state" / "state.json").read_text())
+    assert state["step"] == 3
+    train(_args(setup, split, iters=6, resume=True))
+    a = mx.load(str(straight / "model.safetensors"))
+    b = mx.load(str(split / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    # A fresh run with another seed differs, so the comparison above can fail.
+    train(_args(setup, tmp_path / "c", iters=6, seed=1))
+    c = mx.load(str(tmp_path / "c" / "model.safetensors"))
+    assert not all(mx.array_equal(a[k], c[k]).item() for k in a)
+
+
+def test_get_lr_schedule():
+    args = TrainingArgs(learning_rate=1.0, warmup=10, iters=110, min_lr_ratio=0.1)
+    lrs = [get_lr(i, args) for i in range(110)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(x >= y for x, y in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--block-size", "1"], "block_size must be at least 2"),
+        (["--target-layer-ids", "1", "7"], "target_layer_ids=[1, 7] must be distinct layers"),
+        (["--data", "missing.jsonl"], "does not exist"),
+        (["--iters", "0"], "iters must be at least 1"),
+        (["--max-seq-len", "4"], "max_seq_len=4 must be at least block_size=16"),
+    ],
+)
+def test_bad_arguments_one_line_errors(setup, tmp_path, capsys, extra, message):
+    root, prompts, cache = setup
+    argv = [
+        "--model",
+        str(root / "target"),
+        "--data",
+        str(prompts),
+        "--cache",
+        str(cache),
+        "--target-layer-ids",
+        "1",
+        "2",
+    ]
+    argv += ["--out", str(tmp_path / "o"), *extra]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and message in err and "\n" not in err
+
+
+def test_no_prompts_and_help(tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"text": "only corpus"}\n')
+    with pytest.raises(DFlashError, match="has no prompts"):
+        read_prompts(bad)
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "--blocks-per-seq" in capsys.readouterr().out
