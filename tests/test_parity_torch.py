@@ -4,8 +4,10 @@ Both sides load the same checkpoint folders (tests/checkpoints.py). The referenc
 when available, else on CPU; MLX runs on its default device.
 """
 
+import ast
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from safetensors.torch import save_file  # noqa: E402
 from torch_oracles import ScriptedReferenceDraft, train_agreeing_draft  # noqa: E402
 from transformers import DynamicCache, GenerationConfig  # noqa: E402
 
+import dflash_mlx  # noqa: E402
 from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache  # noqa: E402
 from dflash_mlx import target as tgt  # noqa: E402
 from dflash_mlx.reference import (  # noqa: E402
@@ -217,6 +220,15 @@ def test_end_to_end_random_drafter(pairs, kind, block_size):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_end_to_end_without_drafter(pairs, kind):
+    model, _, target, _ = pairs(kind)
+    prompt = _prompt(9)
+    steps = _mlx_steps(prompt, model, None, max_tokens=MAX_TOKENS)
+    assert steps == _ref_steps(prompt, target, None, max_tokens=MAX_TOKENS)
+    assert [t for s in steps for t in s[0]] == _hf_greedy(target, prompt, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("wrong_every", [0, 3])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_end_to_end_scripted_drafters(pairs, kind, wrong_every, block_size):
@@ -373,3 +385,19 @@ def test_reference_rejects_bad_input(dirs, pairs, tmp_path):
     shutil.copy(dirs["draft16"] / "model.safetensors", tmp_path)
     with pytest.raises(DFlashError, match="full-attention DFlash drafters only"):
         load_draft(tmp_path, device=DEVICE)
+
+
+def test_core_never_imports_torch():
+    # mlx-lm pulls in transformers (and so torch, when installed), so check our own sources.
+    root = Path(dflash_mlx.__file__).parent
+    sources = [p for p in root.rglob("*.py") if "reference" not in p.relative_to(root).parts]
+    sources += [p for d in ("tui", "convert") for p in (root.parent / d).rglob("*.py")]
+    offenders = []
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            if any("torch" in n.split(".") for n in names):  # torch itself or safetensors.torch
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert len(sources) > 5 and not offenders, offenders

@@ -99,10 +99,16 @@ def reference_generate_step(
         ReferenceStep: The tokens of each cycle with its acceptance counts.
 
     Raises:
-        DFlashError: On an empty prompt, ``max_tokens < 1`` or a bad ``block_size``.
+        DFlashError: On an empty prompt, ``max_tokens < 1``, a bad ``block_size``, or a
+          drafter on another device than the target.
     """
     ids, block_size = _check(prompt, draft, block_size, max_tokens)
     device = next(target.parameters()).device
+    if draft is not None and draft.fc.weight.device != device:
+        raise DFlashError(
+            f"The drafter is on {draft.fc.weight.device} but the target on {device}; "
+            "load both with load_reference(..., device=...)."
+        )
     tap_ids = draft.target_layer_ids if draft is not None else []
     cache = DynamicCache()
     draft_cache = draft.make_cache() if draft is not None else None
