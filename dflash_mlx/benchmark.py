@@ -1,0 +1,440 @@
+"""dflash-bench: plain decoding, mlx-lm speculative decoding, prompt lookup and DFlash, side by side.
+
+Every method runs in this one process on the same prompts after a warm-up; each number is the
+median of ``--runs`` runs. Greedy decoding is lossless, so all methods must emit the same tokens:
+the benchmark checks that too.
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import __version__
+from . import target as tgt
+from .errors import DFlashError
+from .generate import stream_generate
+from .lookup import PromptLookupDraft
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+METHODS = ("baseline", "mlx-spec", "lookup", "dflash")
+
+
+@dataclass
+class RunResult:
+    """One method on one prompt: medians over runs."""
+
+    method: str
+    block_size: int
+    prompt: int
+    category: str
+    tokens: int
+    generation_tps: float
+    prompt_tps: float
+    acceptance_lengths: list[int] = field(default_factory=list)
+    peak_memory_gb: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+
+
+def physical_limit(tau: float, t_ar: float, t_draft: float, t_verify: float) -> float:
+    """The best speedup a loop can reach: tau tokens per (draft + verify) against one AR step each."""
+    return tau * t_ar / (t_draft + t_verify)
+
+
+def efficiency(speedup: float, limit: float) -> float:
+    return speedup / limit if limit > 0 else 0.0
+
+
+def blas_in_use() -> str:
+    """Which BLAS this process's MLX calls (Linux CPU); 'Accelerate' on macOS."""
+    if sys.platform == "darwin":
+        return "Accelerate"
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    if "libopenblas" in maps:
+        return "OpenBLAS (preloaded)"
+    libs = sorted(set(re.findall(r"/\S*lib\S*blas\S*\.so\S*", maps)))
+    return f"reference BLAS bundled with MLX ({Path(libs[0]).name})" if libs else "unknown"
+
+
+def stamp() -> dict:
+    """Machine, versions, commit and BLAS: every result carries them."""
+    import mlx_lm
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "dflash_mlx": __version__,
+        "commit": commit or "unknown",
+        "blas": blas_in_use(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def load_prompts(path: Path, limit: int | None = None) -> list[dict]:
+    """Prompts from JSONL: each line has ``prompt`` (text) or ``messages``, and optional ``category``."""
+    if not path.is_file():
+        raise DFlashError(f"No prompts file at {path}; pass a JSONL file with --prompts.")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DFlashError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object.")
+        if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
+            raise DFlashError(f"{path}:{n} has neither 'prompt' nor 'messages'; add one of them.")
+        prompts.append(row)
+    if not prompts:
+        raise DFlashError(f"{path} holds no prompts.")
+    return prompts[:limit] if limit else prompts
+
+
+def encode(tokenizer, row: dict) -> list[int]:
+    messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+    if getattr(tokenizer, "chat_template", None) and not row.get("raw", False):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return tokenizer.encode(row.get("prompt") or messages[-1]["content"])
+
+
+def _time_stream(responses: Iterator, get_tokens: Callable) -> tuple[list[int], float, float, list[int]]:
+    """Drain a stream: (ids, seconds after the first token, seconds to the first token, acceptances)."""
+    ids, accept, first, tic, drafted = [], [], None, time.perf_counter(), 0
+    for r in responses:
+        if first is None:
+            first = time.perf_counter()
+        elif hasattr(r, "from_draft"):
+            # mlx-lm marks drafted tokens; the target's own token closes each cycle.
+            if r.from_draft:
+                drafted += 1
+            else:
+                accept.append(drafted + 1)
+                drafted = 0
+        ids.extend(get_tokens(r))
+        if getattr(r, "cycle", 0) > 0:
+            accept.append(r.acceptance_length)
+    end = time.perf_counter()
+    if drafted:
+        accept.append(drafted)
+    return ids, end - (first or end), (first or end) - tic, accept
+
+
+def make_runner(method: str, model, draft, ar_draft, tokenizer, block_size: int, num_draft: int, max_tokens: int):
+    """A function ``prompt ids -> (ids, gen seconds, prompt seconds, acceptances)`` for one method."""
+    if method in ("baseline", "mlx-spec"):
+        from mlx_lm.generate import stream_generate as mlx_lm_stream
+
+        kwargs = {"draft_model": ar_draft, "num_draft_tokens": num_draft} if method == "mlx-spec" else {}
+        return lambda ids: _time_stream(
+            mlx_lm_stream(model, tokenizer, ids, max_tokens=max_tokens, **kwargs), lambda r: [r.token]
+        )
+    proposer = PromptLookupDraft(block_size) if method == "lookup" else draft
+    return lambda ids: _time_stream(
+        stream_generate(model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=block_size),
+        lambda r: r.tokens,
+    )
+
+
+def measure(runner, ids: list[int], runs: int) -> tuple[list[int], float, float, list[int]]:
+    runner(ids)  # warm-up
+    results = [runner(ids) for _ in range(runs)]
+    out, _, _, accept = results[0]
+    gen = statistics.median(r[1] for r in results)
+    first = statistics.median(r[2] for r in results)
+    return out, gen, first, accept
+
+
+def component_times(model, draft, block_sizes: list[int], context: int = 64, repeats: int = 10) -> dict:
+    """Median seconds of one AR step, one verify pass of B tokens and one draft pass, at ``context``."""
+    from .cache import make_cache
+
+    def timed(fn) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            tic = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - tic)
+        return statistics.median(samples)
+
+    cache = make_cache(model, draft)
+    prompt = mx.array([[1] * context])
+    taps_ids = draft.target_layer_ids if draft is not None else []
+    _, taps = tgt.forward_with_taps(model, prompt, cache.target, taps_ids)
+    mx.eval(taps, [c.state for c in cache.target])
+
+    def target_pass(n):
+        def run():
+            out, t = tgt.forward_with_taps(model, mx.array([[1] * n]), cache.target, taps_ids)
+            mx.eval(out, t)
+            for c in cache.target:
+                c.trim(n)
+
+        return run
+
+    times = {"ar": timed(target_pass(1)), "verify": {}, "draft": {}}
+    if draft is not None:
+        for c in cache.draft:
+            c.update_and_fetch(*[mx.zeros((1, draft.args.num_key_value_heads, context, draft.args.head_dim))] * 2)
+    for b in block_sizes:
+        times["verify"][b] = timed(target_pass(b))
+        if draft is not None:
+            block = mx.array([[1] * draft.block_size])
+            times["draft"][b] = timed(lambda: mx.eval(draft.propose(model, block, None, cache.draft)))
+    return times
+
+
+def summarize(results: list[RunResult], times: dict, baseline: str = "baseline") -> list[dict]:
+    """Per method and block size: tok/s, speedup, tau, histogram, limit and efficiency."""
+    rows = []
+    base = [r for r in results if r.method == baseline]
+    base_tps = statistics.mean(r.generation_tps for r in base) if base else 0.0
+    keys = sorted({(r.method, r.block_size) for r in results}, key=lambda k: (METHODS.index(k[0]), k[1]))
+    for method, b in keys:
+        group = [r for r in results if (r.method, r.block_size) == (method, b)]
+        tps = statistics.mean(r.generation_tps for r in group)
+        accept = [a for r in group for a in r.acceptance_lengths]
+        tau = statistics.mean(accept) if accept else 1.0
+        row = {
+            "method": method,
+            "block_size": b,
+            "generation_tps": tps,
+            "prompt_tps": statistics.mean(r.prompt_tps for r in group),
+            "speedup": tps / base_tps if base_tps else 0.0,
+            "tau": tau,
+            "histogram": {k: accept.count(k) for k in sorted(set(accept))},
+            "peak_memory_gb": max(r.peak_memory_gb for r in group),
+        }
+        if method == "dflash" and b in times.get("verify", {}):
+            limit = physical_limit(tau, times["ar"], times["draft"][b], times["verify"][b])
+            row.update(limit=limit, efficiency=efficiency(row["speedup"], limit))
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict, times: dict) -> str:
+    lines = [
+        f"Machine: {meta['machine']} ({meta['device']}); BLAS: {meta['blas']}; mlx {meta['mlx']}, "
+        f"mlx-lm {meta['mlx_lm']}; commit {meta['commit']}; {meta['date']}",
+        "",
+        "| method | block | gen tok/s | speedup | tau | prompt tok/s | limit | efficiency | peak GB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        limit = f"{r['limit']:.2f}x" if "limit" in r else ""
+        eff = f"{100 * r['efficiency']:.0f}%" if "efficiency" in r else ""
+        lines.append(
+            f"| {r['method']} | {r['block_size']} | {r['generation_tps']:.1f} | {r['speedup']:.2f}x | "
+            f"{r['tau']:.2f} | {r['prompt_tps']:.0f} | {limit} | {eff} | {r['peak_memory_gb']:.2f} |"
+        )
+    if times.get("verify"):
+        lines += ["", f"Component times (ms): AR step {1e3 * times['ar']:.2f}"]
+        for b in sorted(times["verify"]):
+            d = times["draft"].get(b)
+            lines.append(f"- B={b}: verify {1e3 * times['verify'][b]:.2f}" + (f", draft {1e3 * d:.2f}" if d else ""))
+    return "\n".join(lines) + "\n"
+
+
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    """Speedup and acceptance against block size, and the acceptance histogram, as PNG files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    dflash = [r for r in rows if r["method"] == "dflash"]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+    ax[0].plot([r["block_size"] for r in dflash], [r["speedup"] for r in dflash], "o-", label="DFlash")
+    for r in rows:
+        if r["method"] != "dflash":
+            ax[0].axhline(r["speedup"], ls="--", lw=1, label=f"{r['method']}")
+    ax[0].set(xlabel="block size", ylabel="speedup vs baseline", title="Speedup")
+    ax[0].legend(fontsize=7)
+    ax[1].plot([r["block_size"] for r in dflash], [r["tau"] for r in dflash], "o-")
+    ax[1].set(xlabel="block size", ylabel="mean acceptance length", title="Acceptance")
+    fig.tight_layout()
+    paths = [out / "speedup.png"]
+    fig.savefig(paths[0], dpi=100)
+    plt.close(fig)
+    if dflash:
+        best = max(dflash, key=lambda r: r["block_size"])
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        hist = best["histogram"]
+        ax.bar(list(hist), list(hist.values()))
+        ax.set(xlabel="acceptance length", ylabel="cycles", title=f"DFlash B={best['block_size']}")
+        fig.tight_layout()
+        paths.append(out / "acceptance_histogram.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths
+
+
+def run_benchmark(
+    model: str | None = None,
+    draft: str | None = None,
+    ar_draft: str | None = None,
+    prompts: str | None = None,
+    num_prompts: int | None = None,
+    max_tokens: int = 128,
+    block_sizes: tuple[int, ...] = (4, 8, 16),
+    num_draft_tokens: int = 3,
+    runs: int = 3,
+    methods: tuple[str, ...] = METHODS,
+    dtype: str | None = "float32",
+    progress: bool = True,
+) -> dict:
+    """Run the methods on the prompts and return ``{"meta", "times", "rows", "runs"}``."""
+    from .loading import default_pair_path, load
+
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise DFlashError(f"Unknown method {bad[0]!r}; choose from {', '.join(METHODS)}.")
+    if runs < 1 or max_tokens < 1:
+        raise DFlashError(f"--runs and --max-tokens must be at least 1 (got {runs} and {max_tokens}).")
+    target, drafter, tokenizer = load(model, draft, dtype=dtype)
+    if "dflash" in methods and drafter is None:
+        raise DFlashError("The dflash method needs a drafter: pass --draft.")
+    bad_b = [b for b in block_sizes if drafter is not None and not 1 <= b <= drafter.block_size]
+    if bad_b:
+        raise DFlashError(f"Block size {bad_b[0]} is outside 1..{drafter.block_size}, the drafter's trained size.")
+    pair = default_pair_path()
+    ar_path = ar_draft or (str(pair / "ar-draft") if model is None else None)
+    ar = None
+    if "mlx-spec" in methods:
+        if ar_path is None or not Path(ar_path).is_dir():
+            raise DFlashError("The mlx-spec method needs a small autoregressive draft: pass --ar-draft FOLDER.")
+        from mlx_lm.utils import load_model
+
+        ar, _ = load_model(Path(ar_path))
+        if dtype:
+            ar.set_dtype(getattr(mx, dtype))
+    rows_in = load_prompts(Path(prompts) if prompts else pair / "prompts.jsonl", num_prompts)
+    plan = [(m, b) for m in methods for b in (block_sizes if m in ("dflash", "lookup") else (1,))]
+    results, total, done, start = [], len(plan) * len(rows_in), 0, time.perf_counter()
+    reference: dict[int, list[int]] = {}
+    mismatches = []
+    for i, row in enumerate(rows_in):
+        ids = encode(tokenizer, row)
+        for method, b in plan:
+            runner = make_runner(method, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens)
+            mx.reset_peak_memory()
+            out, gen_s, first_s, accept = measure(runner, ids, runs)
+            gen_tokens = max(len(out) - 1, 0)
+            # Losslessness check: every method must emit the first method's tokens.
+            ref = reference.setdefault(i, out)
+            if out != ref:
+                mismatches.append(f"{method} B={b} prompt {i}")
+            results.append(
+                RunResult(method, b, i, row.get("category", "all"), len(out),
+                          gen_tokens / gen_s if gen_s > 0 else 0.0, len(ids) / first_s if first_s > 0 else 0.0,
+                          accept, mx.get_peak_memory() / 1e9, out)
+            )
+            done += 1
+            if progress:
+                eta = (time.perf_counter() - start) / done * (total - done)
+                print(f"\r[{done}/{total}] {method} B={b} prompt {i + 1}: {results[-1].generation_tps:.1f} tok/s, "
+                      f"ETA {eta:.0f}s   ", end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    times = component_times(target, drafter, list(block_sizes)) if drafter is not None else {}
+    categories = sorted({r.category for r in results})
+    by_category = {c: summarize([r for r in results if r.category == c], times) for c in categories}
+    return {
+        "meta": {**stamp(), "max_tokens": max_tokens, "runs": runs, "prompts": len(rows_in), "dtype": dtype},
+        "times": times,
+        "rows": summarize(results, times),
+        "mismatches": mismatches,
+        "by_category": by_category if len(categories) > 1 else {},
+        "runs": [asdict(r) for r in results],
+    }
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-bench", description="Benchmark DFlash against its alternatives.")
+    p.add_argument("--model", default=None, help="Target (default: the embedded pair).")
+    p.add_argument("--draft", default=None, help="DFlash drafter (default: the embedded pair's).")
+    p.add_argument("--ar-draft", default=None, help="Small autoregressive draft for mlx-lm speculative decoding.")
+    p.add_argument("--prompts", default=None, help="JSONL prompts (default: the embedded held-out prompts).")
+    p.add_argument("--num-prompts", type=int, default=None, help="Use only the first N prompts.")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="Draft tokens for mlx-lm speculative decoding.")
+    p.add_argument("--runs", type=int, default=3, help="Timed runs per measurement (median).")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto",
+                   help="Linux CPU: preload OpenBLAS when installed (auto), require it, or keep MLX's own.")
+    p.add_argument("--json", default=None, help="Write the results as JSON here.")
+    p.add_argument("--markdown", default=None, help="Write the Markdown table here.")
+    p.add_argument("--plots", default=None, help="Write PNG plots into this folder.")
+    return p
+
+
+def _maybe_reexec_with_openblas(choice: str) -> None:
+    # LD_PRELOAD only takes effect at process start, so re-run ourselves with it set.
+    if sys.platform != "linux" or choice == "bundled" or "libopenblas" in os.environ.get("LD_PRELOAD", ""):
+        return
+    if not Path(OPENBLAS).exists():
+        if choice == "openblas":
+            raise DFlashError(f"OpenBLAS is not installed at {OPENBLAS}; apt-get install libopenblas0-pthread.")
+        return
+    env = {**os.environ, "LD_PRELOAD": OPENBLAS}
+    os.execve(sys.executable, [sys.executable, "-m", "dflash_mlx.benchmark", *sys.argv[1:]], env)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if args.max_tokens < 1 or args.runs < 1:
+        parser.error("--max-tokens and --runs must be at least 1.")
+    try:
+        if argv is None:
+            _maybe_reexec_with_openblas(args.blas)
+        result = run_benchmark(
+            model=args.model, draft=args.draft, ar_draft=args.ar_draft, prompts=args.prompts,
+            num_prompts=args.num_prompts, max_tokens=args.max_tokens, block_sizes=tuple(args.block_sizes),
+            num_draft_tokens=args.num_draft_tokens, runs=args.runs, methods=tuple(args.methods), dtype=args.dtype,
+        )
+    except DFlashError as e:
+        print(f"dflash-bench: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    table = markdown(result["rows"], result["meta"], result["times"])
+    if result["mismatches"]:
+        table += "\nOutputs that differ from the first method's (not lossless): " + ", ".join(result["mismatches"]) + "\n"
+    for category, rows in result["by_category"].items():
+        table += f"\n### {category}\n\n" + "\n".join(markdown(rows, result["meta"], {}).splitlines()[2:]) + "\n"
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.plots:
+        for path in plots(result["rows"], Path(args.plots)):
+            print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

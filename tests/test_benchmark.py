@@ -1,0 +1,85 @@
+import json
+
+import pytest
+from checkpoints import write_target
+
+from dflash_mlx import DFlashError
+from dflash_mlx.benchmark import efficiency, load_prompts, main, physical_limit, run_benchmark, summarize, RunResult
+
+
+def test_physical_limit_and_efficiency():
+    # tau 6 tokens per cycle; a cycle costs one draft (2 ms) + one verify (10 ms); an AR step 8 ms.
+    assert physical_limit(6.0, 0.008, 0.002, 0.010) == pytest.approx(4.0)
+    assert efficiency(3.0, 4.0) == pytest.approx(0.75)
+    assert efficiency(1.0, 0.0) == 0.0
+
+
+def test_summary_speedup_and_limit():
+    results = [
+        RunResult("baseline", 1, 0, "code", 10, 100.0, 500.0, [1] * 9),
+        RunResult("dflash", 16, 0, "code", 10, 250.0, 500.0, [4, 6]),
+    ]
+    times = {"ar": 0.01, "verify": {16: 0.015}, "draft": {16: 0.005}}
+    rows = {r["method"]: r for r in summarize(results, times)}
+    assert rows["dflash"]["speedup"] == pytest.approx(2.5)
+    assert rows["dflash"]["tau"] == pytest.approx(5.0)
+    assert rows["dflash"]["limit"] == pytest.approx(5.0 * 0.01 / 0.02)
+    assert rows["dflash"]["efficiency"] == pytest.approx(2.5 / 2.5)
+    assert rows["dflash"]["histogram"] == {4: 1, 6: 1}
+
+
+@pytest.fixture()
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "t1 t2 t3 t1 t2", "category": "a"}, {"prompt": "t5 t6 t7", "category": "b"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, capsys):
+    out = tmp_path / "out"
+    main([
+        "--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
+        "--ar-draft", str(pair_dirs["qwen3-untied"]), "--prompts", str(prompts), "--max-tokens", "12",
+        "--block-sizes", "4", "8", "--runs", "1", "--json", str(tmp_path / "r.json"),
+        "--markdown", str(tmp_path / "r.md"), "--plots", str(out),
+    ])
+    result = json.loads((tmp_path / "r.json").read_text())
+    methods = {(r["method"], r["block_size"]) for r in result["rows"]}
+    assert methods == {("baseline", 1), ("mlx-spec", 1), ("lookup", 4), ("lookup", 8), ("dflash", 4), ("dflash", 8)}
+    assert set(result["by_category"]) == {"a", "b"}
+    assert result["meta"]["blas"] and result["meta"]["mlx"]
+    # Lossless: every method emitted the same tokens on each prompt.
+    assert result["mismatches"] == []
+    for i in range(2):
+        assert len({tuple(r["output_ids"]) for r in result["runs"] if r["prompt"] == i}) == 1
+    table = (tmp_path / "r.md").read_text()
+    assert "| dflash | 8 |" in table and "BLAS" in table
+    assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "acceptance_histogram.png").is_file()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--methods", "dflash", "--block-sizes", "40"], "Block size 40 is outside 1..16"),
+        (["--methods", "mlx-spec"], "needs a small autoregressive draft"),
+    ],
+)
+def test_bad_arguments(pair_dirs, prompts, argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
+              "--prompts", str(prompts), *argv])
+    assert e.value.code == 1 and message in capsys.readouterr().err
+
+
+def test_bad_prompts_file(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"x": 1}\n')
+    with pytest.raises(DFlashError, match="has neither 'prompt' nor 'messages'"):
+        load_prompts(path)
+    path.write_text("{nope\n")
+    with pytest.raises(DFlashError, match="is not valid JSON"):
+        load_prompts(path)
+    with pytest.raises(DFlashError, match="No prompts file"):
+        load_prompts(tmp_path / "missing.jsonl")
