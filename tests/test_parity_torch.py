@@ -268,17 +268,20 @@ def test_end_to_end_stop_token_mid_block(pairs, kind, block_size):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_end_to_end_trained_drafter(trained, kind, block_size):
+def test_end_to_end_trained_drafter(trained, kind, block_size, record_property):
     model, draft, target, ref = trained(kind)
     prompt = _prompt(9)
     expected = _hf_greedy(target, prompt, MAX_TOKENS)
-    for max_tokens in (block_size + 1, MAX_TOKENS):
+    for max_tokens, chunk in ((block_size + 1, 512), (MAX_TOKENS, 512), (MAX_TOKENS, 4)):
         kwargs = dict(max_tokens=max_tokens, block_size=block_size)
-        steps = _mlx_steps(prompt, model, draft, **kwargs)
+        # A prefill in chunks of 4 hands the drafter its first context in several pieces.
+        steps = _mlx_steps(prompt, model, draft, prefill_step_size=chunk, **kwargs)
         assert steps == _ref_steps(prompt, target, ref, **kwargs)
         assert [t for s in steps for t in s[0]] == expected[:max_tokens]
     # The real drafter network agrees often, so acceptance lengths > 1 are compared.
-    assert max(s[1] + 1 for s in steps[1:]) > 1
+    lengths = [s[1] + 1 for s in steps[1:]]
+    assert max(lengths) > 1
+    record_property("acceptance_lengths", lengths)
 
 
 # --- transformers' own DFlash ----------------------------------------------------------------
