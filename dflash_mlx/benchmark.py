@@ -387,6 +387,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto",
                    help="Linux CPU: preload OpenBLAS when installed (auto), require it, or keep MLX's own.")
+    p.add_argument("--scaling", nargs="+", default=None, metavar="SHAPE",
+                   help="Scaling mode on random-weight targets of these shapes (qwen3-0.6b, qwen3-1.7b).")
+    p.add_argument("--replay", default=None, help="Results JSON of a normal run whose acceptance --scaling replays.")
     p.add_argument("--json", default=None, help="Write the results as JSON here.")
     p.add_argument("--markdown", default=None, help="Write the Markdown table here.")
     p.add_argument("--plots", default=None, help="Write PNG plots into this folder.")
@@ -413,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if argv is None:
             _maybe_reexec_with_openblas(args.blas)
+        if args.scaling:
+            return _scaling_main(args)
         result = run_benchmark(
             model=args.model, draft=args.draft, ar_draft=args.ar_draft, prompts=args.prompts,
             num_prompts=args.num_prompts, max_tokens=args.max_tokens, block_sizes=tuple(args.block_sizes),
@@ -434,6 +439,29 @@ def main(argv: list[str] | None = None) -> None:
     if args.plots:
         for path in plots(result["rows"], Path(args.plots)):
             print(f"wrote {path}")
+
+
+def _scaling_main(args) -> None:
+    from .bench_scaling import SHAPES, measure_shape, scaling_markdown
+
+    unknown = [s for s in args.scaling if s not in SHAPES]
+    if unknown:
+        raise DFlashError(f"Unknown shape {unknown[0]!r} for --scaling; choose from {', '.join(SHAPES)}.")
+    if not args.replay or not Path(args.replay).is_file():
+        raise DFlashError("--scaling needs --replay RESULTS.json, written by a normal run with --json.")
+    recorded = json.loads(Path(args.replay).read_text())
+    taus = {r["block_size"]: r["tau"] for r in recorded.get("rows", []) if r["method"] == "dflash"}
+    if not taus:
+        raise DFlashError(f"{args.replay} has no dflash rows to replay; run the benchmark with the dflash method.")
+    rows = [row for shape in args.scaling for row in measure_shape(shape, taus)]
+    meta = stamp()
+    table = f"Machine: {meta['machine']}; BLAS: {meta['blas']}; mlx {meta['mlx']}; commit {meta['commit']}\n\n"
+    table += scaling_markdown(rows)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "scaling": rows}, indent=1))
 
 
 if __name__ == "__main__":

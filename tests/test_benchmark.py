@@ -83,3 +83,24 @@ def test_bad_prompts_file(tmp_path):
         load_prompts(path)
     with pytest.raises(DFlashError, match="No prompts file"):
         load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_scaling_mode_on_a_small_shape(tmp_path, monkeypatch, capsys):
+    from dflash_mlx import bench_scaling
+
+    tiny = dict(hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, vocab_size=256)
+    monkeypatch.setitem(bench_scaling.SHAPES, "tiny", tiny)
+    replay = tmp_path / "r.json"
+    replay.write_text(json.dumps({"rows": [{"method": "dflash", "block_size": 4, "tau": 3.0}]}))
+    main(["--scaling", "tiny", "--replay", str(replay), "--json", str(tmp_path / "s.json")])
+    rows = json.loads((tmp_path / "s.json").read_text())["scaling"]
+    assert rows[0]["shape"] == "tiny" and rows[0]["tau"] == 3.0
+    assert rows[0]["projected_speedup"] == pytest.approx(3.0 * rows[0]["ar_step_ms"] / rows[0]["cycle_ms"])
+    assert "projected speedup" in capsys.readouterr().out
+
+
+def test_scaling_needs_a_replay(capsys):
+    with pytest.raises(SystemExit):
+        main(["--scaling", "qwen3-0.6b"])
+    assert "--scaling needs --replay" in capsys.readouterr().err
