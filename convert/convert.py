@@ -427,9 +427,7 @@ def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
 def _format_pairs() -> str:
     lines = []
     for p in registry.KNOWN_PAIRS:
-        supported = (
-            "" if p.model_type in tgt.SUPPORTED_MODEL_TYPES else f"  (model_type {p.model_type}: not yet)"
-        )
+        supported = "" if p.model_type in tgt.SUPPORTED_MODEL_TYPES else f"  (needs {p.model_type} support)"
         lines.append(f"{p.target:36} -> {p.draft}{supported}")
     return "\n".join(lines)
 
