@@ -388,6 +388,11 @@ def test_reference_rejects_bad_input(dirs, pairs, tmp_path):
     shutil.copy(dirs["draft16"] / "model.safetensors", tmp_path)
     with pytest.raises(DFlashError, match="full-attention DFlash drafters only"):
         load_draft(tmp_path, device=DEVICE)
+    del config["layer_types"]
+    config["intermediate_size"] = 96
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashError, match="do not fit its config \\(size mismatch for layers"):
+        load_draft(tmp_path, device=DEVICE)
 
 
 def test_core_never_imports_torch():

@@ -315,7 +315,13 @@ def load_draft(
             # Exports may carry the target's embedding or head; the drafter borrows them.
             if not k.startswith(("embed_tokens.", "lm_head.")) and "rotary_emb" not in k:
                 weights[k] = v
-    missing, unexpected = draft.load_state_dict(weights, strict=False)
+    try:
+        missing, unexpected = draft.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise DFlashError(
+            f"The drafter weights in {path} do not fit its config ({str(e).splitlines()[-1].strip()}). "
+            "The config and the weights do not belong together."
+        ) from e
     if missing or unexpected:
         raise DFlashError(
             f"The drafter weights in {path} do not match its config: missing {sorted(missing)[:3]}, "
