@@ -342,6 +342,10 @@ def convert(
         draft_id, draft_src = _draft_source(draft_hf_path, hf_path, revision)
         progress.step("checking the pairing")
         draft_config = read_config(draft_src, "drafter")
+        if draft_q_bits and "quantization" in draft_config:
+            raise DFlashError(
+                f"The drafter {draft_id} is already quantized; drop --draft-q-bits to convert it as it is."
+            )
         draft_dtype = _draft_dtype(dtype, target_config, draft_config)
         draft = _load_checked_draft(target_src, draft_src, draft_dtype)
 
@@ -362,7 +366,10 @@ def convert(
                     dtype=dtype,
                 )
             progress.step("converting the drafter")
-            quantization = quantize_draft(draft, draft_q_bits, draft_q_group_size) if draft_q_bits else None
+            # An already quantized drafter (an earlier conversion) keeps its quantization.
+            quantization = draft_config.get("quantization")
+            if draft_q_bits:
+                quantization = quantize_draft(draft, draft_q_bits, draft_q_group_size)
             config = normalized_config(draft_config, draft, dtype=draft_dtype, quantization=quantization)
             save_draft(tmp / "draft", draft, config)
             del draft

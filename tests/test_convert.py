@@ -119,6 +119,18 @@ def test_convert_quantized_is_lossless(hf, tmp_path, q_bits, draft_q_bits):
         assert not mx.allclose(model(x), ref_model(x), atol=1e-4)
 
 
+def test_quantized_drafter_converts_again_as_it_is(hf, tmp_path):
+    _convert(hf, tmp_path / "q8", draft_q_bits=8, check=False)
+    source = str(tmp_path / "q8" / "draft")
+    result = _convert(hf, tmp_path / "pair", draft_hf_path=source)
+    assert result.check.tokens_match
+    draft = load(tmp_path / "pair")[1]
+    assert draft.fc.bits == 8
+    assert mx.array_equal(draft.fc.weight, load(tmp_path / "q8")[1].fc.weight)
+    with pytest.raises(DFlashError, match="is already quantized; drop --draft-q-bits"):
+        _convert(hf, tmp_path / "again", draft_hf_path=source, draft_q_bits=4)
+
+
 def test_drafter_config_is_normalized_keeping_original_fields(hf, tmp_path):
     # A top-level layout without mask_token_id: the tokenizer's mask token gets written.
     src = tmp_path / "flat-draft"
