@@ -1,0 +1,370 @@
+import json
+import os
+
+import pytest
+from checkpoints import write_draft, write_target
+from snapshot_app import ACCEPTANCE, REPLY, FakeStream
+
+from dflash_mlx import DFlashError
+from dflash_mlx.tui.app import ChatApp, MLXEngine, main, setup_arg_parser
+from dflash_mlx.tui.commands import Settings, parse_command, save_transcript
+from dflash_mlx.tui.widgets import ErrorScreen, HelpNote, Note, PromptInput, Reply, UserMessage
+
+SIZE = (100, 30)
+
+
+async def wait_until(pilot, condition, timeout: float = 30.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError("timed out waiting for the app")
+
+
+async def ready(pilot) -> None:
+    await wait_until(pilot, lambda: pilot.app.info is not None)
+
+
+async def send(pilot, text: str) -> None:
+    pilot.app.query_one(PromptInput).load_text(text)
+    await pilot.press("enter")
+
+
+async def finish(pilot) -> None:
+    await pilot.app.workers.wait_for_complete()
+    await wait_until(pilot, lambda: not pilot.app.generating)
+    await pilot.pause()
+
+
+def panel(app) -> str:
+    return str(app.query_one("#live").render())
+
+
+def notes(app) -> list[str]:
+    return [str(n.render()) for n in app.query(Note)]
+
+
+# ---- fake stream: transcript, live stats, keys -----------------------------------------------
+
+
+async def test_reply_streams_into_transcript_with_stats():
+    fake = FakeStream()
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press(*"hello", "enter")
+        await finish(pilot)
+        assert [str(m.render()) for m in app.query(UserMessage)] == ["hello"]
+        reply = app.query_one(Reply)
+        assert reply.body.source == "".join(REPLY)
+        assert app.turns[0] == {"role": "user", "content": "hello"}
+        assert app.turns[1]["content"] == "".join(REPLY)
+        assert fake.calls[0][0] == [{"role": "user", "content": "hello"}]
+        # The numbers come from the responses: mean of the scripted acceptance lengths.
+        cycles = len(REPLY) - 1
+        mean = sum(ACCEPTANCE[:cycles]) / cycles
+        tokens = 1 + sum(ACCEPTANCE[:cycles])
+        stats = str(reply.query_one(".reply-stats").render())
+        assert f"accept {mean:.2f}/16 over {cycles} cycles" in stats
+        assert f"{tokens} tok" in stats and "prefill 12 tok @ 100 tok/s" in stats and "stop" in stats
+        live = panel(app)
+        assert f"accept now  {ACCEPTANCE[cycles - 1]:>6}" in live
+        assert f"accept mean {mean:>6.2f}" in live
+        assert "TTFT          0.12 s" in live and "peak mem      1.25 GB" in live
+        assert app.query_one(PromptInput).text == ""
+
+
+async def test_stats_update_while_streaming():
+    fake = FakeStream(pause_after=3)
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hi")
+        await wait_until(pilot, lambda: app.reply_stats is not None and app.reply_stats.cycles == 2)
+        assert app.generating and "generating" in str(app.query_one("#state").render())
+        live = panel(app)
+        assert f"accept now  {ACCEPTANCE[1]:>6}" in live
+        assert f"accept mean {(ACCEPTANCE[0] + ACCEPTANCE[1]) / 2:>6.2f}" in live
+        # Two cycles of 50 ms: tok/s now is the tokens of the window over its time.
+        assert f"tok/s now   {(ACCEPTANCE[0] + ACCEPTANCE[1]) / 0.1:>6.1f}" in live
+        assert app.query_one(Reply).body.source == "".join(REPLY[:3])
+        fake.gate.set()
+        await finish(pilot)
+        assert "ready" in str(app.query_one("#state").render())
+        assert app.conversation.lengths == ACCEPTANCE[: len(REPLY) - 1]
+
+
+async def test_escape_stops_and_keeps_partial_reply():
+    fake = FakeStream(pause_after=4)
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "tell me")
+        await wait_until(pilot, lambda: fake.produced == 4)
+        await pilot.press("escape")
+        fake.gate.set()
+        await finish(pilot)
+        # The response in flight when Esc came is kept (the library already committed it).
+        partial = "".join(REPLY[:5])
+        assert fake.closed and fake.produced == 5
+        assert app.query_one(Reply).body.source == partial
+        assert app.turns[-1]["content"] == partial
+        assert "stopped (Esc)" in app.turns[-1]["stats"]
+        # The next turn sends the partial reply as history.
+        await send(pilot, "go on")
+        await finish(pilot)
+        assert fake.calls[1][0][1] == {"role": "assistant", "content": partial}
+
+
+async def test_enter_while_generating_keeps_the_text():
+    fake = FakeStream(pause_after=2)
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "first")
+        await wait_until(pilot, lambda: fake.produced == 2)
+        await send(pilot, "second")
+        assert app.query_one(PromptInput).text == "second"
+        assert len(fake.calls) == 1
+        fake.gate.set()
+        await finish(pilot)
+        await pilot.press("enter")
+        await finish(pilot)
+        assert fake.calls[1][0][-1] == {"role": "user", "content": "second"}
+        assert app.query_one(PromptInput).text == ""
+
+
+async def test_ctrl_j_adds_a_newline_and_up_recalls_history():
+    fake = FakeStream()
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("a", "ctrl+j", "b", "enter")
+        await finish(pilot)
+        assert fake.calls[0][0][-1]["content"] == "a\nb"
+        await pilot.press("up")
+        assert app.query_one(PromptInput).text == "a\nb"
+
+
+# ---- slash commands -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line, field, value",
+    [
+        ("/block 4", "block_size", 4),
+        ("/temp 0.7", "temp", 0.7),
+        ("/max 64", "max_tokens", 64),
+        ("/dflash off", "dflash", False),
+    ],
+)
+async def test_setting_commands_apply_to_the_next_reply(line, field, value):
+    fake = FakeStream()
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, line)
+        await pilot.pause()
+        assert getattr(app.settings, field) == value
+        assert app.query_one(PromptInput).text == ""
+        bar = str(app.query_one("#settings-bar").render())
+        assert app.settings.describe(16) in bar
+        await send(pilot, "hi")
+        await finish(pilot)
+        assert getattr(fake.calls[0][1], field) == value
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ("/block 0", "integer from 1 to 16"),
+        ("/block 17", "integer from 1 to 16"),
+        ("/block x", "got 'x'"),
+        ("/temp -1", "number from 0"),
+        ("/temp nan", "number from 0"),
+        ("/max 0", "integer from 1"),
+        ("/max", "got nothing"),
+        ("/dflash maybe", "on or off"),
+        ("/save", "a file name"),
+        ("/save notes.exe", ".md or .json"),
+        ("/frobnicate", "Unknown command '/frobnicate'"),
+    ],
+)
+async def test_bad_commands_say_why_and_change_nothing(line, expected):
+    app = ChatApp(FakeStream())
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        before = app.settings
+        await send(pilot, line)
+        await pilot.pause()
+        assert app.settings == before
+        errors = [str(n.render()) for n in app.query(".note.error")]
+        assert len(errors) == 1 and expected in errors[0]
+
+
+async def test_help_and_clear():
+    fake = FakeStream()
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "/help")
+        await pilot.pause()
+        assert "/dflash on|off" in app.query_one(HelpNote).source
+        await send(pilot, "hi")
+        await finish(pilot)
+        assert app.turns and app.conversation.lengths
+        await send(pilot, "/clear")
+        await finish(pilot)
+        assert app.turns == [] and app.conversation.lengths == []
+        assert not app.query(Reply) and not app.query(UserMessage)
+        await send(pilot, "again")
+        await finish(pilot)
+        assert fake.calls[1][0] == [{"role": "user", "content": "again"}]
+
+
+async def test_save_markdown_json_and_no_silent_overwrite(tmp_path):
+    app = ChatApp(FakeStream())
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hi")
+        await finish(pilot)
+        md, js = tmp_path / "chat.md", tmp_path / "chat.json"
+        await send(pilot, f"/save {md}")
+        await send(pilot, f"/save {js}")
+        await pilot.pause()
+        text = md.read_text()
+        assert "## User\n\nhi" in text and "".join(REPLY) in text and "accept" in text
+        data = json.loads(js.read_text())
+        assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
+        assert data["settings"]["max_tokens"] == app.settings.max_tokens
+        # A second /save refuses; /save! overwrites.
+        md.write_text("keep me")
+        await send(pilot, f"/save {md}")
+        await pilot.pause()
+        assert md.read_text() == "keep me"
+        assert "exists" in notes(app)[-1] and "/save!" in notes(app)[-1]
+        await send(pilot, f"/save! {md}")
+        await pilot.pause()
+        assert "## Assistant" in md.read_text()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.json", "chat.md"]
+
+
+def test_interrupted_save_leaves_no_file(tmp_path, monkeypatch):
+    def fail(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", fail)
+    with pytest.raises(KeyboardInterrupt):
+        save_transcript(tmp_path / "chat.md", [{"role": "user", "content": "x"}], Settings())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parse_command_is_pure_and_checks_drafter():
+    s = Settings()
+    assert parse_command("/block 8", s, max_block_size=8).settings.block_size == 8
+    assert not parse_command("/block 9", s, max_block_size=8).ok
+    assert not parse_command("/dflash on", s, has_draft=False).ok
+    assert not parse_command("/block 2", s, has_draft=False).ok
+    assert parse_command("/DFLASH OFF", s).settings.dflash is False
+    assert s == Settings()
+
+
+# ---- loading errors and the command line ----------------------------------------------------
+
+
+async def test_load_error_shows_a_screen_not_a_traceback(tmp_path):
+    app = ChatApp(MLXEngine(str(tmp_path / "no-such-model")))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, ErrorScreen))
+        message = str(app.screen.query_one("#error-message").render())
+        assert "neither an existing folder nor a Hugging Face id" in message
+        await pilot.press("q")
+    assert app.return_code == 1
+
+
+def test_default_pair_error_is_a_dflash_error(monkeypatch, tmp_path):
+    from dflash_mlx import loading
+
+    monkeypatch.setattr(loading, "default_pair_path", lambda: tmp_path / "dflash-tiny")
+    with pytest.raises(DFlashError, match="embedded default pair is missing"):
+        MLXEngine().load()
+
+
+def test_cli_help_and_bad_arguments(capsys):
+    assert "--block-size" in setup_arg_parser().format_help()
+    for argv, expected in ([["--max-tokens", "0"], "--max-tokens"], [["--temp", "-1"], "--temp"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and expected in capsys.readouterr().err
+
+
+# ---- a real tiny pair -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat-pair")
+    write_target(root / "target")
+    write_draft(root / "draft")
+    return str(root / "target"), str(root / "draft")
+
+
+async def test_real_pair_multi_turn_prefills_only_new_tokens(pair):
+    engine = MLXEngine(*pair)
+    app = ChatApp(engine, settings=Settings(max_tokens=12))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert app.info.has_draft and app.info.max_block_size == 16
+        await send(pilot, "t1 t2 t3")
+        await finish(pilot)
+        first = app.reply_stats
+        tok = engine.tokenizer
+        history = [{"role": t["role"], "content": t["content"]} for t in app.turns]
+        assert first.prompt_tokens == len(tok.apply_chat_template(history[:1], add_generation_prompt=True))
+        assert first.tokens == 12 and first.finish_reason == "length"
+        assert 1 <= first.mean_acceptance_length <= 16 and first.tps > 0 and first.prompt_tps > 0
+        assert app.turns[1]["content"].strip()
+
+        await send(pilot, "t4 t5")
+        await finish(pilot)
+        second = app.reply_stats
+        history.append({"role": "user", "content": "t4 t5"})
+        whole = len(tok.apply_chat_template(history, add_generation_prompt=True))
+        # Only the closing of the last reply and the new message are prefilled.
+        assert 0 < second.prompt_tokens < whole - first.prompt_tokens
+        assert second.context_tokens == len(engine.cache.tokens) == engine.cache.offset
+        assert f"prefill {second.prompt_tokens} tok" in app.turns[-1]["stats"]
+
+
+async def test_real_pair_dflash_off_gives_the_same_greedy_reply(pair):
+    app = ChatApp(MLXEngine(*pair), settings=Settings(max_tokens=20))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "t7 t8 t9")
+        await finish(pilot)
+        with_dflash, fresh_prefill = app.turns[1]["content"], app.reply_stats.prompt_tokens
+        for line in ("/clear", "/dflash off", "/block 4"):
+            await send(pilot, line)
+            await finish(pilot)
+        assert app.settings.dflash is False and app.settings.block_size == 4
+        await send(pilot, "t7 t8 t9")
+        await finish(pilot)
+        assert app.turns[1]["content"] == with_dflash
+        # /clear dropped the cache: the whole prompt is prefilled again.
+        assert app.reply_stats.prompt_tokens == fresh_prefill
+        assert "DFlash off" in app.turns[1]["stats"]
+
+
+async def test_real_pair_escape_keeps_partial_and_cache_in_sync(pair):
+    engine = MLXEngine(*pair)
+    app = ChatApp(engine, settings=Settings(max_tokens=4000, block_size=2))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "t3 t4")
+        await wait_until(pilot, lambda: app.reply_stats.cycles >= 3)
+        await pilot.press("escape")
+        await finish(pilot)
+        stats = app.reply_stats
+        assert stats.finish_reason == "stopped (Esc)" and 3 <= stats.tokens < 4000
+        assert app.turns[-1]["content"] == app.query_one(Reply).body.source
+        assert engine.cache.offset == len(engine.cache.tokens) == stats.context_tokens

@@ -1,0 +1,489 @@
+"""dflash-chat: chat with a target + DFlash drafter pair and watch the drafter work.
+
+The app never touches MLX. ``MLXEngine`` loads the models and runs every MLX call on one
+dedicated thread (MLX streams are per thread); a Textual thread worker drives it and posts
+plain-Python messages (``messages.py``) that the UI turns into text and numbers.
+"""
+
+import argparse
+import sys
+from dataclasses import replace
+import queue
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.widgets import Footer, Markdown, Static
+from textual.worker import get_current_worker
+
+from ..errors import DFlashError
+from .commands import HELP, Settings, parse_command, save_transcript
+from .messages import ConversationStats, Delta, LoadFailed, ModelReady, ReplyDone, ReplyStats
+from .widgets import ErrorScreen, HelpNote, Note, PromptInput, Reply, StatsPanel, Transcript, UserMessage
+
+StreamFn = Callable[[list[dict[str, str]], Settings], Iterator[Any]]
+
+WELCOME = "Type a message and press Enter. Ctrl+J adds a new line, Esc stops a reply, /help lists commands."
+
+
+class MLXThread:
+    """One long-lived daemon thread that runs every MLX call handed to it, in order.
+
+    It never exits: a thread that used MLX and ends while the process shuts down can abort
+    the process ("terminate called without an active exception", seen with MLX 0.32 on Linux).
+    """
+
+    def __init__(self, name: str = "dflash-mlx"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, args, future = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:
+                    future.set_exception(e)
+
+    def run(self, fn: Callable, *args, timeout: float | None = None) -> Any:
+        """Run ``fn(*args)`` on the thread and return its result (or raise its exception)."""
+        future: Future = Future()
+        self._jobs.put((fn, args, future))
+        return future.result(timeout)
+
+
+class MLXEngine:
+    """A target + drafter pair and one conversation cache, driven from any thread.
+
+    Every MLX call (loading, prefill, drafting, verifying) runs on one private thread, so
+    the thread-local generation stream and the cache's arrays always stay on the thread that
+    made them. Callers only ever get plain Python values back.
+
+    Args:
+        model: Target folder or Hugging Face id; None loads the embedded default pair.
+        draft: Drafter folder or Hugging Face id; None with ``model`` means plain decoding.
+        dtype: Cast both models to this dtype (see ``dflash_mlx.load``).
+    """
+
+    def __init__(self, model: str | None = None, draft: str | None = None, *, dtype: str | None = None):
+        self.model_path, self.draft_path, self.dtype = model, draft, dtype
+        self._thread = MLXThread()
+        self.model = self.draft = self.tokenizer = self.cache = None
+        self.context_tokens: int | None = None
+        self._closing = False
+
+    def _run(self, fn: Callable, *args) -> Any:
+        return self._thread.run(fn, *args)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Wait until the cycle in flight (if any) is done, so the process can exit cleanly."""
+        self._closing = True
+        try:
+            self._thread.run(lambda: None, timeout=timeout)
+        except FutureTimeoutError:
+            pass
+
+    def load(self) -> dict[str, Any]:
+        """Load the pair (blocking). Returns what ``ModelReady`` needs. Raises ``DFlashError``."""
+        return self._run(self._load)
+
+    def _load(self) -> dict[str, Any]:
+        from ..cache import make_cache
+        from ..loading import DEFAULT_PAIR, load
+
+        self.model, self.draft, self.tokenizer = load(self.model_path, self.draft_path, dtype=self.dtype)
+        self.cache = make_cache(self.model, self.draft)
+        if self.model_path is None:
+            name = DEFAULT_PAIR
+        else:
+            name = Path(self.model_path).name
+            name += f" + {Path(self.draft_path).name}" if self.draft_path else " (no drafter)"
+        return {
+            "name": name,
+            "has_draft": self.draft is not None,
+            "max_block_size": self.draft.block_size if self.draft is not None else None,
+            "chat_template": getattr(self.tokenizer, "chat_template", None) is not None,
+        }
+
+    def reset(self) -> None:
+        """Forget the conversation (a fresh cache)."""
+
+        def _reset():
+            from ..cache import make_cache
+
+            if self.model is not None:
+                self.cache = make_cache(self.model, self.draft)
+            self.context_tokens = 0
+
+        self._run(_reset)
+
+    def _prompt(self, messages: list[dict[str, str]], system_prompt: str | None) -> list[int] | str:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            # A base model: the conversation is one running text to continue.
+            return (system_prompt or "") + "".join(m["content"] for m in messages)
+        if system_prompt:
+            messages = [{"role": "system", "content": system_prompt}, *messages]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def _start(self, messages: list[dict[str, str]], settings: Settings):
+        from mlx_lm.sample_utils import make_sampler
+
+        from ..generate import stream_generate
+
+        if self.draft is not None:
+            # Off keeps the drafter, verifying one token per pass, so its cache stays in sync.
+            block_size = settings.block_size if settings.dflash else 1
+        else:
+            block_size = None
+        return stream_generate(
+            self.model,
+            self.draft,
+            self.tokenizer,
+            self._prompt(messages, settings.system_prompt),
+            max_tokens=settings.max_tokens,
+            block_size=block_size,
+            sampler=make_sampler(settings.temp),
+            prompt_cache=self.cache,
+        )
+
+    def __call__(self, messages: list[dict[str, str]], settings: Settings) -> Iterator[Any]:
+        """Stream a reply to ``messages`` as ``GenerationResponse`` objects, reusing the cache.
+
+        Closing this generator stops generation after the current cycle; the cache then holds
+        the partial reply, so the next turn still prefills only its new tokens.
+        """
+        responses = self._run(self._start, messages, settings)
+        try:
+            while not self._closing and (response := self._run(next, responses, None)) is not None:
+                yield response
+        finally:
+            self._run(responses.close)
+            self.context_tokens = self._run(lambda: len(self.cache.tokens))
+
+
+class StreamEngine:
+    """Adapts a bare ``stream_fn(messages, settings)`` (a fake in tests, another backend)."""
+
+    def __init__(self, stream_fn: StreamFn, *, name: str = "custom stream", max_block_size: int = 16):
+        self.stream_fn, self.name, self.max_block_size = stream_fn, name, max_block_size
+        self.context_tokens: int | None = None
+
+    def load(self) -> dict[str, Any]:
+        return {"name": self.name, "has_draft": True, "max_block_size": self.max_block_size, "chat_template": True}
+
+    def reset(self) -> None:
+        pass
+
+    def __call__(self, messages: list[dict[str, str]], settings: Settings) -> Iterator[Any]:
+        return self.stream_fn(messages, settings)
+
+
+class ChatApp(App):
+    """The chat: a transcript with streamed Markdown replies, live DFlash stats, slash commands.
+
+    Args:
+        engine: An ``MLXEngine``, or any callable ``(messages, settings) -> iterator of
+          GenerationResponse``-like objects (tests pass a fake generator).
+        settings: The initial settings (block size, temperature, ...).
+    """
+
+    CSS_PATH = "chat.tcss"
+    TITLE = "dflash-chat"
+    BINDINGS = [
+        Binding("escape", "stop", "Stop reply", priority=True),
+        Binding("ctrl+l", "clear", "Clear"),
+        Binding("f1", "help", "Help"),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+    ]
+
+    def __init__(self, engine: MLXEngine | StreamFn, *, settings: Settings | None = None):
+        super().__init__()
+        self.engine = engine if hasattr(engine, "load") else StreamEngine(engine)
+        self.settings = settings or Settings()
+        self.info: ModelReady | None = None
+        self.turns: list[dict[str, str]] = []
+        self.conversation = ConversationStats()
+        self.reply_stats: ReplyStats | None = None
+        self.generating = False
+        self._reply: Reply | None = None
+        self._reply_text = ""
+        self._stream = None
+
+    def compose(self) -> ComposeResult:
+        yield Static("", id="settings-bar")
+        with Horizontal(id="body"):
+            yield Transcript(id="transcript")
+            yield StatsPanel(id="stats")
+        yield PromptInput(id="prompt")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(Transcript).mount(Note(WELCOME))
+        self.query_one(PromptInput).focus()
+        self._refresh()
+        self.load_models()
+
+    # ---- the model thread -------------------------------------------------------------
+
+    @work(thread=True, exclusive=True, group="load")
+    def load_models(self) -> None:
+        try:
+            info = self.engine.load()
+        except DFlashError as e:
+            self.post_message(LoadFailed(str(e)))
+        except Exception as e:  # a readable screen beats a traceback for any failure here
+            self.post_message(LoadFailed(f"{type(e).__name__}: {e}"))
+        else:
+            self.post_message(ModelReady(**info))
+
+    @work(thread=True, exclusive=True, group="generate")
+    def generate_reply(self, messages: list[dict[str, str]], settings: Settings) -> None:
+        worker = get_current_worker()
+        stream = self.engine(messages, settings)
+        reason, error = None, None
+        try:
+            for response in stream:
+                self.post_message(Delta.from_response(response))
+                reason = response.finish_reason or reason
+                if worker.is_cancelled and reason is None:
+                    reason = "cancelled"
+                    break
+        except DFlashError as e:
+            reason, error = "error", str(e)
+        except Exception as e:
+            reason, error = "error", f"{type(e).__name__}: {e}"
+        finally:
+            if hasattr(stream, "close"):
+                stream.close()
+        context = getattr(self.engine, "context_tokens", None)
+        self.post_message(ReplyDone(reason or "stop", error, context))
+
+    # ---- messages from the model thread -----------------------------------------------
+
+    def on_model_ready(self, message: ModelReady) -> None:
+        self.info = message
+        if not message.has_draft:
+            self.settings = replace(self.settings, dflash=False, block_size=None)
+        elif self.settings.block_size and self.settings.block_size > message.max_block_size:
+            self._note(
+                f"--block-size {self.settings.block_size} is larger than the drafter's block size "
+                f"{message.max_block_size}; using {message.max_block_size}.",
+                error=True,
+            )
+            self.settings = replace(self.settings, block_size=None)
+        if not message.chat_template:
+            self._note("This model has no chat template: it continues your text as a completion pad.")
+        self._refresh()
+
+    def on_load_failed(self, message: LoadFailed) -> None:
+        self.push_screen(ErrorScreen("dflash-chat could not load the models", message.error))
+
+    async def on_delta(self, d: Delta) -> None:
+        stats = self.reply_stats
+        stats.add(d)
+        if d.cycle > 0 and stats.dflash:
+            self.conversation.add(d.acceptance_length)
+        if d.text:
+            self._reply_text += d.text
+            await self._stream.write(d.text)
+        self._refresh()
+        self.query_one(Transcript).follow()
+
+    async def on_reply_done(self, message: ReplyDone) -> None:
+        await self._stream.stop()
+        stats = self.reply_stats
+        stats.context_tokens = message.context_tokens
+        stats.finish_reason = {"cancelled": "stopped (Esc)", "error": "error"}.get(
+            message.reason, message.reason
+        )
+        summary = stats.summary()
+        self._reply.set_stats(summary)
+        if message.error:
+            self._note(message.error, error=True)
+        if message.error and not self._reply_text:
+            # Nothing came back: drop the turn and give the user their text back.
+            await self._reply.remove()
+            user = self.turns.pop()
+            prompt = self.query_one(PromptInput)
+            if not prompt.text:
+                prompt.load_text(user["content"])
+        else:
+            self.turns.append({"role": "assistant", "content": self._reply_text, "stats": summary})
+        self.generating, self._reply, self._stream = False, None, None
+        self._refresh()
+        self.query_one(Transcript).follow()
+
+    # ---- user input -------------------------------------------------------------------
+
+    @on(PromptInput.Submitted)
+    async def submit(self, event: PromptInput.Submitted) -> None:
+        text = event.text
+        if not text.strip():
+            return
+        prompt = self.query_one(PromptInput)
+        if text.lstrip().startswith("/"):
+            await self.run_command(text.strip(), prompt)
+            return
+        if self.generating:
+            self.notify("Still generating: press Esc to stop the reply first.", severity="warning")
+            return
+        if self.info is None:
+            self.notify("The models are still loading; your message is kept.", severity="warning")
+            return
+        prompt.take()
+        await self.send(text)
+
+    async def send(self, text: str) -> None:
+        """Add ``text`` as the user's turn and stream the reply."""
+        transcript = self.query_one(Transcript)
+        self.turns.append({"role": "user", "content": text})
+        self._reply, self._reply_text = Reply(), ""
+        await transcript.mount_all([UserMessage(text), self._reply])
+        self._stream = Markdown.get_stream(self._reply.body)
+        s = self.settings
+        block = (s.block_size or self.info.max_block_size) if s.dflash else 1
+        self.reply_stats = ReplyStats(dflash=s.dflash, block_size=block)
+        self.generating = True
+        self._refresh()
+        transcript.scroll_end(animate=False)
+        messages = [{"role": t["role"], "content": t["content"]} for t in self.turns]
+        self.generate_reply(messages, s)
+
+    async def run_command(self, line: str, prompt: PromptInput) -> None:
+        info = self.info
+        command = parse_command(
+            line,
+            self.settings,
+            max_block_size=info.max_block_size if info else None,
+            has_draft=info.has_draft if info else True,
+        )
+        if command.action == "clear" and self.generating:
+            self.notify("Stop the reply (Esc) before /clear.", severity="warning")
+            return
+        prompt.take()
+        if command.action == "help":
+            await self.query_one(Transcript).mount(HelpNote(HELP, classes="note"))
+        elif command.action == "clear":
+            await self.action_clear()
+            return
+        elif command.action == "save":
+            try:
+                path = save_transcript(command.path, self.turns, self.settings, force=command.force)
+            except (OSError, ValueError) as e:
+                self._note(f"Not saved: {e}", error=True)
+            else:
+                self._note(f"Saved {len(self.turns)} messages to {path}.")
+        else:
+            self.settings = command.settings
+            self._note(command.message, error=not command.ok)
+        self._refresh()
+        self.query_one(Transcript).scroll_end(animate=False)
+
+    def _note(self, text: str, error: bool = False) -> None:
+        self.query_one(Transcript).mount(Note(text, error=error))
+
+    # ---- actions ----------------------------------------------------------------------
+
+    def action_stop(self) -> None:
+        if self.generating:
+            self.workers.cancel_group(self, "generate")
+            self.query_one("#state", Static).update("stopping…")
+
+    async def action_clear(self) -> None:
+        if self.generating:
+            self.notify("Stop the reply (Esc) before clearing.", severity="warning")
+            return
+        self.turns.clear()
+        self.conversation.clear()
+        self.reply_stats = None
+        await self.query_one(Transcript).remove_children()
+        self._note("New conversation.")
+        self.reset_engine()
+        self._refresh()
+
+    @work(thread=True, group="reset")
+    def reset_engine(self) -> None:
+        self.engine.reset()
+
+    async def action_help(self) -> None:
+        await self.query_one(Transcript).mount(HelpNote(HELP, classes="note"))
+        self.query_one(Transcript).scroll_end(animate=False)
+
+    def action_quit_with_error(self) -> None:
+        self.exit(return_code=1)
+
+    def _refresh(self) -> None:
+        info = self.info
+        max_block = info.max_block_size if info else None
+        name = info.name if info else "loading…"
+        mode = "" if info is None or info.chat_template else " · completion"
+        self.query_one("#settings-bar", Static).update(f"{name}{mode} · {self.settings.describe(max_block)}")
+        if info is None:
+            state = "loading models…"
+        elif self.generating:
+            state = "generating…"
+        else:
+            state = "ready"
+        block = (self.settings.block_size or max_block) if self.settings.dflash else None
+        self.query_one(StatsPanel).show(state, self.reply_stats, self.conversation, block)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash-chat", description="Chat with a model in the terminal, with DFlash speculative decoding."
+    )
+    parser.add_argument(
+        "--model", default=None, help="Target: local folder or Hugging Face id (default: the embedded pair)."
+    )
+    parser.add_argument("--draft", default=None, help="DFlash drafter: local folder or Hugging Face id.")
+    parser.add_argument("--block-size", type=int, default=None, help="Tokens verified per cycle (default: the drafter's).")
+    parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0 = greedy).")
+    parser.add_argument("--max-tokens", "-m", type=int, default=512, help="Most tokens per reply.")
+    parser.add_argument("--system-prompt", default=None, help="System message for the chat template.")
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="Cast both models to this dtype."
+    )
+    return parser
+
+
+def make_app(
+    model: str | None = None,
+    draft: str | None = None,
+    *,
+    block_size: int | None = None,
+    temp: float = 0.0,
+    max_tokens: int = 512,
+    system_prompt: str | None = None,
+    dtype: str | None = None,
+) -> ChatApp:
+    """A ``ChatApp`` on the real models; they load in the background once the app starts."""
+    settings = Settings(block_size=block_size, temp=temp, max_tokens=max_tokens, system_prompt=system_prompt)
+    return ChatApp(MLXEngine(model, draft, dtype=dtype), settings=settings)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    if args.block_size is not None and args.block_size < 1:
+        parser.error(f"--block-size must be at least 1 (got {args.block_size}).")
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens must be at least 1 (got {args.max_tokens}).")
+    if not 0 <= args.temp <= 10:
+        parser.error(f"--temp must be from 0 to 10 (got {args.temp}).")
+    app = make_app(**vars(args))
+    try:
+        app.run()
+    finally:
+        app.engine.close()
+    sys.exit(app.return_code or 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Slash commands and transcript saving for dflash-chat: pure functions, no UI.
+
+``parse_command`` turns a line such as ``/block 8`` into a ``Command``: the new settings or an
+action for the app, and a message for the user. A bad command changes nothing.
+"""
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+# Limits that keep a typo (``/max 1000000000``) from hanging the app.
+MAX_TOKENS_LIMIT = 32768
+MAX_TEMP = 10.0
+SAVE_FORMATS = {".md": "markdown", ".markdown": "markdown", ".txt": "markdown", ".json": "json"}
+
+HELP = """\
+**Keys**: `Enter` send · `Ctrl+J` or `Shift+Enter` new line · `Esc` stop generating · \
+`Ctrl+L` clear · `Ctrl+Q` quit
+
+**Commands**
+- `/block N`: tokens verified per cycle (1 to the drafter's block size)
+- `/temp T`: sampling temperature (0 = greedy, output identical to the target alone)
+- `/max N`: most tokens per reply
+- `/dflash on|off`: speculative decoding on, or plain decoding with the same model
+- `/clear`: start a new conversation
+- `/save FILE`: save the transcript (`.md` or `.json`); `/save! FILE` overwrites
+- `/help`: this message"""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the next reply is generated with.
+
+    Args:
+        block_size: Tokens verified per cycle; None means the drafter's trained block size.
+        temp: Sampling temperature; 0 is greedy decoding.
+        max_tokens: The most tokens per reply.
+        dflash: Draft with the drafter (True) or decode one token per target pass (False).
+        system_prompt: The system message put first in the chat template, if any.
+    """
+
+    block_size: int | None = None
+    temp: float = 0.0
+    max_tokens: int = 512
+    dflash: bool = True
+    system_prompt: str | None = None
+
+    def describe(self, max_block_size: int | None = None) -> str:
+        block = self.block_size or max_block_size
+        mode = f"DFlash on · block {block if block else 'auto'}" if self.dflash else "DFlash off"
+        return f"{mode} · temp {self.temp:g} · max {self.max_tokens}"
+
+
+@dataclass(frozen=True)
+class Command:
+    """The outcome of one slash command.
+
+    Args:
+        action: ``"set"``, ``"clear"``, ``"save"``, ``"help"`` or ``"error"``.
+        settings: The settings after the command (unchanged unless ``action == "set"``).
+        message: What to tell the user.
+        path: The file for ``"save"``.
+        force: ``/save!``: overwrite an existing file.
+    """
+
+    action: str
+    settings: Settings
+    message: str = ""
+    path: str | None = None
+    force: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.action != "error"
+
+
+def _int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def parse_command(
+    line: str,
+    settings: Settings,
+    *,
+    max_block_size: int | None = None,
+    has_draft: bool = True,
+) -> Command:
+    """Parse a slash command against the current settings.
+
+    Args:
+        line: The user's input, starting with ``/``.
+        settings: The current settings.
+        max_block_size: The drafter's trained block size, the largest ``/block`` allowed.
+        has_draft: Whether a drafter is loaded (``/dflash on`` needs one).
+
+    Returns:
+        Command: The new settings or an action, with a message. On bad input the action is
+        ``"error"``, the settings are unchanged and the message says what would work.
+    """
+    name, _, arg = line.strip().partition(" ")
+    name, arg = name.lower(), arg.strip()
+
+    def error(message: str) -> Command:
+        return Command("error", settings, message)
+
+    def usage_error(what: str, usage: str) -> Command:
+        got = f"got {arg!r}" if arg else "got nothing"
+        return error(f"{name} needs {what} ({got}). Usage: {usage}")
+
+    if name == "/help":
+        return Command("help", settings, HELP)
+    if name == "/clear":
+        return Command("clear", settings, "New conversation.")
+    if name in ("/save", "/save!"):
+        if not arg:
+            return usage_error("a file name", "/save chat.md or /save chat.json")
+        suffix = Path(arg).suffix.lower()
+        if suffix not in SAVE_FORMATS:
+            return error(f"/save writes .md or .json files (got {arg!r}). Try /save chat.md")
+        return Command("save", settings, path=arg, force=name == "/save!")
+    if name == "/block":
+        n, top = _int(arg), max_block_size or 16
+        if not has_draft:
+            return error("/block needs a drafter, but none is loaded. Restart with --draft.")
+        if n is None or not 1 <= n <= top:
+            return usage_error(f"an integer from 1 to {top}", "/block 8")
+        return Command("set", replace(settings, block_size=n), f"Block size {n}.")
+    if name == "/temp":
+        try:
+            t = float(arg)
+        except ValueError:
+            t = None
+        if t is None or not 0.0 <= t <= MAX_TEMP:  # also rejects nan
+            return usage_error(f"a number from 0 to {MAX_TEMP:g}", "/temp 0.7")
+        return Command("set", replace(settings, temp=t), f"Temperature {t:g}.")
+    if name == "/max":
+        n = _int(arg)
+        if n is None or not 1 <= n <= MAX_TOKENS_LIMIT:
+            return usage_error(f"an integer from 1 to {MAX_TOKENS_LIMIT}", "/max 256")
+        return Command("set", replace(settings, max_tokens=n), f"At most {n} tokens per reply.")
+    if name == "/dflash":
+        if arg.lower() not in ("on", "off"):
+            return usage_error("on or off", "/dflash off")
+        on = arg.lower() == "on"
+        if on and not has_draft:
+            return error("/dflash on needs a drafter, but none is loaded. Restart with --draft.")
+        state = "on: drafting blocks" if on else "off: plain decoding with the same model"
+        return Command("set", replace(settings, dflash=on), f"DFlash {state}.")
+    return error(f"Unknown command {name!r}. Type /help for the list of commands.")
+
+
+def transcript_markdown(turns: list[dict[str, Any]], settings: Settings) -> str:
+    """The conversation as Markdown: one section per message, stats under each reply."""
+    lines = ["# dflash-chat transcript", "", f"_{settings.describe()}_", ""]
+    if settings.system_prompt:
+        lines += ["## System", "", settings.system_prompt, ""]
+    for turn in turns:
+        lines += [f"## {turn['role'].capitalize()}", "", turn["content"], ""]
+        if turn.get("stats"):
+            lines += [f"_{turn['stats']}_", ""]
+    return "\n".join(lines)
+
+
+def transcript_json(turns: list[dict[str, Any]], settings: Settings) -> str:
+    """The conversation as JSON: the settings and the messages with their stats."""
+    return json.dumps({"settings": asdict(settings), "messages": turns}, indent=2, ensure_ascii=False) + "\n"
+
+
+def save_transcript(path: str | Path, turns: list[dict[str, Any]], settings: Settings, *, force: bool = False) -> Path:
+    """Write the transcript to ``path``, as Markdown or JSON by its extension.
+
+    The text goes to a temporary file in the same folder that is then renamed, so an
+    interrupted save never leaves a half-written file.
+
+    Args:
+        path: ``.md``/``.markdown``/``.txt`` (Markdown) or ``.json``.
+        turns: The messages, ``{"role", "content"}`` and optionally ``"stats"``.
+        settings: The current settings, written in the header.
+        force: Overwrite ``path`` if it exists.
+
+    Returns:
+        The absolute path written.
+
+    Raises:
+        FileExistsError: If ``path`` exists and ``force`` is False.
+        ValueError: On an unsupported extension.
+        OSError: If the folder does not exist or cannot be written.
+    """
+    path = Path(path).expanduser().absolute()
+    kind = SAVE_FORMATS.get(path.suffix.lower())
+    if kind is None:
+        raise ValueError(f"Cannot save as {path.suffix!r}: use .md or .json.")
+    if path.exists() and not force:
+        raise FileExistsError(f"{path} exists; use /save! {path.name} to overwrite it.")
+    text = transcript_json(turns, settings) if kind == "json" else transcript_markdown(turns, settings)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a transcript is an ordinary file
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if force:
+            os.replace(tmp, path)
+        else:
+            # A hard link fails if the name was taken meanwhile, so nothing is overwritten.
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise FileExistsError(f"{path} exists; use /save! {path.name} to overwrite it.")
+            except OSError:  # file systems without hard links
+                if path.exists():
+                    raise FileExistsError(f"{path} exists; use /save! {path.name} to overwrite it.")
+                os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
