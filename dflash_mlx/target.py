@@ -1,7 +1,8 @@
 """The target side: hidden-state taps, embedding and LM head, without patching mlx-lm.
 
 Tap ``i`` is the output of decoder layer ``i`` (0-based), which is HF's
-``hidden_states[i + 1]`` since HF's ``hidden_states[0]`` is the embedding output.
+``hidden_states[i + 1]`` since HF's ``hidden_states[0]`` is the embedding output. As in HF,
+the last layer's tap is taken after the final norm.
 """
 
 from typing import Any
@@ -86,7 +87,11 @@ def forward_with_taps(
         h = layer(h, mask, c)
         if i in wanted:
             captured[i] = h
-    logits = lm_head(model, inner.norm(h))
+    h = inner.norm(h)
+    # HF's last hidden state is taken after the final norm; drafters were trained on that.
+    if len(inner.layers) - 1 in wanted:
+        captured[len(inner.layers) - 1] = h
+    logits = lm_head(model, h)
     if not tap_ids:
         return logits, None
     return logits, mx.concatenate([captured[i] for i in tap_ids], axis=-1)
