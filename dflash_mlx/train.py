@@ -60,10 +60,16 @@ class TrainingArgs:
     max_prompts: int | None = field(
         default=None, metadata={"help": "Most prompts to generate responses for."}
     )
-    data_minutes: float | None = field(default=None, metadata={"help": "Wall-time budget for generating."})
+    data_minutes: float | None = field(
+        default=None, metadata={"help": "Minutes of generating (0: the cache as is)."}
+    )
     gen_max_tokens: int = field(default=256, metadata={"help": "Most tokens per generated response."})
     gen_batch_size: int = field(default=1, metadata={"help": "Responses generated together (1: plain loop)."})
     max_prompt_tokens: int = field(default=384, metadata={"help": "Longer prompts are skipped."})
+    text_prompt_lines: int = field(
+        default=0,
+        metadata={"help": "Corpus 'text' chunks: first N lines as raw completion prompts (0: skip)."},
+    )
     data_only: bool = field(default=False, metadata={"help": "Stop after the data step."})
     eval_data: str | None = field(default=None, metadata={"help": "Held-out prompts JSONL for acceptance."})
     block_size: int = field(default=16, metadata={"help": "Tokens per draft block."})
@@ -297,7 +303,7 @@ def train(args: TrainingArgs) -> DraftModel | None:
     stop_tokens = frozenset(tokenizer.eos_token_ids)
 
     # ---- data: the target's own greedy responses, cached and resumable ----
-    prompts = read_prompts(args.data)
+    prompts = read_prompts(args.data, text_prompt_lines=args.text_prompt_lines)
     if args.responses == "generate":
         cache = args.cache or out / "data.jsonl"
         examples = generate_responses(
@@ -324,7 +330,10 @@ def train(args: TrainingArgs) -> DraftModel | None:
         )
     if args.eval_data:
         eval_prompts = [
-            render_prompt(tokenizer, m) for m, _ in read_prompts(args.eval_data)[: args.eval_prompts]
+            render_prompt(tokenizer, p)
+            for p in read_prompts(args.eval_data, text_prompt_lines=args.text_prompt_lines)[
+                : args.eval_prompts
+            ]
         ]
     else:
         eval_prompts = [ex["prompt_ids"] for ex in (val_ex or train_ex)[: args.eval_prompts]]
@@ -456,7 +465,9 @@ _KEYS = ("blocks", "anchors", "starts", "labels", "weights")
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="dflash-train", description="Train a DFlash drafter for an mlx-lm target."
+        prog="dflash-train",
+        description="Train a DFlash drafter for an mlx-lm target.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     for f in dataclasses.fields(TrainingArgs):
         flag, help_text = "--" + f.name.replace("_", "-"), f.metadata["help"]

@@ -11,6 +11,7 @@ training sees exactly the target's tokens.
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -23,16 +24,31 @@ from .errors import DFlashError
 from .generate import dflash_generate_step
 
 
-def render_prompt(tokenizer: TokenizerWrapper, messages: list[dict]) -> list[int]:
-    """Prompt token ids in the chat template, ready for the assistant's turn."""
+@dataclass
+class Prompt:
+    """One training or evaluation prompt.
+
+    Args:
+        messages: Chat turns, rendered with the chat template (None for raw text).
+        text: Raw text continued as is, without the chat template (code completion).
+        answer: The dataset's own response, if the record has one.
+    """
+
+    messages: list[dict] | None = None
+    text: str | None = None
+    answer: str | None = None
+
+
+def render_prompt(tokenizer: TokenizerWrapper, prompt: Prompt) -> list[int]:
+    """Prompt token ids: raw text as is, chat turns in the template ready for the answer."""
+    if prompt.text is not None:
+        return tokenizer.encode(prompt.text)
     if getattr(tokenizer, "chat_template", None) is None:
-        text = "\n".join(m["content"] for m in messages)
-        return tokenizer.encode(text)
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return tokenizer.encode("\n".join(m["content"] for m in prompt.messages))
+    return list(tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True))
 
 
-def _split_messages(record: dict, where: str) -> tuple[list[dict], str | None]:
-    """The prompt messages of a record and, if it ends with one, the dataset's answer."""
+def _to_prompt(record: dict, where: str, text_prompt_lines: int) -> Prompt | None:
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not all(
@@ -40,21 +56,30 @@ def _split_messages(record: dict, where: str) -> tuple[list[dict], str | None]:
         ):
             raise DFlashError(f"{where}: 'messages' must be a list of {{role, content}} objects.")
         if messages and messages[-1]["role"] == "assistant":
-            return messages[:-1], messages[-1]["content"]
-        return messages, None
+            messages, answer = messages[:-1], messages[-1]["content"]
+            return Prompt(messages=messages, answer=answer) if messages else None
+        return Prompt(messages=messages) if messages else None
     if "prompt" in record:
-        return [{"role": "user", "content": str(record["prompt"])}], None
-    return [], None
+        if record.get("raw"):
+            return Prompt(text=str(record["prompt"]))
+        return Prompt(messages=[{"role": "user", "content": str(record["prompt"])}])
+    if "text" in record and text_prompt_lines > 0:
+        lines = str(record["text"]).splitlines(keepends=True)
+        if len(lines) > text_prompt_lines:
+            return Prompt(text="".join(lines[:text_prompt_lines]), answer="".join(lines[text_prompt_lines:]))
+    return None
 
 
-def read_prompts(path: str | Path) -> list[tuple[list[dict], str | None]]:
-    """Read chat prompts from a JSONL file.
+def read_prompts(path: str | Path, *, text_prompt_lines: int = 0) -> list[Prompt]:
+    """Read prompts from a JSONL file.
 
     Each line is ``{"messages": [...]}`` (a trailing assistant turn is the dataset's own
-    answer) or ``{"prompt": "..."}``. Other lines (e.g. ``{"text": ...}``) are skipped.
+    answer), ``{"prompt": "..."}`` (a user message, or raw text with ``"raw": true``), or
+    ``{"text": "..."}``: a corpus chunk whose first ``text_prompt_lines`` lines become a raw
+    completion prompt (skipped when 0).
 
     Returns:
-        A list of ``(messages, answer or None)``.
+        The prompts, in file order.
 
     Raises:
         DFlashError: If the file is missing, is not JSONL, or holds no prompts.
@@ -73,12 +98,13 @@ def read_prompts(path: str | Path) -> list[tuple[list[dict], str | None]]:
                 raise DFlashError(f"{path}:{i} is not valid JSON ({e.msg}); --data must be JSONL.") from e
             if not isinstance(record, dict):
                 raise DFlashError(f"{path}:{i} is not a JSON object; --data must be JSONL of objects.")
-            messages, answer = _split_messages(record, f"{path}:{i}")
-            if messages:
-                prompts.append((messages, answer))
+            prompt = _to_prompt(record, f"{path}:{i}", text_prompt_lines)
+            if prompt is not None:
+                prompts.append(prompt)
     if not prompts:
         raise DFlashError(
-            f"{path} has no prompts: each line needs 'messages' (chat turns) or 'prompt' (text)."
+            f"{path} has no prompts: each line needs 'messages' (chat turns) or 'prompt' (text), "
+            "or 'text' with text_prompt_lines > 0."
         )
     return prompts
 
@@ -105,45 +131,45 @@ def read_cache(path: str | Path) -> list[dict]:
 
 
 def dataset_examples(
-    tokenizer: TokenizerWrapper, prompts: list[tuple[list[dict], str | None]], max_prompt_tokens: int
+    tokenizer: TokenizerWrapper, prompts: list[Prompt], max_prompt_tokens: int
 ) -> list[dict]:
     """Examples from the dataset's own answers instead of generated ones.
 
-    The answer is tokenized inside the full chat template, so its tokens (and the closing
-    end-of-turn token) are those the target saw in training.
+    The answer is tokenized together with its prompt (inside the chat template for chat
+    turns), so its tokens, and the closing end-of-turn token, are those the target saw.
     """
     examples = []
-    for messages, answer in prompts:
-        if answer is None:
+    eos = set(tokenizer.eos_token_ids)
+    for prompt in prompts:
+        if prompt.answer is None:
             continue
-        prompt_ids = render_prompt(tokenizer, messages)
+        prompt_ids = render_prompt(tokenizer, prompt)
         if len(prompt_ids) > max_prompt_tokens:
             continue
-        if getattr(tokenizer, "chat_template", None) is None:
-            full = prompt_ids + tokenizer.encode(answer, add_special_tokens=False)
+        if prompt.text is not None:
+            full = tokenizer.encode(prompt.text + prompt.answer)
+            # Tokens may merge across the cut (e.g. newlines and indentation): cut where they agree.
+            n = next((i for i, (a, b) in enumerate(zip(prompt_ids, full)) if a != b), len(prompt_ids))
+            prompt_ids = full[:n]
+        elif getattr(tokenizer, "chat_template", None) is None:
+            full = prompt_ids + tokenizer.encode(prompt.answer, add_special_tokens=False)
         else:
-            full = list(tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}]))
+            turns = prompt.messages + [{"role": "assistant", "content": prompt.answer}]
+            full = list(tokenizer.apply_chat_template(turns))
         if full[: len(prompt_ids)] != prompt_ids:
             continue
         response = full[len(prompt_ids) :]
         # Drop what the template adds after the end-of-turn token (e.g. a newline).
-        eos = set(tokenizer.eos_token_ids)
         ends = [i for i, t in enumerate(response) if t in eos]
         if ends:
             response = response[: ends[0] + 1]
         if response:
-            examples.append(
-                {
-                    "key": _key(prompt_ids),
-                    "prompt_ids": prompt_ids,
-                    "response_ids": response,
-                    "finish_reason": "stop",
-                }
-            )
+            ex = {"key": _key(prompt_ids), "prompt_ids": prompt_ids, "response_ids": response}
+            examples.append({**ex, "finish_reason": "stop" if ends else "length"})
     if not examples:
         raise DFlashError(
             "No prompt has a dataset answer: responses='dataset' needs 'messages' ending with an "
-            "assistant turn. Use responses='generate' instead."
+            "assistant turn or 'text' chunks. Use responses='generate' instead."
         )
     return examples
 
@@ -181,7 +207,7 @@ def _generate_batched(model, prompts, max_tokens, stop_tokens, batch_size) -> It
 def generate_responses(
     model: nn.Module,
     tokenizer: TokenizerWrapper,
-    prompts: list[tuple[list[dict], str | None]],
+    prompts: list[Prompt],
     cache_path: str | Path,
     *,
     max_tokens: int = 256,
@@ -219,8 +245,8 @@ def generate_responses(
     done = {ex["key"] for ex in examples}
     stop_tokens = frozenset(tokenizer.eos_token_ids)
     todo = []
-    for messages, _ in prompts:
-        prompt_ids = render_prompt(tokenizer, messages)
+    for prompt in prompts:
+        prompt_ids = render_prompt(tokenizer, prompt)
         key = _key(prompt_ids)
         if key not in done and len(prompt_ids) <= max_prompt_tokens:
             done.add(key)

@@ -12,7 +12,14 @@ from dflash_mlx import DFlashError, dflash_generate_step, load
 from dflash_mlx import target as tgt
 from dflash_mlx.cache import make_draft_cache
 from dflash_mlx.train import TrainingArgs, block_logits, block_mask, get_lr, main, train
-from dflash_mlx.train_data import generate_responses, make_batch, position_weights, read_prompts
+from dflash_mlx.train_data import (
+    dataset_examples,
+    generate_responses,
+    make_batch,
+    position_weights,
+    read_prompts,
+    render_prompt,
+)
 
 
 def _words(n: int, seed: int) -> str:
@@ -227,6 +234,31 @@ def test_bad_arguments_one_line_errors(setup, tmp_path, capsys, extra, message):
         main(argv)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 1 and message in err and "\n" not in err
+
+
+def test_prompt_kinds_and_dataset_answers(setup, tmp_path):
+    root, _, _ = setup
+    _, _, tokenizer = load(root / "target")
+    path = tmp_path / "p.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "t1 t2"}, {"role": "assistant", "content": "t3 t4"}]},
+        {"prompt": "t5 t6", "raw": True},
+        {"prompt": "t7"},
+        {"text": "t8\nt9\nt10 t11\n"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(read_prompts(path)) == 3
+    chat, raw, user, text = read_prompts(path, text_prompt_lines=2)
+    assert chat.answer == "t3 t4" and raw.text == "t5 t6" and user.messages[0]["content"] == "t7"
+    assert text.text == "t8\nt9\n" and text.answer == "t10 t11\n"
+    assert render_prompt(tokenizer, raw) == tokenizer.encode("t5 t6")
+    assert render_prompt(tokenizer, user)[-2:] == tokenizer.encode("<|im_start|> assistant")[-2:]
+    examples = dataset_examples(tokenizer, [chat, raw, user, text], max_prompt_tokens=64)
+    assert len(examples) == 2  # only the prompts with an answer
+    assert tokenizer.decode(examples[0]["response_ids"]).split() == ["t3", "t4", "<|im_end|>"]
+    text_ids = render_prompt(tokenizer, text)
+    assert text_ids == tokenizer.encode("t8\nt9\n")
+    assert text_ids + examples[1]["response_ids"] == tokenizer.encode("t8\nt9\nt10 t11\n")
 
 
 def test_no_prompts_and_help(tmp_path, capsys):
