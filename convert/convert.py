@@ -43,7 +43,7 @@ from ..loading import (
     read_pair_manifest,
     resolve,
 )
-from . import registry
+from .. import registry
 from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft, save_draft
 
 # Affine bit widths mlx-lm can quantize a target to.
@@ -307,7 +307,7 @@ def convert(
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` for the unquantized weights of
           both models; by default the target's ``torch_dtype``.
         draft_hf_path: The drafter: local folder or Hugging Face id. None takes the official
-          drafter of a known target (see :mod:`dflash_mlx.convert.registry`).
+          drafter of a known target (see :mod:`dflash_mlx.registry`).
         draft_q_bits: Quantize the drafter to 8 or 4 bits; None keeps it in ``dtype``.
         draft_q_group_size: Drafter quantization group size.
         revision: Hub revision of the target (and of an explicitly given drafter).

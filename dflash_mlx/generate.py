@@ -402,7 +402,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", default=None, help="Target: local folder or Hugging Face id (default: the embedded pair)."
     )
-    parser.add_argument("--draft", default=None, help="DFlash drafter: local folder or Hugging Face id.")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="DFlash drafter: local folder or Hugging Face id ('auto': the known drafter of the target; "
+        "the default for known targets and pair folders).",
+    )
     parser.add_argument("--prompt", "-p", default="Hello", help="The prompt ('-' reads stdin).")
     parser.add_argument("--max-tokens", "-m", type=int, default=256, help="Most tokens to generate.")
     parser.add_argument("--block-size", type=int, default=None, help="Tokens verified per cycle.")
@@ -439,7 +444,7 @@ def apply_chat_template(tokenizer, prompt: str, system_prompt: str | None = None
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .loading import load
+    from .loading import AUTO_DRAFT, known_draft, load
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -449,7 +454,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--temp must be >= 0 (got {args.temp}).")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
-        model, draft, tokenizer = load(args.model, args.draft, dtype=args.dtype)
+        draft_arg = args.draft
+        if draft_arg is None and args.model is not None and not args.no_draft:
+            # Known targets get their official drafter; others run plain decoding, said once.
+            draft_arg = AUTO_DRAFT if known_draft(args.model) else None
+        model, draft, tokenizer = load(args.model, draft_arg, dtype=args.dtype)
+        if draft is None and not args.no_draft:
+            print("dflash-generate: no drafter given or known for this target: plain decoding "
+                  "(pass --draft for DFlash).", file=sys.stderr)
         if args.no_draft:
             draft = None
         if not args.ignore_chat_template:

@@ -18,6 +18,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 from . import target as tgt
 from .drafter import DraftModel, ModelArgs
 from .errors import DFlashError
+from .registry import find_draft, known_targets
 
 # The files a model folder needs; nothing else is fetched from the hub.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
@@ -93,15 +94,10 @@ def read_pair_manifest(path: Path) -> dict[str, Any] | None:
 
 def known_draft(model: str | Path) -> str | None:
     """The Hugging Face id of the official drafter for target ``model``, or None if unknown."""
-    # Imported here: the registry ships with dflash_mlx.convert, which builds on this module.
-    from .convert.registry import find_draft
-
     return find_draft(model)
 
 
 def _no_known_draft(model: str | Path) -> DFlashError:
-    from .convert.registry import known_targets
-
     return DFlashError(
         f"No known DFlash drafter for the target {str(model)!r}. Pass the drafter with --draft "
         f"(known targets: {', '.join(known_targets())})."
@@ -304,7 +300,7 @@ def load(
           None loads the embedded default pair.
         draft: Drafter folder or Hugging Face id (a pair folder gives its drafter).
           ``"auto"`` takes the pair folder's drafter, or else the official drafter of a
-          known target (see ``dflash_mlx.convert.registry``). None takes the pair
+          known target (see ``dflash_mlx.registry``). None takes the pair
           folder's drafter, and means plain decoding for any other target.
         dtype: Cast both models to ``"float32"``, ``"bfloat16"`` or ``"float16"``. By default
           the target keeps its dtype and the drafter takes the target's.

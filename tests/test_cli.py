@@ -47,3 +47,8 @@ def test_block_size_out_of_range_is_one_line(pair_dirs, capsys):
     with pytest.raises(SystemExit):
         main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--block-size", "40"])
     assert "block_size must be an integer from 1 to the drafter's trained block size 16 (got 40)" in capsys.readouterr().err
+
+
+def test_unknown_target_without_drafter_says_plain_decoding(pair_dirs, capsys):
+    main(["--model", str(pair_dirs["qwen3-tied"]), "--prompt", "t1 t2", "--max-tokens", "3"])
+    assert "plain decoding (pass --draft for DFlash)" in capsys.readouterr().err
