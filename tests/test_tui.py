@@ -368,3 +368,17 @@ async def test_real_pair_escape_keeps_partial_and_cache_in_sync(pair):
         assert stats.finish_reason == "stopped (Esc)" and 3 <= stats.tokens < 4000
         assert app.turns[-1]["content"] == app.query_one(Reply).body.source
         assert engine.cache.offset == len(engine.cache.tokens) == stats.context_tokens
+
+
+async def test_real_pair_without_drafter_decodes_plainly(pair):
+    app = ChatApp(MLXEngine(*pair, no_draft=True), settings=Settings(max_tokens=8))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert not app.info.has_draft and app.settings.dflash is False
+        assert "(no drafter)" in str(app.query_one("#settings-bar").render())
+        await send(pilot, "/dflash on")
+        await pilot.pause()
+        assert "needs a drafter" in notes(app)[-1] and app.settings.dflash is False
+        await send(pilot, "t1")
+        await finish(pilot)
+        assert app.reply_stats.tokens == 8 and "DFlash off" in app.turns[-1]["stats"]

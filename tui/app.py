@@ -6,12 +6,12 @@ plain-Python messages (``messages.py``) that the UI turns into text and numbers.
 """
 
 import argparse
-import sys
-from dataclasses import replace
 import queue
+import sys
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -68,12 +68,21 @@ class MLXEngine:
 
     Args:
         model: Target folder or Hugging Face id; None loads the embedded default pair.
-        draft: Drafter folder or Hugging Face id; None with ``model`` means plain decoding.
+        draft: Drafter folder or Hugging Face id. None takes a pair folder's drafter or the
+          official drafter of a known target, and otherwise means plain decoding.
         dtype: Cast both models to this dtype (see ``dflash_mlx.load``).
+        no_draft: Plain decoding even when a drafter is available.
     """
 
-    def __init__(self, model: str | None = None, draft: str | None = None, *, dtype: str | None = None):
-        self.model_path, self.draft_path, self.dtype = model, draft, dtype
+    def __init__(
+        self,
+        model: str | None = None,
+        draft: str | None = None,
+        *,
+        dtype: str | None = None,
+        no_draft: bool = False,
+    ):
+        self.model_path, self.draft_path, self.dtype, self.no_draft = model, draft, dtype, no_draft
         self._thread = MLXThread()
         self.model = self.draft = self.tokenizer = self.cache = None
         self.context_tokens: int | None = None
@@ -96,15 +105,21 @@ class MLXEngine:
 
     def _load(self) -> dict[str, Any]:
         from ..cache import make_cache
-        from ..loading import DEFAULT_PAIR, load
+        from ..loading import AUTO_DRAFT, DEFAULT_PAIR, known_draft, load
 
-        self.model, self.draft, self.tokenizer = load(self.model_path, self.draft_path, dtype=self.dtype)
+        draft = self.draft_path
+        if draft is None and self.model_path is not None and not self.no_draft:
+            # As dflash-generate: a known target gets its official drafter.
+            draft = AUTO_DRAFT if known_draft(self.model_path) else None
+        self.model, self.draft, self.tokenizer = load(self.model_path, draft, dtype=self.dtype)
+        if self.no_draft:
+            self.draft = None
         self.cache = make_cache(self.model, self.draft)
-        if self.model_path is None:
-            name = DEFAULT_PAIR
-        else:
-            name = Path(self.model_path).name
-            name += f" + {Path(self.draft_path).name}" if self.draft_path else " (no drafter)"
+        name = DEFAULT_PAIR if self.model_path is None else Path(self.model_path).name
+        if self.draft is None:
+            name += " (no drafter)"
+        elif self.draft_path not in (None, AUTO_DRAFT):
+            name += f" + {Path(self.draft_path).name}"
         return {
             "name": name,
             "has_draft": self.draft is not None,
@@ -176,7 +191,12 @@ class StreamEngine:
         self.context_tokens: int | None = None
 
     def load(self) -> dict[str, Any]:
-        return {"name": self.name, "has_draft": True, "max_block_size": self.max_block_size, "chat_template": True}
+        return {
+            "name": self.name,
+            "has_draft": True,
+            "max_block_size": self.max_block_size,
+            "chat_template": True,
+        }
 
     def reset(self) -> None:
         pass
@@ -197,7 +217,7 @@ class ChatApp(App):
     CSS_PATH = "chat.tcss"
     TITLE = "dflash-chat"
     BINDINGS = [
-        Binding("escape", "stop", "Stop reply", priority=True),
+        Binding("escape", "stop", "Stop reply"),
         Binding("ctrl+l", "clear", "Clear"),
         Binding("f1", "help", "Help"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
@@ -427,11 +447,11 @@ class ChatApp(App):
         self.query_one("#settings-bar", Static).update(f"{name}{mode} · {self.settings.describe(max_block)}")
         if info is None:
             state = "loading models…"
-        elif self.generating:
-            state = "generating…"
         else:
-            state = "ready"
-        block = (self.settings.block_size or max_block) if self.settings.dflash else None
+            state = "generating…" if self.generating else "ready"
+            state += " · DFlash " + ("on" if self.settings.dflash else "off")
+        # The scale stays the drafter's block size with DFlash off, so the history keeps its look.
+        block = self.settings.block_size or max_block
         self.query_one(StatsPanel).show(state, self.reply_stats, self.conversation, block)
 
 
@@ -442,13 +462,24 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", default=None, help="Target: local folder or Hugging Face id (default: the embedded pair)."
     )
-    parser.add_argument("--draft", default=None, help="DFlash drafter: local folder or Hugging Face id.")
-    parser.add_argument("--block-size", type=int, default=None, help="Tokens verified per cycle (default: the drafter's).")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="DFlash drafter: local folder or Hugging Face id (default: the pair folder's or the known "
+        "drafter of the target; plain decoding if none).",
+    )
+    parser.add_argument("--no-draft", action="store_true", help="Plain decoding, without the drafter.")
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="Tokens verified per cycle (default: the drafter's)."
+    )
     parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0 = greedy).")
     parser.add_argument("--max-tokens", "-m", type=int, default=512, help="Most tokens per reply.")
     parser.add_argument("--system-prompt", default=None, help="System message for the chat template.")
     parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="Cast both models to this dtype."
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="Cast both models to this dtype.",
     )
     return parser
 
@@ -462,10 +493,25 @@ def make_app(
     max_tokens: int = 512,
     system_prompt: str | None = None,
     dtype: str | None = None,
+    no_draft: bool = False,
 ) -> ChatApp:
-    """A ``ChatApp`` on the real models; they load in the background once the app starts."""
+    """A ``ChatApp`` on the real models; they load in the background once the app starts.
+
+    Args:
+        model: Target folder, pair folder or Hugging Face id; None is the embedded default pair.
+        draft: Drafter folder or Hugging Face id (see ``MLXEngine``).
+        block_size: Tokens verified per cycle; None is the drafter's trained block size.
+        temp: Sampling temperature (0 = greedy).
+        max_tokens: The most tokens per reply.
+        system_prompt: System message for the chat template.
+        dtype: Cast both models to this dtype.
+        no_draft: Plain decoding, without the drafter.
+
+    Returns:
+        ChatApp: Call ``.run()`` on it.
+    """
     settings = Settings(block_size=block_size, temp=temp, max_tokens=max_tokens, system_prompt=system_prompt)
-    return ChatApp(MLXEngine(model, draft, dtype=dtype), settings=settings)
+    return ChatApp(MLXEngine(model, draft, dtype=dtype, no_draft=no_draft), settings=settings)
 
 
 def main(argv: list[str] | None = None) -> None:

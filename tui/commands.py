@@ -172,7 +172,9 @@ def transcript_json(turns: list[dict[str, Any]], settings: Settings) -> str:
     return json.dumps({"settings": asdict(settings), "messages": turns}, indent=2, ensure_ascii=False) + "\n"
 
 
-def save_transcript(path: str | Path, turns: list[dict[str, Any]], settings: Settings, *, force: bool = False) -> Path:
+def save_transcript(
+    path: str | Path, turns: list[dict[str, Any]], settings: Settings, *, force: bool = False
+) -> Path:
     """Write the transcript to ``path``, as Markdown or JSON by its extension.
 
     The text goes to a temporary file in the same folder that is then renamed, so an

@@ -23,6 +23,12 @@ class PromptInput(TextArea):
     Up/Down on the first/last line walk through what was sent before.
     """
 
+    # Shown in the footer; the keys are handled in ``_on_key`` so they stay in order with the
+    # typed characters (a priority binding would run before keys still in the queue).
+    BINDINGS = [
+        Binding("enter", "submit", "Send"),
+        Binding("ctrl+j,shift+enter,alt+enter", "newline", "New line", key_display="^j"),
+    ]
     NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")
 
     class Submitted(Message):
@@ -33,22 +39,29 @@ class PromptInput(TextArea):
             self.text = text
 
     def __init__(self, **kwargs) -> None:
-        super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
+        super().__init__(
+            soft_wrap=True,
+            show_line_numbers=False,
+            tab_behavior="focus",
+            placeholder="Message · Enter sends · Ctrl+J new line · /help",
+            **kwargs,
+        )
         self.sent: list[str] = []
         self._history_index: int | None = None
         self._draft = ""
 
+    def action_submit(self) -> None:
+        self.post_message(self.Submitted(self.text))
+
+    def action_newline(self) -> None:
+        start, end = self.selection
+        self._replace_via_keyboard("\n", start, end)
+
     async def _on_key(self, event: events.Key) -> None:
-        if event.key == "enter":
+        if event.key == "enter" or event.key in self.NEWLINE_KEYS:
             event.stop()
             event.prevent_default()
-            self.post_message(self.Submitted(self.text))
-            return
-        if event.key in self.NEWLINE_KEYS:
-            event.stop()
-            event.prevent_default()
-            start, end = self.selection
-            self._replace_via_keyboard("\n", start, end)
+            self.action_submit() if event.key == "enter" else self.action_newline()
             return
         if event.key in ("up", "down") and self.sent and self._walk_history(event.key):
             event.stop()
@@ -141,7 +154,9 @@ def sparkline_rows(values: list[int], top: int, height: int) -> list[str]:
     """
     levels = len(BARS) - 1
     units = [round(min(v, top) / top * height * levels) for v in values]
-    return ["".join(BARS[min(max(u - row * levels, 0), levels)] for u in units) for row in reversed(range(height))]
+    return [
+        "".join(BARS[min(max(u - row * levels, 0), levels)] for u in units) for row in reversed(range(height))
+    ]
 
 
 def histogram_rows(stats: ConversationStats, width: int) -> tuple[str, str]:
