@@ -1,5 +1,6 @@
 import json
 import os
+import threading
 
 import pytest
 from checkpoints import write_draft, write_target
@@ -382,3 +383,67 @@ async def test_real_pair_without_drafter_decodes_plainly(pair):
         await send(pilot, "t1")
         await finish(pilot)
         assert app.reply_stats.tokens == 8 and "DFlash off" in app.turns[-1]["stats"]
+
+
+async def test_message_sent_while_loading_is_kept():
+    class SlowEngine(FakeStream):
+        loaded = threading.Event()
+
+        def load(self):
+            self.loaded.wait(10)
+            return {"name": "slow", "has_draft": True, "max_block_size": 16, "chat_template": True}
+
+        def reset(self):
+            pass
+
+    engine = SlowEngine()
+    app = ChatApp(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "early bird")
+        await pilot.pause()
+        assert app.query_one(PromptInput).text == "early bird" and not engine.calls
+        assert "loading" in str(app.query_one("#state").render())
+        engine.loaded.set()
+        await ready(pilot)
+        await pilot.press("enter")
+        await finish(pilot)
+        assert engine.calls[0][0] == [{"role": "user", "content": "early bird"}]
+
+
+async def test_generation_error_is_shown_and_gives_the_text_back():
+    def failing(messages, settings):
+        raise DFlashError("The prompt is too long for this model: start a new conversation with /clear.")
+        yield
+
+    app = ChatApp(failing)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "a very long prompt")
+        await finish(pilot)
+        assert "too long" in [str(n.render()) for n in app.query(".note.error")][-1]
+        assert app.turns == [] and not app.query(Reply)
+        assert app.query_one(PromptInput).text == "a very long prompt"
+
+
+async def test_real_base_model_is_a_completion_pad(tmp_path):
+    write_target(tmp_path / "base")
+    config = tmp_path / "base" / "tokenizer_config.json"
+    config.write_text(
+        json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"})
+    )
+    engine = MLXEngine(str(tmp_path / "base"))
+    app = ChatApp(engine, settings=Settings(max_tokens=6))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert not app.info.chat_template
+        assert "completion" in str(app.query_one("#settings-bar").render())
+        await send(pilot, "t1 t2 t3")
+        await finish(pilot)
+        first = app.reply_stats.prompt_tokens
+        assert first == len(engine.tokenizer.encode("t1 t2 t3"))
+        await send(pilot, " t4")
+        await finish(pilot)
+        # The running text is the prompt, and its cached prefix is not prefilled again.
+        whole = len(engine.tokenizer.encode("".join(t["content"] for t in app.turns[:3])))
+        assert 0 < app.reply_stats.prompt_tokens < whole
+        assert app.reply_stats.context_tokens == engine.cache.offset
