@@ -232,7 +232,7 @@ def generate_responses(
         max_tokens: The most tokens per response.
         max_prompt_tokens: Longer prompts are skipped.
         max_prompts: Stop once the cache holds this many examples.
-        minutes: Stop generating after this much wall time (checked between batches).
+        minutes: Stop generating after this much wall time.
         batch_size: Responses generated together.
         verbose: Print the rate as it goes.
 
@@ -254,15 +254,19 @@ def generate_responses(
     if max_prompts is not None:
         todo = todo[: max(0, max_prompts - len(examples))]
     tic, new_tokens = time.perf_counter(), 0
-    # Chunks bound the work done after the time budget runs out.
-    chunk = 1 if batch_size == 1 else 4 * batch_size
+
+    def out_of_time() -> bool:
+        return minutes is not None and time.perf_counter() - tic > 60 * minutes
+
     with open(cache_path, "a") as f:
-        for c in range(0, len(todo), chunk):
-            if minutes is not None and time.perf_counter() - tic > 60 * minutes:
+        for c in range(0, len(todo), batch_size * 4):
+            if out_of_time():
                 break
-            part = todo[c : c + chunk]
+            part = todo[c : c + batch_size * 4]
             if batch_size == 1:
-                results = [(0, _generate_one(model, part[0][1], max_tokens, stop_tokens))]
+                results = (
+                    (i, _generate_one(model, p, max_tokens, stop_tokens)) for i, (_, p) in enumerate(part)
+                )
             else:
                 results = _generate_batched(model, [p for _, p in part], max_tokens, stop_tokens, batch_size)
             for i, response in results:
@@ -280,6 +284,10 @@ def generate_responses(
                         f"{elapsed / 60:.1f} min",
                         flush=True,
                     )
+                if out_of_time():
+                    # Unfinished responses of this batch are dropped; a rerun redoes them.
+                    results.close()
+                    break
     return examples
 
 
