@@ -259,6 +259,8 @@ def generate_responses(
         return minutes is not None and time.perf_counter() - tic > 60 * minutes
 
     with open(cache_path, "a") as f:
+        if f.tell() > 0 and not cache_path.read_bytes().endswith(b"\n"):
+            f.write("\n")  # end a line torn by an interrupted run, so the next one parses
         for c in range(0, len(todo), batch_size * 4):
             if out_of_time():
                 break

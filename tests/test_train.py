@@ -66,6 +66,9 @@ def test_data_step_is_greedy_and_resumable(setup, tmp_path):
     more = generate_responses(model, tokenizer, read_prompts(prompts), cache, max_prompts=4, max_tokens=20)
     assert len(more) == 4 and cache.read_text().splitlines()[:2] == lines
     assert len({ex["key"] for ex in more}) == 4
+    # No time left: the cache is returned as is.
+    same = generate_responses(model, tokenizer, read_prompts(prompts), cache, max_tokens=20, minutes=0)
+    assert [ex["key"] for ex in same] == [ex["key"] for ex in more]
     ex = more[3]
     ref = [int(t) for t, _ in generate_step(mx.array(ex["prompt_ids"]), model, max_tokens=20)]
     stop = next((i for i, t in enumerate(ref) if t in tokenizer.eos_token_ids), len(ref) - 1)
