@@ -173,13 +173,13 @@ def histogram_rows(stats: ConversationStats, width: int) -> tuple[str, str]:
     return bars, axis[:width]
 
 
-class StatsPanel(Vertical):
+class StatsPanel(VerticalScroll):
     """Live numbers: this cycle's and the mean acceptance length, speeds, memory, history."""
 
     def compose(self) -> ComposeResult:
         yield Static("", id="state")
         yield Static("", id="live")
-        yield Static("acceptance per cycle", classes="caption")
+        yield Static("", id="caption", classes="caption")
         yield Static("", id="sparkline")
         yield Static("", id="histogram")
 
@@ -203,10 +203,10 @@ class StatsPanel(Vertical):
             f"prompt tok/s{r.prompt_tps:>7.0f}",
             f"TTFT        {r.ttft:>6.2f} s",
             f"peak mem    {r.peak_memory:>6.2f} GB",
-            "",
-            f"conversation mean {conversation.mean:.2f}" if conversation.lengths else "conversation mean -",
         ]
         self.query_one("#live", Static).update(Text("\n".join(lines)))
+        mean = f"{conversation.mean:.2f}" if conversation.lengths else "-"
+        self.query_one("#caption", Static).update(Text(f"acceptance (mean {mean})"))
         spark = self.query_one("#sparkline", Static)
         top = max(block_size or 1, max(conversation.histogram, default=1))
         rows = sparkline_rows(conversation.lengths[-max(1, spark.size.width or 24) :], top, SPARK_HEIGHT)
