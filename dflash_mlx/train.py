@@ -2,10 +2,15 @@
 
 One flat loop in the spirit of nanoGPT's ``train.py``. The target is frozen; the drafter
 borrows its embedding and LM head, and only its own layers, ``fc`` and norms learn.
-Each step packs a few sequences (prompt + the target's own greedy response), runs the
-target once for the taps, and trains many blocks per sequence at random anchors.
+The data are the target's own greedy responses to the prompts (``train_data.py``). Each
+step packs a few sequences side by side and trains many blocks per sequence, each at a
+random anchor in the response, against the target's taps (computed once per example).
 
     dflash-train --model path/to/target --data prompts.jsonl --out runs/draft
+
+``OUT`` then holds the drafter (``config.json`` + ``model.safetensors``, the z-lab layout
+that ``dflash_mlx.load`` reads), ``training_state/`` (for ``--resume``), ``metrics.jsonl``
+(losses and acceptance evaluations) and, by default, the response cache ``data.jsonl``.
 """
 
 import argparse
@@ -189,8 +194,10 @@ def draft_config(target: nn.Module, tokenizer, args: TrainingArgs) -> dict:
 
 
 def _write(path: Path, write) -> None:
-    # Write then rename, so an interrupted save never leaves a torn checkpoint.
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    # Write then rename, so an interrupted save never leaves a torn checkpoint. The file is
+    # written in a subfolder: a stray "*.safetensors" next to the weights would be loaded.
+    tmp = path.parent / ".partial" / path.name
+    tmp.parent.mkdir(exist_ok=True)
     write(tmp)
     os.replace(tmp, path)
 
