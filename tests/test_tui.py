@@ -7,8 +7,9 @@ from checkpoints import write_draft, write_target
 from snapshot_app import ACCEPTANCE, REPLY, FakeStream
 
 from dflash_mlx import DFlashError
-from dflash_mlx.tui.app import ChatApp, MLXEngine, main, setup_arg_parser
+from dflash_mlx.tui.app import ChatApp, main, setup_arg_parser
 from dflash_mlx.tui.commands import Settings, parse_command, save_transcript
+from dflash_mlx.tui.engine import MLXEngine
 from dflash_mlx.tui.widgets import ErrorScreen, HelpNote, Note, PromptInput, Reply, UserMessage
 
 SIZE = (100, 30)
@@ -421,7 +422,7 @@ async def test_generation_error_is_shown_and_gives_the_text_back():
         await send(pilot, "a very long prompt")
         await finish(pilot)
         assert "too long" in [str(n.render()) for n in app.query(".note.error")][-1]
-        assert app.turns == [] and not app.query(Reply)
+        assert app.turns == [] and not app.query(Reply) and not app.query(UserMessage)
         assert app.query_one(PromptInput).text == "a very long prompt"
 
 

@@ -1,0 +1,189 @@
+"""The models behind dflash-chat: loading, the conversation cache, and the thread they run on.
+
+The app never touches MLX. ``MLXEngine`` runs every MLX call on one long-lived thread (MLX
+streams are per thread) and hands back plain Python values: ``GenerationResponse`` objects.
+"""
+
+import queue
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from .commands import Settings
+
+StreamFn = Callable[[list[dict[str, str]], Settings], Iterator[Any]]
+
+
+class MLXThread:
+    """One long-lived daemon thread that runs every MLX call handed to it, in order.
+
+    It never exits: a thread that used MLX and ends while the process shuts down can abort
+    the process ("terminate called without an active exception", seen with MLX 0.32 on Linux).
+    """
+
+    def __init__(self, name: str = "dflash-mlx"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, args, future = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:
+                    future.set_exception(e)
+
+    def run(self, fn: Callable, *args, timeout: float | None = None) -> Any:
+        """Run ``fn(*args)`` on the thread and return its result (or raise its exception)."""
+        future: Future = Future()
+        self._jobs.put((fn, args, future))
+        return future.result(timeout)
+
+
+class MLXEngine:
+    """A target + drafter pair and one conversation cache, driven from any thread.
+
+    Every MLX call (loading, prefill, drafting, verifying) runs on one private thread, so
+    the thread-local generation stream and the cache's arrays always stay on the thread that
+    made them. Callers only ever get plain Python values back.
+
+    Args:
+        model: Target folder or Hugging Face id; None loads the embedded default pair.
+        draft: Drafter folder or Hugging Face id. None takes a pair folder's drafter or the
+          official drafter of a known target, and otherwise means plain decoding.
+        dtype: Cast both models to this dtype (see ``dflash_mlx.load``).
+        no_draft: Plain decoding even when a drafter is available.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        draft: str | None = None,
+        *,
+        dtype: str | None = None,
+        no_draft: bool = False,
+    ):
+        self.model_path, self.draft_path, self.dtype, self.no_draft = model, draft, dtype, no_draft
+        self._thread = MLXThread()
+        self.model = self.draft = self.tokenizer = self.cache = None
+        self.context_tokens: int | None = None
+        self._closing = False
+
+    def _run(self, fn: Callable, *args) -> Any:
+        return self._thread.run(fn, *args)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Wait until the cycle in flight (if any) is done, so the process can exit cleanly."""
+        self._closing = True
+        try:
+            self._thread.run(lambda: None, timeout=timeout)
+        except FutureTimeoutError:
+            pass
+
+    def load(self) -> dict[str, Any]:
+        """Load the pair (blocking). Returns what ``ModelReady`` needs. Raises ``DFlashError``."""
+        return self._run(self._load)
+
+    def _load(self) -> dict[str, Any]:
+        from ..cache import make_cache
+        from ..loading import AUTO_DRAFT, DEFAULT_PAIR, known_draft, load
+
+        draft = self.draft_path
+        if draft is None and self.model_path is not None and not self.no_draft:
+            # As dflash-generate: a known target gets its official drafter.
+            draft = AUTO_DRAFT if known_draft(self.model_path) else None
+        self.model, self.draft, self.tokenizer = load(self.model_path, draft, dtype=self.dtype)
+        if self.no_draft:
+            self.draft = None
+        self.cache = make_cache(self.model, self.draft)
+        name = DEFAULT_PAIR if self.model_path is None else Path(self.model_path).name
+        if self.draft is None:
+            name += " (no drafter)"
+        elif self.draft_path not in (None, AUTO_DRAFT):
+            name += f" + {Path(self.draft_path).name}"
+        return {
+            "name": name,
+            "has_draft": self.draft is not None,
+            "max_block_size": self.draft.block_size if self.draft is not None else None,
+            "chat_template": getattr(self.tokenizer, "chat_template", None) is not None,
+        }
+
+    def reset(self) -> None:
+        """Forget the conversation (a fresh cache)."""
+
+        def _reset():
+            from ..cache import make_cache
+
+            if self.model is not None:
+                self.cache = make_cache(self.model, self.draft)
+            self.context_tokens = 0
+
+        self._run(_reset)
+
+    def _prompt(self, messages: list[dict[str, str]], system_prompt: str | None) -> list[int] | str:
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            # A base model: the conversation is one running text to continue.
+            return (system_prompt or "") + "".join(m["content"] for m in messages)
+        if system_prompt:
+            messages = [{"role": "system", "content": system_prompt}, *messages]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def _start(self, messages: list[dict[str, str]], settings: Settings):
+        from mlx_lm.sample_utils import make_sampler
+
+        from ..generate import stream_generate
+
+        if self.draft is not None:
+            # Off keeps the drafter, verifying one token per pass, so its cache stays in sync.
+            block_size = settings.block_size if settings.dflash else 1
+        else:
+            block_size = None
+        return stream_generate(
+            self.model,
+            self.draft,
+            self.tokenizer,
+            self._prompt(messages, settings.system_prompt),
+            max_tokens=settings.max_tokens,
+            block_size=block_size,
+            sampler=make_sampler(settings.temp),
+            prompt_cache=self.cache,
+        )
+
+    def __call__(self, messages: list[dict[str, str]], settings: Settings) -> Iterator[Any]:
+        """Stream a reply to ``messages`` as ``GenerationResponse`` objects, reusing the cache.
+
+        Closing this generator stops generation after the current cycle; the cache then holds
+        the partial reply, so the next turn still prefills only its new tokens.
+        """
+        responses = self._run(self._start, messages, settings)
+        try:
+            while not self._closing and (response := self._run(next, responses, None)) is not None:
+                yield response
+        finally:
+            self._run(responses.close)
+            self.context_tokens = self._run(lambda: len(self.cache.tokens))
+
+
+class StreamEngine:
+    """Adapts a bare ``stream_fn(messages, settings)`` (a fake in tests, another backend)."""
+
+    def __init__(self, stream_fn: StreamFn, *, name: str = "custom stream", max_block_size: int = 16):
+        self.stream_fn, self.name, self.max_block_size = stream_fn, name, max_block_size
+        self.context_tokens: int | None = None
+
+    def load(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "has_draft": True,
+            "max_block_size": self.max_block_size,
+            "chat_template": True,
+        }
+
+    def reset(self) -> None:
+        pass
+
+    def __call__(self, messages: list[dict[str, str]], settings: Settings) -> Iterator[Any]:
+        return self.stream_fn(messages, settings)
