@@ -448,3 +448,34 @@ async def test_real_base_model_is_a_completion_pad(tmp_path):
         whole = len(engine.tokenizer.encode("".join(t["content"] for t in app.turns[:3])))
         assert 0 < app.reply_stats.prompt_tokens < whole
         assert app.reply_stats.context_tokens == engine.cache.offset
+
+
+async def test_real_pair_oracle_drafter_shows_full_acceptance(pair):
+    from checkpoints import VOCAB
+    from oracles import ScriptedDraft
+
+    engine = MLXEngine(*pair)
+    app = ChatApp(engine, settings=Settings(max_tokens=40, dflash=False))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "t2 t4 t6")
+        await finish(pilot)
+        plain = app.turns[1]["content"]
+        # The target's own greedy continuation, as an oracle drafter proposes it.
+        sequence = list(engine.cache.tokens)
+        engine._run(lambda: setattr(engine, "draft", ScriptedDraft(engine.draft, sequence, VOCAB)))
+        for line in ("/clear", "/dflash on", "/block 8", "/max 32"):
+            await send(pilot, line)
+            await finish(pilot)
+        await send(pilot, "t2 t4 t6")
+        await finish(pilot)
+        stats = app.reply_stats
+        # 32 tokens: the prefill's first, three blocks of 8, and a last cycle cut to 7 by max.
+        assert stats.tokens == 32 and stats.cycles == 4
+        assert stats.mean_acceptance_length == pytest.approx((8 + 8 + 8 + 7) / 4)
+        assert plain.startswith(app.turns[1]["content"])
+        assert app.conversation.histogram == {8: 3, 7: 1}
+        assert "accept 7.75/8 over 4 cycles" in app.turns[1]["stats"]
+        assert "accept mean   7.75" in panel(app)
+        bars = str(app.query_one("#histogram").render()).splitlines()[1]
+        assert bars[7] == "█" and bars[0] == " "
