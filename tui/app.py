@@ -246,12 +246,8 @@ class ChatApp(App):
         self.reply_stats = None
         await self.query_one(Transcript).remove_children()
         self._note("New conversation.")
-        self.reset_engine()
-        self._refresh()
-
-    @work(thread=True, group="reset")
-    def reset_engine(self) -> None:
         self.engine.reset()
+        self._refresh()
 
     async def action_help(self) -> None:
         await self.query_one(Transcript).mount(HelpNote(HELP, classes="note"))

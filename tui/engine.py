@@ -36,11 +36,15 @@ class MLXThread:
                 except BaseException as e:
                     future.set_exception(e)
 
-    def run(self, fn: Callable, *args, timeout: float | None = None) -> Any:
-        """Run ``fn(*args)`` on the thread and return its result (or raise its exception)."""
+    def submit(self, fn: Callable, *args) -> Future:
+        """Queue ``fn(*args)`` after the calls already queued; returns its future."""
         future: Future = Future()
         self._jobs.put((fn, args, future))
-        return future.result(timeout)
+        return future
+
+    def run(self, fn: Callable, *args, timeout: float | None = None) -> Any:
+        """Run ``fn(*args)`` on the thread and return its result (or raise its exception)."""
+        return self.submit(fn, *args).result(timeout)
 
 
 class MLXEngine:
@@ -112,7 +116,7 @@ class MLXEngine:
         }
 
     def reset(self) -> None:
-        """Forget the conversation (a fresh cache)."""
+        """Forget the conversation (a fresh cache). Returns at once; later calls run after it."""
 
         def _reset():
             from ..cache import make_cache
@@ -121,7 +125,7 @@ class MLXEngine:
                 self.cache = make_cache(self.model, self.draft)
             self.context_tokens = 0
 
-        self._run(_reset)
+        self._thread.submit(_reset)
 
     def _prompt(self, messages: list[dict[str, str]], system_prompt: str | None) -> list[int] | str:
         if getattr(self.tokenizer, "chat_template", None) is None:
