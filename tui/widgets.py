@@ -123,7 +123,6 @@ class Reply(Vertical):
     def __init__(self, title: str = "assistant") -> None:
         super().__init__(classes="reply")
         self.border_title = title
-        self.text = ""
 
     def compose(self) -> ComposeResult:
         yield Markdown("", classes="body")
