@@ -479,3 +479,21 @@ async def test_real_pair_oracle_drafter_shows_full_acceptance(pair):
         assert "accept mean   7.75" in panel(app)
         bars = str(app.query_one("#histogram").render()).splitlines()[1]
         assert bars[7] == "█" and bars[0] == " "
+
+
+@pytest.mark.slow
+async def test_default_pair_chat():
+    from dflash_mlx.loading import default_pair_path
+
+    if not (default_pair_path() / "draft" / "config.json").is_file():
+        pytest.skip("the embedded default pair is not in this checkout")
+    app = ChatApp(MLXEngine(), settings=Settings(max_tokens=64))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert app.info.has_draft and app.info.chat_template
+        await send(pilot, "Return True if there is any breakpoint for frame's filename.")
+        await finish(pilot)
+        stats = app.reply_stats
+        assert app.turns[-1]["content"].strip() and stats.tokens > 0
+        # A trained drafter gets more than the bonus token accepted on average.
+        assert stats.mean_acceptance_length > 1.0
