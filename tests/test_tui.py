@@ -497,3 +497,17 @@ async def test_default_pair_chat():
         assert app.turns[-1]["content"].strip() and stats.tokens > 0
         # A trained drafter gets more than the bonus token accepted on average.
         assert stats.mean_acceptance_length > 1.0
+
+
+async def test_text_typed_after_enter_is_not_lost():
+    fake = FakeStream()
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        prompt = app.query_one(PromptInput)
+        # Enter was pressed after "ab"; "cd" arrived before the app handled it.
+        prompt.load_text("abcd")
+        prompt.post_message(PromptInput.Submitted("ab"))
+        await finish(pilot)
+        assert fake.calls[0][0][-1]["content"] == "ab"
+        assert prompt.text == "cd"

@@ -170,7 +170,7 @@ class ChatApp(App):
             return
         prompt = self.query_one(PromptInput)
         if text.lstrip().startswith("/"):
-            await self.run_command(text.strip(), prompt)
+            await self.run_command(text, prompt)
             return
         if self.generating:
             self.notify("Still generating: press Esc to stop the reply first.", severity="warning")
@@ -178,7 +178,7 @@ class ChatApp(App):
         if self.info is None:
             self.notify("The models are still loading; your message is kept.", severity="warning")
             return
-        prompt.take()
+        prompt.take(text)
         await self.send(text)
 
     async def send(self, text: str) -> None:
@@ -197,10 +197,10 @@ class ChatApp(App):
         messages = [{"role": t["role"], "content": t["content"]} for t in self.turns]
         self.generate_reply(messages, s)
 
-    async def run_command(self, line: str, prompt: PromptInput) -> None:
+    async def run_command(self, text: str, prompt: PromptInput) -> None:
         info = self.info
         command = parse_command(
-            line,
+            text.strip(),
             self.settings,
             max_block_size=info.max_block_size if info else None,
             has_draft=info.has_draft if info else True,
@@ -208,7 +208,7 @@ class ChatApp(App):
         if command.action == "clear" and self.generating:
             self.notify("Stop the reply (Esc) before /clear.", severity="warning")
             return
-        prompt.take()
+        prompt.take(text)
         if command.action == "help":
             await self.query_one(Transcript).mount(HelpNote(HELP, classes="note"))
         elif command.action == "clear":

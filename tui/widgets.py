@@ -88,14 +88,17 @@ class PromptInput(TextArea):
         self.move_cursor(self.document.end)
         return True
 
-    def take(self) -> str:
-        """Clear the box and remember its text in the history; returns the text."""
-        text = self.text
+    def take(self, text: str) -> None:
+        """Remove the submitted ``text`` from the box and remember it in the history.
+
+        Whatever was typed after Enter, before the app got the message, stays in the box.
+        """
         if text.strip() and (not self.sent or self.sent[-1] != text):
             self.sent.append(text)
         self._history_index = None
-        self.clear()
-        return text
+        rest = self.text[len(text) :] if self.text.startswith(text) else self.text
+        self.load_text(rest)
+        self.move_cursor(self.document.end)
 
 
 class UserMessage(Static):
