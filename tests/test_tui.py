@@ -202,6 +202,8 @@ async def test_bad_commands_say_why_and_change_nothing(line, expected):
         assert app.settings == before
         errors = [str(n.render()) for n in app.query(".note.error")]
         assert len(errors) == 1 and expected in errors[0]
+        # The bad command stays in the box, to be fixed.
+        assert app.query_one(PromptInput).text == line
 
 
 async def test_help_and_clear():
@@ -245,6 +247,7 @@ async def test_save_markdown_json_and_no_silent_overwrite(tmp_path):
         await pilot.pause()
         assert md.read_text() == "keep me"
         assert "exists" in notes(app)[-1] and "/save!" in notes(app)[-1]
+        assert app.query_one(PromptInput).text == f"/save {md}"
         await send(pilot, f"/save! {md}")
         await pilot.pause()
         assert "## Assistant" in md.read_text()
@@ -511,3 +514,14 @@ async def test_text_typed_after_enter_is_not_lost():
         await finish(pilot)
         assert fake.calls[0][0][-1]["content"] == "ab"
         assert prompt.text == "cd"
+
+
+async def test_double_slash_sends_a_message_starting_with_slash():
+    fake = FakeStream()
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "//etc/hosts is what?")
+        await finish(pilot)
+        assert fake.calls[0][0][-1]["content"] == "/etc/hosts is what?"
+        assert not app.query(".note.error")

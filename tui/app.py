@@ -169,7 +169,11 @@ class ChatApp(App):
         if not text.strip():
             return
         prompt = self.query_one(PromptInput)
-        if text.lstrip().startswith("/"):
+        message = text
+        if text.lstrip().startswith("//"):
+            # "//" sends a message that starts with "/" (a path, say).
+            message = text.replace("/", "", 1)
+        elif text.lstrip().startswith("/"):
             await self.run_command(text, prompt)
             return
         if self.generating:
@@ -179,7 +183,7 @@ class ChatApp(App):
             self.notify("The models are still loading; your message is kept.", severity="warning")
             return
         prompt.take(text)
-        await self.send(text)
+        await self.send(message)
 
     async def send(self, text: str) -> None:
         """Add ``text`` as the user's turn and stream the reply."""
@@ -208,10 +212,12 @@ class ChatApp(App):
         if command.action == "clear" and self.generating:
             self.notify("Stop the reply (Esc) before /clear.", severity="warning")
             return
-        prompt.take(text)
+        # A command that failed stays in the box, to be fixed rather than retyped.
         if command.action == "help":
+            prompt.take(text)
             await self.query_one(Transcript).mount(HelpNote(HELP, classes="note"))
         elif command.action == "clear":
+            prompt.take(text)
             await self.action_clear()
             return
         elif command.action == "save":
@@ -220,9 +226,12 @@ class ChatApp(App):
             except (OSError, ValueError) as e:
                 self._note(f"Not saved: {e}", error=True)
             else:
+                prompt.take(text)
                 self._note(f"Saved {len(self.turns)} messages to {path}.")
         else:
-            self.settings = command.settings
+            if command.ok:
+                prompt.take(text)
+                self.settings = command.settings
             self._note(command.message, error=not command.ok)
         self._refresh()
         self.query_one(Transcript).scroll_end(animate=False)

@@ -27,7 +27,9 @@ HELP = """\
 - `/dflash on|off`: speculative decoding on, or plain decoding with the same model
 - `/clear`: start a new conversation
 - `/save FILE`: save the transcript (`.md` or `.json`); `/save! FILE` overwrites
-- `/help`: this message"""
+- `/help`: this message
+
+A message that starts with `/` is sent with `//` (`//etc/hosts is...`)."""
 
 
 @dataclass(frozen=True)
