@@ -3,21 +3,27 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup chat test test-all
+.PHONY: chat test test-all
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[tui,test,reference]"
+
+# The chat app needs the library and textual only.
+$(VENV)/.chat: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e ".[tui]"
 	touch $@
 
-setup: $(VENV)/.installed
+# The tests also need torch (the PyTorch reference), pytest and matplotlib.
+$(VENV)/.test: pyproject.toml | $(VENV)/bin/python
+	$(PY) -m pip install -q -e ".[tui,test,reference,bench]"
+	touch $@
 
-chat: setup
+chat: $(VENV)/.chat
 	$(VENV)/bin/dflash-chat
 
-test: setup
+test: $(VENV)/.test
 	$(PY) -m pytest
 
-test-all: setup
+test-all: $(VENV)/.test
 	$(PY) -m pytest -m ""
