@@ -8,7 +8,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm.models import llama, qwen3
+from mlx_lm.models import llama, qwen2, qwen3
 
 from dflash_mlx.drafter import DraftModel, ModelArgs
 
@@ -48,6 +48,13 @@ def target_config(kind: str = "qwen3", tied: bool = True, layers: int = 4) -> di
             "rope_theta": 10000.0,
             "attention_bias": False,
         }
+    if kind == "qwen2":
+        return {
+            **common,
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "rope_theta": 10000.0,
+        }
     if kind == "llama":
         return {
             **common,
@@ -61,7 +68,7 @@ def target_config(kind: str = "qwen3", tied: bool = True, layers: int = 4) -> di
 
 
 def _module_for(config: dict):
-    return {"qwen3": qwen3, "llama": llama}[config["model_type"]]
+    return {"qwen3": qwen3, "qwen2": qwen2, "llama": llama}[config["model_type"]]
 
 
 def write_tokenizer(path: Path) -> None:

@@ -4,7 +4,12 @@ from checkpoints import write_draft, write_target
 
 from dflash_mlx import load
 
-TARGET_KINDS = {"qwen3-tied": ("qwen3", True), "qwen3-untied": ("qwen3", False), "llama": ("llama", False)}
+TARGET_KINDS = {
+    "qwen3-tied": ("qwen3", True),
+    "qwen3-untied": ("qwen3", False),
+    "llama": ("llama", False),
+    "qwen2": ("qwen2", True),
+}
 
 
 @pytest.fixture(scope="session")
