@@ -113,6 +113,10 @@ def save(model, tokenizer, out: Path):
         do_sample=False,
     )
     bf16.save_pretrained(out, safe_serialization=True)
+    # transformers 5 nests rope_theta under rope_parameters; older loaders read it at the top.
+    config = json.loads((out / "config.json").read_text())
+    config["rope_theta"] = config.get("rope_parameters", {}).get("rope_theta", 10000.0)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def main():
