@@ -4,7 +4,7 @@ A 2-layer Qwen3 started from the embedded target's first layers, embedding and h
 same stdlib corpus with mlx-lm's own trainer (full fine-tuning of its layers), then saved in bf16:
 
     python assets/recipe/train_ar_draft.py --data /work/runs/data --work /work/runs/ar \
-        --out assets/dflash-tiny/ar-draft --iters 1500
+        --out assets/dflash-tiny/ar-draft --iters 500
 """
 
 import argparse
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--work", default="/work/runs/ar", help="Scratch folder.")
     parser.add_argument("--out", default=str(TARGET.parent / "ar-draft"))
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=1500)
+    parser.add_argument("--iters", type=int, default=500)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -92,7 +92,7 @@ def main() -> None:
     )
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(work / "fused", out)
+    shutil.copytree(work / "fused", out, ignore=shutil.ignore_patterns("README.md"))
     # Store in bf16 like the target; benchmarks cast back to fp32 at load.
     weights = {k: v.astype(mx.bfloat16) for k, v in mx.load(str(out / "model.safetensors")).items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
