@@ -114,6 +114,16 @@ def load_prompts(path: Path, limit: int | None = None) -> list[dict]:
     return prompts[:limit] if limit else prompts
 
 
+def _prompt_rows(prompts: str, limit: int | None) -> list[dict]:
+    """A JSONL path, or comma-separated names of the paper's sets (gsm8k, math500, ...)."""
+    from .bench_datasets import DATASETS, load_prompt_set
+
+    names = prompts.split(",")
+    if all(n in DATASETS for n in names):
+        return [row for n in names for row in load_prompt_set(n, limit)]
+    return load_prompts(Path(prompts), limit)
+
+
 def encode(tokenizer, row: dict) -> list[int]:
     messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
     if getattr(tokenizer, "chat_template", None) and not row.get("raw", False):
@@ -342,7 +352,7 @@ def run_benchmark(
         ar, _ = load_model(Path(ar_path))
         if dtype:
             ar.set_dtype(getattr(mx, dtype))
-    rows_in = load_prompts(Path(prompts) if prompts else pair / "prompts.jsonl", num_prompts)
+    rows_in = _prompt_rows(prompts or str(pair / "prompts.jsonl"), num_prompts)
     plan = [(m, b) for m in methods for b in (block_sizes if m in ("dflash", "lookup") else (1,))]
     results, total, done, start = [], len(plan) * len(rows_in), 0, time.perf_counter()
     reference: dict[int, list[int]] = {}
@@ -388,7 +398,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="Target (default: the embedded pair).")
     p.add_argument("--draft", default=None, help="DFlash drafter (default: the embedded pair's).")
     p.add_argument("--ar-draft", default=None, help="Small autoregressive draft for mlx-lm speculative decoding.")
-    p.add_argument("--prompts", default=None, help="JSONL prompts (default: the embedded held-out prompts).")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL prompts, or prompt sets from the hub: gsm8k, math500, humaneval, mbpp, mt-bench "
+        "(comma-separated). Default: the embedded pair's held-out prompts.",
+    )
     p.add_argument("--num-prompts", type=int, default=None, help="Use only the first N prompts.")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])

@@ -105,3 +105,29 @@ def test_scaling_needs_a_replay(capsys):
     with pytest.raises(SystemExit):
         main(["--scaling", "qwen3-0.6b"])
     assert "--scaling needs --replay" in capsys.readouterr().err
+
+
+def test_prompt_sets_from_a_local_hub_cache(tmp_path):
+    """The real huggingface_hub path for a named set, resolved offline from an HF cache layout."""
+    from dflash_mlx.bench_datasets import load_prompt_set
+    from dflash_mlx.benchmark import _prompt_rows
+
+    snapshot = tmp_path / "hf-cache" / "datasets--HuggingFaceH4--MATH-500" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "test.jsonl").write_text("".join(json.dumps({"problem": f"1+{i}?"}) + "\n" for i in range(5)))
+    refs = snapshot.parents[1] / "refs"
+    refs.mkdir()
+    (refs / "main").write_text("0" * 40)
+    rows = load_prompt_set("math500", limit=3)
+    assert [r["messages"][0]["content"] for r in rows] == ["1+0?", "1+1?", "1+2?"]
+    assert rows[0]["category"] == "math500"
+    assert len(_prompt_rows("math500", 2)) == 2
+
+
+def test_prompt_set_offline_or_unknown_is_one_line():
+    from dflash_mlx.bench_datasets import load_prompt_set
+
+    with pytest.raises(DFlashError, match="Could not get the gsm8k prompts from the Hugging Face hub"):
+        load_prompt_set("gsm8k")
+    with pytest.raises(DFlashError, match="Unknown prompt set 'nope'"):
+        load_prompt_set("nope")
