@@ -27,12 +27,20 @@ def main() -> None:
     rng = random.Random(args.seed)
     chats = [r for r in rows if "messages" in r and len(r["messages"][0]["content"]) < 600]
     chunks = [r for r in rows if "text" in r and r["text"].count("\n") > args.completion_lines + 4]
+    chat = [
+        {"category": "chat", "file": r["file"], "messages": [r["messages"][0]]}
+        for r in rng.sample(chats, min(args.chat, len(chats)))
+    ]
+    completion = [
+        {"category": "completion", "file": r["file"], "raw": True,
+         "prompt": "\n".join(r["text"].splitlines()[: args.completion_lines]) + "\n"}
+        for r in rng.sample(chunks, min(args.completion, len(chunks)))
+    ]
+    # Interleaved, so that the first N prompts (dflash-bench --num-prompts) cover both categories.
     out = []
-    for r in rng.sample(chats, min(args.chat, len(chats))):
-        out.append({"category": "chat", "file": r["file"], "messages": [r["messages"][0]]})
-    for r in rng.sample(chunks, min(args.completion, len(chunks))):
-        head = "\n".join(r["text"].splitlines()[: args.completion_lines]) + "\n"
-        out.append({"category": "completion", "file": r["file"], "prompt": head, "raw": True})
+    while chat or completion:
+        out += chat[:2] + completion[:1]
+        chat, completion = chat[2:], completion[1:]
     Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in out))
     print(f"wrote {len(out)} prompts to {args.out}")
 
