@@ -188,8 +188,9 @@ def draft_config(target: nn.Module, tokenizer, args: TrainingArgs) -> dict:
         "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": list(ids)},
         "torch_dtype": "float32",
     }
-    if getattr(a, "rope_scaling", None):
-        config["rope_scaling"] = a.rope_scaling
+    scaling = getattr(a, "rope_scaling", None)
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        config["rope_scaling"] = scaling
     return config
 
 
