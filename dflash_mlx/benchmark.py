@@ -159,8 +159,10 @@ def make_runner(method: str, model, draft, ar_draft, tokenizer, block_size: int,
         from mlx_lm.generate import stream_generate as mlx_lm_stream
 
         kwargs = {"draft_model": ar_draft, "num_draft_tokens": num_draft} if method == "mlx-spec" else {}
+        # mlx-lm's last response carries the stop token; ours leave it out of the text and tokens.
         return lambda ids: _time_stream(
-            mlx_lm_stream(model, tokenizer, ids, max_tokens=max_tokens, **kwargs), lambda r: [r.token]
+            mlx_lm_stream(model, tokenizer, ids, max_tokens=max_tokens, **kwargs),
+            lambda r: [] if r.finish_reason == "stop" else [r.token],
         )
     proposer = PromptLookupDraft(block_size) if method == "lookup" else draft
     return lambda ids: _time_stream(

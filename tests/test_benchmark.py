@@ -131,3 +131,20 @@ def test_prompt_set_offline_or_unknown_is_one_line():
         load_prompt_set("gsm8k")
     with pytest.raises(DFlashError, match="Unknown prompt set 'nope'"):
         load_prompt_set("nope")
+
+
+def test_a_stop_token_does_not_count_as_a_mismatch(pair_dirs, tmp_path):
+    """mlx-lm yields the stop token in its last response; the lossless check must not see a difference."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from dflash_mlx import load
+
+    model, _, tokenizer = load(pair_dirs["qwen3-tied"])
+    ids = tokenizer.encode("t1 t2 t3")
+    first = int(next(iter(generate_step(mx.array(ids), model, max_tokens=1)))[0])
+    tokenizer.eos_token_ids = {first}  # the very first generated token stops generation
+    from dflash_mlx.benchmark import make_runner
+
+    outs = [make_runner(m, model, None, None, tokenizer, 1, 2, 8)(ids)[0] for m in ("baseline", "lookup")]
+    assert outs[0] == outs[1] == []
