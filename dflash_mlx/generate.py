@@ -82,7 +82,7 @@ def dflash_generate_step(
     max_tokens: int = 256,
     sampler: Sampler | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
-    proposal: str = "greedy",
+    proposal: str = "sample",
     seed: int | None = None,
     stop_tokens: set[int] | frozenset[int] = frozenset(),
     prompt_cache: DFlashCache | None = None,
@@ -104,8 +104,9 @@ def dflash_generate_step(
           mlx-lm sampler. Greedy when None.
         logits_processors: mlx-lm logits processors (e.g. a repetition penalty), applied to
           the target's logits at every position with that position's preceding tokens.
-        proposal: ``"greedy"`` drafts the drafter's argmax; ``"sample"`` draws drafts from the
-          drafter's distribution (needs a non-greedy :class:`dflash_mlx.sampling.Sampler`).
+        proposal: ``"sample"`` (default) draws drafts from the drafter's distribution when
+          ``sampler`` is a non-greedy :class:`dflash_mlx.sampling.Sampler`; ``"greedy"``, or any
+          other sampler, drafts the drafter's argmax. At temperature 0 both are the greedy path.
         seed: Seed MLX's random generator first: the same seed gives the same output.
         stop_tokens: Generation ends right after the first of these, even mid-block.
         prompt_cache: A ``DFlashCache`` to continue from; its common prefix with
@@ -267,7 +268,7 @@ def stream_generate(
     block_size: int | None = None,
     sampler: Sampler | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
-    proposal: str = "greedy",
+    proposal: str = "sample",
     seed: int | None = None,
     prompt_cache: DFlashCache | None = None,
     prefill_step_size: int = 512,
@@ -419,7 +420,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--repetition-penalty", type=float, default=None, help="Penalty for repeating recent tokens (e.g. 1.1)."
     )
     parser.add_argument(
-        "--proposal", choices=["greedy", "sample"], default="greedy", help="How the drafter proposes when sampling."
+        "--proposal", choices=["greedy", "sample"], default="sample", help="How the drafter proposes when sampling."
     )
     parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling.")
     parser.add_argument("--system-prompt", default=None, help="System message for the chat template.")

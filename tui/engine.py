@@ -136,7 +136,7 @@ class MLXEngine:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def _start(self, messages: list[dict[str, str]], settings: Settings):
-        from mlx_lm.sample_utils import make_sampler
+        from ..sampling import make_sampler
 
         from ..generate import stream_generate
 
