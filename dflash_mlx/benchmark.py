@@ -223,12 +223,18 @@ def component_times(model, draft, block_sizes: list[int], context: int = 64, rep
 def summarize(results: list[RunResult], times: dict, baseline: str = "baseline") -> list[dict]:
     """Per method and block size: tok/s, speedup, tau, histogram, limit and efficiency."""
     rows = []
+    def pooled_tps(group: list[RunResult]) -> float:
+        # Tokens over time summed across prompts, the same pooling as tau's mean over all cycles.
+        tokens = sum(max(r.tokens - 1, 0) for r in group)
+        seconds = sum(max(r.tokens - 1, 0) / r.generation_tps for r in group if r.generation_tps > 0)
+        return tokens / seconds if seconds > 0 else 0.0
+
     base = [r for r in results if r.method == baseline]
-    base_tps = statistics.mean(r.generation_tps for r in base) if base else 0.0
+    base_tps = pooled_tps(base) if base else 0.0
     keys = sorted({(r.method, r.block_size) for r in results}, key=lambda k: (METHODS.index(k[0]), k[1]))
     for method, b in keys:
         group = [r for r in results if (r.method, r.block_size) == (method, b)]
-        tps = statistics.mean(r.generation_tps for r in group)
+        tps = pooled_tps(group)
         accept = [a for r in group for a in r.acceptance_lengths]
         tau = statistics.mean(accept) if accept else 1.0
         row = {
