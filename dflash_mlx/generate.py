@@ -445,7 +445,7 @@ def apply_chat_template(tokenizer, prompt: str, system_prompt: str | None = None
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .loading import AUTO_DRAFT, known_draft, load
+    from .loading import draft_for_cli, load
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -455,10 +455,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--temp must be >= 0 (got {args.temp}).")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
-        draft_arg = args.draft
-        if draft_arg is None and args.model is not None and not args.no_draft:
-            # Known targets get their official drafter; others run plain decoding, said once.
-            draft_arg = AUTO_DRAFT if known_draft(args.model) else None
+        draft_arg = draft_for_cli(args.model, args.draft, args.no_draft)
         model, draft, tokenizer = load(args.model, draft_arg, dtype=args.dtype)
         if draft is None and not args.no_draft:
             print("dflash-generate: no drafter given or known for this target: plain decoding "

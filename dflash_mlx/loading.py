@@ -97,6 +97,17 @@ def known_draft(model: str | Path) -> str | None:
     return find_draft(model)
 
 
+def draft_for_cli(model: str | Path | None, draft: str | Path | None, no_draft: bool = False):
+    """The ``draft`` the command-line tools pass to :func:`load`.
+
+    A known target given without a drafter gets its official one (``"auto"``); otherwise
+    what was given, which for an unknown target means plain decoding.
+    """
+    if draft is None and model is not None and not no_draft and known_draft(model):
+        return AUTO_DRAFT
+    return draft
+
+
 def _no_known_draft(model: str | Path) -> DFlashError:
     return DFlashError(
         f"No known DFlash drafter for the target {str(model)!r}. Pass the drafter with --draft "

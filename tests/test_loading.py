@@ -205,3 +205,13 @@ def test_llama_and_untied_targets_load(pair_dirs):
     for name in ("llama", "qwen3-untied"):
         model, draft, _ = load(pair_dirs[name], pair_dirs["draft"])
         assert draft is not None
+
+
+def test_draft_for_cli():
+    from dflash_mlx.loading import AUTO_DRAFT, draft_for_cli
+
+    assert draft_for_cli("Qwen/Qwen3-8B", None) == AUTO_DRAFT
+    assert draft_for_cli("Qwen/Qwen3-8B", None, no_draft=True) is None
+    assert draft_for_cli("acme/unknown", None) is None
+    assert draft_for_cli("Qwen/Qwen3-8B", "my/draft") == "my/draft"
+    assert draft_for_cli(None, None) is None

@@ -93,12 +93,9 @@ class MLXEngine:
 
     def _load(self) -> dict[str, Any]:
         from ..cache import make_cache
-        from ..loading import AUTO_DRAFT, DEFAULT_PAIR, known_draft, load
+        from ..loading import AUTO_DRAFT, DEFAULT_PAIR, draft_for_cli, load
 
-        draft = self.draft_path
-        if draft is None and self.model_path is not None and not self.no_draft:
-            # As dflash-generate: a known target gets its official drafter.
-            draft = AUTO_DRAFT if known_draft(self.model_path) else None
+        draft = draft_for_cli(self.model_path, self.draft_path, self.no_draft)
         self.model, self.draft, self.tokenizer = load(self.model_path, draft, dtype=self.dtype)
         if self.no_draft:
             self.draft = None
