@@ -17,7 +17,13 @@ from mlx_lm.models.rope_utils import initialize_rope
 from . import target as tgt
 
 # Keys of the published checkpoints that may live under "dflash_config".
-_DFLASH_KEYS = ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers")
+_DFLASH_KEYS = (
+    "block_size",
+    "target_layer_ids",
+    "mask_token_id",
+    "num_target_layers",
+    "use_target_features",
+)
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -47,6 +53,8 @@ class ModelArgs(BaseModelArgs):
     block_size: int = 16
     target_layer_ids: list[int] = field(default_factory=list)
     mask_token_id: int | None = None
+    # False only for the ablation drafter trained without the target's context.
+    use_target_features: bool = True
     model_type: str = "qwen3"
 
     @classmethod
@@ -214,6 +222,11 @@ class DraftModel(nn.Module):
         Returns:
             ``(B, L, H)`` normed hidden states of the block.
         """
+        if not self.args.use_target_features:
+            # The ablation: the block sees only itself, never the target's taps.
+            target_hidden = target_hidden[:, :0]
+            if mask is not None:
+                mask = mask[..., -noise_embedding.shape[1] :]
         ctx = self.hidden_norm(self.fc(target_hidden))  # (B, Lc, H)
         h = noise_embedding
         if cache is None:

@@ -83,6 +83,10 @@ class TrainingArgs:
         default=None, metadata={"help": "Drafter MLP size (default: target's)."}
     )
     num_taps: int = field(default=4, metadata={"help": "Target layers tapped (the paper's spread)."})
+    target_features: bool = field(
+        default=True,
+        metadata={"help": "Condition on the target's taps (--no-target-features: the ablation without them)."},
+    )
     target_layer_ids: list[int] | None = field(default=None, metadata={"help": "Explicit tapped layers."})
     mask_token_id: int | None = field(
         default=None, metadata={"help": "Mask token (default: the tokenizer's)."}
@@ -188,6 +192,8 @@ def draft_config(target: nn.Module, tokenizer, args: TrainingArgs) -> dict:
         "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": list(ids)},
         "torch_dtype": "float32",
     }
+    if not args.target_features:
+        config["dflash_config"]["use_target_features"] = False
     scaling = getattr(a, "rope_scaling", None)
     if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
         config["rope_scaling"] = scaling

@@ -164,6 +164,37 @@ def test_training_layout_matches_inference(qwen3_pair):
     assert mx.allclose(train_logits, infer_logits, atol=1e-4)
 
 
+def test_no_target_features_ablation(setup, tmp_path):
+    """--no-target-features trains and runs a drafter that never sees the target's taps."""
+    root, _, _ = setup
+    out = tmp_path / "blind"
+    train(_args(setup, out, iters=4, target_features=False))
+    config = json.loads((out / "config.json").read_text())
+    assert config["dflash_config"]["use_target_features"] is False
+    model, draft, tokenizer = load(root / "target", out, dtype="float32")
+    assert draft.args.use_target_features is False
+    ids = mx.random.randint(0, VOCAB - 4, (1, 30))
+    _, taps = tgt.forward_with_taps(model, ids, [None] * 4, draft.target_layer_ids)
+    block = mx.array([[ids[0, 20].item()] + [MASK_ID] * (draft.block_size - 1)])
+    blind = draft.propose(model, block, taps[:, :20], make_draft_cache(draft))
+    for context in (taps[:, :5] * 3.0, None):
+        assert mx.allclose(draft.propose(model, block, context, make_draft_cache(draft)), blind, atol=1e-5)
+    # Training layout (context masked out) == inference, as for the full drafter.
+    packed = mx.concatenate([taps, mx.zeros((1, 2, taps.shape[-1]))], 1)
+    assert mx.allclose(block_logits(draft, model, packed, block, mx.array([20]), mx.array([0])), blind, atol=1e-4)
+    # The same weights with the taps switched on do depend on them, so the checks above can fail.
+    draft.args.use_target_features = True
+    seeing = draft.propose(model, block, taps[:, :20], make_draft_cache(draft))
+    assert not mx.allclose(seeing, blind, atol=1e-3)
+    draft.args.use_target_features = False
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _words(5, 7)}], add_generation_prompt=True
+    )
+    plain = [t for s in dflash_generate_step(prompt, model, None, max_tokens=20) for t in s.tokens]
+    spec = [t for s in dflash_generate_step(prompt, model, draft, max_tokens=20) for t in s.tokens]
+    assert spec == plain
+
+
 def test_train_end_to_end(setup, tmp_path):
     root, _, _ = setup
     out = tmp_path / "draft"
