@@ -208,7 +208,7 @@ def component_times(model, draft, block_sizes: list[int], context: int = 64, rep
 
         return run
 
-    times = {"ar": timed(target_pass(1)), "verify": {}, "draft": {}}
+    times = {"context": context, "ar": timed(target_pass(1)), "verify": {}, "draft": {}}
     if draft is not None:
         for c in cache.draft:
             c.update_and_fetch(*[mx.zeros((1, draft.args.num_key_value_heads, context, draft.args.head_dim))] * 2)
@@ -279,7 +279,8 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         "ideal tau / (t_draft + t_verify).",
     ]
     if times.get("verify"):
-        lines += ["", f"Component times (ms): AR step {1e3 * times['ar']:.2f}"]
+        at = f" at a {times['context']}-token context" if "context" in times else ""
+        lines += ["", f"Component times (ms){at}: AR step {1e3 * times['ar']:.2f}"]
         for b in sorted(times["verify"]):
             d = times["draft"].get(b)
             lines.append(f"- B={b}: verify {1e3 * times['verify'][b]:.2f}" + (f", draft {1e3 * d:.2f}" if d else ""))
@@ -388,7 +389,11 @@ def run_benchmark(
                       f"ETA {eta:.0f}s   ", end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
-    times = component_times(target, drafter, list(block_sizes)) if drafter is not None else {}
+    # Attention grows with the context, and more for a B-token verify than for one token:
+    # time the components at the mean context the generated tokens actually saw.
+    contexts = [len(encode(tokenizer, row)) + len(reference[i]) / 2 for i, row in enumerate(rows_in)]
+    context = max(1, round(statistics.mean(contexts)))
+    times = component_times(target, drafter, list(block_sizes), context=context) if drafter is not None else {}
     categories = sorted({r.category for r in results})
     by_category = {c: summarize([r for r in results if r.category == c], times) for c in categories}
     return {

@@ -193,6 +193,8 @@ def dflash_generate_step(
                 if num_draft > 0:
                     drafts, q = _draft_block(last, num_draft)
                     num_draft = drafts.shape[0]
+                    # Start drafting now, so the verify graph below is built while it runs.
+                    mx.async_eval(drafts)
                     block = mx.concatenate([block, drafts[None]], axis=1)
                 verify_size = num_draft + 1
                 logits, taps = tgt.forward_with_taps(model, block, cache.target, tap_ids)

@@ -56,6 +56,8 @@ def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, 
         assert len({tuple(r["output_ids"]) for r in result["runs"] if r["prompt"] == i}) == 1
     table = (tmp_path / "r.md").read_text()
     assert "| dflash | 8 |" in table and "BLAS" in table
+    # Component times are taken at the mean context of the generated tokens.
+    assert result["times"]["context"] > 12 / 2 and f"at a {result['times']['context']}-token context" in table
     assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "acceptance_histogram.png").is_file()
 
