@@ -28,7 +28,9 @@ from .generate import stream_generate
 from .lookup import PromptLookupDraft
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
-METHODS = ("baseline", "mlx-spec", "lookup", "dflash")
+METHODS = ("baseline", "mlx-spec", "lookup", "dflash", "dflash-cut")
+# DFlash methods: the paper's fixed block, and the block cut at the drafter's first unsure draft.
+DFLASH_METHODS = ("dflash", "dflash-cut")
 
 
 @dataclass
@@ -45,11 +47,17 @@ class RunResult:
     acceptance_lengths: list[int] = field(default_factory=list)
     peak_memory_gb: float = 0.0
     output_ids: list[int] = field(default_factory=list)
+    verify_sizes: list[int] = field(default_factory=list)
 
 
 def physical_limit(tau: float, t_ar: float, t_draft: float, t_verify: float) -> float:
     """The best speedup a loop can reach: tau tokens per (draft + verify) against one AR step each."""
     return tau * t_ar / (t_draft + t_verify)
+
+
+def mean_cycle_time(verify_sizes: list[int], t_draft: float, t_verify_by_size: dict[int, float]) -> float:
+    """The ideal seconds per cycle of a run: one draft pass plus a verify of each cycle's size."""
+    return t_draft + statistics.mean(t_verify_by_size[k] for k in verify_sizes)
 
 
 def efficiency(tps: float, tau: float, t_draft: float, t_verify: float) -> float:
@@ -131,9 +139,10 @@ def encode(tokenizer, row: dict) -> list[int]:
     return tokenizer.encode(row.get("prompt") or messages[-1]["content"])
 
 
-def _time_stream(responses: Iterator, get_tokens: Callable) -> tuple[list[int], float, float, list[int]]:
-    """Drain a stream: (ids, seconds after the first token, seconds to the first token, acceptances)."""
-    ids, accept, first, tic, drafted = [], [], None, time.perf_counter(), 0
+def _time_stream(responses: Iterator, get_tokens: Callable) -> tuple[list[int], float, float, list[int], list[int]]:
+    """Drain a stream: (ids, seconds after the first token, seconds to the first token, acceptances,
+    tokens verified per cycle)."""
+    ids, accept, first, tic, drafted, sizes = [], [], None, time.perf_counter(), 0, []
     for r in responses:
         if first is None:
             first = time.perf_counter()
@@ -147,13 +156,17 @@ def _time_stream(responses: Iterator, get_tokens: Callable) -> tuple[list[int], 
         ids.extend(get_tokens(r))
         if getattr(r, "cycle", 0) > 0:
             accept.append(r.acceptance_length)
+            sizes.append(r.num_draft + 1)
     end = time.perf_counter()
     if drafted:
         accept.append(drafted)
-    return ids, end - (first or end), (first or end) - tic, accept
+    return ids, end - (first or end), (first or end) - tic, accept, sizes
 
 
-def make_runner(method: str, model, draft, ar_draft, tokenizer, block_size: int, num_draft: int, max_tokens: int):
+def make_runner(
+    method: str, model, draft, ar_draft, tokenizer, block_size: int, num_draft: int, max_tokens: int,
+    min_confidence: float = 0.5,
+):
     """A function ``prompt ids -> (ids, gen seconds, prompt seconds, acceptances)`` for one method."""
     if method in ("baseline", "mlx-spec"):
         from mlx_lm.generate import stream_generate as mlx_lm_stream
@@ -165,23 +178,27 @@ def make_runner(method: str, model, draft, ar_draft, tokenizer, block_size: int,
             lambda r: [] if r.finish_reason == "stop" else [r.token],
         )
     proposer = PromptLookupDraft(block_size) if method == "lookup" else draft
+    cutoff = min_confidence if method == "dflash-cut" else 0.0
     return lambda ids: _time_stream(
-        stream_generate(model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=block_size),
+        stream_generate(
+            model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=block_size, min_confidence=cutoff
+        ),
         lambda r: r.tokens,
     )
 
 
-def measure(runner, ids: list[int], runs: int) -> tuple[list[int], float, float, list[int]]:
+def measure(runner, ids: list[int], runs: int) -> tuple[list[int], float, float, list[int], list[int]]:
     runner(ids)  # warm-up
     results = [runner(ids) for _ in range(runs)]
-    out, _, _, accept = results[0]
+    out, _, _, accept, sizes = results[0]
     gen = statistics.median(r[1] for r in results)
     first = statistics.median(r[2] for r in results)
-    return out, gen, first, accept
+    return out, gen, first, accept, sizes
 
 
 def component_times(model, draft, block_sizes: list[int], context: int = 64, repeats: int = 10) -> dict:
-    """Median seconds of one AR step, one verify pass of B tokens and one draft pass, at ``context``."""
+    """Median seconds of one AR step, one verify pass of B tokens and one draft pass, at ``context``,
+    and (``verify_by_size``) of a verify pass of every size up to the largest B."""
     from .cache import make_cache
 
     def timed(fn) -> float:
@@ -212,8 +229,11 @@ def component_times(model, draft, block_sizes: list[int], context: int = 64, rep
     if draft is not None:
         for c in cache.draft:
             c.update_and_fetch(*[mx.zeros((1, draft.args.num_key_value_heads, context, draft.args.head_dim))] * 2)
+    times["verify_by_size"] = {1: times["ar"]}
+    for k in range(2, max(block_sizes) + 1):
+        times["verify_by_size"][k] = timed(target_pass(k))
     for b in block_sizes:
-        times["verify"][b] = timed(target_pass(b))
+        times["verify"][b] = times["verify_by_size"][b] if b > 1 else times["ar"]
         if draft is not None:
             block = mx.array([[1] * draft.block_size])
             times["draft"][b] = timed(lambda: mx.eval(draft.propose(model, block, None, cache.draft)))
@@ -247,11 +267,17 @@ def summarize(results: list[RunResult], times: dict, baseline: str = "baseline")
             "histogram": {k: accept.count(k) for k in sorted(set(accept))},
             "peak_memory_gb": max(r.peak_memory_gb for r in group),
         }
-        if method == "dflash" and b in times.get("verify", {}):
-            t_draft, t_verify = times["draft"][b], times["verify"][b]
+        if method in DFLASH_METHODS and b in times.get("draft", {}):
+            # Each cycle's verify at the size it had (B, or less when cut or at the end).
+            by_size = {int(k): v for k, v in times.get("verify_by_size", {}).items()}
+            sizes = [k for r in group for k in r.verify_sizes] if by_size else []
+            if not sizes:
+                sizes, by_size = [b], {b: times["verify"][b]}
+            t_cycle = mean_cycle_time(sizes, times["draft"][b], by_size)
             row.update(
-                limit=physical_limit(tau, times["ar"], t_draft, t_verify),
-                efficiency=efficiency(tps, tau, t_draft, t_verify),
+                verify_size=statistics.mean(sizes),
+                limit=physical_limit(tau, times["ar"], t_cycle, 0.0),
+                efficiency=efficiency(tps, tau, t_cycle, 0.0),
             )
         rows.append(row)
     return rows
@@ -262,21 +288,23 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         f"Machine: {meta['machine']} ({meta['device']}); BLAS: {meta['blas']}; mlx {meta['mlx']}, "
         f"mlx-lm {meta['mlx_lm']}; commit {meta['commit']}; {meta['date']}",
         "",
-        "| method | block | gen tok/s | speedup | tau | prompt tok/s | limit | efficiency | peak GB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| method | block | gen tok/s | speedup | tau | verified | prompt tok/s | limit | efficiency | peak GB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         limit = f"{r['limit']:.2f}x" if "limit" in r else ""
         eff = f"{100 * r['efficiency']:.0f}%" if "efficiency" in r else ""
+        verified = f"{r['verify_size']:.2f}" if "verify_size" in r else ""
         lines.append(
             f"| {r['method']} | {r['block_size']} | {r['generation_tps']:.1f} | {r['speedup']:.2f}x | "
-            f"{r['tau']:.2f} | {r['prompt_tps']:.0f} | {limit} | {eff} | {r['peak_memory_gb']:.2f} |"
+            f"{r['tau']:.2f} | {verified} | {r['prompt_tps']:.0f} | {limit} | {eff} | {r['peak_memory_gb']:.2f} |"
         )
     lines += [
         "",
-        "speedup: generation tok/s over the baseline's. tau: mean acceptance length. limit: tau x t_AR / "
-        "(t_draft + t_verify), the best speedup over a bare AR step. efficiency: measured tok/s over the "
-        "ideal tau / (t_draft + t_verify).",
+        "speedup: generation tok/s over the baseline's. tau: mean acceptance length. verified: tokens the "
+        "target checked per cycle (dflash-cut stops at the drafter's first draft under --min-confidence). "
+        "limit: tau x t_AR / (t_draft + t_verify), with each cycle's verify at its size, the best speedup "
+        "over a bare AR step. efficiency: measured tok/s over the ideal tau / (t_draft + t_verify).",
     ]
     if times.get("verify"):
         at = f" at a {times['context']}-token context" if "context" in times else ""
@@ -297,13 +325,17 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     dflash = [r for r in rows if r["method"] == "dflash"]
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
-    ax[0].plot([r["block_size"] for r in dflash], [r["speedup"] for r in dflash], "o-", label="DFlash")
+    for method, label in (("dflash", "DFlash"), ("dflash-cut", "DFlash, cut block")):
+        mine = [r for r in rows if r["method"] == method]
+        if mine:
+            ax[0].plot([r["block_size"] for r in mine], [r["speedup"] for r in mine], "o-", label=label)
+            ax[1].plot([r["block_size"] for r in mine], [r["tau"] for r in mine], "o-", label=label)
     for r in rows:
-        if r["method"] != "dflash":
+        if r["method"] not in DFLASH_METHODS:
             ax[0].axhline(r["speedup"], ls="--", lw=1, label=f"{r['method']}")
     ax[0].set(xlabel="block size", ylabel="speedup vs baseline", title="Speedup")
     ax[0].legend(fontsize=7)
-    ax[1].plot([r["block_size"] for r in dflash], [r["tau"] for r in dflash], "o-")
+    ax[1].legend(fontsize=7)
     ax[1].set(xlabel="block size", ylabel="mean acceptance length", title="Acceptance")
     fig.tight_layout()
     paths = [out / "speedup.png"]
@@ -333,6 +365,7 @@ def run_benchmark(
     num_draft_tokens: int = 3,
     runs: int = 3,
     methods: tuple[str, ...] = METHODS,
+    min_confidence: float = 0.5,
     dtype: str | None = "float32",
     progress: bool = True,
 ) -> dict:
@@ -345,7 +378,9 @@ def run_benchmark(
     if runs < 1 or max_tokens < 1:
         raise DFlashError(f"--runs and --max-tokens must be at least 1 (got {runs} and {max_tokens}).")
     target, drafter, tokenizer = load(model, draft, dtype=dtype)
-    if "dflash" in methods and drafter is None:
+    if not 0.0 < min_confidence <= 1.0:
+        raise DFlashError(f"--min-confidence must be in (0, 1] (got {min_confidence}).")
+    if any(m in DFLASH_METHODS for m in methods) and drafter is None:
         raise DFlashError("The dflash method needs a drafter: pass --draft.")
     bad_b = [b for b in block_sizes if drafter is not None and not 1 <= b <= drafter.block_size]
     if bad_b:
@@ -362,16 +397,16 @@ def run_benchmark(
         if dtype:
             ar.set_dtype(getattr(mx, dtype))
     rows_in = _prompt_rows(prompts or str(pair / "prompts.jsonl"), num_prompts)
-    plan = [(m, b) for m in methods for b in (block_sizes if m in ("dflash", "lookup") else (1,))]
+    plan = [(m, b) for m in methods for b in (block_sizes if m in (*DFLASH_METHODS, "lookup") else (1,))]
     results, total, done, start = [], len(plan) * len(rows_in), 0, time.perf_counter()
     reference: dict[int, list[int]] = {}
     mismatches = []
     for i, row in enumerate(rows_in):
         ids = encode(tokenizer, row)
         for method, b in plan:
-            runner = make_runner(method, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens)
+            runner = make_runner(method, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens, min_confidence)
             mx.reset_peak_memory()
-            out, gen_s, first_s, accept = measure(runner, ids, runs)
+            out, gen_s, first_s, accept, sizes = measure(runner, ids, runs)
             gen_tokens = max(len(out) - 1, 0)
             # Losslessness check: every method must emit the first method's tokens.
             ref = reference.setdefault(i, out)
@@ -380,7 +415,7 @@ def run_benchmark(
             results.append(
                 RunResult(method, b, i, row.get("category", "all"), len(out),
                           gen_tokens / gen_s if gen_s > 0 else 0.0, len(ids) / first_s if first_s > 0 else 0.0,
-                          accept, mx.get_peak_memory() / 1e9, out)
+                          accept, mx.get_peak_memory() / 1e9, out, sizes)
             )
             done += 1
             if progress:
@@ -397,7 +432,8 @@ def run_benchmark(
     categories = sorted({r.category for r in results})
     by_category = {c: summarize([r for r in results if r.category == c], times) for c in categories}
     return {
-        "meta": {**stamp(), "max_tokens": max_tokens, "runs": runs, "prompts": len(rows_in), "dtype": dtype},
+        "meta": {**stamp(), "max_tokens": max_tokens, "runs": runs, "prompts": len(rows_in), "dtype": dtype,
+                 "min_confidence": min_confidence},
         "times": times,
         "rows": summarize(results, times),
         "mismatches": mismatches,
@@ -423,6 +459,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=3, help="Draft tokens for mlx-lm speculative decoding.")
     p.add_argument("--runs", type=int, default=3, help="Timed runs per measurement (median).")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--min-confidence", type=float, default=0.5,
+                   help="dflash-cut: verify only the drafts the drafter gives at least this probability.")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto",
                    help="Linux CPU: preload OpenBLAS when installed (auto), require it, or keep MLX's own.")
@@ -460,7 +498,8 @@ def main(argv: list[str] | None = None) -> None:
         result = run_benchmark(
             model=args.model, draft=args.draft, ar_draft=args.ar_draft, prompts=args.prompts,
             num_prompts=args.num_prompts, max_tokens=args.max_tokens, block_sizes=tuple(args.block_sizes),
-            num_draft_tokens=args.num_draft_tokens, runs=args.runs, methods=tuple(args.methods), dtype=args.dtype,
+            num_draft_tokens=args.num_draft_tokens, runs=args.runs, methods=tuple(args.methods),
+            min_confidence=args.min_confidence, dtype=args.dtype,
         )
     except DFlashError as e:
         print(f"dflash-bench: error: {e}", file=sys.stderr)

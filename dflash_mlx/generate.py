@@ -83,6 +83,7 @@ def dflash_generate_step(
     sampler: Sampler | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
     proposal: str = "sample",
+    min_confidence: float = 0.0,
     seed: int | None = None,
     stop_tokens: set[int] | frozenset[int] = frozenset(),
     prompt_cache: DFlashCache | None = None,
@@ -107,6 +108,11 @@ def dflash_generate_step(
         proposal: ``"sample"`` (default) draws drafts from the drafter's distribution when
           ``sampler`` is a non-greedy :class:`dflash_mlx.sampling.Sampler`; ``"greedy"``, or any
           other sampler, drafts the drafter's argmax. At temperature 0 both are the greedy path.
+        min_confidence: Verify only the leading drafts to which the drafter gives at least this
+          probability (always at least one). 0 (default) verifies the whole block, as in the
+          paper. The output is the same either way; a cutoff pays where a verify pass costs
+          more the more tokens it checks (CPUs, small targets), at the price of one more
+          host synchronisation per cycle.
         seed: Seed MLX's random generator first: the same seed gives the same output.
         stop_tokens: Generation ends right after the first of these, even mid-block.
         prompt_cache: A ``DFlashCache`` to continue from; its common prefix with
@@ -118,14 +124,16 @@ def dflash_generate_step(
         StepOutput: The tokens of each cycle with its acceptance counts.
 
     Raises:
-        DFlashError: On an empty prompt, ``max_tokens < 1``, a bad ``block_size`` or
-          ``proposal``.
+        DFlashError: On an empty prompt, ``max_tokens < 1``, a bad ``block_size``,
+          ``proposal`` or ``min_confidence``.
     """
     ids = _prompt_ids(prompt)
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise DFlashError(f"max_tokens must be a positive integer (got {max_tokens!r}).")
     block_size = resolve_block_size(draft, block_size)
     check_proposal(proposal)
+    if not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence <= 1.0:
+        raise DFlashError(f"min_confidence must be a probability from 0 to 1 (got {min_confidence!r}).")
     sampler = sampler or _greedy
     sample_proposals = proposal == "sample" and can_sample_proposals(sampler)
     cache = prompt_cache if prompt_cache is not None else make_cache(model, draft)
@@ -167,9 +175,23 @@ def dflash_generate_step(
         if draft_logits.shape[0] == 0:
             return mx.zeros((0,), dtype=mx.uint32), None
         if not sample_proposals:
-            return mx.argmax(draft_logits, axis=-1).astype(mx.uint32), None
-        q = sampler.probs(draft_logits - mx.logsumexp(draft_logits, axis=-1, keepdims=True))
-        return mx.random.categorical(mx.log(q)).astype(mx.uint32), q  # (num_draft,), (num_draft, V)
+            drafts, q = mx.argmax(draft_logits, axis=-1).astype(mx.uint32), None
+        else:
+            q = sampler.probs(draft_logits - mx.logsumexp(draft_logits, axis=-1, keepdims=True))
+            drafts = mx.random.categorical(mx.log(q)).astype(mx.uint32)  # (num_draft,), (num_draft, V)
+        if min_confidence > 0 and drafts.shape[0] > 1:
+            drafts, q = _confident_prefix(draft_logits, drafts, q)
+        return drafts, q
+
+    def _confident_prefix(draft_logits, drafts, q):
+        # The cut depends on the drafter alone, so verifying the shorter block is still exact.
+        probs = mx.softmax(draft_logits, axis=-1) if q is None else q
+        conf = mx.take_along_axis(probs, drafts[:, None].astype(mx.int32), axis=-1)[:, 0]
+        confident = (conf >= min_confidence).tolist()
+        k = 1
+        while k < len(confident) and confident[k - 1] and confident[k]:
+            k += 1
+        return drafts[:k], None if q is None else q[:k]
 
     def _rewind(num_kept: int, num_verified: int, taps: mx.array | None) -> None:
         for c in cache.target:
@@ -237,6 +259,7 @@ class GenerationResponse:
         text: The new segment of decoded text (may be empty).
         tokens: This cycle's new token ids (a stop token is not included).
         acceptance_length: Tokens this cycle's target pass produced (``num_accepted + 1``).
+        num_draft: Tokens drafted this cycle (the target verified ``num_draft + 1``).
         mean_acceptance_length: The running mean over the cycles so far (the paper's tau).
         cycle: 0 for the prefill's first token, then 1, 2, ... per draft/verify cycle.
         prompt_tokens: Prompt tokens prefilled (after any cache reuse).
@@ -258,6 +281,7 @@ class GenerationResponse:
     generation_tps: float
     peak_memory: float
     finish_reason: str | None = None
+    num_draft: int = 0
 
 
 def stream_generate(
@@ -271,6 +295,7 @@ def stream_generate(
     sampler: Sampler | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
     proposal: str = "sample",
+    min_confidence: float = 0.0,
     seed: int | None = None,
     prompt_cache: DFlashCache | None = None,
     prefill_step_size: int = 512,
@@ -287,6 +312,8 @@ def stream_generate(
         sampler: ``logprobs -> ids``; greedy when None.
         logits_processors: mlx-lm logits processors applied to the target's logits.
         proposal: ``"greedy"`` or ``"sample"`` drafts; see :func:`dflash_generate_step`.
+        min_confidence: Verify only the drafter's confident leading drafts (0: the whole
+          block); see :func:`dflash_generate_step`.
         seed: Seed for sampling; the same seed gives the same output.
         prompt_cache: A ``DFlashCache`` to reuse across calls (multi-turn chat).
         prefill_step_size: Prompt tokens per prefill chunk.
@@ -316,6 +343,7 @@ def stream_generate(
         sampler=sampler,
         logits_processors=logits_processors,
         proposal=proposal,
+        min_confidence=min_confidence,
         seed=seed,
         stop_tokens=stop_tokens,
         prompt_cache=prompt_cache,
@@ -356,6 +384,7 @@ def stream_generate(
             generation_tps=(generated - 1) / elapsed if generated > 1 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish,
+            num_draft=step.num_draft,
         )
         if finish:
             break
@@ -424,6 +453,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--proposal", choices=["greedy", "sample"], default="sample", help="How the drafter proposes when sampling."
     )
+    parser.add_argument(
+        "--min-confidence",
+        type=float,
+        default=0.0,
+        help="Verify only the drafts the drafter gives at least this probability (0 = the whole block).",
+    )
     parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling.")
     parser.add_argument("--system-prompt", default=None, help="System message for the chat template.")
     parser.add_argument(
@@ -477,6 +512,7 @@ def main(argv: list[str] | None = None) -> None:
             sampler=make_sampler(args.temp, args.top_p, args.min_p, args.top_k),
             logits_processors=make_logits_processors(repetition_penalty=args.repetition_penalty),
             proposal=args.proposal,
+            min_confidence=args.min_confidence,
             seed=args.seed,
         )
     except DFlashError as e:

@@ -7,20 +7,25 @@ from dflash_mlx.drafter import DraftModel
 
 class ScriptedDraft(DraftModel):
     """Proposes a fixed continuation: the target's own greedy tokens (an oracle), optionally
-    corrupted at some positions, or always wrong."""
+    corrupted at some positions, or always wrong. With ``unsure_every`` the drafts at those
+    positions stay right but get a low probability (a weak peak instead of a sharp one)."""
 
-    def __init__(self, base: DraftModel, sequence: list[int], vocab: int, wrong_every: int = 0):
+    def __init__(
+        self, base: DraftModel, sequence: list[int], vocab: int, wrong_every: int = 0, unsure_every: int = 0
+    ):
         super().__init__(base.args)
         self.update(base.parameters())
         self.sequence, self.vocab, self.wrong_every = sequence, vocab, wrong_every
+        self.unsure_every = unsure_every
 
     def propose(self, model, block, target_hidden, cache, history=None):
         mx.eval(super().propose(model, block, target_hidden, cache))  # keeps the context cache real
         start = cache[0].offset  # absolute position of block[0]
-        ids = []
+        ids, peaks = [], []
         for pos in range(start + 1, start + block.shape[1]):
+            peaks.append(0.5 if self.unsure_every and pos % self.unsure_every == 0 else 10.0)
             tok = self.sequence[pos] if pos < len(self.sequence) else 0
             if self.wrong_every == 1 or (self.wrong_every and pos % self.wrong_every == 0):
                 tok = (tok + 1) % self.vocab
             ids.append(tok)
-        return mx.eye(self.vocab)[mx.array(ids)][None] * 10.0
+        return mx.eye(self.vocab)[mx.array(ids)][None] * mx.array(peaks)[None, :, None]

@@ -29,6 +29,20 @@ def test_summary_speedup_and_limit():
     assert rows["dflash"]["histogram"] == {4: 1, 6: 1}
 
 
+def test_limit_uses_each_cycles_verify_size():
+    # dflash-cut verified 16, 2 and 2 tokens in its three cycles: its ideal cycle is the mean.
+    results = [
+        RunResult("baseline", 1, 0, "code", 10, 100.0, 500.0, [1] * 9),
+        RunResult("dflash-cut", 16, 0, "code", 10, 200.0, 500.0, [8, 1, 2], verify_sizes=[16, 2, 2]),
+    ]
+    times = {"ar": 0.01, "verify": {16: 0.02}, "draft": {16: 0.004}, "verify_by_size": {1: 0.01, 2: 0.011, 16: 0.02}}
+    row = summarize(results, times)[1]
+    t_cycle = 0.004 + (0.02 + 0.011 + 0.011) / 3
+    assert row["verify_size"] == pytest.approx(20 / 3)
+    assert row["limit"] == pytest.approx(11 / 3 * 0.01 / t_cycle)
+    assert row["efficiency"] == pytest.approx(200.0 * t_cycle / (11 / 3))
+
+
 @pytest.fixture()
 def prompts(tmp_path):
     path = tmp_path / "prompts.jsonl"
@@ -47,7 +61,11 @@ def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, 
     ])
     result = json.loads((tmp_path / "r.json").read_text())
     methods = {(r["method"], r["block_size"]) for r in result["rows"]}
-    assert methods == {("baseline", 1), ("mlx-spec", 1), ("lookup", 4), ("lookup", 8), ("dflash", 4), ("dflash", 8)}
+    assert methods == {("baseline", 1), ("mlx-spec", 1), ("lookup", 4), ("lookup", 8), ("dflash", 4), ("dflash", 8),
+                       ("dflash-cut", 4), ("dflash-cut", 8)}  # fmt: skip
+    for r in result["rows"]:
+        if r["method"].startswith("dflash"):
+            assert 1 <= r["verify_size"] <= r["block_size"] and r["limit"] > 0
     assert set(result["by_category"]) == {"a", "b"}
     assert result["meta"]["blas"] and result["meta"]["mlx"]
     # Lossless: every method emitted the same tokens on each prompt.

@@ -65,6 +65,41 @@ def test_lossless_scripted_drafters(qwen3_pair, block_size, wrong_every):
         assert max(s.num_accepted + 1 for s in cycles[1:]) == block_size
 
 
+@pytest.mark.parametrize("prompt_len", [1, 7, 130])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_min_confidence_verifies_the_confident_prefix(qwen3_pair, block_size, prompt_len):
+    """Each cycle verifies exactly the drafts up to the first unsure one; the output is unchanged."""
+    model, draft, _ = qwen3_pair
+    prompt = _prompt(prompt_len)
+    ref = reference(model, prompt)
+    oracle = ScriptedDraft(draft, prompt + ref, VOCAB, unsure_every=5)
+    full, full_cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=MAX_REF)
+    cut, cut_cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=MAX_REF, min_confidence=0.5)
+    assert full == cut == ref
+    generated = 1  # the prefill's token
+    for step in cut_cycles[1:]:
+        position = len(prompt) + generated  # absolute position of the cycle's first draft
+        budget = min(block_size, MAX_REF - generated) - 1
+        unsure = next((k for k in range(budget) if (position + k) % 5 == 0), budget)
+        assert step.num_draft == min(max(1, unsure), budget) == step.num_accepted
+        generated += len(step.tokens)
+    assert {s.num_draft for s in full_cycles[1:-1]} == {block_size - 1}
+    assert sum(s.num_draft for s in cut_cycles) < sum(s.num_draft for s in full_cycles)
+    # Nothing confident: one draft is still verified per cycle.
+    unsure = ScriptedDraft(draft, prompt + ref, VOCAB, unsure_every=1)
+    out, cycles = run(model, unsure, prompt, block_size=block_size, max_tokens=MAX_REF, min_confidence=0.5)
+    assert out == ref and {s.num_draft for s in cycles[1:-1]} == {1}
+
+
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+def test_min_confidence_lossless_random_drafter(tiny_pair, block_size):
+    model, draft, _ = tiny_pair
+    prompt = _prompt(7)
+    ref = reference(model, prompt)
+    out, cycles = run(model, draft, prompt, block_size=block_size, max_tokens=MAX_REF, min_confidence=0.02)
+    assert out == ref
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_stop_tokens_inside_accepted_block(qwen3_pair, block_size):
     model, draft, _ = qwen3_pair
@@ -143,6 +178,8 @@ def test_prompt_cache_reuse_across_turns(qwen3_pair):
         ({"max_tokens": 0}, "max_tokens must be a positive integer (got 0)"),
         ({"block_size": 17}, "block_size must be an integer from 1 to the drafter's trained block size 16 (got 17)"),
         ({"block_size": 0}, "(got 0)"),
+        ({"min_confidence": 1.5}, "min_confidence must be a probability from 0 to 1 (got 1.5)"),
+        ({"min_confidence": -0.1}, "(got -0.1)"),
     ],
 )
 def test_bad_arguments(qwen3_pair, kwargs, message):

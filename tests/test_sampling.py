@@ -95,6 +95,30 @@ def test_distribution_matches_target(pair, exact, proposal):
     assert max(excess) < 0, excess
 
 
+@pytest.mark.parametrize("proposal, cutoff", [("greedy", 0.5), ("sample", 0.009)])
+def test_distribution_matches_target_with_confidence_cutoff(pair, exact, proposal, cutoff):
+    """Verifying only the drafter's confident prefix keeps the target's distribution."""
+    model, draft, _ = pair
+    greedy = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=DEPTH)]
+    # The scripted drafter is sure of its first draft (position 6) and unsure of the second (7).
+    drafter = ScriptedDraft(draft, PROMPT + greedy, VOCAB, unsure_every=7) if proposal == "greedy" else draft
+    counts, drafted = np.zeros((DEPTH, VOCAB)), []
+    sampler = make_sampler(TEMP)
+    for seed in range(RUNS):
+        steps = list(
+            dflash_generate_step(PROMPT, model, drafter, sampler=sampler, proposal=proposal, seed=seed,
+                                 block_size=DEPTH, max_tokens=DEPTH + 1, min_confidence=cutoff)
+        )  # fmt: skip
+        # One more token than counted, so the first cycle may draft DEPTH - 1 tokens.
+        drafted.append(steps[1].num_draft)
+        for pos, tok in enumerate([t for s in steps for t in s.tokens][:DEPTH]):
+            counts[pos, tok] += 1
+    excess = [_tv(counts[p], exact[p]) - _tv_bound(exact[p], RUNS) for p in range(DEPTH)]
+    assert max(excess) < 0, excess
+    # Cut blocks occurred (and, with sampled drafts, full ones too): the cutoff was exercised.
+    assert 1 in drafted and (proposal == "greedy" or DEPTH - 1 in drafted)
+
+
 @pytest.mark.parametrize("proposal", ["greedy", "sample"])
 def test_broken_acceptance_rule_fails_the_same_check(pair, exact, proposal, monkeypatch):
     """Negative control: with an always-accept rule the check above must fail."""
