@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
             draft = None
         if not args.ignore_chat_template:
             prompt = apply_chat_template(tokenizer, prompt, args.system_prompt)
-        generate(
+        text = generate(
             model,
             draft,
             tokenizer,
@@ -515,6 +515,8 @@ def main(argv: list[str] | None = None) -> None:
             min_confidence=args.min_confidence,
             seed=args.seed,
         )
+        if not args.verbose:
+            print(text)  # the text alone, as mlx_lm.generate does
     except DFlashError as e:
         print(f"dflash-generate: error: {e}", file=sys.stderr)
         sys.exit(1)

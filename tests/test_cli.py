@@ -20,6 +20,22 @@ def test_generates_with_a_pair(pair_dirs, capsys):
     assert "Generation:" in out and "Acceptance length:" in out
 
 
+def test_min_confidence_same_text(pair_dirs, capsys):
+    base = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
+            "--prompt", "t1 t2 t3", "--max-tokens", "20", "--verbose", "false"]  # fmt: skip
+    main(base)
+    plain = capsys.readouterr().out
+    main([*base, "--min-confidence", "0.05"])
+    assert capsys.readouterr().out == plain and plain.strip()
+
+
+def test_bad_min_confidence_is_one_line(pair_dirs, capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--min-confidence", "2"])
+    err = capsys.readouterr().err.strip()
+    assert err == "dflash-generate: error: min_confidence must be a probability from 0 to 1 (got 2.0)."
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
