@@ -92,12 +92,16 @@ def test_min_confidence_verifies_the_confident_prefix(qwen3_pair, block_size, pr
 
 
 @pytest.mark.parametrize("block_size", [2, 8, 16])
-def test_min_confidence_lossless_random_drafter(tiny_pair, block_size):
+def test_min_confidence_lossless_every_target_kind(tiny_pair, block_size):
+    """Wrong and unsure drafts mixed, on each target kind: cut blocks, same output."""
     model, draft, _ = tiny_pair
     prompt = _prompt(7)
     ref = reference(model, prompt)
-    out, cycles = run(model, draft, prompt, block_size=block_size, max_tokens=MAX_REF, min_confidence=0.02)
+    drafter = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=3, unsure_every=4)
+    out, cycles = run(model, drafter, prompt, block_size=block_size, max_tokens=MAX_REF, min_confidence=0.5)
     assert out == ref
+    if block_size > 2:
+        assert max(s.num_draft for s in cycles) < block_size - 1
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

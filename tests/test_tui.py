@@ -1,3 +1,4 @@
+import importlib
 import json
 import os
 import threading
@@ -158,6 +159,7 @@ async def test_ctrl_j_adds_a_newline_and_up_recalls_history():
         ("/temp 0.7", "temp", 0.7),
         ("/max 64", "max_tokens", 64),
         ("/dflash off", "dflash", False),
+        ("/cutoff 0.5", "min_confidence", 0.5),
     ],
 )
 async def test_setting_commands_apply_to_the_next_reply(line, field, value):
@@ -187,6 +189,8 @@ async def test_setting_commands_apply_to_the_next_reply(line, field, value):
         ("/max 0", "integer from 1"),
         ("/max", "got nothing"),
         ("/dflash maybe", "on or off"),
+        ("/cutoff 2", "probability from 0 to 1"),
+        ("/cutoff", "got nothing"),
         ("/save", "a file name"),
         ("/save notes.exe", ".md or .json"),
         ("/frobnicate", "Unknown command '/frobnicate'"),
@@ -358,6 +362,29 @@ async def test_real_pair_dflash_off_gives_the_same_greedy_reply(pair):
         # /clear dropped the cache: the whole prompt is prefilled again.
         assert app.reply_stats.prompt_tokens == fresh_prefill
         assert "DFlash off" in app.turns[1]["stats"]
+
+
+def test_engine_passes_the_cutoff_and_keeps_the_text(pair, monkeypatch):
+    gen = importlib.import_module("dflash_mlx.generate")  # the package's generate() hides the module
+    seen, real = [], gen.stream_generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("min_confidence"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gen, "stream_generate", spy)
+    engine = MLXEngine(*pair)
+    engine.load()
+    messages = [{"role": "user", "content": "t1 t2 t3"}]
+    try:
+        texts = []
+        for cutoff in (0.0, 0.999):
+            engine.reset()
+            texts.append("".join(r.text for r in engine(messages, Settings(max_tokens=24, min_confidence=cutoff))))
+    finally:
+        engine.close()
+    assert seen == [0.0, 0.999]
+    assert texts[0] == texts[1] and texts[0].strip()
 
 
 async def test_real_pair_escape_keeps_partial_and_cache_in_sync(pair):

@@ -302,6 +302,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", "-m", type=int, default=512, help="Most tokens per reply.")
     parser.add_argument("--system-prompt", default=None, help="System message for the chat template.")
     parser.add_argument(
+        "--min-confidence",
+        type=float,
+        default=0.0,
+        help="Verify only the drafts the drafter gives at least this probability (0 = the whole block).",
+    )
+    parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         default=None,
@@ -318,6 +324,7 @@ def make_app(
     temp: float = 0.0,
     max_tokens: int = 512,
     system_prompt: str | None = None,
+    min_confidence: float = 0.0,
     dtype: str | None = None,
     no_draft: bool = False,
 ) -> ChatApp:
@@ -330,13 +337,20 @@ def make_app(
         temp: Sampling temperature (0 = greedy).
         max_tokens: The most tokens per reply.
         system_prompt: System message for the chat template.
+        min_confidence: Verify only the drafter's confident leading drafts (0: the whole block).
         dtype: Cast both models to this dtype.
         no_draft: Plain decoding, without the drafter.
 
     Returns:
         ChatApp: Call ``.run()`` on it.
     """
-    settings = Settings(block_size=block_size, temp=temp, max_tokens=max_tokens, system_prompt=system_prompt)
+    settings = Settings(
+        block_size=block_size,
+        temp=temp,
+        max_tokens=max_tokens,
+        system_prompt=system_prompt,
+        min_confidence=min_confidence,
+    )
     return ChatApp(MLXEngine(model, draft, dtype=dtype, no_draft=no_draft), settings=settings)
 
 
@@ -349,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--max-tokens must be at least 1 (got {args.max_tokens}).")
     if not 0 <= args.temp <= 10:
         parser.error(f"--temp must be from 0 to 10 (got {args.temp}).")
+    if not 0 <= args.min_confidence <= 1:
+        parser.error(f"--min-confidence must be from 0 to 1 (got {args.min_confidence}).")
     app = make_app(**vars(args))
     try:
         app.run()

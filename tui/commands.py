@@ -25,6 +25,8 @@ HELP = """\
 - `/temp T`: sampling temperature (0 = greedy, output identical to the target alone)
 - `/max N`: most tokens per reply
 - `/dflash on|off`: speculative decoding on, or plain decoding with the same model
+- `/cutoff P`: verify only the drafts the drafter gives at least probability P (0 = the whole block;
+  faster on CPUs, same text)
 - `/clear`: start a new conversation
 - `/save FILE`: save the transcript (`.md` or `.json`); `/save! FILE` overwrites
 - `/help`: this message
@@ -41,6 +43,7 @@ class Settings:
         temp: Sampling temperature; 0 is greedy decoding.
         max_tokens: The most tokens per reply.
         dflash: Draft with the drafter (True) or decode one token per target pass (False).
+        min_confidence: Verify only the drafter's confident leading drafts (0: the whole block).
         system_prompt: The system message put first in the chat template, if any.
     """
 
@@ -49,10 +52,13 @@ class Settings:
     max_tokens: int = 512
     dflash: bool = True
     system_prompt: str | None = None
+    min_confidence: float = 0.0
 
     def describe(self, max_block_size: int | None = None) -> str:
         block = self.block_size or max_block_size
         mode = f"DFlash on · block {block if block else 'auto'}" if self.dflash else "DFlash off"
+        if self.dflash and self.min_confidence > 0:
+            mode += f" · cutoff {self.min_confidence:g}"
         return f"{mode} · temp {self.temp:g} · max {self.max_tokens}"
 
 
@@ -146,6 +152,15 @@ def parse_command(
         if n is None or not 1 <= n <= MAX_TOKENS_LIMIT:
             return usage_error(f"an integer from 1 to {MAX_TOKENS_LIMIT}", "/max 256")
         return Command("set", replace(settings, max_tokens=n), f"At most {n} tokens per reply.")
+    if name == "/cutoff":
+        try:
+            p = float(arg)
+        except ValueError:
+            p = None
+        if p is None or not 0.0 <= p <= 1.0:  # also rejects nan
+            return usage_error("a probability from 0 to 1", "/cutoff 0.5")
+        what = f"verifying drafts up to the first below {p:g}" if p > 0 else "verifying whole blocks"
+        return Command("set", replace(settings, min_confidence=p), f"Cutoff {p:g}: {what}.")
     if name == "/dflash":
         if arg.lower() not in ("on", "off"):
             return usage_error("on or off", "/dflash off")

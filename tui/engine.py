@@ -150,6 +150,7 @@ class MLXEngine:
             max_tokens=settings.max_tokens,
             block_size=block_size,
             sampler=make_sampler(settings.temp),
+            min_confidence=settings.min_confidence,
             prompt_cache=self.cache,
         )
 
