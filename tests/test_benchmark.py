@@ -4,7 +4,7 @@ import pytest
 from checkpoints import write_target
 
 from dflash_mlx import DFlashError
-from dflash_mlx.benchmark import efficiency, load_prompts, main, physical_limit, run_benchmark, summarize, RunResult
+from dflash_mlx.benchmark import efficiency, fastest_times, load_prompts, main, physical_limit, run_benchmark, summarize, RunResult
 
 
 def test_physical_limit_and_efficiency():
@@ -41,6 +41,15 @@ def test_limit_uses_each_cycles_verify_size():
     assert row["verify_size"] == pytest.approx(20 / 3)
     assert row["limit"] == pytest.approx(11 / 3 * 0.01 / t_cycle)
     assert row["efficiency"] == pytest.approx(200.0 * t_cycle / (11 / 3))
+
+
+def test_fastest_times_keeps_the_faster_of_each_entry():
+    a = {"context": 40, "ar": 0.010, "verify": {4: 0.02}, "draft": {4: 0.004}, "verify_by_size": {1: 0.010, 4: 0.02}}
+    b = {"context": 40, "ar": 0.008, "verify": {4: 0.03}, "draft": {4: 0.003}, "verify_by_size": {1: 0.008, 4: 0.03}}
+    assert fastest_times(a, b) == {
+        "context": 40, "ar": 0.008, "verify": {4: 0.02}, "draft": {4: 0.003}, "verify_by_size": {1: 0.008, 4: 0.02}
+    }
+    assert fastest_times({}, {}) == {}
 
 
 @pytest.fixture()
