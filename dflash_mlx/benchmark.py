@@ -335,14 +335,15 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     dflash = [r for r in rows if r["method"] == "dflash"]
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
-    for method, label in (("dflash", "DFlash"), ("dflash-cut", "DFlash, cut block")):
+    lines = (("dflash", "DFlash"), ("dflash-cut", "DFlash, cut block"), ("lookup", "prompt lookup"))
+    for i, (method, label) in enumerate(lines):
         mine = [r for r in rows if r["method"] == method]
         if mine:
-            ax[0].plot([r["block_size"] for r in mine], [r["speedup"] for r in mine], "o-", label=label)
-            ax[1].plot([r["block_size"] for r in mine], [r["tau"] for r in mine], "o-", label=label)
-    for r in rows:
-        if r["method"] not in DFLASH_METHODS:
-            ax[0].axhline(r["speedup"], ls="--", lw=1, label=f"{r['method']}")
+            style = dict(color=f"C{i}", label=label, ls="-" if method in DFLASH_METHODS else ":")
+            ax[0].plot([r["block_size"] for r in mine], [r["speedup"] for r in mine], "o", **style)
+            ax[1].plot([r["block_size"] for r in mine], [r["tau"] for r in mine], "o", **style)
+    for i, r in enumerate(r for r in rows if r["method"] in ("baseline", "mlx-spec")):
+        ax[0].axhline(r["speedup"], ls="--", lw=1, color=f"C{len(lines) + i}", label=r["method"])
     ax[0].set(xlabel="block size", ylabel="speedup vs baseline", title="Speedup")
     ax[0].legend(fontsize=7)
     ax[1].legend(fontsize=7)
