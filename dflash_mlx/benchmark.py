@@ -55,11 +55,6 @@ def physical_limit(tau: float, t_ar: float, t_draft: float, t_verify: float) -> 
     return tau * t_ar / (t_draft + t_verify)
 
 
-def mean_cycle_time(verify_sizes: list[int], t_draft: float, t_verify_by_size: dict[int, float]) -> float:
-    """The ideal seconds per cycle of a run: one draft pass plus a verify of each cycle's size."""
-    return t_draft + statistics.mean(t_verify_by_size[k] for k in verify_sizes)
-
-
 def efficiency(tps: float, tau: float, t_draft: float, t_verify: float) -> float:
     """Measured tok/s over the loop's ideal, ``tau / (t_draft + t_verify)``: what the loop's own
     overhead leaves. Equal to (tps * t_AR) / limit, the speedup over a bare AR step against its limit."""
@@ -283,11 +278,11 @@ def summarize(results: list[RunResult], times: dict, baseline: str = "baseline")
             sizes = [k for r in group for k in r.verify_sizes] if by_size else []
             if not sizes:
                 sizes, by_size = [b], {b: times["verify"][b]}
-            t_cycle = mean_cycle_time(sizes, times["draft"][b], by_size)
+            t_draft, t_verify = times["draft"][b], statistics.mean(by_size[k] for k in sizes)
             row.update(
                 verify_size=statistics.mean(sizes),
-                limit=physical_limit(tau, times["ar"], t_cycle, 0.0),
-                efficiency=efficiency(tps, tau, t_cycle, 0.0),
+                limit=physical_limit(tau, times["ar"], t_draft, t_verify),
+                efficiency=efficiency(tps, tau, t_draft, t_verify),
             )
         rows.append(row)
     return rows
