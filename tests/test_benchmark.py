@@ -94,6 +94,7 @@ def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, 
     [
         (["--methods", "dflash", "--block-sizes", "40"], "Block size 40 is outside 1..16"),
         (["--methods", "mlx-spec"], "needs a small autoregressive draft"),
+        (["--methods", "dflash-cut", "--min-confidence", "0"], "--min-confidence must be in (0, 1] (got 0.0)"),
     ],
 )
 def test_bad_arguments(pair_dirs, prompts, argv, message, capsys):
