@@ -1,0 +1,55 @@
+"""Greedy acceptance length of a target + drafter pair on held-out prompts (the numbers in DRAFT.md).
+
+    python assets/recipe/measure_acceptance.py --prompts assets/dflash-tiny/prompts.jsonl
+    python assets/recipe/measure_acceptance.py --draft runs/draft --prompts valid.jsonl --skip 8 --num-prompts 32
+"""
+
+import argparse
+import json
+import time
+from collections import Counter
+
+from dflash_mlx import dflash_generate_step, load
+from dflash_mlx.loading import default_pair_path
+from dflash_mlx.train_data import read_prompts, render_prompt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="Target (default: the embedded pair's).")
+    parser.add_argument("--draft", default=None, help="Drafter (default: the embedded pair's).")
+    parser.add_argument("--prompts", default=str(default_pair_path() / "prompts.jsonl"))
+    parser.add_argument("--skip", type=int, default=0, help="Leave out the first N prompts.")
+    parser.add_argument("--num-prompts", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--dtype", default=None, help="Cast both models (default: as load() gives them).")
+    args = parser.parse_args()
+
+    model, draft, tokenizer = load(args.model, args.draft, dtype=args.dtype)
+    # Corpus chunks become 12-line completion prompts, as in dflash-bench and the training data.
+    rows = read_prompts(args.prompts, text_prompt_lines=12)[args.skip : args.skip + args.num_prompts]
+    stop = frozenset(tokenizer.eos_token_ids)
+    hist, tokens, tic = Counter(), 0, time.perf_counter()
+    for row in rows:
+        ids = render_prompt(tokenizer, row)
+        for step in dflash_generate_step(
+            ids, model, draft, max_tokens=args.max_tokens, stop_tokens=stop, block_size=args.block_size
+        ):
+            tokens += len(step.tokens)
+            if step.num_draft:
+                hist[step.num_accepted + 1] += 1
+    cycles = sum(hist.values())
+    print(json.dumps({
+        "prompts": len(rows),
+        "tokens": tokens,
+        "cycles": cycles,
+        "mean_acceptance": round(sum(k * v for k, v in hist.items()) / max(cycles, 1), 3),
+        "hist": dict(sorted(hist.items())),
+        "dtype": str(draft.norm.weight.dtype),
+        "tok_per_s": round(tokens / (time.perf_counter() - tic), 1),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
