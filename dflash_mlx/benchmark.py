@@ -31,6 +31,7 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 METHODS = ("baseline", "mlx-spec", "lookup", "dflash", "dflash-cut")
 # DFlash methods: the paper's fixed block, and the block cut at the drafter's first unsure draft.
 DFLASH_METHODS = ("dflash", "dflash-cut")
+DEFAULT_MIN_CONFIDENCE = 0.5  # dflash-cut's cutoff
 
 
 @dataclass
@@ -160,7 +161,7 @@ def _time_stream(responses: Iterator, get_tokens: Callable) -> tuple[list[int], 
 
 def make_runner(
     method: str, model, draft, ar_draft, tokenizer, block_size: int, num_draft: int, max_tokens: int,
-    min_confidence: float = 0.5,
+    min_confidence: float = DEFAULT_MIN_CONFIDENCE,
 ):
     """A function ``prompt ids -> (ids, gen seconds, prompt seconds, acceptances)`` for one method."""
     if method in ("baseline", "mlx-spec"):
@@ -228,7 +229,7 @@ def component_times(model, draft, block_sizes: list[int], context: int = 64, rep
     for k in range(2, max(block_sizes) + 1):
         times["verify_by_size"][k] = timed(target_pass(k))
     for b in block_sizes:
-        times["verify"][b] = times["verify_by_size"][b] if b > 1 else times["ar"]
+        times["verify"][b] = times["verify_by_size"][b]
         if draft is not None:
             block = mx.array([[1] * draft.block_size])
             times["draft"][b] = timed(lambda: mx.eval(draft.propose(model, block, None, cache.draft)))
@@ -371,7 +372,7 @@ def run_benchmark(
     num_draft_tokens: int = 3,
     runs: int = 3,
     methods: tuple[str, ...] = METHODS,
-    min_confidence: float = 0.5,
+    min_confidence: float = DEFAULT_MIN_CONFIDENCE,
     dtype: str | None = "float32",
     progress: bool = True,
 ) -> dict:
@@ -468,7 +469,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft-tokens", type=int, default=3, help="Draft tokens for mlx-lm speculative decoding.")
     p.add_argument("--runs", type=int, default=3, help="Timed runs per measurement (median).")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    p.add_argument("--min-confidence", type=float, default=0.5,
+    p.add_argument("--min-confidence", type=float, default=DEFAULT_MIN_CONFIDENCE,
                    help="dflash-cut: verify only the drafts the drafter gives at least this probability.")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto",
