@@ -275,12 +275,20 @@ def _to_mx(batch: dict) -> dict:
 
 
 def evaluate_acceptance(
-    target: nn.Module, draft: DraftModel, prompts: list[list[int]], max_tokens: int, stop_tokens
+    target: nn.Module,
+    draft: DraftModel,
+    prompts: list[list[int]],
+    max_tokens: int,
+    stop_tokens,
+    block_size: int | None = None,
 ) -> tuple[float, dict[int, int]]:
     """Mean acceptance length (``num_accepted + 1`` per cycle) with the real speculative loop."""
     hist = Counter()
     for ids in prompts:
-        for step in dflash_generate_step(ids, target, draft, max_tokens=max_tokens, stop_tokens=stop_tokens):
+        steps = dflash_generate_step(
+            ids, target, draft, max_tokens=max_tokens, stop_tokens=stop_tokens, block_size=block_size
+        )
+        for step in steps:
             if step.num_draft:
                 hist[step.num_accepted + 1] += 1
     cycles = sum(hist.values())

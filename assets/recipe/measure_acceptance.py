@@ -6,11 +6,10 @@
 
 import argparse
 import json
-import time
-from collections import Counter
 
-from dflash_mlx import dflash_generate_step, load
+from dflash_mlx import load
 from dflash_mlx.loading import default_pair_path
+from dflash_mlx.train import evaluate_acceptance
 from dflash_mlx.train_data import read_prompts, render_prompt
 
 
@@ -29,25 +28,16 @@ def main() -> None:
     model, draft, tokenizer = load(args.model, args.draft, dtype=args.dtype)
     # Corpus chunks become 12-line completion prompts, as in dflash-bench and the training data.
     rows = read_prompts(args.prompts, text_prompt_lines=12)[args.skip : args.skip + args.num_prompts]
-    stop = frozenset(tokenizer.eos_token_ids)
-    hist, tokens, tic = Counter(), 0, time.perf_counter()
-    for row in rows:
-        ids = render_prompt(tokenizer, row)
-        for step in dflash_generate_step(
-            ids, model, draft, max_tokens=args.max_tokens, stop_tokens=stop, block_size=args.block_size
-        ):
-            tokens += len(step.tokens)
-            if step.num_draft:
-                hist[step.num_accepted + 1] += 1
-    cycles = sum(hist.values())
+    prompts = [render_prompt(tokenizer, row) for row in rows]
+    mean, hist = evaluate_acceptance(
+        model, draft, prompts, args.max_tokens, frozenset(tokenizer.eos_token_ids), block_size=args.block_size
+    )
     print(json.dumps({
         "prompts": len(rows),
-        "tokens": tokens,
-        "cycles": cycles,
-        "mean_acceptance": round(sum(k * v for k, v in hist.items()) / max(cycles, 1), 3),
-        "hist": dict(sorted(hist.items())),
+        "cycles": sum(hist.values()),
+        "mean_acceptance": round(mean, 3),
+        "hist": hist,
         "dtype": str(draft.norm.weight.dtype),
-        "tok_per_s": round(tokens / (time.perf_counter() - tic), 1),
     }))  # fmt: skip
 
 
