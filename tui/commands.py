@@ -92,6 +92,13 @@ def _int(text: str) -> int | None:
         return None
 
 
+def _float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def parse_command(
     line: str,
     settings: Settings,
@@ -140,10 +147,7 @@ def parse_command(
             return usage_error(f"an integer from 1 to {top}", "/block 8")
         return Command("set", replace(settings, block_size=n), f"Block size {n}.")
     if name == "/temp":
-        try:
-            t = float(arg)
-        except ValueError:
-            t = None
+        t = _float(arg)
         if t is None or not 0.0 <= t <= MAX_TEMP:  # also rejects nan
             return usage_error(f"a number from 0 to {MAX_TEMP:g}", "/temp 0.7")
         return Command("set", replace(settings, temp=t), f"Temperature {t:g}.")
@@ -153,10 +157,7 @@ def parse_command(
             return usage_error(f"an integer from 1 to {MAX_TOKENS_LIMIT}", "/max 256")
         return Command("set", replace(settings, max_tokens=n), f"At most {n} tokens per reply.")
     if name == "/cutoff":
-        try:
-            p = float(arg)
-        except ValueError:
-            p = None
+        p = _float(arg)
         if p is None or not 0.0 <= p <= 1.0:  # also rejects nan
             return usage_error("a probability from 0 to 1", "/cutoff 0.5")
         what = f"verifying drafts up to the first below {p:g}" if p > 0 else "verifying whole blocks"
