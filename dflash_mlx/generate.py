@@ -18,7 +18,14 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import target as tgt
 from .cache import DFlashCache, make_cache
 from .errors import DFlashError
-from .sampling import accept_one_hot, can_sample_proposals, check_proposal, make_sampler, speculative_accept
+from .sampling import (
+    accept_one_hot,
+    can_sample_proposals,
+    check_proposal,
+    make_sampler,
+    speculative_accept,
+    top_probability,
+)
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -134,7 +141,10 @@ def dflash_generate_step(
     check_proposal(proposal)
     if not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence <= 1.0:
         raise DFlashError(f"min_confidence must be a probability from 0 to 1 (got {min_confidence!r}).")
-    sampler = sampler or _greedy
+    # Greedy needs only the argmax: normalising 16 rows of logits costs a verify pass about
+    # a millisecond on MLX's CPU backend, whose exp is slow.
+    greedy = sampler is None or sampler is _greedy or getattr(sampler, "greedy", False) is True
+    sampler = _greedy if greedy else sampler
     sample_proposals = proposal == "sample" and can_sample_proposals(sampler)
     cache = prompt_cache if prompt_cache is not None else make_cache(model, draft)
     if draft is not None and cache.draft is None:
@@ -156,6 +166,8 @@ def dflash_generate_step(
                     row = processor(tokens, row)
                 rows.append(row)
             logits = mx.concatenate(rows, axis=0)
+        if greedy:
+            return logits  # the argmax of the logprobs, without computing them
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
     def _prefill(tokens: list[int]) -> mx.array:
@@ -185,8 +197,10 @@ def dflash_generate_step(
 
     def _confident_prefix(draft_logits, drafts, q):
         # The cut depends on the drafter alone, so verifying the shorter block is still exact.
-        probs = mx.softmax(draft_logits, axis=-1) if q is None else q
-        conf = mx.take_along_axis(probs, drafts[:, None].astype(mx.int32), axis=-1)[:, 0]
+        if q is None:  # greedy drafts are the argmax, so their probability is the top one
+            conf = top_probability(draft_logits)
+        else:
+            conf = mx.take_along_axis(q, drafts[:, None].astype(mx.int32), axis=-1)[:, 0]
         confident = (conf >= min_confidence).tolist()
         k = 1
         while k < len(confident) and confident[k - 1] and confident[k]:

@@ -8,10 +8,11 @@ import pytest
 from checkpoints import VOCAB, write_target
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 from oracles import ScriptedDraft
 
 from dflash_mlx import DFlashError, dflash_generate_step, load
-from dflash_mlx.sampling import make_sampler, speculative_accept
+from dflash_mlx.sampling import make_sampler, speculative_accept, top_probability
 
 # The package exports a function named generate, which hides the module of that name.
 gen = importlib.import_module("dflash_mlx.generate")
@@ -158,10 +159,35 @@ def test_same_seed_same_output(pair, proposal):
 
 
 @pytest.mark.parametrize("proposal", ["greedy", "sample"])
-def test_temperature_zero_is_greedy(pair, proposal):
+@pytest.mark.parametrize("kind", ["ours", "mlx-lm", "none"])
+def test_temperature_zero_is_greedy(pair, proposal, kind):
+    # Ours and None take the argmax of the logits directly; mlx-lm's greedy sampler gets logprobs.
     model, draft, _ = pair
-    out = _tokens(model, draft, sampler=make_sampler(0.0), proposal=proposal, max_tokens=40)
+    sampler = {"ours": make_sampler(0.0), "mlx-lm": mlx_lm_make_sampler(0.0), "none": None}[kind]
+    out = _tokens(model, draft, sampler=sampler, proposal=proposal, max_tokens=40)
     assert out == [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=40)]
+
+
+def test_top_probability_matches_softmax():
+    rng = np.random.default_rng(0)
+    rows = [rng.normal(0, scale, 4096) for scale in (0.1, 1.0, 5.0, 30.0, 300.0)]
+    rows.append(np.zeros(4096))  # uniform: 1 / V
+    spiky = rng.normal(0, 1, 4096)
+    spiky[17] = 200.0  # everything else underflows
+    rows.append(spiky)
+    logits = mx.array(np.stack(rows).astype(np.float32))
+    ref = np.asarray(mx.max(mx.softmax(logits, axis=-1, precise=True), axis=-1))
+    got = np.asarray(top_probability(logits))
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    assert got[-2] == pytest.approx(1 / 4096, rel=1e-6) and got[-1] == pytest.approx(1.0)
+    with_inf = mx.array([[0.0, -np.inf, np.log(3.0)]], dtype=mx.float32)
+    assert np.asarray(top_probability(with_inf))[0] == pytest.approx(0.75, rel=1e-5)
+    half = logits.astype(mx.bfloat16)
+    np.testing.assert_allclose(
+        np.asarray(top_probability(half)),
+        np.asarray(mx.max(mx.softmax(half.astype(mx.float32), axis=-1), axis=-1)),
+        rtol=1e-5,
+    )
 
 
 def test_repetition_penalty_matches_mlx_lm(pair):
