@@ -28,10 +28,14 @@ from .generate import stream_generate
 from .lookup import PromptLookupDraft
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
-METHODS = ("baseline", "mlx-spec", "lookup", "dflash", "dflash-cut")
-# DFlash methods: the paper's fixed block, and the block cut at the drafter's first unsure draft.
-DFLASH_METHODS = ("dflash", "dflash-cut")
+METHODS = ("baseline", "mlx-spec", "lookup", "dflash", "dflash-cut", "dflash-fallback")
+# DFlash methods: the paper's fixed block, the block cut at the drafter's first unsure draft, and
+# the fixed block with prompt-lookup cycles after the drafter's first-draft misses.
+DFLASH_METHODS = ("dflash", "dflash-cut", "dflash-fallback")
+# Those whose every cycle is one drafter pass and one verify, so the physical limit applies.
+LIMIT_METHODS = ("dflash", "dflash-cut")
 DEFAULT_MIN_CONFIDENCE = 0.5  # dflash-cut's cutoff
+DEFAULT_LOOKUP_FALLBACK = 4  # dflash-fallback's most lookup cycles in a row
 
 
 @dataclass
@@ -162,6 +166,7 @@ def _time_stream(responses: Iterator, get_tokens: Callable) -> tuple[list[int], 
 def make_runner(
     method: str, model, draft, ar_draft, tokenizer, block_size: int, num_draft: int, max_tokens: int,
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
+    lookup_fallback: int = DEFAULT_LOOKUP_FALLBACK,
 ):
     """A function ``prompt ids -> (ids, gen seconds, prompt seconds, acceptances)`` for one method."""
     if method in ("baseline", "mlx-spec"):
@@ -175,9 +180,11 @@ def make_runner(
         )
     proposer = PromptLookupDraft(block_size) if method == "lookup" else draft
     cutoff = min_confidence if method == "dflash-cut" else 0.0
+    fallback = lookup_fallback if method == "dflash-fallback" else 0
     return lambda ids: _time_stream(
         stream_generate(
-            model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=block_size, min_confidence=cutoff
+            model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=block_size, min_confidence=cutoff,
+            lookup_fallback=fallback,
         ),
         lambda r: r.tokens,
     )
@@ -273,11 +280,13 @@ def summarize(results: list[RunResult], times: dict, baseline: str = "baseline")
             "histogram": {k: accept.count(k) for k in sorted(set(accept))},
             "peak_memory_gb": max(r.peak_memory_gb for r in group),
         }
-        if method in DFLASH_METHODS and b in times.get("draft", {}):
+        sizes = [k for r in group for k in r.verify_sizes]
+        if method in DFLASH_METHODS and sizes:
+            row["verify_size"] = statistics.mean(sizes)
+        if method in LIMIT_METHODS and b in times.get("draft", {}):
             # Each cycle's verify at the size it had (B, or less when cut or at the end).
             by_size = {int(k): v for k, v in times.get("verify_by_size", {}).items()}
-            sizes = [k for r in group for k in r.verify_sizes] if by_size else []
-            if not sizes:
+            if not (by_size and sizes):
                 sizes, by_size = [b], {b: times["verify"][b]}
             t_draft, t_verify = times["draft"][b], statistics.mean(by_size[k] for k in sizes)
             row.update(
@@ -310,7 +319,8 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         "speedup: generation tok/s over the baseline's. tau: mean acceptance length. verified: tokens the "
         "target checked per cycle (dflash-cut stops at the drafter's first draft under --min-confidence). "
         "limit: tau x t_AR / (t_draft + t_verify), with each cycle's verify at its size, the best speedup "
-        "over a bare AR step. efficiency: measured tok/s over the ideal tau / (t_draft + t_verify).",
+        "over a bare AR step. efficiency: measured tok/s over the ideal tau / (t_draft + t_verify). "
+        "dflash-fallback has neither: its prompt-lookup cycles run no drafter pass.",
     ]
     if times.get("verify"):
         at = f" at a {times['context']}-token context" if "context" in times else ""
@@ -331,7 +341,12 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     dflash = [r for r in rows if r["method"] == "dflash"]
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
-    lines = (("dflash", "DFlash"), ("dflash-cut", "DFlash, cut block"), ("lookup", "prompt lookup"))
+    lines = (
+        ("dflash", "DFlash"),
+        ("dflash-cut", "DFlash, cut block"),
+        ("dflash-fallback", "DFlash, lookup fallback"),
+        ("lookup", "prompt lookup"),
+    )
     for i, (method, label) in enumerate(lines):
         mine = [r for r in rows if r["method"] == method]
         if mine:
@@ -373,6 +388,7 @@ def run_benchmark(
     runs: int = 3,
     methods: tuple[str, ...] = METHODS,
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
+    lookup_fallback: int = DEFAULT_LOOKUP_FALLBACK,
     dtype: str | None = "float32",
     progress: bool = True,
 ) -> dict:
@@ -387,6 +403,8 @@ def run_benchmark(
     target, drafter, tokenizer = load(model, draft, dtype=dtype)
     if not 0.0 < min_confidence <= 1.0:
         raise DFlashError(f"--min-confidence must be in (0, 1] (got {min_confidence}).")
+    if lookup_fallback < 1:
+        raise DFlashError(f"--lookup-fallback must be at least 1 (got {lookup_fallback}).")
     if any(m in DFLASH_METHODS for m in methods) and drafter is None:
         raise DFlashError("The dflash method needs a drafter: pass --draft.")
     bad_b = [b for b in block_sizes if drafter is not None and not 1 <= b <= drafter.block_size]
@@ -417,7 +435,8 @@ def run_benchmark(
     for i, row in enumerate(rows_in):
         ids = encode(tokenizer, row)
         for method, b in plan:
-            runner = make_runner(method, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens, min_confidence)
+            runner = make_runner(method, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
+                                 min_confidence, lookup_fallback)
             mx.reset_peak_memory()
             out, gen_s, first_s, accept, sizes = measure(runner, ids, runs)
             gen_tokens = max(len(out) - 1, 0)
@@ -443,7 +462,7 @@ def run_benchmark(
     by_category = {c: summarize([r for r in results if r.category == c], times) for c in categories}
     return {
         "meta": {**stamp(), "max_tokens": max_tokens, "runs": runs, "prompts": len(rows_in), "dtype": dtype,
-                 "min_confidence": min_confidence},
+                 "min_confidence": min_confidence, "lookup_fallback": lookup_fallback},
         "times": times,
         "rows": summarize(results, times),
         "mismatches": mismatches,
@@ -471,6 +490,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--min-confidence", type=float, default=DEFAULT_MIN_CONFIDENCE,
                    help="dflash-cut: verify only the drafts the drafter gives at least this probability.")
+    p.add_argument("--lookup-fallback", type=int, default=DEFAULT_LOOKUP_FALLBACK,
+                   help="dflash-fallback: the most prompt-lookup cycles after the drafter misses its first draft.")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto",
                    help="Linux CPU: preload OpenBLAS when installed (auto), require it, or keep MLX's own.")
@@ -509,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
             model=args.model, draft=args.draft, ar_draft=args.ar_draft, prompts=args.prompts,
             num_prompts=args.num_prompts, max_tokens=args.max_tokens, block_sizes=tuple(args.block_sizes),
             num_draft_tokens=args.num_draft_tokens, runs=args.runs, methods=tuple(args.methods),
-            min_confidence=args.min_confidence, dtype=args.dtype,
+            min_confidence=args.min_confidence, lookup_fallback=args.lookup_fallback, dtype=args.dtype,
         )
     except DFlashError as e:
         print(f"dflash-bench: error: {e}", file=sys.stderr)

@@ -18,6 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import target as tgt
 from .cache import DFlashCache, make_cache
 from .errors import DFlashError
+from .lookup import PromptLookupDraft
 from .sampling import (
     accept_one_hot,
     can_sample_proposals,
@@ -91,6 +92,7 @@ def dflash_generate_step(
     logits_processors: list[LogitsProcessor] | None = None,
     proposal: str = "sample",
     min_confidence: float = 0.0,
+    lookup_fallback: int = 0,
     seed: int | None = None,
     stop_tokens: set[int] | frozenset[int] = frozenset(),
     prompt_cache: DFlashCache | None = None,
@@ -120,6 +122,13 @@ def dflash_generate_step(
           paper. The output is the same either way; a cutoff pays where a verify pass costs
           more the more tokens it checks (CPUs, small targets), at the price of one more
           host synchronisation per cycle.
+        lookup_fallback: When the target rejects the drafter's first draft, draft the next
+          cycle by prompt lookup instead (no drafter pass: it matches the last few tokens
+          against the earlier text); each further such miss doubles the lookup cycles that
+          follow it, up to this many, and an accepted draft resets them to one. 0 (default)
+          drafts every cycle with the drafter, as in the paper. The output is the same
+          either way; the fallback pays where a drafter pass is a sizeable part of a cycle
+          and the drafter is often wrong from the first token (fresh text, small targets).
         seed: Seed MLX's random generator first: the same seed gives the same output.
         stop_tokens: Generation ends right after the first of these, even mid-block.
         prompt_cache: A ``DFlashCache`` to continue from; its common prefix with
@@ -132,7 +141,7 @@ def dflash_generate_step(
 
     Raises:
         DFlashError: On an empty prompt, ``max_tokens < 1``, a bad ``block_size``,
-          ``proposal`` or ``min_confidence``.
+          ``proposal``, ``min_confidence`` or ``lookup_fallback``.
     """
     ids = _prompt_ids(prompt)
     if not isinstance(max_tokens, int) or max_tokens < 1:
@@ -141,6 +150,9 @@ def dflash_generate_step(
     check_proposal(proposal)
     if not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence <= 1.0:
         raise DFlashError(f"min_confidence must be a probability from 0 to 1 (got {min_confidence!r}).")
+    if not isinstance(lookup_fallback, int) or isinstance(lookup_fallback, bool) or lookup_fallback < 0:
+        raise DFlashError(f"lookup_fallback must be a non-negative integer of cycles (got {lookup_fallback!r}).")
+    lookup = PromptLookupDraft() if lookup_fallback and draft is not None else None
     # Greedy needs only the argmax: normalising 16 rows of logits costs a verify pass about
     # a millisecond on MLX's CPU backend, whose exp is slow.
     greedy = sampler is None or sampler is _greedy or getattr(sampler, "greedy", False) is True
@@ -222,13 +234,21 @@ def dflash_generate_step(
         yield StepOutput([last], 0, 0)
         generated, stopped = 1, last in stop_tokens
 
+        # Lookup cycles still to run, and how many the drafter's next first-draft miss buys.
+        lookup_cycles, next_fallback = 0, 1
         try:
             while generated < max_tokens and not stopped:
                 num_draft = min(block_size, max_tokens - generated) - 1
-                block, q = mx.array([[last]], dtype=mx.uint32), None
-                if num_draft > 0:
+                block, q, drafter_cycle = mx.array([[last]], dtype=mx.uint32), None, False
+                if num_draft > 0 and lookup_cycles > 0:
+                    # The taps stay pending: the drafter's next pass takes them all in.
+                    lookup_cycles -= 1
+                    found = lookup.lookup(cache.tokens + [last], num_draft)
+                    num_draft = len(found)
+                    block = mx.array([[last] + found], dtype=mx.uint32)
+                elif num_draft > 0:
                     drafts, q = _draft_block(last, num_draft)
-                    num_draft = drafts.shape[0]
+                    num_draft, drafter_cycle = drafts.shape[0], True
                     # Start drafting now, so the verify graph below is built while it runs.
                     mx.async_eval(drafts)
                     block = mx.concatenate([block, drafts[None]], axis=1)
@@ -248,6 +268,11 @@ def dflash_generate_step(
                 n = 0
                 while n < num_draft and passed[n]:
                     n += 1
+                if lookup is not None and drafter_cycle and num_draft > 0:
+                    if n == 0:
+                        lookup_cycles, next_fallback = next_fallback, min(2 * next_fallback, lookup_fallback)
+                    else:
+                        next_fallback = 1
                 emitted = drafted[:n] + [posterior[n]]
                 for j, tok in enumerate(emitted):
                     if tok in stop_tokens:
@@ -310,6 +335,7 @@ def stream_generate(
     logits_processors: list[LogitsProcessor] | None = None,
     proposal: str = "sample",
     min_confidence: float = 0.0,
+    lookup_fallback: int = 0,
     seed: int | None = None,
     prompt_cache: DFlashCache | None = None,
     prefill_step_size: int = 512,
@@ -328,6 +354,8 @@ def stream_generate(
         proposal: ``"greedy"`` or ``"sample"`` drafts; see :func:`dflash_generate_step`.
         min_confidence: Verify only the drafter's confident leading drafts (0: the whole
           block); see :func:`dflash_generate_step`.
+        lookup_fallback: Draft by prompt lookup for up to this many cycles after the
+          drafter misses its first draft (0: never); see :func:`dflash_generate_step`.
         seed: Seed for sampling; the same seed gives the same output.
         prompt_cache: A ``DFlashCache`` to reuse across calls (multi-turn chat).
         prefill_step_size: Prompt tokens per prefill chunk.
@@ -358,6 +386,7 @@ def stream_generate(
         logits_processors=logits_processors,
         proposal=proposal,
         min_confidence=min_confidence,
+        lookup_fallback=lookup_fallback,
         seed=seed,
         stop_tokens=stop_tokens,
         prompt_cache=prompt_cache,
@@ -473,6 +502,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="Verify only the drafts the drafter gives at least this probability (0 = the whole block).",
     )
+    parser.add_argument(
+        "--lookup-fallback",
+        type=int,
+        default=0,
+        help="After the drafter misses its first draft, draft up to this many cycles by prompt lookup (0 = never).",
+    )
     parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling.")
     parser.add_argument("--system-prompt", default=None, help="System message for the chat template.")
     parser.add_argument(
@@ -527,6 +562,7 @@ def main(argv: list[str] | None = None) -> None:
             logits_processors=make_logits_processors(repetition_penalty=args.repetition_penalty),
             proposal=args.proposal,
             min_confidence=args.min_confidence,
+            lookup_fallback=args.lookup_fallback,
             seed=args.seed,
         )
         if not args.verbose:

@@ -71,10 +71,11 @@ def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, 
     result = json.loads((tmp_path / "r.json").read_text())
     methods = {(r["method"], r["block_size"]) for r in result["rows"]}
     assert methods == {("baseline", 1), ("mlx-spec", 1), ("lookup", 4), ("lookup", 8), ("dflash", 4), ("dflash", 8),
-                       ("dflash-cut", 4), ("dflash-cut", 8)}  # fmt: skip
+                       ("dflash-cut", 4), ("dflash-cut", 8), ("dflash-fallback", 4), ("dflash-fallback", 8)}  # fmt: skip
     for r in result["rows"]:
         if r["method"].startswith("dflash"):
-            assert 1 <= r["verify_size"] <= r["block_size"] and r["limit"] > 0
+            assert 1 <= r["verify_size"] <= r["block_size"]
+            assert (r["limit"] > 0) if r["method"] != "dflash-fallback" else "limit" not in r
     assert set(result["by_category"]) == {"a", "b"}
     assert result["meta"]["blas"] and result["meta"]["mlx"]
     # Lossless: every method emitted the same tokens on each prompt.
@@ -95,6 +96,7 @@ def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, 
         (["--methods", "dflash", "--block-sizes", "40"], "Block size 40 is outside 1..16"),
         (["--methods", "mlx-spec"], "needs a small autoregressive draft"),
         (["--methods", "dflash-cut", "--min-confidence", "0"], "--min-confidence must be in (0, 1] (got 0.0)"),
+        (["--methods", "dflash-fallback", "--lookup-fallback", "0"], "--lookup-fallback must be at least 1 (got 0)"),
     ],
 )
 def test_bad_arguments(pair_dirs, prompts, argv, message, capsys):

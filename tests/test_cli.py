@@ -29,6 +29,22 @@ def test_min_confidence_same_text(pair_dirs, capsys):
     assert capsys.readouterr().out == plain and plain.strip()
 
 
+def test_lookup_fallback_same_text(pair_dirs, capsys):
+    base = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
+            "--prompt", "t1 t2 t3", "--max-tokens", "20", "--verbose", "false"]  # fmt: skip
+    main(base)
+    plain = capsys.readouterr().out
+    main([*base, "--lookup-fallback", "4"])
+    assert capsys.readouterr().out == plain and plain.strip()
+
+
+def test_bad_lookup_fallback_is_one_line(pair_dirs, capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--lookup-fallback", "-1"])
+    err = capsys.readouterr().err.strip()
+    assert err == "dflash-generate: error: lookup_fallback must be a non-negative integer of cycles (got -1)."
+
+
 def test_bad_min_confidence_is_one_line(pair_dirs, capsys):
     with pytest.raises(SystemExit):
         main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--min-confidence", "2"])

@@ -104,6 +104,59 @@ def test_min_confidence_lossless_every_target_kind(tiny_pair, block_size):
         assert max(s.num_draft for s in cycles) < block_size - 1
 
 
+class CountingDraft(ScriptedDraft):
+    """A scripted drafter that counts its passes."""
+
+    passes = 0
+
+    def propose(self, *args, **kwargs):
+        self.passes += 1
+        return super().propose(*args, **kwargs)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_lookup_fallback_schedule(qwen3_pair, block_size):
+    """After each first-draft miss the drafter sits out 1, 2, 4, ... (up to the cap) cycles."""
+    model, draft, _ = qwen3_pair
+    prompt = _prompt(7)
+    ref = reference(model, prompt)
+    cap = 4
+    wrong = CountingDraft(draft, prompt + ref, VOCAB, wrong_every=1)
+    out, ran = [], []
+    passes = 0
+    for step in dflash_generate_step(prompt, model, wrong, block_size=block_size, max_tokens=60, lookup_fallback=cap):
+        out.extend(step.tokens)
+        ran.append(wrong.passes > passes)
+        passes = wrong.passes
+    assert out == ref[:60]
+    expected, span = [], 1
+    while len(expected) < len(ran):
+        expected += [True] + [False] * span
+        span = min(2 * span, cap)
+    # ran[0] is the prefill; the last cycle has no room for drafts.
+    assert ran[1:-1] == expected[: len(ran) - 2]
+    assert ran[1:-1].count(True) < len(ran) // 3
+    # A drafter that is never wrong never gives way.
+    oracle = CountingDraft(draft, prompt + ref, VOCAB)
+    out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=60, lookup_fallback=cap)
+    assert out == ref[:60] and oracle.passes == len(cycles) - 1 - (cycles[-1].num_draft == 0)
+
+
+@pytest.mark.parametrize("block_size", [2, 8, 16])
+def test_lookup_fallback_lossless_every_target_kind(tiny_pair, block_size):
+    """Random, wrong and unsure drafts, with and without the cutoff: the target's own output."""
+    model, draft, _ = tiny_pair
+    for prompt_len in (1, 40):
+        prompt = _prompt(prompt_len)
+        ref = reference(model, prompt)
+        mixed = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=3, unsure_every=4)
+        for drafter in (draft, mixed):
+            for cutoff in (0.0, 0.5):
+                out, _ = run(model, drafter, prompt, block_size=block_size, max_tokens=MAX_REF,
+                             lookup_fallback=8, min_confidence=cutoff)  # fmt: skip
+                assert out == ref, (block_size, prompt_len, cutoff)
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_stop_tokens_inside_accepted_block(qwen3_pair, block_size):
     model, draft, _ = qwen3_pair
@@ -184,6 +237,8 @@ def test_prompt_cache_reuse_across_turns(qwen3_pair):
         ({"block_size": 0}, "(got 0)"),
         ({"min_confidence": 1.5}, "min_confidence must be a probability from 0 to 1 (got 1.5)"),
         ({"min_confidence": -0.1}, "(got -0.1)"),
+        ({"lookup_fallback": -1}, "lookup_fallback must be a non-negative integer of cycles (got -1)"),
+        ({"lookup_fallback": 2.5}, "(got 2.5)"),
     ],
 )
 def test_bad_arguments(qwen3_pair, kwargs, message):

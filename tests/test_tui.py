@@ -160,6 +160,7 @@ async def test_ctrl_j_adds_a_newline_and_up_recalls_history():
         ("/max 64", "max_tokens", 64),
         ("/dflash off", "dflash", False),
         ("/cutoff 0.5", "min_confidence", 0.5),
+        ("/fallback 4", "lookup_fallback", 4),
     ],
 )
 async def test_setting_commands_apply_to_the_next_reply(line, field, value):
@@ -191,6 +192,8 @@ async def test_setting_commands_apply_to_the_next_reply(line, field, value):
         ("/dflash maybe", "on or off"),
         ("/cutoff 2", "probability from 0 to 1"),
         ("/cutoff", "got nothing"),
+        ("/fallback -1", "an integer from 0 to 1024"),
+        ("/fallback x", "Usage: /fallback 4"),
         ("/save", "a file name"),
         ("/save notes.exe", ".md or .json"),
         ("/frobnicate", "Unknown command '/frobnicate'"),
@@ -301,7 +304,12 @@ def test_default_pair_error_is_a_dflash_error(monkeypatch, tmp_path):
 
 def test_cli_help_and_bad_arguments(capsys):
     assert "--block-size" in setup_arg_parser().format_help()
-    for argv, expected in ([["--max-tokens", "0"], "--max-tokens"], [["--temp", "-1"], "--temp"]):
+    cases = (
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--temp", "-1"], "--temp"),
+        (["--lookup-fallback", "-2"], "--lookup-fallback must be at least 0 (got -2)"),
+    )
+    for argv, expected in cases:
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and expected in capsys.readouterr().err
@@ -364,12 +372,15 @@ async def test_real_pair_dflash_off_gives_the_same_greedy_reply(pair):
         assert "DFlash off" in app.turns[1]["stats"]
 
 
-def test_engine_passes_the_cutoff_and_keeps_the_text(pair, monkeypatch):
+@pytest.mark.parametrize(
+    "field, values", [("min_confidence", (0.0, 0.999)), ("lookup_fallback", (0, 8))]
+)
+def test_engine_passes_the_cutoff_and_fallback_and_keeps_the_text(pair, monkeypatch, field, values):
     gen = importlib.import_module("dflash_mlx.generate")  # the package's generate() hides the module
     seen, real = [], gen.stream_generate
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("min_confidence"))
+        seen.append(kwargs.get(field))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(gen, "stream_generate", spy)
@@ -378,12 +389,13 @@ def test_engine_passes_the_cutoff_and_keeps_the_text(pair, monkeypatch):
     messages = [{"role": "user", "content": "t1 t2 t3"}]
     try:
         texts = []
-        for cutoff in (0.0, 0.999):
+        for value in values:
             engine.reset()
-            texts.append("".join(r.text for r in engine(messages, Settings(max_tokens=24, min_confidence=cutoff))))
+            settings = Settings(max_tokens=24, **{field: value})
+            texts.append("".join(r.text for r in engine(messages, settings)))
     finally:
         engine.close()
-    assert seen == [0.0, 0.999]
+    assert seen == list(values)
     assert texts[0] == texts[1] and texts[0].strip()
 
 

@@ -308,6 +308,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="Verify only the drafts the drafter gives at least this probability (0 = the whole block).",
     )
     parser.add_argument(
+        "--lookup-fallback",
+        type=int,
+        default=0,
+        help="After the drafter misses its first draft, draft up to this many cycles by prompt lookup (0 = never).",
+    )
+    parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         default=None,
@@ -325,6 +331,7 @@ def make_app(
     max_tokens: int = 512,
     system_prompt: str | None = None,
     min_confidence: float = 0.0,
+    lookup_fallback: int = 0,
     dtype: str | None = None,
     no_draft: bool = False,
 ) -> ChatApp:
@@ -338,6 +345,8 @@ def make_app(
         max_tokens: The most tokens per reply.
         system_prompt: System message for the chat template.
         min_confidence: Verify only the drafter's confident leading drafts (0: the whole block).
+        lookup_fallback: Draft up to this many cycles by prompt lookup after the drafter
+          misses its first draft (0: never).
         dtype: Cast both models to this dtype.
         no_draft: Plain decoding, without the drafter.
 
@@ -350,6 +359,7 @@ def make_app(
         max_tokens=max_tokens,
         system_prompt=system_prompt,
         min_confidence=min_confidence,
+        lookup_fallback=lookup_fallback,
     )
     return ChatApp(MLXEngine(model, draft, dtype=dtype, no_draft=no_draft), settings=settings)
 
@@ -365,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--temp must be from 0 to 10 (got {args.temp}).")
     if not 0 <= args.min_confidence <= 1:
         parser.error(f"--min-confidence must be from 0 to 1 (got {args.min_confidence}).")
+    if args.lookup_fallback < 0:
+        parser.error(f"--lookup-fallback must be at least 0 (got {args.lookup_fallback}).")
     app = make_app(**vars(args))
     try:
         app.run()

@@ -14,6 +14,7 @@ from typing import Any
 # Limits that keep a typo (``/max 1000000000``) from hanging the app.
 MAX_TOKENS_LIMIT = 32768
 MAX_TEMP = 10.0
+MAX_FALLBACK = 1024
 SAVE_FORMATS = {".md": "markdown", ".markdown": "markdown", ".txt": "markdown", ".json": "json"}
 
 HELP = """\
@@ -27,6 +28,8 @@ HELP = """\
 - `/dflash on|off`: speculative decoding on, or plain decoding with the same model
 - `/cutoff P`: verify only the drafts the drafter gives at least probability P (0 = the whole block;
   faster on CPUs, same text)
+- `/fallback N`: after the drafter misses its first draft, draft up to N cycles by prompt lookup
+  (0 = never; faster where the drafter is often wrong, same text)
 - `/clear`: start a new conversation
 - `/save FILE`: save the transcript (`.md` or `.json`); `/save! FILE` overwrites
 - `/help`: this message
@@ -44,6 +47,8 @@ class Settings:
         max_tokens: The most tokens per reply.
         dflash: Draft with the drafter (True) or decode one token per target pass (False).
         min_confidence: Verify only the drafter's confident leading drafts (0: the whole block).
+        lookup_fallback: Draft up to this many cycles by prompt lookup after the drafter misses
+          its first draft (0: never).
         system_prompt: The system message put first in the chat template, if any.
     """
 
@@ -53,12 +58,15 @@ class Settings:
     dflash: bool = True
     system_prompt: str | None = None
     min_confidence: float = 0.0
+    lookup_fallback: int = 0
 
     def describe(self, max_block_size: int | None = None) -> str:
         block = self.block_size or max_block_size
         mode = f"DFlash on · block {block if block else 'auto'}" if self.dflash else "DFlash off"
         if self.dflash and self.min_confidence > 0:
             mode += f" · cutoff {self.min_confidence:g}"
+        if self.dflash and self.lookup_fallback > 0:
+            mode += f" · fallback {self.lookup_fallback}"
         return f"{mode} · temp {self.temp:g} · max {self.max_tokens}"
 
 
@@ -162,6 +170,12 @@ def parse_command(
             return usage_error("a probability from 0 to 1", "/cutoff 0.5")
         what = f"verifying drafts up to the first below {p:g}" if p > 0 else "verifying whole blocks"
         return Command("set", replace(settings, min_confidence=p), f"Cutoff {p:g}: {what}.")
+    if name == "/fallback":
+        n = _int(arg)
+        if n is None or not 0 <= n <= MAX_FALLBACK:
+            return usage_error(f"an integer from 0 to {MAX_FALLBACK}", "/fallback 4")
+        what = f"up to {n} prompt-lookup cycles after a missed first draft" if n else "always the drafter"
+        return Command("set", replace(settings, lookup_fallback=n), f"Fallback {n}: {what}.")
     if name == "/dflash":
         if arg.lower() not in ("on", "off"):
             return usage_error("on or off", "/dflash off")

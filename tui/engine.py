@@ -151,6 +151,7 @@ class MLXEngine:
             block_size=block_size,
             sampler=make_sampler(settings.temp),
             min_confidence=settings.min_confidence,
+            lookup_fallback=settings.lookup_fallback,
             prompt_cache=self.cache,
         )
 
