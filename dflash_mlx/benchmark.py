@@ -190,9 +190,8 @@ def make_runner(
     )
 
 
-def measure(runner, ids: list[int], runs: int) -> tuple[list[int], float, float, list[int], list[int]]:
-    runner(ids)  # warm-up
-    results = [runner(ids) for _ in range(runs)]
+def median_run(results: list[tuple]) -> tuple[list[int], float, float, list[int], list[int]]:
+    """Several runs of one method on one prompt: the first run's tokens and counts, median times."""
     out, _, _, accept, sizes = results[0]
     gen = statistics.median(r[1] for r in results)
     first = statistics.median(r[2] for r in results)
@@ -429,31 +428,40 @@ def run_benchmark(
     context = max(1, round(statistics.mean(len(encode(tokenizer, row)) for row in rows_in) + max_tokens / 2))
     first_times = component_times(target, drafter, list(block_sizes), context=context) if drafter is not None else {}
     plan = [(m, b) for m in methods for b in (block_sizes if m in (*DFLASH_METHODS, "lookup") else (1,))]
-    results, total, done, start = [], len(plan) * len(rows_in), 0, time.perf_counter()
-    reference: dict[int, list[int]] = {}
+    runners = {
+        (m, b): make_runner(m, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
+                            min_confidence, lookup_fallback)
+        for m, b in plan
+    }  # fmt: skip
+    results, total, done, start = [], len(plan) * len(rows_in) * runs, 0, time.perf_counter()
     mismatches = []
     for i, row in enumerate(rows_in):
         ids = encode(tokenizer, row)
+        for runner in runners.values():
+            runner(ids)  # warm-up
+        # Round robin: a slow spell of the machine hits one run of every method, not all runs of one.
+        samples = {key: [] for key in plan}
+        peaks = {key: 0.0 for key in plan}
+        for r in range(runs):
+            for key in plan:
+                mx.reset_peak_memory()
+                samples[key].append(runners[key](ids))
+                peaks[key] = max(peaks[key], mx.get_peak_memory() / 1e9)
+                done += 1
+                if progress:
+                    eta = (time.perf_counter() - start) / done * (total - done)
+                    print(f"\r[{done}/{total}] prompt {i + 1}, run {r + 1}: {key[0]} B={key[1]}, ETA {eta:.0f}s   ",
+                          end="", file=sys.stderr, flush=True)
         for method, b in plan:
-            runner = make_runner(method, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
-                                 min_confidence, lookup_fallback)
-            mx.reset_peak_memory()
-            out, gen_s, first_s, accept, sizes = measure(runner, ids, runs)
-            gen_tokens = max(len(out) - 1, 0)
+            out, gen_s, first_s, accept, sizes = median_run(samples[(method, b)])
             # Losslessness check: every method must emit the first method's tokens.
-            ref = reference.setdefault(i, out)
-            if out != ref:
+            if out != samples[plan[0]][0][0]:
                 mismatches.append(f"{method} B={b} prompt {i}")
             results.append(
                 RunResult(method, b, i, row.get("category", "all"), len(out),
-                          gen_tokens / gen_s if gen_s > 0 else 0.0, len(ids) / first_s if first_s > 0 else 0.0,
-                          accept, mx.get_peak_memory() / 1e9, out, sizes)
+                          max(len(out) - 1, 0) / gen_s if gen_s > 0 else 0.0,
+                          len(ids) / first_s if first_s > 0 else 0.0, accept, peaks[(method, b)], out, sizes)
             )
-            done += 1
-            if progress:
-                eta = (time.perf_counter() - start) / done * (total - done)
-                print(f"\r[{done}/{total}] {method} B={b} prompt {i + 1}: {results[-1].generation_tps:.1f} tok/s, "
-                      f"ETA {eta:.0f}s   ", end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
     times = component_times(target, drafter, list(block_sizes), context=context) if drafter is not None else {}

@@ -3,7 +3,7 @@ import json
 import pytest
 from checkpoints import write_target
 
-from dflash_mlx import DFlashError
+from dflash_mlx import DFlashError, benchmark
 from dflash_mlx.benchmark import efficiency, fastest_times, load_prompts, main, physical_limit, run_benchmark, summarize, RunResult
 
 
@@ -88,6 +88,29 @@ def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, 
     assert result["times"]["context"] > 12 / 2 and f"at a {result['times']['context']}-token context" in table
     assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "acceptance_histogram.png").is_file()
+
+
+def test_runs_are_round_robin(pair_dirs, prompts, monkeypatch):
+    """Each method's timed runs are spread over the prompt's time: a slow spell of the machine hits
+    one run of every method, and the median drops it."""
+    calls = []
+
+    def fake_runner(method, *args, **kwargs):
+        def run(ids):
+            calls.append(method)
+            slow = len(calls) == 8  # one disturbed run: the second timed run of lookup
+            return [1, 2, 3], 10.0 if slow else 1.0, 0.1, [2], [2]
+
+        return run
+
+    monkeypatch.setattr(benchmark, "make_runner", fake_runner)
+    result = benchmark.run_benchmark(
+        model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts), num_prompts=1,
+        max_tokens=4, block_sizes=(4,), runs=3, methods=("baseline", "lookup", "dflash"), progress=False,
+    )
+    methods = ["baseline", "lookup", "dflash"]
+    assert calls == methods * 4  # warm-up, then three rounds
+    assert {r["method"]: r["generation_tps"] for r in result["rows"]} == {m: 2.0 for m in methods}
 
 
 @pytest.mark.parametrize(
