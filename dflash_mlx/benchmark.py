@@ -199,8 +199,9 @@ def median_run(results: list[tuple]) -> tuple[list[int], float, float, list[int]
 
 
 def component_times(model, draft, block_sizes: list[int], context: int = 64, repeats: int = 10) -> dict:
-    """Median seconds of one AR step, one verify pass of B tokens and one draft pass, at ``context``,
-    and (``verify_by_size``) of a verify pass of every size up to the largest B."""
+    """Seconds of one AR step, one verify pass of B tokens and one draft pass, at ``context``, and
+    (``verify_by_size``) of a verify pass of every size up to the largest B: the fastest of
+    ``repeats``, since other work on the machine only ever slows a pass down."""
     from .cache import make_cache
 
     def timed(fn) -> float:
@@ -210,7 +211,7 @@ def component_times(model, draft, block_sizes: list[int], context: int = 64, rep
             tic = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - tic)
-        return statistics.median(samples)
+        return min(samples)
 
     cache = make_cache(model, draft)
     prompt = mx.array([[1] * context])
@@ -423,8 +424,7 @@ def run_benchmark(
     rows_in = _prompt_rows(prompts or str(pair / "prompts.jsonl"), num_prompts)
     # Attention grows with the context, and more for a B-token verify than for one token: time
     # the components at the mean context of a generated token (prompt + half the new tokens).
-    # They are timed before and after the runs; the faster of the two is kept, so a passing
-    # disturbance of a few seconds cannot inflate the limit.
+    # They are timed before and after the runs; the faster of the two is kept.
     context = max(1, round(statistics.mean(len(encode(tokenizer, row)) for row in rows_in) + max_tokens / 2))
     first_times = component_times(target, drafter, list(block_sizes), context=context) if drafter is not None else {}
     plan = [(m, b) for m in methods for b in (block_sizes if m in (*DFLASH_METHODS, "lookup") else (1,))]
