@@ -32,9 +32,10 @@ class PromptLookupDraft(nn.Module):
     def lookup(self, tokens: list[int], count: int) -> list[int]:
         """Up to ``count`` tokens that followed the latest earlier match of a suffix of ``tokens``."""
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
-            suffix = tokens[-n:]
+            suffix, end = tokens[-n:], tokens[-1]
             for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start : start + n] == suffix:
+                # Compare one token before slicing: a miss scans the whole history in Python.
+                if tokens[start + n - 1] == end and tokens[start : start + n] == suffix:
                     return tokens[start + n : start + n + count]
         return []
 
