@@ -12,6 +12,7 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 from oracles import ScriptedDraft
 
 from dflash_mlx import DFlashError, dflash_generate_step, load
+from dflash_mlx.lookup import PromptLookupDraft
 from dflash_mlx.sampling import make_sampler, speculative_accept, top_probability
 
 # The package exports a function named generate, which hides the module of that name.
@@ -118,6 +119,36 @@ def test_distribution_matches_target_with_confidence_cutoff(pair, exact, proposa
     assert max(excess) < 0, excess
     # Cut blocks occurred (and, with sampled drafts, full ones too): the cutoff was exercised.
     assert 1 in drafted and (proposal == "greedy" or DEPTH - 1 in drafted)
+
+
+def test_distribution_matches_target_with_lookup_fallback(pair, exact, monkeypatch):
+    """Lookup cycles verify one-hot proposals the same way: the target's distribution is kept."""
+    model, draft, _ = pair
+    greedy = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=DEPTH)]
+    # The drafter always misses, so its cycle is followed by a lookup cycle.
+    wrong = ScriptedDraft(draft, PROMPT + greedy, VOCAB, wrong_every=1)
+    proposed = []
+
+    def likely_lookup(self, tokens, count):
+        # Propose the target's most likely next token, so that lookup drafts are often accepted.
+        proposed.append(int(mx.argmax(model(mx.array([tokens]))[0, -1]).item()))
+        return proposed[-1:][:count]
+
+    monkeypatch.setattr(PromptLookupDraft, "lookup", likely_lookup)
+    counts, sampler = np.zeros((DEPTH, VOCAB)), make_sampler(TEMP)
+    accepted = 0
+    for seed in range(RUNS):
+        # One more token than counted, so the cycle after the drafter's may still draft.
+        steps = list(dflash_generate_step(PROMPT, model, wrong, sampler=sampler, seed=seed, block_size=2,
+                                          max_tokens=DEPTH + 1, lookup_fallback=2))  # fmt: skip
+        out = [t for s in steps for t in s.tokens][:DEPTH]
+        accepted += sum(s.num_accepted for s in steps[2:])
+        for pos, tok in enumerate(out):
+            counts[pos, tok] += 1
+    excess = [_tv(counts[p], exact[p]) - _tv_bound(exact[p], RUNS) for p in range(DEPTH)]
+    assert max(excess) < 0, excess
+    # Lookup cycles ran, and some of their drafts were accepted.
+    assert len(proposed) > RUNS // 2 and accepted > 0
 
 
 @pytest.mark.parametrize("proposal", ["greedy", "sample"])
