@@ -470,6 +470,22 @@ def generate(
     return text
 
 
+def add_cycle_arguments(parser: argparse.ArgumentParser) -> None:
+    """The per-cycle options shared by dflash-generate and dflash-chat."""
+    parser.add_argument(
+        "--min-confidence",
+        type=float,
+        default=0.0,
+        help="Verify only the drafts the drafter gives at least this probability (0 = the whole block).",
+    )
+    parser.add_argument(
+        "--lookup-fallback",
+        type=int,
+        default=0,
+        help="After the drafter misses its first draft, draft up to this many cycles by prompt lookup (0 = never).",
+    )
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash-generate", description="Generate text with DFlash speculative decoding."
@@ -496,18 +512,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--proposal", choices=["greedy", "sample"], default="sample", help="How the drafter proposes when sampling."
     )
-    parser.add_argument(
-        "--min-confidence",
-        type=float,
-        default=0.0,
-        help="Verify only the drafts the drafter gives at least this probability (0 = the whole block).",
-    )
-    parser.add_argument(
-        "--lookup-fallback",
-        type=int,
-        default=0,
-        help="After the drafter misses its first draft, draft up to this many cycles by prompt lookup (0 = never).",
-    )
+    add_cycle_arguments(parser)
     parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling.")
     parser.add_argument("--system-prompt", default=None, help="System message for the chat template.")
     parser.add_argument(

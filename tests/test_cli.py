@@ -20,21 +20,13 @@ def test_generates_with_a_pair(pair_dirs, capsys):
     assert "Generation:" in out and "Acceptance length:" in out
 
 
-def test_min_confidence_same_text(pair_dirs, capsys):
+@pytest.mark.parametrize("option", [["--min-confidence", "0.05"], ["--lookup-fallback", "4"]])
+def test_cycle_options_same_text(pair_dirs, capsys, option):
     base = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
             "--prompt", "t1 t2 t3", "--max-tokens", "20", "--verbose", "false"]  # fmt: skip
     main(base)
     plain = capsys.readouterr().out
-    main([*base, "--min-confidence", "0.05"])
-    assert capsys.readouterr().out == plain and plain.strip()
-
-
-def test_lookup_fallback_same_text(pair_dirs, capsys):
-    base = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
-            "--prompt", "t1 t2 t3", "--max-tokens", "20", "--verbose", "false"]  # fmt: skip
-    main(base)
-    plain = capsys.readouterr().out
-    main([*base, "--lookup-fallback", "4"])
+    main([*base, *option])
     assert capsys.readouterr().out == plain and plain.strip()
 
 

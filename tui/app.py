@@ -17,6 +17,7 @@ from textual.widgets import Footer, Markdown, Static
 from textual.worker import get_current_worker
 
 from ..errors import DFlashError
+from ..generate import add_cycle_arguments
 from .commands import HELP, Settings, parse_command, save_transcript
 from .engine import MLXEngine, StreamEngine, StreamFn
 from .messages import ConversationStats, Delta, LoadFailed, ModelReady, ReplyDone, ReplyStats
@@ -301,18 +302,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0 = greedy).")
     parser.add_argument("--max-tokens", "-m", type=int, default=512, help="Most tokens per reply.")
     parser.add_argument("--system-prompt", default=None, help="System message for the chat template.")
-    parser.add_argument(
-        "--min-confidence",
-        type=float,
-        default=0.0,
-        help="Verify only the drafts the drafter gives at least this probability (0 = the whole block).",
-    )
-    parser.add_argument(
-        "--lookup-fallback",
-        type=int,
-        default=0,
-        help="After the drafter misses its first draft, draft up to this many cycles by prompt lookup (0 = never).",
-    )
+    add_cycle_arguments(parser)
     parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
