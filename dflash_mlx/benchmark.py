@@ -80,16 +80,30 @@ def blas_in_use() -> str:
     return f"reference BLAS bundled with MLX ({Path(libs[0]).name})" if libs else "unknown"
 
 
+def git_commit(path: str | Path) -> str:
+    """The short commit of the checkout holding ``path``, "+changes" when tracked files differ from it.
+
+    Returns "" outside a git checkout (an installed wheel) or without git.
+    """
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=path
+        ).stdout.strip()
+        if commit and subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=path
+        ).stdout.strip():
+            # A result measured on edited files (say, new weights) must not pass for the commit's.
+            commit += "+changes"
+    except OSError:
+        commit = ""
+    return commit
+
+
 def stamp() -> dict:
     """Machine, versions, commit and BLAS: every result carries them."""
     import mlx_lm
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = git_commit(Path(__file__).parent)
     return {
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
         "device": str(mx.default_device()),

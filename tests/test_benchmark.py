@@ -203,3 +203,26 @@ def test_a_stop_token_does_not_count_as_a_mismatch(pair_dirs, tmp_path):
 
     outs = [make_runner(m, model, None, None, tokenizer, 1, 2, 8)(ids)[0] for m in ("baseline", "lookup")]
     assert outs[0] == outs[1] == []
+
+
+def test_git_commit_says_when_tracked_files_changed(tmp_path):
+    import shutil
+    import subprocess
+
+    from dflash_mlx.benchmark import git_commit
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    assert git_commit(tmp_path) == ""  # not a checkout
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "weights.txt").write_text("a")
+    subprocess.run([*git, "add", "weights.txt"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], cwd=tmp_path, check=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path, capture_output=True, text=True)
+    clean = git_commit(tmp_path)
+    assert clean == head.stdout.strip() and clean
+    (tmp_path / "notes.txt").write_text("untracked files do not count")
+    assert git_commit(tmp_path) == clean
+    (tmp_path / "weights.txt").write_text("b")
+    assert git_commit(tmp_path) == clean + "+changes"

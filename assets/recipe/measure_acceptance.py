@@ -2,6 +2,7 @@
 
     python assets/recipe/measure_acceptance.py --prompts assets/dflash-tiny/prompts.jsonl
     python assets/recipe/measure_acceptance.py --draft runs/draft --prompts valid.jsonl --skip 8 --num-prompts 32
+    python assets/recipe/measure_acceptance.py --prompts valid.jsonl --skip 8 --kind completion --num-prompts 24
 """
 
 import argparse
@@ -19,6 +20,8 @@ def main() -> None:
     parser.add_argument("--draft", default=None, help="Drafter (default: the embedded pair's).")
     parser.add_argument("--prompts", default=str(default_pair_path() / "prompts.jsonl"))
     parser.add_argument("--skip", type=int, default=0, help="Leave out the first N prompts.")
+    parser.add_argument("--kind", choices=["chat", "completion"], default=None,
+                        help="Only chat prompts or only raw completions (after --skip).")
     parser.add_argument("--num-prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=None)
@@ -27,7 +30,10 @@ def main() -> None:
 
     model, draft, tokenizer = load(args.model, args.draft, dtype=args.dtype)
     # Corpus chunks become 12-line completion prompts, as in dflash-bench and the training data.
-    rows = read_prompts(args.prompts, text_prompt_lines=12)[args.skip : args.skip + args.num_prompts]
+    rows = read_prompts(args.prompts, text_prompt_lines=12)[args.skip :]
+    if args.kind is not None:
+        rows = [row for row in rows if (row.text is not None) == (args.kind == "completion")]
+    rows = rows[: args.num_prompts]
     prompts = [render_prompt(tokenizer, row) for row in rows]
     mean, hist = evaluate_acceptance(
         model, draft, prompts, args.max_tokens, frozenset(tokenizer.eos_token_ids), block_size=args.block_size
