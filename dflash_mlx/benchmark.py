@@ -289,7 +289,8 @@ def summarize(results: list[RunResult], times: dict, baseline: str = "baseline")
             "block_size": b,
             "generation_tps": tps,
             "prompt_tps": statistics.mean(r.prompt_tps for r in group),
-            "speedup": tps / base_tps if base_tps else 0.0,
+            # None without a baseline run (--methods without "baseline"): nothing to compare to.
+            "speedup": tps / base_tps if base_tps else None,
             "tau": tau,
             "histogram": {k: accept.count(k) for k in sorted(set(accept))},
             "peak_memory_gb": max(r.peak_memory_gb for r in group),
@@ -324,8 +325,9 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         limit = f"{r['limit']:.2f}x" if "limit" in r else ""
         eff = f"{100 * r['efficiency']:.0f}%" if "efficiency" in r else ""
         verified = f"{r['verify_size']:.2f}" if "verify_size" in r else ""
+        speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else ""
         lines.append(
-            f"| {r['method']} | {r['block_size']} | {r['generation_tps']:.1f} | {r['speedup']:.2f}x | "
+            f"| {r['method']} | {r['block_size']} | {r['generation_tps']:.1f} | {speedup} | "
             f"{r['tau']:.2f} | {verified} | {r['prompt_tps']:.0f} | {limit} | {eff} | {r['peak_memory_gb']:.2f} |"
         )
     lines += [
@@ -365,12 +367,17 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         mine = [r for r in rows if r["method"] == method]
         if mine:
             style = dict(color=f"C{i}", label=label, ls="-" if method in DFLASH_METHODS else ":")
-            ax[0].plot([r["block_size"] for r in mine], [r["speedup"] for r in mine], "o", **style)
+            if mine[0]["speedup"] is not None:
+                ax[0].plot([r["block_size"] for r in mine], [r["speedup"] for r in mine], "o", **style)
             ax[1].plot([r["block_size"] for r in mine], [r["tau"] for r in mine], "o", **style)
-    for i, r in enumerate(r for r in rows if r["method"] in ("baseline", "mlx-spec")):
+    refs = (r for r in rows if r["method"] in ("baseline", "mlx-spec") and r["speedup"] is not None)
+    for i, r in enumerate(refs):
         ax[0].axhline(r["speedup"], ls="--", lw=1, color=f"C{len(lines) + i}", label=r["method"])
     ax[0].set(xlabel="block size", ylabel="speedup vs baseline", title="Speedup")
-    ax[0].legend(fontsize=7)
+    if ax[0].get_legend_handles_labels()[0]:
+        ax[0].legend(fontsize=7)
+    else:
+        ax[0].text(0.5, 0.5, "no baseline run", ha="center", va="center", transform=ax[0].transAxes)
     ax[1].legend(fontsize=7)
     ax[1].set(xlabel="block size", ylabel="mean acceptance length", title="Acceptance")
     fig.tight_layout()

@@ -29,6 +29,20 @@ def test_summary_speedup_and_limit():
     assert rows["dflash"]["histogram"] == {4: 1, 6: 1}
 
 
+def test_without_a_baseline_there_is_no_speedup(tmp_path):
+    """--methods without "baseline": the speedup column stays empty rather than reading 0.00x."""
+    from dflash_mlx.benchmark import markdown, plots
+
+    results = [RunResult("dflash", 16, 0, "code", 10, 250.0, 500.0, [4, 6])]
+    times = {"ar": 0.01, "verify": {16: 0.015}, "draft": {16: 0.005}, "context": 20}
+    rows = summarize(results, times)
+    assert rows[0]["speedup"] is None and rows[0]["limit"] == pytest.approx(2.5)
+    table = markdown(rows, {"machine": "m", "device": "d", "blas": "b", "mlx": "1", "mlx_lm": "1",
+                            "commit": "c", "date": "now"}, times)  # fmt: skip
+    assert "| dflash | 16 | 250.0 |  | 5.00 |" in table and "0.00x" not in table
+    assert all(path.is_file() for path in plots(rows, tmp_path))
+
+
 def test_limit_uses_each_cycles_verify_size():
     # dflash-cut verified 16, 2 and 2 tokens in its three cycles: its ideal cycle is the mean.
     results = [
