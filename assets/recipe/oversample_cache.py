@@ -12,9 +12,10 @@ import argparse
 import json
 from pathlib import Path
 
-from dflash_mlx.train_data import read_cache
+from mlx_lm.utils import load_tokenizer
 
-CHAT_START = 1  # <|im_start|>: chat prompts are rendered in the template, completions raw
+from dflash_mlx.loading import default_pair_path
+from dflash_mlx.train_data import read_cache
 
 
 def main() -> None:
@@ -22,12 +23,16 @@ def main() -> None:
     parser.add_argument("--cache", required=True, help="Response cache JSONL written by dflash-train.")
     parser.add_argument("--out", required=True, help="Where to write the weighted copy.")
     parser.add_argument("--times", type=int, default=3, help="Copies of each completion example in all.")
+    parser.add_argument("--model", default=str(default_pair_path() / "target"), help="The target (its tokenizer).")
     args = parser.parse_args()
     if Path(args.out).resolve() == Path(args.cache).resolve():
         raise SystemExit("--out must differ from --cache: the cache is the record of the data step.")
 
+    # Chat prompts are rendered in the chat template, completions raw: the template's first token tells them apart.
+    tokenizer = load_tokenizer(Path(args.model))
+    chat_start = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True)[0]
     examples = read_cache(args.cache)
-    completions = [e for e in examples if e["prompt_ids"][0] != CHAT_START and len(e["response_ids"]) >= 2]
+    completions = [e for e in examples if e["prompt_ids"][0] != chat_start and len(e["response_ids"]) >= 2]
     extra = [dict(e, key=f"{e['key']}-x{r}") for r in range(1, args.times) for e in completions]
     tmp = Path(args.out).with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(e) + "\n" for e in extra + examples))
