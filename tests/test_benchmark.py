@@ -4,15 +4,20 @@ import pytest
 from checkpoints import write_target
 
 from dflash_mlx import DFlashError, benchmark
-from dflash_mlx.benchmark import efficiency, fastest_times, load_prompts, main, physical_limit, run_benchmark, summarize, RunResult
+from dflash_mlx.benchmark import (
+    efficiency, fastest_times, load_prompts, loop_efficiency, main, physical_limit, run_benchmark, summarize, RunResult,
+)
 
 
 def test_physical_limit_and_efficiency():
     # tau 6 tokens per cycle; a cycle costs one draft (2 ms) + one verify (10 ms); an AR step 8 ms.
     assert physical_limit(6.0, 0.008, 0.002, 0.010) == pytest.approx(4.0)
+    # A measured 3.0x against that 4.0x limit.
+    assert efficiency(3.0, 4.0) == pytest.approx(0.75)
+    assert efficiency(3.0, 0.0) == 0.0
     # The ideal loop makes 6 tokens per 12 ms = 500 tok/s; 375 tok/s measured is 75% of it.
-    assert efficiency(375.0, 6.0, 0.002, 0.010) == pytest.approx(0.75)
-    assert efficiency(1.0, 0.0, 0.002, 0.010) == 0.0
+    assert loop_efficiency(375.0, 6.0, 0.002, 0.010) == pytest.approx(0.75)
+    assert loop_efficiency(1.0, 0.0, 0.002, 0.010) == 0.0
 
 
 def test_summary_speedup_and_limit():
@@ -25,8 +30,23 @@ def test_summary_speedup_and_limit():
     assert rows["dflash"]["speedup"] == pytest.approx(2.5)
     assert rows["dflash"]["tau"] == pytest.approx(5.0)
     assert rows["dflash"]["limit"] == pytest.approx(5.0 * 0.01 / 0.02)
-    assert rows["dflash"]["efficiency"] == pytest.approx(250.0 * 0.02 / 5.0)
+    assert rows["dflash"]["efficiency"] == pytest.approx(2.5 / 2.5)
+    # The baseline's own step (10 ms at 100 tok/s) equals the AR pass here, so the two agree.
+    assert rows["dflash"]["loop_efficiency"] == pytest.approx(250.0 * 0.02 / 5.0)
     assert rows["dflash"]["histogram"] == {4: 1, 6: 1}
+
+
+def test_efficiency_is_speedup_over_limit_when_the_baseline_beats_a_lone_ar_pass():
+    # The baseline runs at 125 tok/s (8 ms a token) while a lone AR pass times 10 ms.
+    results = [
+        RunResult("baseline", 1, 0, "code", 10, 125.0, 500.0, [1] * 9),
+        RunResult("dflash", 16, 0, "code", 10, 250.0, 500.0, [4, 6]),
+    ]
+    times = {"ar": 0.01, "verify": {16: 0.015}, "draft": {16: 0.005}}
+    row = {r["method"]: r for r in summarize(results, times)}["dflash"]
+    assert row["speedup"] == pytest.approx(2.0) and row["limit"] == pytest.approx(2.5)
+    assert row["efficiency"] == pytest.approx(0.8)
+    assert row["loop_efficiency"] == pytest.approx(1.0)
 
 
 def test_without_a_baseline_there_is_no_speedup(tmp_path):
@@ -37,6 +57,7 @@ def test_without_a_baseline_there_is_no_speedup(tmp_path):
     times = {"ar": 0.01, "verify": {16: 0.015}, "draft": {16: 0.005}, "context": 20}
     rows = summarize(results, times)
     assert rows[0]["speedup"] is None and rows[0]["limit"] == pytest.approx(2.5)
+    assert rows[0]["efficiency"] is None and rows[0]["loop_efficiency"] == pytest.approx(1.0)
     table = markdown(rows, {"machine": "m", "device": "d", "blas": "b", "mlx": "1", "mlx_lm": "1",
                             "commit": "c", "date": "now"}, times)  # fmt: skip
     assert "| dflash | 16 | 250.0 |  | 5.00 |" in table and "0.00x" not in table
@@ -54,7 +75,8 @@ def test_limit_uses_each_cycles_verify_size():
     t_cycle = 0.004 + (0.02 + 0.011 + 0.011) / 3
     assert row["verify_size"] == pytest.approx(20 / 3)
     assert row["limit"] == pytest.approx(11 / 3 * 0.01 / t_cycle)
-    assert row["efficiency"] == pytest.approx(200.0 * t_cycle / (11 / 3))
+    assert row["loop_efficiency"] == pytest.approx(200.0 * t_cycle / (11 / 3))
+    assert row["efficiency"] == pytest.approx(2.0 / row["limit"])
 
 
 def test_fastest_times_keeps_the_faster_of_each_entry():
