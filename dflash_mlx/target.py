@@ -9,7 +9,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import qwen3
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from . import kernels
 
 # mlx-lm model families whose decoder we know how to walk layer by layer.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
@@ -60,6 +64,37 @@ def lm_head(model: nn.Module, h: mx.array) -> mx.array:
     return model.lm_head(h)
 
 
+def _qwen3_block(block: nn.Module, x: mx.array, cache: KVCache, visible: mx.array) -> mx.array:
+    # mlx-lm's Qwen3 TransformerBlock, step for step, with the CPU kernels for the
+    # softmax and SwiGLU: its own call would reach MLX's slow CPU exp.
+    attn, mlp = block.self_attn, block.mlp
+    h = block.input_layernorm(x)
+    b, length, _ = h.shape
+    q = attn.q_norm(attn.q_proj(h).reshape(b, length, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+    k = attn.k_norm(attn.k_proj(h).reshape(b, length, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+    v = attn.v_proj(h).reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    q = attn.rope(q, offset=cache.offset)
+    k = attn.rope(k, offset=cache.offset)
+    k, v = cache.update_and_fetch(k, v)
+    out = kernels.attention(q, k, v, attn.scale, visible)
+    h = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+    g = block.post_attention_layernorm(h)
+    return h + mlp.down_proj(kernels.swiglu(mlp.gate_proj(g), mlp.up_proj(g)))
+
+
+def _use_cpu_kernels(model: nn.Module, h: mx.array, cache: list[Any], masks: list) -> bool:
+    # A one-token step spends next to nothing in exp; the kernels pay from a few tokens on.
+    return (
+        h.shape[1] > 1
+        and h.dtype == mx.float32
+        and kernels.cpu_default()
+        and model.model_type == "qwen3"
+        and all(type(layer) is qwen3.TransformerBlock for layer in model.model.layers)
+        and all(type(c) is KVCache for c in cache)
+        and all(isinstance(m, str) and m == "causal" for m in masks)
+    )
+
+
 def forward_with_taps(
     model: nn.Module,
     tokens: mx.array,
@@ -83,8 +118,11 @@ def forward_with_taps(
     masks = _layer_masks(model, h, cache)
     wanted = set(tap_ids)
     captured = {}
+    visible = None
+    if _use_cpu_kernels(model, h, cache, masks):
+        visible = kernels.causal_mask(cache[0].offset, h.shape[1])
     for i, (layer, c, mask) in enumerate(zip(inner.layers, cache, masks)):
-        h = layer(h, mask, c)
+        h = layer(h, mask, c) if visible is None else _qwen3_block(layer, h, c, visible)
         if i in wanted:
             captured[i] = h
     h = inner.norm(h)

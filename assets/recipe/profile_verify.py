@@ -1,10 +1,11 @@
 """Where a verify pass's time goes on MLX's CPU backend: the numbers behind BENCHMARKS.md.
 
-Times one target pass of 1 token (an AR step) and of B tokens at a fixed context, as the
-embedded pair runs it (fp32), and again with the two places a pass calls exp (SwiGLU's
-sigmoid and the attention softmax) replaced by exp-free stand-ins of the same shapes. The
-stand-ins give wrong outputs: they exist only to measure what exp costs, and are swapped in
-for the timing and restored after. Also prints the per-element cost of exp and of an add.
+Times one target pass of 1 token (an AR step) and of B tokens at a fixed context (fp32):
+through mlx-lm's own decoder layers ("stock"), again with the two places a pass calls exp
+(SwiGLU's sigmoid and the attention softmax) replaced by exp-free stand-ins of the same
+shapes, and as dflash_mlx runs it, with its CPU kernels (dflash_mlx.kernels). The stand-ins
+give wrong outputs: they exist only to measure what exp costs, and are swapped in for the
+timing and restored after. Also prints the per-element cost of exp and of an add.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
         python assets/recipe/profile_verify.py
@@ -56,8 +57,24 @@ def main() -> None:
     _, taps = tgt.forward_with_taps(model, mx.array([[1] * args.context]), cache.target, draft.target_layer_ids)
     mx.eval(taps, [c.state for c in cache.target])
 
-    def target_pass(n: int) -> None:
-        logits, taps = tgt.forward_with_taps(model, mx.array([[1] * n]), cache.target, draft.target_layer_ids)
+    def stock_pass(tokens: mx.array) -> tuple[mx.array, mx.array]:
+        # mlx-lm's layers called as they are, which is where the stand-ins take effect.
+        inner = model.model
+        h = inner.embed_tokens(tokens)
+        masks = tgt._layer_masks(model, h, cache.target)
+        taps = []
+        for i, (layer, c, mask) in enumerate(zip(inner.layers, cache.target, masks)):
+            h = layer(h, mask, c)
+            if i in draft.target_layer_ids:
+                taps.append(h)
+        return tgt.lm_head(model, inner.norm(h)), mx.concatenate(taps, axis=-1)
+
+    def target_pass(n: int, kernels: bool) -> None:
+        tokens = mx.array([[1] * n])
+        if kernels:
+            logits, taps = tgt.forward_with_taps(model, tokens, cache.target, draft.target_layer_ids)
+        else:
+            logits, taps = stock_pass(tokens)
         mx.eval(mx.argmax(logits, axis=-1), taps)
         for c in cache.target:
             c.trim(n)
@@ -68,6 +85,7 @@ def main() -> None:
         "SwiGLU without exp": (lambda gate, x: gate * x, stock[1]),
         "attention without softmax": (stock[0], _sdpa_without_softmax),
         "neither": (lambda gate, x: gate * x, _sdpa_without_softmax),
+        "dflash_mlx.kernels": stock,
     }
     sizes = (1, args.block_size)
     samples = {(v, n): [] for v in variants for n in sizes}
@@ -75,11 +93,12 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, (swiglu, sdpa) in variants.items():
                 qwen3.swiglu, qwen3.scaled_dot_product_attention = swiglu, sdpa
+                kernels = name == "dflash_mlx.kernels"
                 for n in sizes:
-                    target_pass(n)
+                    target_pass(n, kernels)
                     tic = time.perf_counter()
                     for _ in range(10):
-                        target_pass(n)
+                        target_pass(n, kernels)
                     samples[(name, n)].append((time.perf_counter() - tic) / 10 * 1e3)
     finally:
         qwen3.swiglu, qwen3.scaled_dot_product_attention = stock

@@ -1,0 +1,107 @@
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+from mlx_lm.models.cache import make_prompt_cache
+
+from dflash_mlx import kernels
+from dflash_mlx import target as tgt
+
+
+def _relative_error(ours: mx.array, reference: np.ndarray) -> float:
+    ours = np.array(ours, dtype=np.float64)
+    return float(np.max(np.abs(ours - reference) / reference))
+
+
+@pytest.mark.parametrize(
+    "fn, low, high", [(kernels._exp, -87.0, 88.0), (kernels._exp_nonpositive, -43.0, 0.0)]
+)
+def test_exp_is_as_accurate_as_mlx(fn, low, high):
+    x = mx.linspace(low, high, 100_001)
+    reference = np.exp(np.array(x, dtype=np.float64))
+    ours = mx.compile(fn)(x)
+    # Both are limited by the rounding of x itself (|x| ulps of relative error).
+    assert _relative_error(ours, reference) <= 1.05 * _relative_error(mx.exp(x), reference)
+    assert _relative_error(ours, reference) < 5e-6
+
+
+def test_exp_is_zero_below_its_range():
+    x = mx.array([-mx.inf, -1000.0, -88.0])
+    assert mx.compile(kernels._exp)(x).tolist() == [0.0, 0.0, 0.0]
+    y = mx.array([-mx.inf, -100.0, -43.5])
+    assert mx.compile(kernels._exp_nonpositive)(y).tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("shape", [(16, 96), (1, 5, 40), (3,)])
+def test_swiglu_matches_mlx_lm(shape):
+    gate = mx.random.normal(shape) * 8
+    up = mx.random.normal(shape)
+    # A float32 ulp or two of each output.
+    assert mx.allclose(kernels.swiglu(gate, up), mlx_lm_swiglu(gate, up), rtol=3e-7, atol=1e-6).item()
+
+
+def test_swiglu_gradient_matches_mlx_lm():
+    gate, up = mx.random.normal((4, 32)) * 4, mx.random.normal((4, 32))
+    weights = mx.random.normal((4, 32))
+
+    def loss(fn):
+        return lambda g, u: (fn(g, u) * weights).sum()
+
+    ours = mx.grad(loss(kernels.swiglu), argnums=(0, 1))(gate, up)
+    theirs = mx.grad(loss(mlx_lm_swiglu), argnums=(0, 1))(gate, up)
+    for a, b in zip(ours, theirs):
+        assert mx.abs(a - b).max().item() < 1e-5
+
+
+def _mask(shape):
+    if shape is None:
+        return None
+    mask = mx.random.uniform(shape=shape) > 0.4
+    mask[..., 0] = True  # every query sees a key
+    return mask
+
+
+@pytest.mark.parametrize("mask_shape", [None, (16, 40), (2, 1, 16, 40), (2, 4, 16, 40)])
+def test_attention_matches_mlx_fast_with_its_gradient(mask_shape):
+    q = mx.random.normal((2, 4, 16, 8)) * 3
+    k, v = mx.random.normal((2, 2, 40, 8)), mx.random.normal((2, 2, 40, 8))
+    mask = _mask(mask_shape)
+    weights = mx.random.normal((2, 4, 16, 8))
+
+    def ours(q, k, v):
+        return kernels.attention(q, k, v, 0.35, mask)
+
+    def theirs(q, k, v):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=mask)
+
+    assert mx.abs(ours(q, k, v) - theirs(q, k, v)).max().item() < 2e-6
+    grads = [mx.grad(lambda *a, f=f: (f(*a) * weights).sum(), argnums=(0, 1, 2))(q, k, v) for f in (ours, theirs)]
+    for a, b in zip(*grads):
+        assert mx.abs(a - b).max().item() < 2e-5
+
+
+def test_causal_mask_lets_each_query_see_the_context_and_itself():
+    mask = kernels.causal_mask(offset=3, length=2)
+    assert mask.tolist() == [[True] * 4 + [False], [True] * 5]
+
+
+def test_other_inputs_go_to_mlx_unchanged():
+    q = mx.random.normal((1, 4, 16, 8)).astype(mx.bfloat16)
+    k, v = (mx.random.normal((1, 2, 20, 8)).astype(mx.bfloat16) for _ in range(2))
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask="causal")
+    assert mx.array_equal(kernels.attention(q, k, v, 0.5, "causal"), expected).item()
+    g = mx.random.normal((2, 8)).astype(mx.bfloat16)
+    assert mx.array_equal(kernels.swiglu(g, g), mlx_lm_swiglu(g, g)).item()
+
+
+def test_qwen3_verify_through_the_kernels_matches_mlx_lm(qwen3_pair):
+    model, _, _ = qwen3_pair
+    prompt, block = mx.array([list(range(3, 40))]), mx.array([list(range(50, 66))])
+    ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
+    tgt.forward_with_taps(model, prompt, ours, [1])
+    model(prompt, cache=theirs)
+    h = model.model.embed_tokens(block)
+    assert tgt._use_cpu_kernels(model, h, ours, tgt._layer_masks(model, h, ours))
+    logits, _ = tgt.forward_with_taps(model, block, ours, [1])
+    assert mx.abs(logits - model(block, cache=theirs)).max().item() < 1e-4
+    assert ours[0].offset == theirs[0].offset == 53
