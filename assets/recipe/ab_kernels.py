@@ -1,0 +1,80 @@
+"""What the CPU kernels (dflash_mlx.kernels) are worth end to end: an interleaved A/B in one process.
+
+Runs the embedded pair (fp32) on the benchmark's held-out prompts with the paper's loop and with
+lookup_fallback=4, each with MLX's native ops and with the kernels, round robin per prompt after
+a warm-up (median of 3 runs), and checks that all four emit the same tokens. The native runs
+are made by telling the kernels module that the default device is not a CPU, for the duration
+of those runs only.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
+        python assets/recipe/ab_kernels.py --block-size 16
+"""
+
+import argparse
+import statistics
+
+from dflash_mlx import kernels, load
+from dflash_mlx.benchmark import _prompt_rows, _time_stream, encode
+from dflash_mlx.generate import stream_generate
+from dflash_mlx.loading import default_pair_path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+
+    model, draft, tokenizer = load(dtype="float32")
+    rows = _prompt_rows(str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
+    configs = {
+        "dflash, native ops": ({}, False),
+        "dflash, kernels": ({}, True),
+        "dflash-fallback, native ops": ({"lookup_fallback": 4}, False),
+        "dflash-fallback, kernels": ({"lookup_fallback": 4}, True),
+    }
+    cpu_default = kernels.cpu_default
+
+    def run(name: str, ids: list[int]):
+        extra, use_kernels = configs[name]
+        kernels.cpu_default = cpu_default if use_kernels else (lambda: False)
+        try:
+            stream = stream_generate(
+                model, draft, tokenizer, ids, max_tokens=args.max_tokens, block_size=args.block_size, **extra
+            )
+            return _time_stream(stream, lambda r: r.tokens)
+        finally:
+            kernels.cpu_default = cpu_default
+
+    tokens = {name: 0 for name in configs}
+    seconds = {name: 0.0 for name in configs}
+    outputs = {name: [] for name in configs}
+    for row in rows:
+        ids = encode(tokenizer, row)
+        for name in configs:
+            run(name, ids)
+        times = {name: [] for name in configs}
+        for _ in range(args.runs):
+            for name in configs:
+                out, gen_seconds, *_ = run(name, ids)
+                times[name].append(gen_seconds)
+                outputs[name].append(list(out))
+        for name in configs:
+            tokens[name] += len(outputs[name][-1]) - 1  # the first token is the prefill's
+            seconds[name] += statistics.median(times[name])
+
+    tps = {name: tokens[name] / seconds[name] for name in configs}
+    print(f"block {args.block_size}, {len(rows)} prompts x {args.max_tokens} tokens, median of {args.runs}")
+    for name in configs:
+        print(f"{name:28s} {tps[name]:7.1f} tok/s")
+    for loop in ("dflash", "dflash-fallback"):
+        gain = tps[f"{loop}, kernels"] / tps[f"{loop}, native ops"]
+        print(f"{loop}: kernels / native ops = {gain:.3f}")
+    same = all(outputs[name] == outputs["dflash, native ops"] for name in configs)
+    print("identical tokens:", same)
+
+
+if __name__ == "__main__":
+    main()
