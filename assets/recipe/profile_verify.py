@@ -18,7 +18,7 @@ import time
 import mlx.core as mx
 import mlx_lm.models.qwen3 as qwen3
 
-from dflash_mlx import load
+from dflash_mlx import kernels, load
 from dflash_mlx import target as tgt
 from dflash_mlx.cache import make_cache
 
@@ -57,24 +57,13 @@ def main() -> None:
     _, taps = tgt.forward_with_taps(model, mx.array([[1] * args.context]), cache.target, draft.target_layer_ids)
     mx.eval(taps, [c.state for c in cache.target])
 
-    def stock_pass(tokens: mx.array) -> tuple[mx.array, mx.array]:
-        # mlx-lm's layers called as they are, which is where the stand-ins take effect.
-        inner = model.model
-        h = inner.embed_tokens(tokens)
-        masks = tgt._layer_masks(model, h, cache.target)
-        taps = []
-        for i, (layer, c, mask) in enumerate(zip(inner.layers, cache.target, masks)):
-            h = layer(h, mask, c)
-            if i in draft.target_layer_ids:
-                taps.append(h)
-        return tgt.lm_head(model, inner.norm(h)), mx.concatenate(taps, axis=-1)
+    cpu_default = kernels.cpu_default
 
-    def target_pass(n: int, kernels: bool) -> None:
-        tokens = mx.array([[1] * n])
-        if kernels:
-            logits, taps = tgt.forward_with_taps(model, tokens, cache.target, draft.target_layer_ids)
-        else:
-            logits, taps = stock_pass(tokens)
+    def target_pass(n: int, use_kernels: bool) -> None:
+        # Without the kernels, forward_with_taps calls mlx-lm's layers as they are, which is
+        # where the stand-ins take effect.
+        kernels.cpu_default = cpu_default if use_kernels else (lambda: False)
+        logits, taps = tgt.forward_with_taps(model, mx.array([[1] * n]), cache.target, draft.target_layer_ids)
         mx.eval(mx.argmax(logits, axis=-1), taps)
         for c in cache.target:
             c.trim(n)
@@ -93,15 +82,16 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, (swiglu, sdpa) in variants.items():
                 qwen3.swiglu, qwen3.scaled_dot_product_attention = swiglu, sdpa
-                kernels = name == "dflash_mlx.kernels"
+                use_kernels = name == "dflash_mlx.kernels"
                 for n in sizes:
-                    target_pass(n, kernels)
+                    target_pass(n, use_kernels)
                     tic = time.perf_counter()
                     for _ in range(10):
-                        target_pass(n, kernels)
+                        target_pass(n, use_kernels)
                     samples[(name, n)].append((time.perf_counter() - tic) / 10 * 1e3)
     finally:
         qwen3.swiglu, qwen3.scaled_dot_product_attention = stock
+        kernels.cpu_default = cpu_default
 
     print(f"exp: {_per_element_ns(mx.exp):.2f} ns/element, add: {_per_element_ns(lambda x: x + 1):.2f} ns/element")
     print(f"\ncontext {args.context}, median of {args.rounds} rounds of 10 passes (ms)\n")
