@@ -13,7 +13,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import kernels
+from . import kernels, steps
 from . import target as tgt
 
 # Keys of the published checkpoints that may live under "dflash_config".
@@ -129,9 +129,16 @@ class Attention(nn.Module):
 
         k_ctx = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), ctx_offset)
         v_ctx = self._heads(self.v_proj(ctx), self.n_kv_heads)
+        out = self.attend(q, k, v, k_ctx, v_ctx, cache, mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def attend(self, q, k, v, k_ctx, v_ctx, cache: Any | None, mask: mx.array | None) -> mx.array:
+        """The block's queries over the cached context, the new context and the block
+        itself, all ``(B, heads, length, D)``; returns ``(B, n_heads, L, D)``."""
+        B = q.shape[0]
         if cache is not None:
             # Only the context is cached; the noisy block is recomputed every cycle.
-            if ctx.shape[1] > 0:
+            if k_ctx.shape[2] > 0:
                 k_ctx, v_ctx = cache.update_and_fetch(k_ctx, v_ctx)
             elif cache.offset > 0:
                 k_ctx, v_ctx = cache.keys_and_values()
@@ -142,8 +149,7 @@ class Attention(nn.Module):
         values = mx.concatenate([v_ctx, v], axis=2)
 
         # No causal mask: the block attends to the whole context and to itself both ways.
-        out = kernels.attention(q, keys, values, self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return kernels.attention(q, keys, values, self.scale, mask)
 
 
 class MLP(nn.Module):
@@ -166,9 +172,32 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, h, ctx, cache=None, mask=None, block_offset=None) -> mx.array:
+        if cache is not None and mask is None and block_offset is None and self._compiled_steps(h):
+            return self._compiled_call(h, ctx, cache)
         # The context is used as it comes out of hidden_norm, not re-normed per layer.
         h = h + self.self_attn(self.input_layernorm(h), ctx, cache, mask, block_offset)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _compiled_steps(self, h: mx.array) -> bool:
+        # Drafting on MLX's CPU backend (float32): the same operations as below, compiled
+        # around the attention (dflash_mlx.steps). Training (no cache) stays as written.
+        attn = self.self_attn
+        return (
+            h.dtype == mx.float32
+            and kernels.cpu_default()
+            and steps.plain_layer(attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
+        )
+
+    def _compiled_call(self, h: mx.array, ctx: mx.array, cache: Any) -> mx.array:
+        attn = self.self_attn
+        ctx_offset = cache.offset
+        q, k, v = steps.before(attn, self.input_layernorm, h, ctx_offset + ctx.shape[1])
+        if ctx.shape[1] > 0:
+            k_ctx, v_ctx = steps.key_values(attn, ctx, ctx_offset)
+        else:
+            k_ctx = v_ctx = mx.zeros((ctx.shape[0], attn.n_kv_heads, 0, attn.head_dim), dtype=h.dtype)
+        out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None)
+        return steps.after(attn, self.mlp, self.post_attention_layernorm, out, h)
 
 
 class DraftModel(nn.Module):

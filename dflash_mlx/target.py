@@ -13,7 +13,7 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from . import kernels
+from . import kernels, steps
 
 # mlx-lm model families whose decoder we know how to walk layer by layer.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
@@ -65,31 +65,29 @@ def lm_head(model: nn.Module, h: mx.array) -> mx.array:
 
 
 def _qwen3_block(block: nn.Module, x: mx.array, cache: KVCache, visible: mx.array) -> mx.array:
-    # mlx-lm's Qwen3 TransformerBlock, step for step, with the CPU kernels for the
-    # softmax and SwiGLU: its own call would reach MLX's slow CPU exp.
-    attn, mlp = block.self_attn, block.mlp
-    h = block.input_layernorm(x)
-    b, length, _ = h.shape
-    q = attn.q_norm(attn.q_proj(h).reshape(b, length, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-    k = attn.k_norm(attn.k_proj(h).reshape(b, length, attn.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-    v = attn.v_proj(h).reshape(b, length, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    q = attn.rope(q, offset=cache.offset)
-    k = attn.rope(k, offset=cache.offset)
+    # mlx-lm's Qwen3 TransformerBlock, the same operations in the same order, compiled
+    # around the attention and with the CPU kernels for the softmax and SwiGLU: its own
+    # call would reach MLX's slow CPU exp, one operation at a time.
+    attn = block.self_attn
+    q, k, v = steps.before(attn, block.input_layernorm, x, cache.offset)
     k, v = cache.update_and_fetch(k, v)
     out = kernels.attention(q, k, v, attn.scale, visible)
-    h = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
-    g = block.post_attention_layernorm(h)
-    return h + mlp.down_proj(kernels.swiglu(mlp.gate_proj(g), mlp.up_proj(g)))
+    return steps.after(attn, block.mlp, block.post_attention_layernorm, out, x)
 
 
 def _use_cpu_kernels(model: nn.Module, h: mx.array, cache: list[Any], masks: list) -> bool:
-    # A one-token step spends next to nothing in exp; the kernels pay from a few tokens on.
+    # Passes of several tokens (verifies, prefills): a one-token step, which DFlash's loop
+    # never makes, stays mlx-lm's own, the baseline that speedups are measured against.
     return (
         h.shape[1] > 1
         and h.dtype == mx.float32
         and kernels.cpu_default()
         and model.model_type == "qwen3"
-        and all(type(layer) is qwen3.TransformerBlock for layer in model.model.layers)
+        and all(
+            type(layer) is qwen3.TransformerBlock
+            and steps.plain_layer(layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
+            for layer in model.model.layers
+        )
         and all(type(c) is KVCache for c in cache)
         and all(isinstance(m, str) and m == "causal" for m in masks)
     )

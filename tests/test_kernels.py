@@ -5,6 +5,7 @@ from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx import kernels
+from dflash_mlx import steps
 from dflash_mlx import target as tgt
 
 
@@ -105,3 +106,53 @@ def test_qwen3_verify_through_the_kernels_matches_mlx_lm(qwen3_pair):
     logits, _ = tgt.forward_with_taps(model, block, ours, [1])
     assert mx.abs(logits - model(block, cache=theirs)).max().item() < 1e-4
     assert ours[0].offset == theirs[0].offset == 53
+
+
+def _tiny_qwen3(**overrides):
+    from mlx_lm.models import qwen3
+
+    args = dict(
+        model_type="qwen3", hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=100, max_position_embeddings=512,
+        rope_theta=10000.0, tie_word_embeddings=True,
+    )
+    args.update(overrides)
+    model = qwen3.Model(qwen3.ModelArgs(**args))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def _verify_matches_mlx_lm(model, expect_kernels: bool) -> None:
+    ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
+    prompt = mx.array([list(range(3, 30))])
+    tgt.forward_with_taps(model, prompt, ours, [0])
+    model(prompt, cache=theirs)
+    # Two passes in a row: the second starts where the first left the cache.
+    for start in (40, 60):
+        block = mx.array([list(range(start, start + 12))])
+        h = model.model.embed_tokens(block)
+        assert tgt._use_cpu_kernels(model, h, ours, tgt._layer_masks(model, h, ours)) == expect_kernels
+        logits, _ = tgt.forward_with_taps(model, block, ours, [0])
+        assert mx.abs(logits - model(block, cache=theirs)).max().item() < 1e-4
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [None, {"rope_type": "linear", "factor": 2.0}, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}],
+)
+def test_compiled_qwen3_step_matches_mlx_lm_with_each_rope(rope_scaling):
+    # Plain and linear RoPE run inside the compiled step; Llama 3's, outside it.
+    model = _tiny_qwen3(rope_scaling=rope_scaling)
+    assert (tgt.steps.rope_key(model.model.layers[0].self_attn.rope) is None) == (rope_scaling is not None
+                                                                             and rope_scaling["rope_type"] == "llama3")
+    _verify_matches_mlx_lm(model, expect_kernels=True)
+
+
+def test_quantized_qwen3_keeps_mlx_lm_layers():
+    import mlx.nn as nn
+
+    model = _tiny_qwen3()
+    nn.quantize(model, group_size=32, bits=8)
+    _verify_matches_mlx_lm(model, expect_kernels=False)

@@ -1,10 +1,12 @@
-"""What the CPU kernels (dflash_mlx.kernels) are worth end to end: an interleaved A/B in one process.
+"""What the CPU kernels (dflash_mlx.kernels) and compiled layer steps (dflash_mlx.steps) are worth
+end to end: an interleaved A/B/C in one process.
 
 Runs the embedded pair (fp32) on the benchmark's held-out prompts with the paper's loop and with
-lookup_fallback=4, each with MLX's native ops and with the kernels, round robin per prompt after
-a warm-up (median of 3 runs), and checks that all four emit the same tokens. The native runs
-are made by telling the kernels module that the default device is not a CPU, for the duration
-of those runs only.
+lookup_fallback=4, each three ways: MLX's native ops through mlx-lm's layers; the kernels with
+the layer steps run op by op; and as dflash_mlx runs, kernels and compiled steps. Round robin per
+prompt after a warm-up (median of 3 runs); checks that all six emit the same tokens. The native
+runs are made by telling the kernels module that the default device is not a CPU, the op-by-op
+ones by building the steps uncompiled, for the duration of those runs only.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
         python assets/recipe/ab_kernels.py --block-size 16
@@ -13,7 +15,9 @@ of those runs only.
 import argparse
 import statistics
 
-from dflash_mlx import kernels, load
+from functools import partial
+
+from dflash_mlx import kernels, load, steps
 from dflash_mlx.benchmark import _prompt_rows, _time_stream, encode
 from dflash_mlx.generate import stream_generate
 from dflash_mlx.loading import default_pair_path
@@ -29,24 +33,25 @@ def main() -> None:
 
     model, draft, tokenizer = load(dtype="float32")
     rows = _prompt_rows(str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
+    ways = ("native ops", "kernels, op by op", "kernels, compiled")
     configs = {
-        "dflash, native ops": ({}, False),
-        "dflash, kernels": ({}, True),
-        "dflash-fallback, native ops": ({"lookup_fallback": 4}, False),
-        "dflash-fallback, kernels": ({"lookup_fallback": 4}, True),
+        f"{loop}, {way}": (extra, way)
+        for loop, extra in (("dflash", {}), ("dflash-fallback", {"lookup_fallback": 4}))
+        for way in ways
     }
-    cpu_default = kernels.cpu_default
+    cpu_default, compiled_steps = kernels.cpu_default, steps._steps
 
     def run(name: str, ids: list[int]):
-        extra, use_kernels = configs[name]
-        kernels.cpu_default = cpu_default if use_kernels else (lambda: False)
+        extra, way = configs[name]
+        kernels.cpu_default = (lambda: False) if way == "native ops" else cpu_default
+        steps._steps = partial(compiled_steps, compiled=False) if way == "kernels, op by op" else compiled_steps
         try:
             stream = stream_generate(
                 model, draft, tokenizer, ids, max_tokens=args.max_tokens, block_size=args.block_size, **extra
             )
             return _time_stream(stream, lambda r: r.tokens)
         finally:
-            kernels.cpu_default = cpu_default
+            kernels.cpu_default, steps._steps = cpu_default, compiled_steps
 
     tokens = {name: 0 for name in configs}
     seconds = {name: 0.0 for name in configs}
@@ -68,10 +73,11 @@ def main() -> None:
     tps = {name: tokens[name] / seconds[name] for name in configs}
     print(f"block {args.block_size}, {len(rows)} prompts x {args.max_tokens} tokens, median of {args.runs}")
     for name in configs:
-        print(f"{name:28s} {tps[name]:7.1f} tok/s")
+        print(f"{name:36s} {tps[name]:7.1f} tok/s")
     for loop in ("dflash", "dflash-fallback"):
-        gain = tps[f"{loop}, kernels"] / tps[f"{loop}, native ops"]
-        print(f"{loop}: kernels / native ops = {gain:.3f}")
+        native, by_op, compiled = (tps[f"{loop}, {way}"] for way in ways)
+        print(f"{loop}: kernels op by op / native = {by_op / native:.3f}, compiled / op by op = "
+              f"{compiled / by_op:.3f}, compiled / native = {compiled / native:.3f}")
     same = all(outputs[name] == outputs["dflash, native ops"] for name in configs)
     print("identical tokens:", same)
 

@@ -3,7 +3,10 @@
 Times one target pass of 1 token (an AR step) and of B tokens at a fixed context (fp32):
 through mlx-lm's own decoder layers ("stock"), again with the two places a pass calls exp
 (SwiGLU's sigmoid and the attention softmax) replaced by exp-free stand-ins of the same
-shapes, and as dflash_mlx runs it, with its CPU kernels (dflash_mlx.kernels). The stand-ins
+shapes, and as dflash_mlx runs it, with its CPU kernels (dflash_mlx.kernels) and compiled
+layer steps (dflash_mlx.steps). DFlash makes no 1-token target passes, so dflash_mlx leaves
+those to mlx-lm's layers; the last row forces them through the compiled steps too, to show
+what an AR step would gain from the same treatment. The stand-ins
 give wrong outputs: they exist only to measure what exp costs, and are swapped in for the
 timing and restored after. Also prints the per-element cost of exp and of an add.
 
@@ -59,10 +62,13 @@ def main() -> None:
 
     cpu_default = kernels.cpu_default
 
-    def target_pass(n: int, use_kernels: bool) -> None:
+    use_cpu_kernels = tgt._use_cpu_kernels
+
+    def target_pass(n: int, use_kernels: bool, force: bool = False) -> None:
         # Without the kernels, forward_with_taps calls mlx-lm's layers as they are, which is
         # where the stand-ins take effect.
         kernels.cpu_default = cpu_default if use_kernels else (lambda: False)
+        tgt._use_cpu_kernels = (lambda *a: True) if force else use_cpu_kernels
         logits, taps = tgt.forward_with_taps(model, mx.array([[1] * n]), cache.target, draft.target_layer_ids)
         mx.eval(mx.argmax(logits, axis=-1), taps)
         for c in cache.target:
@@ -74,7 +80,8 @@ def main() -> None:
         "SwiGLU without exp": (lambda gate, x: gate * x, stock[1]),
         "attention without softmax": (stock[0], _sdpa_without_softmax),
         "neither": (lambda gate, x: gate * x, _sdpa_without_softmax),
-        "dflash_mlx.kernels": stock,
+        "dflash_mlx": stock,
+        "dflash_mlx, 1-token passes compiled too": stock,
     }
     sizes = (1, args.block_size)
     samples = {(v, n): [] for v in variants for n in sizes}
@@ -82,16 +89,17 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, (swiglu, sdpa) in variants.items():
                 qwen3.swiglu, qwen3.scaled_dot_product_attention = swiglu, sdpa
-                use_kernels = name == "dflash_mlx.kernels"
+                use_kernels, force = name.startswith("dflash_mlx"), name.endswith("too")
                 for n in sizes:
-                    target_pass(n, use_kernels)
+                    target_pass(n, use_kernels, force)
                     tic = time.perf_counter()
                     for _ in range(10):
-                        target_pass(n, use_kernels)
+                        target_pass(n, use_kernels, force)
                     samples[(name, n)].append((time.perf_counter() - tic) / 10 * 1e3)
     finally:
         qwen3.swiglu, qwen3.scaled_dot_product_attention = stock
         kernels.cpu_default = cpu_default
+        tgt._use_cpu_kernels = use_cpu_kernels
 
     print(f"exp: {_per_element_ns(mx.exp):.2f} ns/element, add: {_per_element_ns(lambda x: x + 1):.2f} ns/element")
     print(f"\ncontext {args.context}, median of {args.rounds} rounds of 10 passes (ms)\n")
