@@ -81,6 +81,12 @@ def _prompt_ids(prompt) -> list[int]:
     return ids
 
 
+# A verify pass starts running after every this many target layers are built: building its
+# graph in Python takes longer than a drafter pass takes to run on MLX's CPU backend, and
+# the stream would otherwise wait for all of it (1-3 measured within noise of each other).
+_VERIFY_START_EVERY = 3
+
+
 def dflash_generate_step(
     prompt: mx.array | list[int],
     model: nn.Module,
@@ -236,24 +242,34 @@ def dflash_generate_step(
 
         # Lookup cycles still to run, and how many the drafter's next first-draft miss buys.
         lookup_cycles, next_fallback = 0, 1
+
+        def _propose() -> tuple[mx.array, mx.array | None, bool, int]:
+            # The block to verify next, [last, drafts...], with the drafter's pass started.
+            nonlocal lookup_cycles
+            num_draft = min(block_size, max_tokens - generated) - 1
+            block, q, drafter_cycle = mx.array([[last]], dtype=mx.uint32), None, False
+            if num_draft > 0 and lookup_cycles > 0:
+                # The taps stay pending: the drafter's next pass takes them all in.
+                lookup_cycles -= 1
+                found = lookup.lookup(cache.tokens + [last], num_draft)
+                num_draft = len(found)
+                block = mx.array([[last] + found], dtype=mx.uint32)
+            elif num_draft > 0:
+                drafts, q = _draft_block(last, num_draft)
+                num_draft, drafter_cycle = drafts.shape[0], True
+                # Start drafting now, so the verify graph below is built while it runs.
+                mx.async_eval(drafts)
+                block = mx.concatenate([block, drafts[None]], axis=1)
+            return block, q, drafter_cycle, num_draft
+
         try:
-            while generated < max_tokens and not stopped:
-                num_draft = min(block_size, max_tokens - generated) - 1
-                block, q, drafter_cycle = mx.array([[last]], dtype=mx.uint32), None, False
-                if num_draft > 0 and lookup_cycles > 0:
-                    # The taps stay pending: the drafter's next pass takes them all in.
-                    lookup_cycles -= 1
-                    found = lookup.lookup(cache.tokens + [last], num_draft)
-                    num_draft = len(found)
-                    block = mx.array([[last] + found], dtype=mx.uint32)
-                elif num_draft > 0:
-                    drafts, q = _draft_block(last, num_draft)
-                    num_draft, drafter_cycle = drafts.shape[0], True
-                    # Start drafting now, so the verify graph below is built while it runs.
-                    mx.async_eval(drafts)
-                    block = mx.concatenate([block, drafts[None]], axis=1)
+            proposal = _propose() if generated < max_tokens and not stopped else None
+            while proposal is not None:
+                block, q, drafter_cycle, num_draft = proposal
                 verify_size = num_draft + 1
-                logits, taps = tgt.forward_with_taps(model, block, cache.target, tap_ids)
+                logits, taps = tgt.forward_with_taps(
+                    model, block, cache.target, tap_ids, start_every=_VERIFY_START_EVERY
+                )
                 logprobs = _logprobs(logits[0], block)
                 if q is None:
                     # One-hot proposals: keep the drafts that the target's own samples match.
@@ -263,7 +279,7 @@ def dflash_generate_step(
                     passed, target_tokens = speculative_accept(block[0, 1:], q, sampler.probs(logprobs))
                 # The one host synchronisation of the cycle.
                 mx.eval(block, passed, target_tokens)
-                drafted, passed, posterior = block[0, 1:].tolist(), passed.tolist(), target_tokens.tolist()
+                drafted, passed, posterior = block.tolist()[0][1:], passed.tolist(), target_tokens.tolist()
 
                 n = 0
                 while n < num_draft and passed[n]:
@@ -283,6 +299,9 @@ def dflash_generate_step(
                 cache.tokens.extend(emitted[:-1])
                 last = emitted[-1]
                 generated += len(emitted)
+                # The next drafter pass starts before this cycle's tokens are handed out, so it
+                # runs while the caller decodes and shows them.
+                proposal = _propose() if generated < max_tokens and not stopped else None
                 yield StepOutput(emitted, n, num_draft)
         finally:
             # A cycle cut short (an exception) leaves unverified entries: drop them.

@@ -98,6 +98,7 @@ def forward_with_taps(
     tokens: mx.array,
     cache: list[Any],
     tap_ids: list[int],
+    start_every: int = 0,
 ) -> tuple[mx.array, mx.array | None]:
     """Run the target on ``tokens`` and capture the hidden states after ``tap_ids``.
 
@@ -106,6 +107,10 @@ def forward_with_taps(
         tokens: ``(B, L)`` token ids.
         cache: The target's per-layer caches, updated in place.
         tap_ids: 0-based decoder layer indices to capture (may be empty).
+        start_every: If > 0, start evaluating the pass (``mx.async_eval``) after every this
+          many layers, while the rest of its graph is still being built, so that the stream
+          does not wait for all of it; 0 leaves the graph lazy. Not inside ``mx.compile``
+          or a gradient.
 
     Returns:
         ``(logits, target_hidden)``: ``(B, L, vocab)`` logits and the taps concatenated
@@ -123,6 +128,8 @@ def forward_with_taps(
         h = layer(h, mask, c) if visible is None else _qwen3_block(layer, h, c, visible)
         if i in wanted:
             captured[i] = h
+        if start_every and (i + 1) % start_every == 0 and i + 1 < len(inner.layers):
+            mx.async_eval(h)
     h = inner.norm(h)
     # HF's last hidden state is taken after the final norm; drafters were trained on that.
     if len(inner.layers) - 1 in wanted:

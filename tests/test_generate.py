@@ -105,12 +105,15 @@ def test_min_confidence_lossless_every_target_kind(tiny_pair, block_size):
 
 
 class CountingDraft(ScriptedDraft):
-    """A scripted drafter that counts its passes."""
+    """A scripted drafter that counts its passes and notes where each one drafted from."""
 
-    passes = 0
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.passes, self.drafted_at = 0, set()
 
     def propose(self, *args, **kwargs):
         self.passes += 1
+        self.drafted_at.add(len(kwargs["history"]))
         return super().propose(*args, **kwargs)
 
 
@@ -123,11 +126,11 @@ def test_lookup_fallback_schedule(qwen3_pair, block_size):
     cap = 4
     wrong = CountingDraft(draft, prompt + ref, VOCAB, wrong_every=1)
     out, ran = [], []
-    passes = 0
     for step in dflash_generate_step(prompt, model, wrong, block_size=block_size, max_tokens=60, lookup_fallback=cap):
+        # Whether the drafter drafted this cycle: a cycle starts with len(prompt) + len(out) - 1
+        # tokens cached (the newest one is not yet through the target).
+        ran.append(len(prompt) + len(out) - 1 in wrong.drafted_at)
         out.extend(step.tokens)
-        ran.append(wrong.passes > passes)
-        passes = wrong.passes
     assert out == ref[:60]
     expected, span = [], 1
     while len(expected) < len(ran):
@@ -227,6 +230,25 @@ def test_prompt_cache_reuse_across_turns(qwen3_pair):
     other = prompt[:5] + _prompt(9, seed=11)
     third, _ = run(model, draft, other, max_tokens=40, prompt_cache=cache)
     assert third == reference(model, other, 40)
+
+
+
+@pytest.mark.parametrize("lookup_fallback", [0, 4])
+def test_prompt_cache_after_a_generation_left_early(qwen3_pair, lookup_fallback):
+    # Each cycle starts the next drafter pass before handing out its tokens; a caller that
+    # stops reading leaves that pass behind, and the cache must still continue exactly.
+    model, draft, _ = qwen3_pair
+    prompt = _prompt(20)
+    cache = make_cache(model, draft)
+    steps = dflash_generate_step(prompt, model, draft, max_tokens=60, prompt_cache=cache,
+                                 lookup_fallback=lookup_fallback)
+    taken = [t for _, step in zip(range(4), steps) for t in step.tokens]
+    steps.close()
+    assert cache.tokens == (prompt + taken)[:-1]
+    assert cache.draft_offset + cache.pending_length == len(cache.tokens) == cache.offset
+    follow = prompt + taken + _prompt(5, seed=9)
+    again, _ = run(model, draft, follow, max_tokens=40, prompt_cache=cache, lookup_fallback=lookup_fallback)
+    assert again == reference(model, follow, 40)
 
 
 @pytest.mark.parametrize(

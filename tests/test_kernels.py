@@ -156,3 +156,15 @@ def test_quantized_qwen3_keeps_mlx_lm_layers():
     model = _tiny_qwen3()
     nn.quantize(model, group_size=32, bits=8)
     _verify_matches_mlx_lm(model, expect_kernels=False)
+
+
+def test_a_pass_started_layer_by_layer_equals_a_lazy_one(qwen3_pair):
+    model, draft, _ = qwen3_pair
+    prompt, block = mx.array([list(range(3, 40))]), mx.array([list(range(50, 66))])
+    outs = []
+    for start_every in (0, 1, 3):
+        cache = make_prompt_cache(model)
+        tgt.forward_with_taps(model, prompt, cache, draft.target_layer_ids)
+        outs.append(tgt.forward_with_taps(model, block, cache, draft.target_layer_ids, start_every=start_every))
+    for logits, taps in outs[1:]:
+        assert mx.array_equal(logits, outs[0][0]).item() and mx.array_equal(taps, outs[0][1]).item()
