@@ -13,14 +13,14 @@ ones by building the steps uncompiled, for the duration of those runs only.
 """
 
 import argparse
-import statistics
-
 from functools import partial
 
 from dflash_mlx import kernels, load, steps
-from dflash_mlx.benchmark import _prompt_rows, _time_stream, encode
+from dflash_mlx.benchmark import _prompt_rows, _time_stream
 from dflash_mlx.generate import stream_generate
 from dflash_mlx.loading import default_pair_path
+
+from interleaved import run_interleaved  # assets/recipe/interleaved.py
 
 
 def main() -> None:
@@ -53,24 +53,8 @@ def main() -> None:
         finally:
             kernels.cpu_default, steps._steps = cpu_default, compiled_steps
 
-    tokens = {name: 0 for name in configs}
-    seconds = {name: 0.0 for name in configs}
-    outputs = {name: [] for name in configs}
-    for row in rows:
-        ids = encode(tokenizer, row)
-        for name in configs:
-            run(name, ids)
-        times = {name: [] for name in configs}
-        for _ in range(args.runs):
-            for name in configs:
-                out, gen_seconds, *_ = run(name, ids)
-                times[name].append(gen_seconds)
-                outputs[name].append(list(out))
-        for name in configs:
-            tokens[name] += len(outputs[name][-1]) - 1  # the first token is the prefill's
-            seconds[name] += statistics.median(times[name])
+    tps, outputs = run_interleaved(tokenizer, rows, list(configs), run, args.runs)
 
-    tps = {name: tokens[name] / seconds[name] for name in configs}
     print(f"block {args.block_size}, {len(rows)} prompts x {args.max_tokens} tokens, median of {args.runs}")
     for name in configs:
         print(f"{name:36s} {tps[name]:7.1f} tok/s")

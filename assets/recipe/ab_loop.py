@@ -13,11 +13,12 @@ lookup_fallback=4, each with the pass left lazy until the end (0) and started ev
 
 import argparse
 import importlib
-import statistics
 
 from dflash_mlx import load
-from dflash_mlx.benchmark import _prompt_rows, _time_stream, encode
+from dflash_mlx.benchmark import _prompt_rows, _time_stream
 from dflash_mlx.loading import default_pair_path
+
+from interleaved import run_interleaved  # assets/recipe/interleaved.py
 
 generate = importlib.import_module("dflash_mlx.generate")
 
@@ -47,29 +48,13 @@ def main() -> None:
         finally:
             generate._VERIFY_START_EVERY = default
 
-    tokens = {name: 0 for name in configs}
-    seconds = {name: 0.0 for name in configs}
-    outputs = {name: [] for name in configs}
-    for row in rows:
-        ids = encode(tokenizer, row)
-        for name in configs:
-            run(name, ids)
-        times = {name: [] for name in configs}
-        for _ in range(args.runs):
-            for name in configs:
-                out, gen_seconds, *_ = run(name, ids)
-                times[name].append(gen_seconds)
-                outputs[name].append(list(out))
-        for name in configs:
-            tokens[name] += len(outputs[name][-1]) - 1  # the first token is the prefill's
-            seconds[name] += statistics.median(times[name])
+    tps, outputs = run_interleaved(tokenizer, rows, list(configs), run, args.runs)
 
     print(f"block 16, {len(rows)} prompts x {args.max_tokens} tokens, median of {args.runs}")
     for name in configs:
         fallback, every = configs[name]
         lazy = next(n for n, (f, e) in configs.items() if f == fallback and e == args.every[0])
-        tps, base = tokens[name] / seconds[name], tokens[lazy] / seconds[lazy]
-        print(f"{name:36s} {tps:7.1f} tok/s  {tps / base:.3f}")
+        print(f"{name:36s} {tps[name]:7.1f} tok/s  {tps[name] / tps[lazy]:.3f}")
     print("identical tokens:", all(o == outputs[next(iter(configs))] for o in outputs.values()))
 
 
