@@ -5,11 +5,15 @@ Regenerate after a deliberate UI change with ``pytest tests/test_tui_snapshot.py
 
 from pathlib import Path
 
+from dflash_mlx.tui.widgets import PromptInput
+
 APP = Path(__file__).parent / "snapshot_app.py"
 
 
 async def _chat(pilot) -> None:
     app = pilot.app
+    # A blinking cursor is drawn or not depending on when the screen is taken: keep it on.
+    app.query_one(PromptInput).cursor_blink = False
     for _ in range(500):
         if app.info is not None:
             break
