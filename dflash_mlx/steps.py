@@ -70,33 +70,36 @@ def _steps(
     return wrap(before), wrap(key_values), wrap(after)
 
 
-def _compiled(attn: nn.Module, eps: float):
+def _compiled(attn: nn.Module, eps: float) -> tuple[tuple, bool]:
+    # The layer's compiled steps, and whether its RoPE is inside them: variants other than
+    # plain or linear RoPE are left to the caller.
+    key = rope_key(attn.rope)
     head_dim = attn.q_norm.weight.shape[0]
-    return _steps(attn.n_heads, attn.n_kv_heads, head_dim, eps, attn.q_norm.eps, rope_key(attn.rope))
-
-
-def _rope_outside(attn: nn.Module, x: mx.array, offset: int) -> mx.array:
-    # RoPE variants other than plain or linear are not in the compiled steps.
-    return x if rope_key(attn.rope) is not None else attn.rope(x, offset=offset)
+    return _steps(attn.n_heads, attn.n_kv_heads, head_dim, eps, attn.q_norm.eps, key), key is not None
 
 
 def before(attn: nn.Module, input_norm: nn.Module, x: mx.array, offset: int) -> tuple[mx.array, ...]:
     """``(q, k, v)`` of a layer's input ``x``, ``(B, heads, L, D)``, RoPE'd from ``offset``."""
-    q, k, v = _compiled(attn, input_norm.eps)[0](
+    (step, _, _), rope_inside = _compiled(attn, input_norm.eps)
+    q, k, v = step(
         x, mx.array(offset), input_norm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
         attn.q_norm.weight, attn.k_norm.weight,
     )
-    return _rope_outside(attn, q, offset), _rope_outside(attn, k, offset), v
+    if not rope_inside:
+        q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
+    return q, k, v
 
 
 def key_values(attn: nn.Module, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
     """``(k, v)`` of inputs taken as they are (no input norm), RoPE'd from ``offset``."""
-    k, v = _compiled(attn, attn.k_norm.eps)[1](x, mx.array(offset), attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight)
-    return _rope_outside(attn, k, offset), v
+    (_, step, _), rope_inside = _compiled(attn, attn.k_norm.eps)
+    k, v = step(x, mx.array(offset), attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight)
+    return (k if rope_inside else attn.rope(k, offset=offset)), v
 
 
 def after(attn: nn.Module, mlp: nn.Module, post_norm: nn.Module, out: mx.array, x: mx.array) -> mx.array:
     """The layer's output from its attention's ``(B, heads, L, D)`` output and its input ``x``."""
-    return _compiled(attn, post_norm.eps)[2](
+    (_, _, step), _ = _compiled(attn, post_norm.eps)
+    return step(
         out, x, attn.o_proj.weight, post_norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
     )
