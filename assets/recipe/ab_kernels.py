@@ -15,24 +15,21 @@ ones by building the steps uncompiled, for the duration of those runs only.
 import argparse
 from functools import partial
 
-from dflash_mlx import kernels, load, steps
-from dflash_mlx.benchmark import _prompt_rows, _time_stream
+from dflash_mlx import kernels, steps
+from dflash_mlx.benchmark import _time_stream
 from dflash_mlx.generate import stream_generate
-from dflash_mlx.loading import default_pair_path
 
-from interleaved import run_interleaved  # assets/recipe/interleaved.py
+# assets/recipe/interleaved.py, beside this script
+from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interleaved
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-prompts", type=int, default=12)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=3)
+    add_run_arguments(parser)
     args = parser.parse_args()
 
-    model, draft, tokenizer = load(dtype="float32")
-    rows = _prompt_rows(str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
+    model, draft, tokenizer, rows = embedded_pair_and_prompts(args.num_prompts)
     ways = ("native ops", "kernels, op by op", "kernels, compiled")
     configs = {
         f"{loop}, {way}": (extra, way)

@@ -14,11 +14,10 @@ lookup_fallback=4, each with the pass left lazy until the end (0) and started ev
 import argparse
 import importlib
 
-from dflash_mlx import load
-from dflash_mlx.benchmark import _prompt_rows, _time_stream
-from dflash_mlx.loading import default_pair_path
+from dflash_mlx.benchmark import _time_stream
 
-from interleaved import run_interleaved  # assets/recipe/interleaved.py
+# assets/recipe/interleaved.py, beside this script
+from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interleaved
 
 generate = importlib.import_module("dflash_mlx.generate")
 
@@ -26,13 +25,10 @@ generate = importlib.import_module("dflash_mlx.generate")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=int, nargs="+", default=[0, 1, 2, 3])
-    parser.add_argument("--num-prompts", type=int, default=12)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=3)
+    add_run_arguments(parser)
     args = parser.parse_args()
 
-    model, draft, tokenizer = load(dtype="float32")
-    rows = _prompt_rows(str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
+    model, draft, tokenizer, rows = embedded_pair_and_prompts(args.num_prompts)
     configs = {f"{loop}, start_every={e}": (fb, e) for loop, fb in (("dflash", 0), ("dflash-fallback", 4))
                for e in args.every}  # fmt: skip
     default = generate._VERIFY_START_EVERY

@@ -1,9 +1,25 @@
 """The round robin that the A/B recipes share: every configuration on every prompt, in one process."""
 
+import argparse
 import statistics
 from typing import Callable
 
-from dflash_mlx.benchmark import encode
+from dflash_mlx import load
+from dflash_mlx.benchmark import _prompt_rows, encode
+from dflash_mlx.loading import default_pair_path
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every A/B recipe takes: how many prompts, tokens and timed rounds."""
+    parser.add_argument("--num-prompts", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+
+
+def embedded_pair_and_prompts(num_prompts: int) -> tuple:
+    """The embedded pair in fp32 and the first ``num_prompts`` of its held-out prompts."""
+    model, draft, tokenizer = load(dtype="float32")
+    return model, draft, tokenizer, _prompt_rows(str(default_pair_path() / "prompts.jsonl"), num_prompts)
 
 
 def run_interleaved(tokenizer, rows: list, names: list[str], run: Callable, runs: int) -> tuple[dict, dict]:
