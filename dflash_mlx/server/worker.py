@@ -42,28 +42,35 @@ class Job:
 
 
 class PromptCaches:
-    """A few conversation caches; a prompt continues the one holding its longest prefix."""
+    """A few conversation caches; a prompt continues the one whose last prompt it extends.
+
+    A prompt that starts with the prompt a cache last served is that conversation's next turn
+    (or a retry of its last one): it reuses the cache, whose reply tail may be re-prefilled.
+    Any other prompt gets a fresh cache, or the least recently used one, so that two
+    conversations that share only a system prompt do not keep cutting each other's cache.
+    """
 
     def __init__(self, model, draft, size: int):
         self.model, self.draft, self.size = model, draft, max(1, size)
-        self.caches: list[DFlashCache] = []  # least recently used first
+        self.entries: list[list] = []  # [cache, last prompt length], least recently used first
 
     def take(self, ids: list[int]) -> DFlashCache:
         best, reuse = None, 0
-        for cache in self.caches:
+        for entry in self.entries:
+            cache, prompt_len = entry
             n = cache.reusable_prefix(ids)
-            # Only a cache this prompt continues: a shorter match would cut another conversation.
-            if n == len(cache.tokens) and n > reuse:
-                best, reuse = cache, n
-        if best is None:
-            if len(self.caches) < self.size:
-                best = make_cache(self.model, self.draft)
-            else:
-                best = self.caches.pop(0)  # the least recently used; stream_generate trims it
+            # reusable_prefix leaves the last id to prefill, hence the -1 for a retried prompt.
+            if n >= min(prompt_len, len(ids) - 1) and n >= reuse:
+                best, reuse = entry, n
+        if best is not None:
+            self.entries.remove(best)
+        elif len(self.entries) < self.size:
+            best = [make_cache(self.model, self.draft), 0]
         else:
-            self.caches.remove(best)
-        self.caches.append(best)
-        return best
+            best = self.entries.pop(0)  # the least recently used; stream_generate trims it
+        best[1] = len(ids)
+        self.entries.append(best)
+        return best[0]
 
 
 class Worker:
