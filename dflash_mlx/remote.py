@@ -79,13 +79,16 @@ class RemoteClient:
         api_key: Sent as ``Authorization: Bearer``.
         model: The model id to ask for; None takes the server's first.
         timeout: Seconds to wait for the server to answer or to send the next chunk.
+        counter_deltas: Read vLLM's counters around each request when it gives no per-request
+          metrics (off for concurrent use, where other requests move them too).
     """
 
     def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None,
-                 timeout: float = 600.0):
+                 timeout: float = 600.0, counter_deltas: bool = True):
         self.base_url = base_url.rstrip("/")
         self.root = self.base_url.removesuffix("/v1")
         self.api_key, self.model, self.timeout = api_key, model, timeout
+        self.counter_deltas = counter_deltas
         self.info: ServerInfo | None = None
 
     # ---- HTTP --------------------------------------------------------------------------
@@ -185,7 +188,7 @@ class RemoteClient:
         body = {"model": info.model, **body, "stream": True, "stream_options": {"include_usage": True}}
         if info.kind == "sglang":
             body["return_meta_info"] = True
-        before = self.scrape() if info.kind == "vllm" and info.has_metrics else None
+        before = self.scrape() if info.kind == "vllm" and info.has_metrics and self.counter_deltas else None
         tic = time.perf_counter()
         first = None
         generated = cycles = acceptance_sum = 0

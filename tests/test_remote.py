@@ -258,3 +258,33 @@ async def test_chat_app_keeps_the_text_when_the_server_fails(fake_server):
         await finish(pilot)
         assert app.query_one(PromptInput).text == "keep me"
         assert app.turns == []
+
+
+# ---- dflash-bench --base-url ---------------------------------------------------------------------
+
+
+def test_bench_base_url_measures_each_concurrency_level(server, tmp_path, capsys):
+    from dflash_mlx.benchmark import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"t{i} t{i + 1}"}) for i in range(1, 5)) + "\n")
+    out = tmp_path / "load.json"
+    main(["--base-url", server.url + "/v1", "--prompts", str(prompts), "--concurrency", "1", "3",
+          "--max-tokens", "8", "--json", str(out)])
+    table = capsys.readouterr().out
+    assert "| clients | requests |" in table and "requests/min" in table
+    result = json.loads(out.read_text())
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 3]
+    for level in result["levels"]:
+        assert level["requests"] == 4 and not level["errors"]
+        assert 4 <= level["tokens"] <= 4 * 8 and level["tok_s"] > 0 and level["requests_per_min"] > 0
+        assert level["tau"] >= 1 and level["tau_counters"] >= 1
+
+
+def test_bench_base_url_unreachable_is_one_line(capsys):
+    from dflash_mlx.benchmark import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--base-url", "http://127.0.0.1:9/v1", "--concurrency", "1"])
+    assert e.value.code == 1
+    assert capsys.readouterr().err.startswith("dflash-bench: error: Cannot reach the server")
