@@ -269,6 +269,17 @@ def test_a_client_that_hangs_up_stops_its_generation(slow_pair):
         assert values["generation_tokens_total"] <= 6 * 16
         status, ok, _ = _post(srv.url, "/v1/completions", {"prompt": "t3", "max_tokens": 4})
         assert status == 200
+        # A client waiting for a whole (non-streamed) answer that hangs up is noticed too.
+        conn = http.client.HTTPConnection(*srv.httpd.server_address[:2], timeout=10)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "t4", "max_tokens": 1500}))
+        while srv.worker.running is None and time.monotonic() < deadline + 10:
+            time.sleep(0.01)
+        conn.sock.close()
+        deadline = time.monotonic() + 10
+        while srv.worker.running is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert values["request_cancelled_total"] == 2
+        assert values["generation_tokens_total"] <= 4 + 2 * 6 * 16
     finally:
         srv.close()
 

@@ -84,6 +84,9 @@ class APIHandler(BaseHTTPRequestHandler):
             raise APIError(404, f"No route GET {path}.", code="not_found")
         except APIError as e:
             self._send_error(e)
+        except Exception as e:  # the server must outlive any one request
+            log.exception("GET %s failed", path)
+            self._send_error(APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
 
     def _send_metrics(self) -> None:
         worker = self.server.worker
@@ -127,6 +130,9 @@ class APIHandler(BaseHTTPRequestHandler):
             worker.submit(job)
         except APIError as e:
             return self._send_error(e)
+        except Exception as e:  # the server must outlive any one request
+            log.exception("POST %s failed", path)
+            return self._send_error(APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
         self._relay(job)
 
     def _read_json(self):
