@@ -89,6 +89,7 @@ class RemoteClient:
         self.root = self.base_url.removesuffix("/v1")
         self.api_key, self.model, self.timeout = api_key, model, timeout
         self.counter_deltas = counter_deltas
+        self._per_request_metrics = False  # once seen, counters need not be read around requests
         self.info: ServerInfo | None = None
 
     # ---- HTTP --------------------------------------------------------------------------
@@ -188,7 +189,8 @@ class RemoteClient:
         body = {"model": info.model, **body, "stream": True, "stream_options": {"include_usage": True}}
         if info.kind == "sglang":
             body["return_meta_info"] = True
-        before = self.scrape() if info.kind == "vllm" and info.has_metrics and self.counter_deltas else None
+        scrape = info.kind == "vllm" and info.has_metrics and self.counter_deltas and not self._per_request_metrics
+        before = self.scrape() if scrape else None
         tic = time.perf_counter()
         first = None
         generated = cycles = acceptance_sum = 0
@@ -247,6 +249,7 @@ class RemoteClient:
              before: dict | None) -> tuple[float | None, int]:
         """(tau, verification steps) from the best source the server gave, else (None, 0)."""
         if spec and spec.get("num_spec_steps"):
+            self._per_request_metrics = True
             return float(spec["mean_acceptance_length"]), int(spec["num_spec_steps"])
         if meta.get("spec_accept_length") is not None:
             return float(meta["spec_accept_length"]), int(meta.get("spec_verify_ct") or 0)

@@ -7,6 +7,7 @@ flag names and request parameters.
 """
 
 import argparse
+import ipaddress
 import logging
 import signal
 import sys
@@ -29,6 +30,7 @@ class DFlashHTTPServer(ThreadingHTTPServer):
     """The listening socket and what every handler thread shares."""
 
     daemon_threads = True
+    request_queue_size = 64  # the listen backlog: a burst of clients waits in our queue, not here
 
 
 class DFlashServer:
@@ -115,6 +117,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _error(message: str) -> None:
     print(f"dflash-serve: error: {message}", file=sys.stderr)
     sys.exit(1)
@@ -164,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     server.start()
     drafter = f"drafter block {draft.block_size}" if draft is not None else "no drafter"
     line = f"dflash-serve: {name} ({drafter}) at {server.url}/v1"
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if not _is_loopback(args.host) and not args.api_key:
         line += " -- listening beyond this machine WITHOUT --api-key: anyone who can reach it can use it"
     print(line, file=sys.stderr, flush=True)
     while not stop.wait(0.5):

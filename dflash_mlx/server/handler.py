@@ -49,7 +49,9 @@ class APIHandler(BaseHTTPRequestHandler):
 
     def _send_error(self, e: APIError) -> None:
         log.warning("%d %s %s: %s", e.status, self.command, self.path, e.message)
-        self._send_json(e.status, e.body(), e.headers)
+        # The body may be unread (a refused key, a wrong route): end the connection, not parse it.
+        self.close_connection = True
+        self._send_json(e.status, e.body(), {**e.headers, "Connection": "close"})
 
     def _check_key(self) -> None:
         key = self.server.api_key
