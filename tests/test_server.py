@@ -102,7 +102,8 @@ def test_chat_and_completions_match_generate_streamed_or_not(server, qwen3_pair)
         assert _stream_text(events) == expected
         assert all(e["id"] == events[0]["id"] and e["object"] == "chat.completion.chunk" for e in events)
         assert events[0]["choices"][0]["delta"]["role"] == "assistant"
-        assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == full["usage"]["completion_tokens"]
+        assert events[-1]["choices"] == []
+        assert events[-1]["usage"]["completion_tokens"] == full["usage"]["completion_tokens"]
         # The same prompt again continues its conversation cache: all but one token reused.
         assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
         assert events[-1]["metrics"]["speculative_decoding"]["num_spec_steps"] > 0

@@ -87,7 +87,8 @@ class DFlashServer:
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-serve",
                                 description="An OpenAI-compatible server for DFlash speculative decoding.")
-    p.add_argument("--model", default=None, help="Target: local folder or Hugging Face id (default: the embedded pair).")
+    p.add_argument("--model", default=None,
+                   help="Target: local folder or Hugging Face id (default: the embedded pair).")
     p.add_argument("--draft", default=None,
                    help="DFlash drafter: local folder or Hugging Face id (default: the pair folder's or the known "
                    "drafter of the target; plain decoding if none).")

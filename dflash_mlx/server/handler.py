@@ -11,6 +11,7 @@ import logging
 import queue
 import select
 import socket
+import time
 from http.server import BaseHTTPRequestHandler
 
 from .. import __version__
@@ -156,16 +157,22 @@ class APIHandler(BaseHTTPRequestHandler):
     def _next_event(self, job: Job):
         """The worker's next event, or None once the client has hung up (the job is then cancelled)."""
         while True:
-            try:
-                return job.events.get(timeout=POLL_S)
-            except queue.Empty:
+            # Checked every POLL_S even while events keep coming, so a fast reply still notices.
+            now = time.monotonic()
+            if now - self._checked >= POLL_S:
+                self._checked = now
                 if self._client_gone():
                     job.cancelled.set()
                     log.info("%s: client disconnected; generation stops", job.request.id)
                     return None
+            try:
+                return job.events.get(timeout=POLL_S)
+            except queue.Empty:
+                pass
 
     def _relay(self, job: Job) -> None:
         req = job.request
+        self._checked = time.monotonic()
         event = self._next_event(job)
         if event is None:
             return
