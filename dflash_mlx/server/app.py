@@ -21,7 +21,7 @@ from ..generate import add_cycle_arguments
 from .handler import APIHandler
 from .metrics import Metrics
 from .protocol import Defaults
-from .worker import Worker, describe
+from .worker import Worker
 
 log = logging.getLogger("dflash-serve")
 
@@ -59,7 +59,10 @@ class DFlashServer:
         httpd = DFlashHTTPServer((host, port), APIHandler)
         httpd.worker, httpd.metrics, httpd.defaults, httpd.api_key = self.worker, self.metrics, defaults, api_key
         httpd.model_name, httpd.model_names = model_name, {model_name, *aliases}
-        httpd.model_info, httpd.created = describe(model, draft), int(time.time())
+        # What /v1/models says about the pair beyond OpenAI's fields.
+        httpd.model_info = {"block_size": draft.block_size if draft is not None else None,
+                            "has_draft": draft is not None}
+        httpd.created = int(time.time())
         self.httpd = httpd
         self._thread: threading.Thread | None = None
 

@@ -13,7 +13,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -251,7 +250,3 @@ class Worker:
             return
         job.events.put(("done", finish, usage(len(ids), completion, cached), metrics))
 
-
-def describe(model: Any, draft: Any) -> dict:
-    """What ``/v1/models`` says about the pair beyond OpenAI's fields."""
-    return {"block_size": draft.block_size if draft is not None else None, "has_draft": draft is not None}
