@@ -377,3 +377,17 @@ def test_cli_serves_and_exits_cleanly_on_sigterm(pair_dirs, tmp_path):
         assert "stopping" in proc.stderr.read()
     finally:
         proc.kill()
+
+
+def test_a_conversation_continues_its_cache_and_stays_exact(server, qwen3_pair):
+    model, draft, tokenizer = qwen3_pair
+    turn1 = [{"role": "user", "content": "t20 t21 t22"}]
+    first = _post(server.url, "/v1/chat/completions", {"messages": turn1})[1]
+    # Another conversation in between keeps its own cache.
+    _post(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "t90"}]})
+    turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "t23"}]
+    second = _post(server.url, "/v1/chat/completions", {"messages": turn2})[1]
+    ids = list(tokenizer.apply_chat_template(turn2, add_generation_prompt=True))
+    assert second["choices"][0]["message"]["content"] == generate(model, draft, tokenizer, ids, max_tokens=MAX_TOKENS)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
