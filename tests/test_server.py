@@ -352,6 +352,13 @@ def test_the_openai_client_works_unchanged(server):
         client.chat.completions.create(model="tiny", messages=messages, temperature=-2)
 
 
+def test_only_loopback_hosts_go_without_the_key_warning():
+    from dflash_mlx.server.app import _is_loopback
+
+    assert all(_is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
+    assert not any(_is_loopback(h) for h in ("0.0.0.0", "192.168.1.5", "::", "myhost"))
+
+
 def test_cli_help_and_bad_flags(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
