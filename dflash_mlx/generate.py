@@ -17,6 +17,16 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import target as tgt
 from .cache import DFlashCache, make_cache
+from .cli import (
+    ArgumentParser,
+    InRange,
+    add_cycle_arguments,  # noqa: F401 (dflash-serve imports it from here)
+    add_decoding_arguments,
+    add_model_arguments,
+    add_stop_tokens,
+    block_size_problem,
+    str2bool,
+)
 from .errors import DFlashError
 from .lookup import PromptLookupDraft
 from .sampling import (
@@ -489,69 +499,76 @@ def generate(
     return text
 
 
-def add_cycle_arguments(parser: argparse.ArgumentParser) -> None:
-    """The per-cycle options shared by dflash-generate and dflash-chat."""
-    parser.add_argument(
-        "--min-confidence",
-        type=float,
-        default=0.0,
-        help="Verify only the drafts the drafter gives at least this probability (0 = the whole block).",
-    )
-    parser.add_argument(
-        "--lookup-fallback",
-        type=int,
-        default=0,
-        help="After the drafter misses its first draft, draft up to this many cycles by prompt lookup (0 = never).",
-    )
-
-
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dflash-generate", description="Generate text with DFlash speculative decoding."
-    )
+    parser = ArgumentParser(prog="dflash-generate", description="Generate text with DFlash speculative decoding.")
+    add_model_arguments(parser)
+    parser.add_argument("--prompt", "-p", default="Hello", help="The prompt ('-' reads stdin; default: 'Hello').")
+    add_decoding_arguments(parser, max_tokens=256)
     parser.add_argument(
-        "--model", default=None, help="Target: local folder or Hugging Face id (default: the embedded pair)."
-    )
+        "--top-p", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
+        help="Nucleus sampling threshold (default: 0, off).",
+    )  # fmt: skip
     parser.add_argument(
-        "--draft",
-        default=None,
-        help="DFlash drafter: local folder or Hugging Face id ('auto': the known drafter of the target; "
-        "the default for known targets and pair folders).",
-    )
-    parser.add_argument("--prompt", "-p", default="Hello", help="The prompt ('-' reads stdin).")
-    parser.add_argument("--max-tokens", "-m", type=int, default=256, help="Most tokens to generate.")
-    parser.add_argument("--block-size", type=int, default=None, help="Tokens verified per cycle.")
-    parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0 = greedy).")
-    parser.add_argument("--top-p", type=float, default=0.0, help="Nucleus sampling threshold (0 = off).")
-    parser.add_argument("--top-k", type=int, default=0, help="Sample from the k most likely tokens (0 = off).")
-    parser.add_argument("--min-p", type=float, default=0.0, help="Min-p sampling threshold (0 = off).")
+        "--top-k", type=int, action=InRange, low=0, default=0,
+        help="Sample from the k most likely tokens (default: 0, off).",
+    )  # fmt: skip
     parser.add_argument(
-        "--repetition-penalty", type=float, default=None, help="Penalty for repeating recent tokens (e.g. 1.1)."
-    )
+        "--min-p", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
+        help="Min-p sampling threshold (default: 0, off).",
+    )  # fmt: skip
     parser.add_argument(
-        "--proposal", choices=["greedy", "sample"], default="sample", help="How the drafter proposes when sampling."
-    )
-    add_cycle_arguments(parser)
-    parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling.")
-    parser.add_argument("--system-prompt", default=None, help="System message for the chat template.")
+        "--repetition-penalty", type=float, action=InRange, low=0.0, low_open=True, default=None,
+        help="Penalty for repeating recent tokens, e.g. 1.1 (default: none).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--proposal", choices=["greedy", "sample"], default="sample",
+        help="How the drafter proposes when sampling (default: sample).",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling (default: none).")
     parser.add_argument(
         "--ignore-chat-template", action="store_true", help="Use the prompt as is, without the chat template."
     )
     parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="Cast both models to this dtype."
-    )
-    parser.add_argument("--no-draft", action="store_true", help="Plain decoding, without the drafter.")
-    parser.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+        "--max-kv-size", type=int, action=InRange, low=1, default=None,
+        help="Keep only the last this many tokens' keys and values (a rotating cache), with --no-draft: "
+        "DFlash rolls back rejected drafts, which a rotating cache cannot (default: no limit).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--verbose", type=str2bool, default=True,
+        help="True/T: the text as it streams, then the statistics; False/F: only the text (default: True).",
+    )  # fmt: skip
     return parser
 
 
-def apply_chat_template(tokenizer, prompt: str, system_prompt: str | None = None) -> list[int] | str:
-    """The prompt as token ids in the chat template, or as is when there is none."""
+def apply_chat_template(
+    tokenizer, prompt: str, system_prompt: str | None = None, template_kwargs: dict | None = None
+) -> list[int] | str:
+    """The prompt as token ids in the chat template, or as is when there is none.
+
+    ``template_kwargs`` go to ``apply_chat_template`` (``--chat-template-config``).
+    """
     if getattr(tokenizer, "chat_template", None) is None:
         return prompt
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": prompt})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
+
+
+def _window_cache(model: nn.Module, ids: list[int], max_kv_size: int) -> DFlashCache:
+    """A target cache that keeps the last ``max_kv_size`` tokens (mlx-lm's rotating cache), with
+    all but the last prompt token prefilled the way ``mlx_lm generate`` does, so the output is
+    mlx-lm's. Plain decoding only: it never rolls back."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = DFlashCache(make_prompt_cache(model, max_kv_size=max_kv_size))
+    step = 2048  # mlx-lm's prefill step; with a rotating cache the chunks change the output
+    with mx.stream(generation_stream):
+        for i in range(0, len(ids) - 1, step):
+            chunk = ids[i : min(i + step, len(ids) - 1)]
+            model(mx.array(chunk)[None], cache=cache.target)
+            mx.eval([c.state for c in cache.target])
+            cache.tokens.extend(chunk)
+    return cache
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -559,11 +576,9 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    if args.max_tokens < 1:
-        parser.error(f"--max-tokens must be at least 1 (got {args.max_tokens}).")
-    if args.temp < 0:
-        parser.error(f"--temp must be >= 0 (got {args.temp}).")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        parser.error("--prompt is empty: pass at least one character.")
     try:
         draft_arg = draft_for_cli(args.model, args.draft, args.no_draft)
         model, draft, tokenizer = load(args.model, draft_arg, dtype=args.dtype)
@@ -572,8 +587,23 @@ def main(argv: list[str] | None = None) -> None:
                   "(pass --draft for DFlash).", file=sys.stderr)
         if args.no_draft:
             draft = None
+        problem = block_size_problem(args.block_size, draft.block_size if draft is not None else None)
+        if problem:
+            raise DFlashError(problem)
+        if args.max_kv_size is not None and draft is not None:
+            raise DFlashError(
+                "--max-kv-size needs plain decoding (--no-draft): DFlash rolls back the cache after a "
+                "rejected draft, which a rotating cache cannot do once it is full."
+            )
+        add_stop_tokens(tokenizer, args.extra_eos_token)
         if not args.ignore_chat_template:
-            prompt = apply_chat_template(tokenizer, prompt, args.system_prompt)
+            prompt = apply_chat_template(tokenizer, prompt, args.system_prompt, args.chat_template_config)
+        cache = None
+        if args.max_kv_size is not None:
+            if isinstance(prompt, str):
+                bos = tokenizer.bos_token
+                prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+            cache = _window_cache(model, list(prompt), args.max_kv_size)
         text = generate(
             model,
             draft,
@@ -588,6 +618,7 @@ def main(argv: list[str] | None = None) -> None:
             min_confidence=args.min_confidence,
             lookup_fallback=args.lookup_fallback,
             seed=args.seed,
+            prompt_cache=cache,
         )
         if not args.verbose:
             print(text)  # the text alone, as mlx_lm.generate does

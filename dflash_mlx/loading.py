@@ -5,6 +5,8 @@ a checkpoint is ever executed (``auto_map`` / remote code is ignored).
 """
 
 import json
+import logging
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,14 @@ DEFAULT_PAIR = "dflash-tiny"
 PAIR_MANIFEST = "dflash_pair.json"
 # Pass as ``draft`` to take the drafter from a pair folder or the registry of known pairs.
 AUTO_DRAFT = "auto"
+# MLX's CPU backend runs float32 several times faster than bfloat16 or float16 (6x on the embedded
+# pair), so there a pair computes in float32 when its float32 weights take at most this share of
+# the memory at hand (what is available plus what the checkpoint's weights already take).
+CPU_FLOAT32_MEMORY_SHARE = 0.5
+# Files one of which every tokenizer needs; without them transformers builds an empty tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+
+log = logging.getLogger("dflash_mlx")
 
 
 def default_pair_path() -> Path:
@@ -153,6 +163,18 @@ def _read_weights(path: Path, what: str) -> dict[str, mx.array]:
     return weights
 
 
+def _no_tokenizer(path: Path) -> DFlashError:
+    return DFlashError(
+        f"No usable tokenizer files in {path} (tokenizer.json, tokenizer.model or vocab.json with their "
+        "tokenizer_config.json): copy them from the model's original folder or Hugging Face repository."
+    )
+
+
+def _check_tokenizer_files(path: Path) -> None:
+    if not any((path / f).is_file() for f in TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
+        raise _no_tokenizer(path)
+
+
 def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
     """Load an mlx-lm target and its tokenizer from a local folder."""
     config = read_config(path, "target")
@@ -167,6 +189,7 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
             f"DFlash supports {', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets."
         )
     _read_weights(path, "target")  # a clear message for missing or corrupt files
+    _check_tokenizer_files(path)
     try:
         model, config = load_model(path, trust_remote_code=False)
     except (ValueError, FileNotFoundError, KeyError) as e:
@@ -178,6 +201,8 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
             f"Could not load the tokenizer from {path} ({type(e).__name__}: {e}). "
             "The target folder needs its tokenizer files."
         ) from e
+    if len(tokenizer.get_vocab()) < 2:
+        raise _no_tokenizer(path)
     if dtype is not None:
         _cast(model, dtype)
     return model, tokenizer
@@ -251,6 +276,64 @@ def _compute_dtype(model: nn.Module) -> str | None:
     return {v: k for k, v in DTYPES.items()}.get(w.dtype)
 
 
+def available_memory() -> int | None:
+    """Bytes of memory this process could still use: Linux's MemAvailable, else the physical
+    memory; None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_dtype(
+    *models: nn.Module | None, device: mx.Device | None = None, available: int | None = None
+) -> tuple[str | None, str | None]:
+    """The dtype :func:`load` computes in when none is asked for.
+
+    On MLX's CPU backend: ``"float32"`` when the models' float32 weights take at most
+    ``CPU_FLOAT32_MEMORY_SHARE`` of the memory at hand (``available`` plus what their weights
+    take now, as they are loaded already), since float32 runs several times faster there than
+    bfloat16 or float16. On a GPU, or for float32 checkpoints: the checkpoint's dtype.
+
+    Args:
+        models: The loaded target and drafter (None entries are skipped).
+        device: Where they will run; MLX's default device when None.
+        available: Free memory in bytes; :func:`available_memory` when None.
+
+    Returns:
+        ``(dtype, hint)``: ``"float32"``, or None to keep the checkpoint's dtype; ``hint`` is a
+        one-line note for the user when a CPU run keeps a slower dtype, else None.
+    """
+    device = device or mx.default_device()
+    if device.type != mx.DeviceType.cpu:
+        return None, None
+    arrays = [a for m in models if m is not None for _, a in tree_flatten(m.parameters())]
+    floats = [a for a in arrays if mx.issubdtype(a.dtype, mx.floating)]
+    if all(a.dtype == mx.float32 for a in floats):
+        return None, None
+    loaded = sum(a.nbytes for a in arrays)
+    as_float32 = loaded + sum(4 * a.size - a.nbytes for a in floats)
+    available = available_memory() if available is None else available
+    if available is not None and as_float32 <= CPU_FLOAT32_MEMORY_SHARE * (available + loaded):
+        return "float32", None
+    current = next(a.dtype for a in floats if a.dtype != mx.float32)
+    name = {v: k for k, v in DTYPES.items()}.get(current, str(current))
+    budget = "unknown" if available is None else f"{(available + loaded) / 1e9:.1f} GB"
+    hint = (
+        f"Computing in {name}, the checkpoint's dtype: float32 weights "
+        f"({as_float32 / 1e9:.1f} GB) would take over half the memory at hand ({budget}). On MLX's CPU "
+        "backend float32 runs several times faster; pass --dtype float32 (dtype='float32') if it fits."
+    )
+    return None, hint
+
+
 def check_pair(model: nn.Module, draft: DraftModel, tokenizer: TokenizerWrapper | None = None) -> None:
     """Check once, at load, that ``draft`` was made for ``model``.
 
@@ -314,7 +397,9 @@ def load(
           known target (see ``dflash_mlx.registry``). None takes the pair
           folder's drafter, and means plain decoding for any other target.
         dtype: Cast both models to ``"float32"``, ``"bfloat16"`` or ``"float16"``. By default
-          the target keeps its dtype and the drafter takes the target's.
+          :func:`default_dtype` decides: float32 on MLX's CPU backend when it fits in half the
+          memory at hand (else the checkpoint's dtype, with a one-line hint logged to the
+          ``dflash_mlx`` logger), the checkpoint's on a GPU; the drafter takes the target's.
         revision: Hub revision for both, if they come from the hub.
 
     Returns:
@@ -347,15 +432,22 @@ def load(
             raise _no_known_draft(model)
     target_model, tokenizer = load_target(target_path, dtype=dtype)
     tgt.check_supported(target_model)
-    if draft is None:
-        return target_model, None, tokenizer
-    draft_path = resolve(draft, what="drafter", revision=draft_revision)
-    if (manifest := read_pair_manifest(draft_path)) is not None:
-        draft_path = draft_path / manifest["draft"]
-    draft_model = load_draft(
-        draft_path,
-        num_target_layers=tgt.num_layers(target_model),
-        dtype=dtype or _compute_dtype(target_model),
-    )
-    check_pair(target_model, draft_model, tokenizer)
+    draft_model = None
+    if draft is not None:
+        draft_path = resolve(draft, what="drafter", revision=draft_revision)
+        if (manifest := read_pair_manifest(draft_path)) is not None:
+            draft_path = draft_path / manifest["draft"]
+        # Cast once, below: a float32 drafter must not pass through the target's bfloat16.
+        draft_model = load_draft(draft_path, num_target_layers=tgt.num_layers(target_model), dtype=dtype)
+        check_pair(target_model, draft_model, tokenizer)
+    if dtype is None:
+        dtype, hint = default_dtype(target_model, draft_model)
+        if dtype is not None:
+            _cast(target_model, dtype)
+            mx.eval(target_model.parameters())
+        elif hint:
+            log.warning(hint)
+        if draft_model is not None and (draft_dtype := dtype or _compute_dtype(target_model)):
+            _cast(draft_model, draft_dtype)
+            mx.eval(draft_model.parameters())
     return target_model, draft_model, tokenizer

@@ -185,6 +185,59 @@ def test_dtype_cast(folders):
     assert draft.fc.weight.dtype == mx.bfloat16
 
 
+def _as_bfloat16(folder):
+    """Store a checkpoint in bfloat16, as published checkpoints usually are."""
+    weights = {k: v.astype(mx.bfloat16) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    _edit_config(folder, torch_dtype="bfloat16")
+
+
+def test_default_dtype_rule(folders):
+    from dflash_mlx.loading import default_dtype
+
+    model, draft, _ = load(*folders, dtype="bfloat16")
+    cpu, gpu = mx.Device(mx.cpu), mx.Device(mx.gpu)
+    # float32 weights: the target 4 layers of hidden 64 and a 128-token vocabulary, well under 1 MB.
+    assert default_dtype(model, draft, device=cpu, available=10**9) == ("float32", None)
+    dtype, hint = default_dtype(model, draft, device=cpu, available=0)
+    assert dtype is None and hint.startswith("Computing in bfloat16, the checkpoint's dtype: float32 weights")
+    assert "pass --dtype float32" in hint and "\n" not in hint
+    assert default_dtype(model, draft, device=gpu, available=10**9) == (None, None)
+    # float32 checkpoints need nothing.
+    model32, draft32, _ = load(*folders, dtype="float32")
+    assert default_dtype(model32, draft32, device=cpu, available=0) == (None, None)
+
+
+def test_dtype_rule_at_half_the_memory_at_hand(folders):
+    from mlx.utils import tree_flatten
+
+    from dflash_mlx.loading import default_dtype
+
+    model, _, _ = load(folders[0], dtype="bfloat16")
+    loaded = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    # bfloat16 to float32 doubles the weights: 2 * loaded must fit in half of (available + loaded).
+    cpu = mx.Device(mx.cpu)
+    assert default_dtype(model, device=cpu, available=3 * loaded)[0] == "float32"
+    assert default_dtype(model, device=cpu, available=3 * loaded - 1)[0] is None
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the default dtype on MLX's CPU backend")
+def test_load_computes_in_float32_on_cpu_unless_told_or_short_of_memory(folders, monkeypatch, caplog):
+    from dflash_mlx import loading
+
+    _as_bfloat16(folders[0])
+    model, draft, _ = load(*folders)
+    assert model.model.embed_tokens.weight.dtype == draft.fc.weight.dtype == mx.float32
+    model, draft, _ = load(*folders, dtype="bfloat16")  # an explicit dtype always wins
+    assert model.model.embed_tokens.weight.dtype == draft.fc.weight.dtype == mx.bfloat16
+    assert not caplog.records
+    monkeypatch.setattr(loading, "available_memory", lambda: 0)
+    model, draft, _ = load(*folders)
+    # The checkpoint's dtype, the drafter in the target's, and one line that says why.
+    assert model.model.embed_tokens.weight.dtype == draft.fc.weight.dtype == mx.bfloat16
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["Computing in bfloat16, the checkpoint's dtype"]
+
+
 def test_stream_generate_response_fields(qwen3_pair):
     model, draft, tokenizer = qwen3_pair
     responses = list(stream_generate(model, draft, tokenizer, "t1 t2 t3", max_tokens=20))

@@ -315,6 +315,26 @@ def test_cli_help_and_bad_arguments(capsys):
         assert e.value.code == 2 and expected in capsys.readouterr().err
 
 
+async def test_block_size_over_the_drafter_is_refused_as_dflash_generate_does():
+    """dflash-generate refuses --block-size 99 for a block-16 drafter; the chat says the same and
+    quits rather than silently clamping it."""
+    app = ChatApp(FakeStream(), settings=Settings(block_size=99))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, ErrorScreen))
+        message = str(app.screen.query_one("#error-message").render())
+        assert message == "--block-size must be from 1 to the drafter's block size 16 (got 99)."
+        await pilot.press("q")
+    assert app.return_code == 1
+
+
+def test_cli_local_model_flags_are_refused_with_a_server(capsys):
+    for flag in (["--extra-eos-token", "x"], ["--chat-template-config", "{}"], ["--dtype", "float32"]):
+        with pytest.raises(SystemExit) as e:
+            main(["--base-url", "http://127.0.0.1:9/v1", *flag])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "apply to local models; with --base-url the server has its own" in err
+
+
 # ---- a real tiny pair -----------------------------------------------------------------------
 
 
@@ -397,6 +417,40 @@ def test_engine_passes_the_cutoff_and_fallback_and_keeps_the_text(pair, monkeypa
         engine.close()
     assert seen == list(values)
     assert texts[0] == texts[1] and texts[0].strip()
+
+
+def test_engine_extra_eos_token_and_chat_template_config(pair, tmp_path):
+    import shutil
+
+    messages = [{"role": "user", "content": "t5 t9"}]
+
+    def reply(engine, **settings):
+        engine.load()
+        try:
+            return [t for r in engine(messages, Settings(max_tokens=16, **settings)) for t in r.tokens]
+        finally:
+            engine.close()
+
+    tokens = reply(MLXEngine(*pair))
+    assert len(tokens) == 16
+    # The reply's first token, by its text or its id, now ends the reply before it.
+    assert reply(MLXEngine(*pair, extra_eos_token=[f"t{tokens[0]}"])) == []
+    assert reply(MLXEngine(*pair, extra_eos_token=[str(tokens[0])])) == []
+    # The template's keyword arguments: an added word changes the prompt, so the prefill grows.
+    target = tmp_path / "target"
+    shutil.copytree(pair[0], target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% if greet %}t9 t9 {% endif %}" + config["chat_template"]
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    plain, greeted = MLXEngine(str(target), pair[1]), MLXEngine(str(target), pair[1], chat_template_config={"greet": True})
+    sizes = []
+    for engine in (plain, greeted):
+        engine.load()
+        try:
+            sizes.append(next(iter(engine(messages, Settings(max_tokens=2)))).prompt_tokens)
+        finally:
+            engine.close()
+    assert sizes[1] == sizes[0] + 2
 
 
 async def test_real_pair_escape_keeps_partial_and_cache_in_sync(pair):

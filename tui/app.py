@@ -16,8 +16,8 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Markdown, Static
 from textual.worker import get_current_worker
 
+from ..cli import ArgumentParser, add_decoding_arguments, add_model_arguments, block_size_problem
 from ..errors import DFlashError
-from ..generate import add_cycle_arguments
 from .commands import HELP, Settings, parse_command, save_transcript
 from .engine import MLXEngine, RemoteEngine, StreamEngine, StreamFn
 from .messages import ConversationStats, Delta, LoadFailed, ModelReady, ReplyDone, ReplyStats
@@ -110,15 +110,13 @@ class ChatApp(App):
 
     def on_model_ready(self, message: ModelReady) -> None:
         self.info = message
+        # The same answer as dflash-generate's for a --block-size the drafter cannot take.
+        problem = block_size_problem(self.settings.block_size, message.max_block_size if message.has_draft else None)
+        if problem:
+            self.push_screen(ErrorScreen("dflash-chat cannot start with these settings", problem))
+            return
         if not message.has_draft:
             self.settings = replace(self.settings, dflash=False, block_size=None)
-        elif self.settings.block_size and self.settings.block_size > message.max_block_size:
-            self._note(
-                f"--block-size {self.settings.block_size} is larger than the drafter's block size "
-                f"{message.max_block_size}; using {message.max_block_size}.",
-                error=True,
-            )
-            self.settings = replace(self.settings, block_size=None)
         if not message.chat_template:
             self._note("This model has no chat template: it continues your text as a completion pad.")
         self._refresh()
@@ -283,32 +281,11 @@ class ChatApp(App):
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="dflash-chat", description="Chat with a model in the terminal, with DFlash speculative decoding."
     )
-    parser.add_argument(
-        "--model", default=None, help="Target: local folder or Hugging Face id (default: the embedded pair)."
-    )
-    parser.add_argument(
-        "--draft",
-        default=None,
-        help="DFlash drafter: local folder or Hugging Face id (default: the pair folder's or the known "
-        "drafter of the target; plain decoding if none).",
-    )
-    parser.add_argument("--no-draft", action="store_true", help="Plain decoding, without the drafter.")
-    parser.add_argument(
-        "--block-size", type=int, default=None, help="Tokens verified per cycle (default: the drafter's)."
-    )
-    parser.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0 = greedy).")
-    parser.add_argument("--max-tokens", "-m", type=int, default=512, help="Most tokens per reply.")
-    parser.add_argument("--system-prompt", default=None, help="System message for the chat template.")
-    add_cycle_arguments(parser)
-    parser.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default=None,
-        help="Cast both models to this dtype.",
-    )
+    add_model_arguments(parser)
+    add_decoding_arguments(parser, max_tokens=512)
     parser.add_argument(
         "--base-url",
         default=None,
@@ -331,6 +308,8 @@ def make_app(
     lookup_fallback: int = 0,
     dtype: str | None = None,
     no_draft: bool = False,
+    extra_eos_token: list[str] = (),
+    chat_template_config: dict | None = None,
     base_url: str | None = None,
     api_key: str | None = None,
 ) -> ChatApp:
@@ -346,8 +325,10 @@ def make_app(
         min_confidence: Verify only the drafter's confident leading drafts (0: the whole block).
         lookup_fallback: Draft up to this many cycles by prompt lookup after the drafter
           misses its first draft (0: never).
-        dtype: Cast both models to this dtype.
+        dtype: Cast both models to this dtype (default: see ``dflash_mlx.load``).
         no_draft: Plain decoding, without the drafter.
+        extra_eos_token: More tokens (text or ids) that end a reply.
+        chat_template_config: Keyword arguments for ``apply_chat_template``.
         base_url: Chat with this OpenAI-compatible server instead; ``model`` names its model.
         api_key: The server's API key.
 
@@ -364,24 +345,22 @@ def make_app(
     )
     if base_url:
         return ChatApp(RemoteEngine(base_url, api_key=api_key, model=model), settings=settings)
-    return ChatApp(MLXEngine(model, draft, dtype=dtype, no_draft=no_draft), settings=settings)
+    engine = MLXEngine(
+        model, draft, dtype=dtype, no_draft=no_draft, extra_eos_token=extra_eos_token,
+        chat_template_config=chat_template_config,
+    )  # fmt: skip
+    return ChatApp(engine, settings=settings)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    if args.block_size is not None and args.block_size < 1:
-        parser.error(f"--block-size must be at least 1 (got {args.block_size}).")
-    if args.max_tokens < 1:
-        parser.error(f"--max-tokens must be at least 1 (got {args.max_tokens}).")
-    if not 0 <= args.temp <= 10:
-        parser.error(f"--temp must be from 0 to 10 (got {args.temp}).")
-    if not 0 <= args.min_confidence <= 1:
-        parser.error(f"--min-confidence must be from 0 to 1 (got {args.min_confidence}).")
-    if args.lookup_fallback < 0:
-        parser.error(f"--lookup-fallback must be at least 0 (got {args.lookup_fallback}).")
-    if args.base_url and (args.draft or args.no_draft or args.dtype):
-        parser.error("--draft, --no-draft and --dtype choose local models; with --base-url the server has them.")
+    local = (args.draft, args.no_draft, args.dtype, args.extra_eos_token, args.chat_template_config is not None)
+    if args.base_url and any(local):
+        parser.error(
+            "--draft, --no-draft, --dtype, --extra-eos-token and --chat-template-config apply to local models; "
+            "with --base-url the server has its own."
+        )
     app = make_app(**vars(args))
     try:
         app.run()

@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..cli import MAX_TEMP
+
 # Limits that keep a typo (``/max 1000000000``) from hanging the app.
 MAX_TOKENS_LIMIT = 32768
-MAX_TEMP = 10.0
 MAX_FALLBACK = 1024
 SAVE_FORMATS = {".md": "markdown", ".markdown": "markdown", ".txt": "markdown", ".json": "json"}
 

@@ -60,6 +60,8 @@ class MLXEngine:
           official drafter of a known target, and otherwise means plain decoding.
         dtype: Cast both models to this dtype (see ``dflash_mlx.load``).
         no_draft: Plain decoding even when a drafter is available.
+        extra_eos_token: More tokens (text or ids) that end a reply, as ``--extra-eos-token``.
+        chat_template_config: Keyword arguments for ``apply_chat_template``.
     """
 
     def __init__(
@@ -69,8 +71,11 @@ class MLXEngine:
         *,
         dtype: str | None = None,
         no_draft: bool = False,
+        extra_eos_token: list[str] = (),
+        chat_template_config: dict[str, Any] | None = None,
     ):
         self.model_path, self.draft_path, self.dtype, self.no_draft = model, draft, dtype, no_draft
+        self.extra_eos_token, self.template_kwargs = list(extra_eos_token), dict(chat_template_config or {})
         self._thread = MLXThread()
         self.model = self.draft = self.tokenizer = self.cache = None
         self.context_tokens: int | None = None
@@ -93,10 +98,12 @@ class MLXEngine:
 
     def _load(self) -> dict[str, Any]:
         from ..cache import make_cache
+        from ..cli import add_stop_tokens
         from ..loading import AUTO_DRAFT, DEFAULT_PAIR, draft_for_cli, load
 
         draft = draft_for_cli(self.model_path, self.draft_path, self.no_draft)
         self.model, self.draft, self.tokenizer = load(self.model_path, draft, dtype=self.dtype)
+        add_stop_tokens(self.tokenizer, self.extra_eos_token)
         if self.no_draft:
             self.draft = None
         self.cache = make_cache(self.model, self.draft)
@@ -130,7 +137,7 @@ class MLXEngine:
             return (system_prompt or "") + "".join(m["content"] for m in messages)
         if system_prompt:
             messages = [{"role": "system", "content": system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **self.template_kwargs)
 
     def _start(self, messages: list[dict[str, str]], settings: Settings):
         from ..sampling import make_sampler
