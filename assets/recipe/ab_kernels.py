@@ -8,7 +8,7 @@ prompt after a warm-up (median of 3 runs); checks that all six emit the same tok
 runs are made by telling the kernels module that the default device is not a CPU, the op-by-op
 ones by building the steps uncompiled, for the duration of those runs only.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
+    LD_PRELOAD=<path to libopenblas.so.0> OPENBLAS_NUM_THREADS=1 \\
         python assets/recipe/ab_kernels.py --block-size 16
 """
 

@@ -7,7 +7,7 @@ embedded pair (fp32) on the benchmark's held-out prompts with the paper's loop a
 lookup_fallback=4, each with the pass left lazy until the end (0) and started every 1, 2 or
 3 layers, round robin per prompt after a warm-up (median of 3 runs); checks the tokens match.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
+    LD_PRELOAD=<path to libopenblas.so.0> OPENBLAS_NUM_THREADS=1 \\
         python assets/recipe/ab_loop.py
 """
 

@@ -10,7 +10,7 @@ what an AR step would gain from the same treatment. The stand-ins
 give wrong outputs: they exist only to measure what exp costs, and are swapped in for the
 timing and restored after. Also prints the per-element cost of exp and of an add.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
+    LD_PRELOAD=<path to libopenblas.so.0> OPENBLAS_NUM_THREADS=1 \\
         python assets/recipe/profile_verify.py
 """
 
