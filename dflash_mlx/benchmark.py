@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -23,11 +22,11 @@ import mlx.nn as nn
 
 from . import __version__
 from . import target as tgt
+from .blas import blas_in_use, cpu_flags, find_openblas, openblas_core, preload_env, read_cpuinfo
 from .errors import DFlashError
 from .generate import stream_generate
 from .lookup import PromptLookupDraft
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 METHODS = ("baseline", "mlx-spec", "lookup", "dflash", "dflash-cut", "dflash-fallback")
 # DFlash methods: the paper's fixed block, the block cut at the drafter's first unsure draft, and
 # the fixed block with prompt-lookup cycles after the drafter's first-draft misses.
@@ -70,20 +69,6 @@ def loop_efficiency(tps: float, tau: float, t_draft: float, t_verify: float) -> 
     passes timed alone. It differs from :func:`efficiency` by the baseline's real step against a
     lone AR pass (mlx-lm builds its next step's graph while the current one runs)."""
     return tps * (t_draft + t_verify) / tau if tau > 0 else 0.0
-
-
-def blas_in_use() -> str:
-    """Which BLAS this process's MLX calls (Linux CPU); 'Accelerate' on macOS."""
-    if sys.platform == "darwin":
-        return "Accelerate"
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return "unknown"
-    if "libopenblas" in maps:
-        return "OpenBLAS (preloaded)"
-    libs = sorted(set(re.findall(r"/\S*lib\S*blas\S*\.so\S*", maps)))
-    return f"reference BLAS bundled with MLX ({Path(libs[0]).name})" if libs else "unknown"
 
 
 def git_commit(path: str | Path) -> str:
@@ -559,11 +544,17 @@ def _maybe_reexec_with_openblas(choice: str) -> None:
     # LD_PRELOAD only takes effect at process start, so re-run ourselves with it set.
     if sys.platform != "linux" or choice == "bundled" or "libopenblas" in os.environ.get("LD_PRELOAD", ""):
         return
-    if not Path(OPENBLAS).exists():
+    library = find_openblas()
+    if library is None:
         if choice == "openblas":
-            raise DFlashError(f"OpenBLAS is not installed at {OPENBLAS}; apt-get install libopenblas0-pthread.")
+            raise DFlashError(
+                "OpenBLAS is not installed (not in the usual folders nor in ldconfig -p): install "
+                "libopenblas0-pthread (Debian/Ubuntu) or openblas-threads (Fedora), or pass --blas bundled."
+            )
         return
-    env = {**os.environ, "LD_PRELOAD": OPENBLAS}
+    # Ask the library which kernels it picks by itself, to name better ones for this CPU if needed.
+    detected = openblas_core(library) if "OPENBLAS_CORETYPE" not in os.environ else None
+    env = preload_env(dict(os.environ), library, cpu_flags(read_cpuinfo()), detected and detected[1])
     os.execve(sys.executable, [sys.executable, "-m", "dflash_mlx.benchmark", *sys.argv[1:]], env)
 
 
