@@ -16,7 +16,10 @@ LDCONFIG = """\
 \tlibopenblas.so.0 (libc6,x86-64) => /opt/ob/lib64/libopenblas.so.0
 \tlibblas.so.3 (libc6,x86-64) => /lib/x86_64-linux-gnu/libblas.so.3
 """
-EPYC = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl\n"
+EPYC = (
+    "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n"
+    "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl\n"
+)
 HASWELL = "processor\t: 0\nflags\t\t: fpu sse2 sse4_2 avx avx2 fma\n"
 KNL = "processor\t: 0\nflags\t\t: fpu avx avx2 fma avx512f avx512cd avx512er\n"  # no BW/DQ/VL
 OLD = "processor\t: 0\nflags\t\t: fpu sse2 sse4_2 avx\n"
