@@ -25,7 +25,7 @@ from . import __version__
 from . import target as tgt
 from .errors import DFlashError
 from .generate import stream_generate
-from .lookup import PromptLookupDraft
+from .lookup import PromptLookup
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 METHODS = ("baseline", "mlx-spec", "lookup", "dflash", "dflash-cut", "dflash-fallback")
@@ -198,7 +198,7 @@ def make_runner(
             mlx_lm_stream(model, tokenizer, ids, max_tokens=max_tokens, **kwargs),
             lambda r: [] if r.finish_reason == "stop" else [r.token],
         )
-    proposer = PromptLookupDraft(block_size) if method == "lookup" else draft
+    proposer = PromptLookup(block_size) if method == "lookup" else draft
     cutoff = min_confidence if method == "dflash-cut" else 0.0
     fallback = lookup_fallback if method == "dflash-fallback" else 0
     return lambda ids: _time_stream(

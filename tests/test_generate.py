@@ -111,10 +111,12 @@ class CountingDraft(ScriptedDraft):
         super().__init__(*args, **kwargs)
         self.passes, self.drafted_at = 0, set()
 
-    def propose(self, *args, **kwargs):
+    def propose(self, model, block, target_hidden, cache, speedups=None):
         self.passes += 1
-        self.drafted_at.add(len(kwargs["history"]))
-        return super().propose(*args, **kwargs)
+        logits = super().propose(model, block, target_hidden, cache, speedups)
+        # After the pass the context cache holds every committed token before block[0].
+        self.drafted_at.add(cache[0].offset)
+        return logits
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

@@ -12,7 +12,7 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 from oracles import ScriptedDraft
 
 from dflash_mlx import DFlashError, dflash_generate_step, load
-from dflash_mlx.lookup import PromptLookupDraft
+from dflash_mlx.lookup import PromptLookup
 from dflash_mlx.sampling import make_sampler, speculative_accept, top_probability
 
 # The package exports a function named generate, which hides the module of that name.
@@ -134,7 +134,7 @@ def test_distribution_matches_target_with_lookup_fallback(pair, exact, monkeypat
         proposed.append(int(mx.argmax(model(mx.array([tokens]))[0, -1]).item()))
         return proposed[-1:][:count]
 
-    monkeypatch.setattr(PromptLookupDraft, "lookup", likely_lookup)
+    monkeypatch.setattr(PromptLookup, "lookup", likely_lookup)
     counts, sampler = np.zeros((DEPTH, VOCAB)), make_sampler(TEMP)
     accepted = 0
     for seed in range(RUNS):
