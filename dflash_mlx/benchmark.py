@@ -23,9 +23,10 @@ import mlx.nn as nn
 
 from . import __version__
 from . import target as tgt
+from .backend import cpu_speedups
 from .errors import DFlashError
 from .generate import stream_generate
-from .lookup import PromptLookupDraft
+from .lookup import PromptLookup
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 METHODS = ("baseline", "mlx-spec", "lookup", "dflash", "dflash-cut", "dflash-fallback")
@@ -198,7 +199,7 @@ def make_runner(
             mlx_lm_stream(model, tokenizer, ids, max_tokens=max_tokens, **kwargs),
             lambda r: [] if r.finish_reason == "stop" else [r.token],
         )
-    proposer = PromptLookupDraft(block_size) if method == "lookup" else draft
+    proposer = PromptLookup(block_size) if method == "lookup" else draft
     cutoff = min_confidence if method == "dflash-cut" else 0.0
     fallback = lookup_fallback if method == "dflash-fallback" else 0
     return lambda ids: _time_stream(
@@ -236,12 +237,14 @@ def component_times(model, draft, block_sizes: list[int], context: int = 64, rep
     cache = make_cache(model, draft)
     prompt = mx.array([[1] * context])
     taps_ids = draft.target_layer_ids if draft is not None else []
-    _, taps = tgt.forward_with_taps(model, prompt, cache.target, taps_ids)
+    # The passes as the loop runs them, with the same CPU speedups.
+    speedups = cpu_speedups(tgt.compute_dtype(model))
+    _, taps = tgt.forward_with_taps(model, prompt, cache.target, taps_ids, speedups)
     mx.eval(taps, [c.state for c in cache.target])
 
     def target_pass(n):
         def run():
-            out, t = tgt.forward_with_taps(model, mx.array([[1] * n]), cache.target, taps_ids)
+            out, t = tgt.forward_with_taps(model, mx.array([[1] * n]), cache.target, taps_ids, speedups)
             mx.eval(out, t)
             for c in cache.target:
                 c.trim(n)
@@ -259,7 +262,7 @@ def component_times(model, draft, block_sizes: list[int], context: int = 64, rep
         times["verify"][b] = times["verify_by_size"][b]
         if draft is not None:
             block = mx.array([[1] * draft.block_size])
-            times["draft"][b] = timed(lambda: mx.eval(draft.propose(model, block, None, cache.draft)))
+            times["draft"][b] = timed(lambda: mx.eval(draft.propose(model, block, None, cache.draft, speedups)))
     return times
 
 

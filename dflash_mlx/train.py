@@ -32,6 +32,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import target as tgt
+from .backend import cpu_speedups
 from .drafter import DraftModel, ModelArgs, default_target_layer_ids
 from .errors import DFlashError
 from .generate import dflash_generate_step
@@ -253,19 +254,19 @@ def block_mask(anchors: mx.array, starts: mx.array, context_len: int, block_size
     return mx.broadcast_to(mask[:, None, None, :], (nb, 1, block_size, context_len + block_size))
 
 
-def block_logits(draft, target, taps, blocks, anchors, starts) -> mx.array:
+def block_logits(draft, target, taps, blocks, anchors, starts, speedups=None) -> mx.array:
     """Draft logits ``(nb, B - 1, vocab)`` of many blocks over one packed context ``taps``.
 
     Each block row gets its own RoPE position (its anchor), as in inference.
     """
     mask = block_mask(anchors, starts, taps.shape[1], blocks.shape[1])
-    h = draft(tgt.embed(target, blocks), taps, mask=mask, block_offset=anchors)
+    h = draft(tgt.embed(target, blocks), taps, mask=mask, block_offset=anchors, speedups=speedups)
     return tgt.lm_head(target, h[:, 1:])
 
 
-def block_loss(draft, target, taps, blocks, anchors, starts, labels, weights) -> mx.array:
+def block_loss(draft, target, taps, blocks, anchors, starts, labels, weights, speedups=None) -> mx.array:
     """Weighted cross-entropy on the masked block positions."""
-    logits = block_logits(draft, target, taps, blocks, anchors, starts).astype(mx.float32)
+    logits = block_logits(draft, target, taps, blocks, anchors, starts, speedups).astype(mx.float32)
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")
     return (ce * weights).sum() / weights.sum()
 
@@ -422,7 +423,9 @@ def train(args: TrainingArgs) -> DraftModel | None:
             parts.append(mx.pad(taps, [(0, 0), (0, L - taps.shape[1]), (0, 0)]))
         return mx.concatenate(parts, axis=1)
 
-    loss_and_grad = nn.value_and_grad(draft, partial(block_loss, draft, target))
+    # The CPU kernels have exact gradients (custom VJPs), so training uses them too.
+    loss_fn = partial(block_loss, draft, target, speedups=cpu_speedups(DTYPES[args.dtype]))
+    loss_and_grad = nn.value_and_grad(draft, loss_fn)
     state = [draft.state, optimizer.state]
 
     def step_fn(taps, blocks, anchors, starts, labels, weights):
@@ -438,7 +441,7 @@ def train(args: TrainingArgs) -> DraftModel | None:
     def run_eval(step: int) -> dict:
         draft.eval()
         val = [
-            block_loss(draft, target, taps_for(b, val_ex), *[b[k] for k in _KEYS]).item()
+            loss_fn(taps_for(b, val_ex), *[b[k] for k in _KEYS]).item()
             for b in map(_to_mx, val_batches)
         ]
         mean, hist = evaluate_acceptance(target, draft, eval_prompts, args.eval_max_tokens, stop_tokens)
