@@ -11,26 +11,15 @@ random anchor in the response, against the target's taps (computed once per exam
 ``OUT`` then holds the drafter (``config.json`` + ``model.safetensors``, the z-lab layout
 that ``dflash_mlx.load`` reads), ``training_state/`` (for ``--resume``), ``metrics.jsonl``
 (losses and acceptance evaluations) and, by default, the response cache ``data.jsonl``.
-
-Each checkpoint is one folder, ``training_state/step-N/`` (the drafter, the optimizer state,
-the step and the data RNG), written under a temporary name and renamed into place, so that
-resuming never pairs weights and optimizer state of different steps. The drafter at the top
-of ``OUT`` is a hard link to the newest checkpoint's, replaced in one rename: it loads at
-any moment.
+The checkpoints and what may be resumed: ``train_checkpoint.py``.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
-import os
-import shutil
-import signal
 import sys
-import threading
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
@@ -40,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from . import target as tgt
 from .drafter import DraftModel, ModelArgs, default_target_layer_ids
@@ -56,6 +45,16 @@ from .loading import (
     read_config,
     resolve,
 )
+from .train_checkpoint import (
+    TrainingInterrupted,
+    check_out,
+    check_resume,
+    interrupt_after_step,
+    latest_checkpoint,
+    load_state,
+    save_checkpoint,
+    target_record,
+)
 from .train_data import (
     dataset_examples,
     generate_responses,
@@ -66,9 +65,6 @@ from .train_data import (
     sequence_length,
     usable,
 )
-
-STATE_DIR = "training_state"
-RESPONSE_CACHE = "data.jsonl"  # the default --cache, inside --out
 
 
 @dataclass
@@ -228,175 +224,6 @@ def draft_config(target: nn.Module, tokenizer, args: TrainingArgs) -> dict:
     return config
 
 
-class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl+C during training, after the checkpoint of ``step`` was saved in ``out``."""
-
-    def __init__(self, step: int, out: Path):
-        super().__init__(f"interrupted at step {step}; saved to {out}")
-        self.step, self.out = step, out
-
-
-def save_draft(draft: DraftModel, config: dict, out: Path) -> None:
-    """Save ``config.json`` + ``model.safetensors`` (float32) in the z-lab layout ``load`` reads.
-
-    Writes into ``out`` as it goes: pass a new folder, as :func:`save_checkpoint` does.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(mx.float32) for k, v in tree_flatten(draft.parameters())}
-    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-
-
-def latest_checkpoint(out: Path) -> tuple[Path, Path] | None:
-    """``(state folder, drafter folder)`` of the newest checkpoint in ``out``, or None."""
-    steps = [p for p in (out / STATE_DIR).glob("step-*") if (p / "state.json").is_file()]
-    if steps:
-        newest = max(steps, key=lambda p: int(p.name.partition("-")[2]))
-        return newest, newest / "draft"
-    if (out / STATE_DIR / "state.json").is_file():
-        # Written before each checkpoint had a folder of its own: the drafter is OUT's.
-        return out / STATE_DIR, out
-    return None
-
-
-def save_checkpoint(out, draft, config, optimizer, step, rng, args, target: dict | None = None) -> None:
-    """The drafter plus what resuming needs: optimizer state, step and the data RNG.
-
-    MLX's RNG only draws the initial weights, which the checkpoint holds; every later
-    random choice (examples, anchors) comes from the saved numpy generator. The checkpoint
-    is complete in a temporary folder before one rename makes it ``training_state/step-N``;
-    then the drafter at the top of ``out`` is swapped for its own, and older checkpoints go.
-    """
-    states = out / STATE_DIR
-    final = states / f"step-{step:08d}"
-    if not (final / "state.json").is_file():
-        tmp = states / f".step-{step:08d}.{uuid.uuid4().hex[:8]}.tmp"
-        tmp.mkdir(parents=True)
-        try:
-            save_draft(draft, config, tmp / "draft")
-            mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
-            state = {"step": step, "numpy_rng": rng.bit_generator.state, "args": dataclasses.asdict(args)}
-            (tmp / "state.json").write_text(json.dumps({**state, "target": target}))
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    for name in ("config.json", "model.safetensors"):
-        _link_into_place(final / "draft" / name, out / name)
-    for old in states.iterdir():
-        if old != final and (old.name.startswith("step-") or old.name.endswith(".tmp")):
-            shutil.rmtree(old, ignore_errors=True)
-    # A checkpoint of the earlier layout (state files straight in training_state/).
-    for name in ("optimizer.safetensors", "state.json"):
-        (states / name).unlink(missing_ok=True)
-
-
-def _link_into_place(src: Path, dest: Path) -> None:
-    # A hard link costs no second copy of the weights; the rename swaps it in whole.
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:  # a file system without hard links
-        shutil.copyfile(src, tmp)
-    os.replace(tmp, dest)
-
-
-def _load_state(state_dir: Path, optimizer) -> tuple[int, dict]:
-    arrays = mx.load(str(state_dir / "optimizer.safetensors"))
-    optimizer.state = tree_unflatten(list(arrays.items()))
-    state = json.loads((state_dir / "state.json").read_text())
-    return state["step"], state["numpy_rng"]
-
-
-def _check_out(out: Path, args: TrainingArgs) -> tuple[Path, Path] | None:
-    """The checkpoint to resume from, or None for a new run; refuses an ``out`` it would spoil."""
-    if out.exists() and not out.is_dir():
-        raise DFlashError(f"--out {out} is a file; pass a folder for the drafter.")
-    if args.data_only:
-        return None  # the data step only adds to the response cache
-    checkpoint = latest_checkpoint(out)
-    if args.resume and checkpoint is None:
-        raise DFlashError(
-            f"--resume: there is no saved training state in {out} (no {STATE_DIR}/ checkpoint). "
-            "Drop --resume to start a new run, or pass the --out of the run to continue."
-        )
-    if args.resume or not out.is_dir():
-        return checkpoint
-    # The response cache of an earlier --data-only run is what a new run starts from.
-    used = sorted(p.name for p in out.iterdir() if p.name != RESPONSE_CACHE and not p.name.startswith("."))
-    if used:
-        raise DFlashError(
-            f"--out {out} already holds files ({', '.join(used[:3])}{', ...' if len(used) > 3 else ''}). "
-            "Pass --resume to continue its training, or a new folder with --out."
-        )
-    return None
-
-
-def _target_record(path: Path) -> dict:
-    return {"path": str(path.resolve()), "config": read_config(path, "target")}
-
-
-def _check_resume(out: Path, saved: dict, fresh: dict, saved_target: dict | None, target: dict) -> None:
-    """Refuse to resume with drafter settings or a target other than the checkpoint's."""
-    new_run = "to resume it, or start a new run with another --out"
-
-    def flags(name: str, value) -> str:
-        if name == "--target-layer-ids":
-            return f"{name} {' '.join(map(str, value))}"
-        if name == "--target-features":
-            return "--target-features" if value else "--no-target-features"
-        return f"{name} {value}"
-
-    def dflash(config: dict, key: str, default=None):
-        return config.get("dflash_config", {}).get(key, config.get(key, default))
-
-    settings = [
-        ("--num-layers", saved.get("num_hidden_layers"), fresh["num_hidden_layers"]),
-        ("--block-size", saved.get("block_size"), fresh["block_size"]),
-        ("--target-layer-ids", dflash(saved, "target_layer_ids"), dflash(fresh, "target_layer_ids")),
-        ("--intermediate-size", saved.get("intermediate_size"), fresh["intermediate_size"]),
-        ("--mask-token-id", dflash(saved, "mask_token_id"), dflash(fresh, "mask_token_id")),
-        ("--target-features", dflash(saved, "use_target_features", True), dflash(fresh, "use_target_features", True)),
-    ]
-    for name, old, new in settings:
-        if old is not None and old != new:
-            raise DFlashError(
-                f"The checkpoint in {out} was trained with {flags(name, old)}, but this run asks for "
-                f"{flags(name, new)}. Pass {flags(name, old)} {new_run}."
-            )
-    if saved_target is None:
-        return
-    # A target folder moved since (another machine) is the same target if its config is.
-    moved = not Path(saved_target["path"]).exists() and saved_target["config"] == target["config"]
-    if saved_target["path"] != target["path"] and not moved:
-        raise DFlashError(
-            f"The checkpoint in {out} was trained on the target {saved_target['path']}, but this run gives "
-            f"{target['path']}. Pass --model {saved_target['path']} {new_run}."
-        )
-
-
-@contextlib.contextmanager
-def _interrupt_after_step():
-    """The first Ctrl+C sets the flag the loop checks after each step; a second stops at once."""
-    flag = []
-    if threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
-
-    def handler(signum, frame):
-        if flag:
-            raise KeyboardInterrupt
-        flag.append(signum)
-        print("\ninterrupted: saving after this step (Ctrl+C again to stop without saving)", file=sys.stderr)
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield flag
-    finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
-
-
 def block_mask(anchors: mx.array, starts: mx.array, context_len: int, block_size: int) -> mx.array:
     """Which keys each training block may see: ``(nb, 1, B, L + B)`` booleans.
 
@@ -479,7 +306,7 @@ def train(args: TrainingArgs) -> DraftModel | None:
     """
     _check_args(args)
     out = Path(args.out)
-    checkpoint = _check_out(out, args)
+    checkpoint = check_out(out, args.resume, args.data_only)
     target_path = resolve(args.model, what="target") if args.model else default_pair_path() / "target"
     if is_drafter_config(read_config(target_path, "target")):
         raise DFlashError(
@@ -492,11 +319,11 @@ def train(args: TrainingArgs) -> DraftModel | None:
     stop_tokens = frozenset(tokenizer.eos_token_ids)
     # Built before the data step, so that bad drafter settings fail before it runs.
     config = None if args.data_only else draft_config(target, tokenizer, args)
-    target_record = _target_record(target_path)
+    target_info = target_record(target_path)
     if checkpoint is not None:
         saved_state = json.loads((checkpoint[0] / "state.json").read_text())
         saved_config = read_config(checkpoint[1], "drafter")
-        _check_resume(out, saved_config, config, saved_state.get("target"), target_record)
+        check_resume(out, saved_config, config, saved_state.get("target"), target_info)
         config = saved_config
 
     # ---- data: the target's own greedy responses, cached and resumable ----
@@ -565,7 +392,7 @@ def train(args: TrainingArgs) -> DraftModel | None:
     optimizer.init(draft.trainable_parameters())
     start = 0
     if checkpoint is not None:
-        start, rng_state = _load_state(checkpoint[0], optimizer)
+        start, rng_state = load_state(checkpoint[0], optimizer)
         optimizer.init(draft.trainable_parameters())
         rng.bit_generator.state = rng_state
         print(f"resumed from {checkpoint[0]} at step {start}", flush=True)
@@ -642,9 +469,10 @@ def train(args: TrainingArgs) -> DraftModel | None:
     # ---- the loop ----
     out.mkdir(parents=True, exist_ok=True)
     tic, tokens_done, losses = time.perf_counter(), 0, []
-    save = partial(save_checkpoint, out, draft, config, optimizer, rng=rng, args=args, target=target_record)
-    with open(out / "metrics.jsonl", "a") as metrics, _interrupt_after_step() as interrupted:
-        for it in range(start, min(args.iters, args.stop_at or args.iters)):
+    save = partial(save_checkpoint, out, draft, config, optimizer, rng=rng, args=args, target=target_info)
+    last = min(args.iters, args.stop_at or args.iters)
+    with open(out / "metrics.jsonl", "a") as metrics, interrupt_after_step() as interrupted:
+        for it in range(start, last):
             optimizer.learning_rate = get_lr(it, args)
             batch = _to_mx(make_batch(train_ex, rng, **batch_kwargs))
             taps = taps_for(batch, train_ex)
@@ -665,7 +493,7 @@ def train(args: TrainingArgs) -> DraftModel | None:
             if step % args.save_every == 0 or step in (args.iters, args.stop_at) or interrupted:
                 save(step=step)
             metrics.flush()
-            if interrupted:
+            if interrupted and step < last:
                 raise TrainingInterrupted(step, out)
     draft.eval()
     return draft

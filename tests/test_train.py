@@ -15,7 +15,8 @@ from dflash_mlx import DFlashError, dflash_generate_step, load
 from dflash_mlx import target as tgt
 from dflash_mlx.cache import make_draft_cache
 from dflash_mlx import train as train_mod
-from dflash_mlx.train import TrainingArgs, block_logits, block_mask, get_lr, latest_checkpoint, main, train
+from dflash_mlx.train import TrainingArgs, block_logits, block_mask, get_lr, main, train
+from dflash_mlx.train_checkpoint import check_out, latest_checkpoint
 from dflash_mlx.train_data import (
     dataset_examples,
     generate_responses,
@@ -311,7 +312,7 @@ def test_out_is_never_spoiled(setup, tmp_path, capsys):
     # The response cache of a --data-only run is no reason to refuse.
     (tmp_path / "cached").mkdir()
     (tmp_path / "cached" / "data.jsonl").write_text("")
-    assert train_mod._check_out(tmp_path / "cached", _args(setup, tmp_path / "cached")) is None
+    assert check_out(tmp_path / "cached", resume=False) is None
 
 
 def test_resume_refuses_other_settings_and_logs_the_loaded_ones(setup, tmp_path, capsys):
