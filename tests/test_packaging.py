@@ -42,7 +42,8 @@ def venv(tmp_path_factory):
     parents = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
     parents.append(sysconfig.get_paths()["purelib"])
     (site / "zz_parent_packages.pth").write_text("\n".join(dict.fromkeys(parents)) + "\n")
-    _run([str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)], root)
+    # --ignore-installed: the checkout's own editable install, visible through the .pth, stays untouched.
+    _run([str(python), "-m", "pip", "install", "--no-deps", "--ignore-installed", "-q", str(wheel)], root)
     return bin_dir, site
 
 
