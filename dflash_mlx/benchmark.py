@@ -575,8 +575,12 @@ def _check_outputs(json_path: str | None, markdown_path: str | None, plots_dir: 
 def _write_text(path: str, text: str) -> None:
     # A temporary sibling renamed into place: an interrupted write never leaves half a file.
     tmp = Path(path).with_name(f".{Path(path).name}.partial")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _maybe_reexec_with_openblas(choice: str) -> None:

@@ -216,7 +216,8 @@ def test_train_end_to_end(setup, tmp_path):
     # One checkpoint, no temporary files; the drafter on top is the checkpoint's.
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.jsonl", "model.safetensors", STATE]
     assert [p.name for p in (out / STATE).iterdir()] == ["step-00000040"]
-    assert (out / "model.safetensors").read_bytes() == (out / STATE / "step-00000040/draft/model.safetensors").read_bytes()
+    saved = out / STATE / "step-00000040" / "draft" / "model.safetensors"
+    assert (out / "model.safetensors").read_bytes() == saved.read_bytes()
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": _words(5, 99)}], add_generation_prompt=True
     )
@@ -363,6 +364,20 @@ def test_checkpoint_is_one_rename(setup, tmp_path, monkeypatch):
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
 
 
+def test_resumes_a_checkpoint_of_the_earlier_layout(setup, tmp_path, capsys):
+    """State files straight in training_state/, the drafter only at the top: still resumed, then replaced."""
+    out = tmp_path / "run"
+    train(_args(setup, out, iters=4, stop_at=2))
+    step = out / STATE / "step-00000002"
+    for name in ("optimizer.safetensors", "state.json"):
+        (step / name).rename(out / STATE / name)
+    shutil.rmtree(step)
+    capsys.readouterr()
+    train(_args(setup, out, iters=4, resume=True))
+    assert f"resumed from {out / STATE} at step 2" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / STATE).iterdir()) == ["step-00000004"]
+
+
 def test_ctrl_c_before_training_is_one_line(setup, tmp_path, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -372,7 +387,9 @@ def test_ctrl_c_before_training_is_one_line(setup, tmp_path, monkeypatch, capsys
         main(_argv(_args(setup, tmp_path / "run")))
     assert e.value.code == 130
     err = capsys.readouterr().err.strip()
-    assert err == "dflash-train: interrupted; no checkpoint saved (the response cache keeps the responses generated so far)"
+    assert err == (
+        "dflash-train: interrupted; no checkpoint saved (the response cache keeps the responses generated so far)"
+    )
 
 
 def test_help_shows_each_default_once(capsys):
