@@ -545,6 +545,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--scaling", nargs="+", default=None, metavar="SHAPE",
                    help="Scaling mode on random-weight targets of these shapes (qwen3-0.6b, qwen3-1.7b).")
     p.add_argument("--replay", default=None, help="Results JSON of a normal run whose acceptance --scaling replays.")
+    p.add_argument("--base-url", default=None,
+                   help="Measure an OpenAI-compatible server instead (dflash-serve, vLLM, SGLang), e.g. "
+                   "http://host:8000/v1: requests/min, tok/s and tau per --concurrency; --model names its model.")
+    p.add_argument("--api-key", default=None, help="The server's API key (with --base-url).")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8],
+                   help="With --base-url: clients sending at once, one level after another.")
     p.add_argument("--json", default=None, help="Write the results as JSON here.")
     p.add_argument("--markdown", default=None, help="Write the Markdown table here.")
     p.add_argument("--plots", default=None, help="Write PNG plots into this folder.")
@@ -606,6 +612,8 @@ def main(argv: list[str] | None = None) -> None:
             _maybe_reexec_with_openblas(args.blas)
         if args.scaling:
             return _scaling_main(args)
+        if args.base_url:
+            return _remote_main(args)
         result = run_benchmark(
             model=args.model, draft=args.draft, ar_draft=args.ar_draft, prompts=args.prompts,
             num_prompts=args.num_prompts, max_tokens=args.max_tokens, block_sizes=tuple(args.block_sizes),
@@ -628,6 +636,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.plots:
         for path in plots(result["rows"], Path(args.plots)):
             print(f"wrote {path}")
+
+
+def _remote_main(args) -> None:
+    from .bench_remote import load_markdown, run_load
+    from .loading import default_pair_path
+
+    if any(n < 1 for n in args.concurrency):
+        raise DFlashError(f"--concurrency levels must be at least 1 (got {args.concurrency}).")
+    rows = _prompt_rows(args.prompts or str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
+    result = run_load(args.base_url, rows, api_key=args.api_key, model=args.model,
+                      concurrency=tuple(args.concurrency), max_tokens=args.max_tokens)
+    result["meta"] = stamp()
+    table = load_markdown(result)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
 
 
 def _scaling_main(args) -> None:

@@ -19,7 +19,7 @@ from textual.worker import get_current_worker
 from ..errors import DFlashError
 from ..generate import add_cycle_arguments
 from .commands import HELP, Settings, parse_command, save_transcript
-from .engine import MLXEngine, StreamEngine, StreamFn
+from .engine import MLXEngine, RemoteEngine, StreamEngine, StreamFn
 from .messages import ConversationStats, Delta, LoadFailed, ModelReady, ReplyDone, ReplyStats
 from .widgets import ErrorScreen, HelpNote, Note, PromptInput, Reply, StatsPanel, Transcript, UserMessage
 
@@ -309,6 +309,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help="Cast both models to this dtype.",
     )
+    parser.add_argument(
+        "--base-url",
+        default=None,
+        help="Chat with an OpenAI-compatible server instead (dflash-serve, vLLM, SGLang, mlx_lm.server), "
+        "e.g. http://host:8000/v1; --model then names the server's model.",
+    )
+    parser.add_argument("--api-key", default=None, help="The server's API key (with --base-url).")
     return parser
 
 
@@ -324,6 +331,8 @@ def make_app(
     lookup_fallback: int = 0,
     dtype: str | None = None,
     no_draft: bool = False,
+    base_url: str | None = None,
+    api_key: str | None = None,
 ) -> ChatApp:
     """A ``ChatApp`` on the real models; they load in the background once the app starts.
 
@@ -339,6 +348,8 @@ def make_app(
           misses its first draft (0: never).
         dtype: Cast both models to this dtype.
         no_draft: Plain decoding, without the drafter.
+        base_url: Chat with this OpenAI-compatible server instead; ``model`` names its model.
+        api_key: The server's API key.
 
     Returns:
         ChatApp: Call ``.run()`` on it.
@@ -351,6 +362,8 @@ def make_app(
         min_confidence=min_confidence,
         lookup_fallback=lookup_fallback,
     )
+    if base_url:
+        return ChatApp(RemoteEngine(base_url, api_key=api_key, model=model), settings=settings)
     return ChatApp(MLXEngine(model, draft, dtype=dtype, no_draft=no_draft), settings=settings)
 
 
@@ -367,6 +380,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--min-confidence must be from 0 to 1 (got {args.min_confidence}).")
     if args.lookup_fallback < 0:
         parser.error(f"--lookup-fallback must be at least 0 (got {args.lookup_fallback}).")
+    if args.base_url and (args.draft or args.no_draft or args.dtype):
+        parser.error("--draft, --no-draft and --dtype choose local models; with --base-url the server has them.")
     app = make_app(**vars(args))
     try:
         app.run()

@@ -190,3 +190,46 @@ class StreamEngine:
 
     def __call__(self, messages: list[dict[str, str]], settings: Settings) -> Iterator[Any]:
         return self.stream_fn(messages, settings)
+
+
+class RemoteEngine:
+    """The chat against an OpenAI-compatible server (``dflash-chat --base-url``).
+
+    Args:
+        base_url: The server's API root, e.g. ``http://host:8000/v1``.
+        api_key: Its bearer token, if it wants one.
+        model: The model id to ask for; None takes the server's first.
+    """
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None):
+        from ..remote import RemoteClient
+
+        self.client = RemoteClient(base_url, api_key=api_key, model=model)
+        self.context_tokens: int | None = None
+
+    def load(self) -> dict[str, Any]:
+        info = self.client.probe()
+        return {
+            "name": info.describe(),
+            "has_draft": True,
+            "max_block_size": info.block_size or 16,
+            "chat_template": True,
+        }
+
+    def reset(self) -> None:
+        self.context_tokens = None
+
+    def close(self) -> None:
+        pass
+
+    def __call__(self, messages: list[dict[str, str]], settings: Settings) -> Iterator[Any]:
+        if settings.system_prompt:
+            messages = [{"role": "system", "content": settings.system_prompt}, *messages]
+        params: dict[str, Any] = {"max_tokens": settings.max_tokens, "temperature": settings.temp}
+        if self.client.info is not None and self.client.info.kind == "dflash":
+            # Our own knobs only for our own server: another may refuse unknown fields.
+            block_size = settings.block_size if settings.dflash else 1
+            params.update(min_confidence=settings.min_confidence, lookup_fallback=settings.lookup_fallback)
+            if block_size is not None:
+                params["block_size"] = block_size
+        return self.client.stream_chat(messages, **params)

@@ -1,0 +1,190 @@
+"""dflash-serve: an OpenAI-compatible HTTP server for a target + DFlash drafter pair.
+
+Why not ``mlx_lm.server``: its ``ResponseGenerator`` drives mlx-lm's own ``stream_generate`` and
+``BatchGenerator`` and cannot run our generator, so this is a small server on the standard
+library (``ThreadingHTTPServer`` plus one worker thread that owns the pair), with mlx-lm's
+flag names and request parameters.
+"""
+
+import argparse
+import ipaddress
+import logging
+import signal
+import sys
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+from ..errors import DFlashError
+from ..generate import add_cycle_arguments
+from .handler import APIHandler
+from .metrics import Metrics
+from .protocol import Defaults
+from .worker import Worker
+
+log = logging.getLogger("dflash-serve")
+
+
+class DFlashHTTPServer(ThreadingHTTPServer):
+    """The listening socket and what every handler thread shares."""
+
+    daemon_threads = True
+    request_queue_size = 64  # the listen backlog: a burst of clients waits in our queue, not here
+
+
+class DFlashServer:
+    """The server on a loaded pair; ``start()`` serves on a background thread.
+
+    Args:
+        model, draft, tokenizer: The loaded pair (``dflash_mlx.load``); ``draft`` may be None.
+        model_name: The id clients send as ``model`` (any other is refused, 404).
+        host, port: Where to listen; port 0 picks a free one (see ``url``).
+        api_key: When set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
+        defaults: Sampling defaults for parameters a request leaves out.
+        queue_size, prompt_cache_size, max_context, chat_template_args, prefill_step_size: See
+          ``Worker``.
+        aliases: Other names accepted for the model.
+    """
+
+    def __init__(self, model, draft, tokenizer, *, model_name: str = "default", host: str = "127.0.0.1",
+                 port: int = 8080, api_key: str | None = None, defaults: Defaults = Defaults(),
+                 queue_size: int = 16, prompt_cache_size: int = 4, max_context: int | None = None,
+                 chat_template_args: dict | None = None, prefill_step_size: int = 512,
+                 aliases: tuple[str, ...] = ()):
+        self.metrics = Metrics()
+        self.worker = Worker(model, draft, tokenizer, queue_size=queue_size, prompt_cache_size=prompt_cache_size,
+                             max_context=max_context, chat_template_args=chat_template_args,
+                             prefill_step_size=prefill_step_size, metrics=self.metrics)
+        httpd = DFlashHTTPServer((host, port), APIHandler)
+        httpd.worker, httpd.metrics, httpd.defaults, httpd.api_key = self.worker, self.metrics, defaults, api_key
+        httpd.model_name, httpd.model_names = model_name, {model_name, *aliases}
+        # What /v1/models says about the pair beyond OpenAI's fields.
+        httpd.model_info = {"block_size": draft.block_size if draft is not None else None,
+                            "has_draft": draft is not None}
+        httpd.created = int(time.time())
+        self.httpd = httpd
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> "DFlashServer":
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="dflash-serve-http", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop: refuse new requests, cut the running one after its cycle, close the socket."""
+        self.worker.close()
+        self.httpd.shutdown()
+        deadline = time.monotonic() + timeout
+        while self.worker.running is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.httpd.server_close()
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-serve",
+                                description="An OpenAI-compatible server for DFlash speculative decoding.")
+    p.add_argument("--model", default=None,
+                   help="Target: local folder or Hugging Face id (default: the embedded pair).")
+    p.add_argument("--draft", default=None,
+                   help="DFlash drafter: local folder or Hugging Face id (default: the pair folder's or the known "
+                   "drafter of the target; plain decoding if none).")
+    p.add_argument("--no-draft", action="store_true", help="Plain decoding, without the drafter.")
+    p.add_argument("--served-model-name", default=None, help="The model id clients use (default: --model as given).")
+    p.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1, this machine only).")
+    p.add_argument("--port", type=int, default=8080, help="Port (default: 8080).")
+    p.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.")
+    p.add_argument("--temp", type=float, default=0.0, help="Default sampling temperature (default: 0.0).")
+    p.add_argument("--top-p", type=float, default=1.0, help="Default nucleus sampling top-p (default: 1.0).")
+    p.add_argument("--top-k", type=int, default=0, help="Default top-k sampling (default: 0, off).")
+    p.add_argument("--min-p", type=float, default=0.0, help="Default min-p sampling (default: 0.0, off).")
+    p.add_argument("--max-tokens", type=int, default=512, help="Default most tokens per reply (default: 512).")
+    add_cycle_arguments(p)
+    p.add_argument("--queue-size", type=int, default=16,
+                   help="Requests that may wait behind the running one; more get 429 (default: 16).")
+    p.add_argument("--prompt-cache-size", type=int, default=4,
+                   help="Conversation caches kept for prefix reuse (default: 4).")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="Most tokens of prompt plus reply (default: the target's max_position_embeddings).")
+    p.add_argument("--prefill-step-size", type=int, default=512, help="Prompt tokens per prefill chunk.")
+    p.add_argument("--chat-template-args", default="{}",
+                   help="""JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'.""")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="Cast both models to this dtype.")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _error(message: str) -> None:
+    print(f"dflash-serve: error: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import json
+
+    from ..loading import DEFAULT_PAIR, draft_for_cli, load
+
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    for flag, value, lo in (("--max-tokens", args.max_tokens, 1), ("--queue-size", args.queue_size, 1),
+                            ("--prompt-cache-size", args.prompt_cache_size, 1), ("--port", args.port, 0)):
+        if value < lo:
+            parser.error(f"{flag} must be at least {lo} (got {value}).")
+    try:
+        template_args = json.loads(args.chat_template_args)
+    except json.JSONDecodeError as e:
+        parser.error(f"--chat-template-args is not valid JSON ({e.msg}): {args.chat_template_args!r}.")
+    if not isinstance(template_args, dict):
+        parser.error("--chat-template-args must be a JSON object.")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        model, draft, tokenizer = load(args.model, draft_for_cli(args.model, args.draft, args.no_draft),
+                                       dtype=args.dtype)
+    except DFlashError as e:
+        _error(str(e))
+    if args.no_draft:
+        draft = None
+    name = args.served_model_name or args.model or DEFAULT_PAIR
+    aliases = tuple({Path(name).name} - {name})
+    defaults = Defaults(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                        max_tokens=args.max_tokens, min_confidence=args.min_confidence,
+                        lookup_fallback=args.lookup_fallback)
+    try:
+        server = DFlashServer(model, draft, tokenizer, model_name=name, host=args.host, port=args.port,
+                              api_key=args.api_key, defaults=defaults, queue_size=args.queue_size,
+                              prompt_cache_size=args.prompt_cache_size, max_context=args.max_context,
+                              chat_template_args=template_args, prefill_step_size=args.prefill_step_size,
+                              aliases=aliases)
+    except OSError as e:
+        _error(f"cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port or --host.")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    drafter = f"drafter block {draft.block_size}" if draft is not None else "no drafter"
+    line = f"dflash-serve: {name} ({drafter}) at {server.url}/v1"
+    if not _is_loopback(args.host) and not args.api_key:
+        line += " -- listening beyond this machine WITHOUT --api-key: anyone who can reach it can use it"
+    print(line, file=sys.stderr, flush=True)
+    while not stop.wait(0.5):
+        pass
+    print("dflash-serve: stopping (the running request is cut after its cycle)", file=sys.stderr, flush=True)
+    server.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,400 @@
+"""dflash-serve on loopback: the OpenAI shapes, exactness, bad requests, disconnects, the queue, shutdown."""
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from dflash_mlx import generate, load, stream_generate
+from dflash_mlx.server.app import DFlashServer, main
+from dflash_mlx.server.protocol import Defaults, StopMatcher
+
+PROMPTS = ["t1 t2 t3", "t9 t8 t7 t6", "t40", "t5 t5 t5 t5 t5", "t100 t3", "t17 t18", "t60 t61 t62", "t11"]
+MAX_TOKENS = 24
+
+
+def _chat_ids(tokenizer, text):
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_pair):
+    model, draft, tokenizer = qwen3_pair
+    srv = DFlashServer(model, draft, tokenizer, model_name="tiny", port=0, queue_size=8,
+                       defaults=Defaults(max_tokens=MAX_TOKENS)).start()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def slow_pair(pair_dirs):
+    """A fresh pair whose drafter takes 40 ms a pass, so a request lasts long enough to interrupt."""
+    model, draft, tokenizer = load(pair_dirs["qwen3-tied"], pair_dirs["draft"])
+    propose = draft.propose
+
+    def slow(*args, **kwargs):
+        time.sleep(0.04)
+        return propose(*args, **kwargs)
+
+    object.__setattr__(draft, "propose", slow)
+    return model, draft, tokenizer
+
+
+def _request(url, method, path, body=None, headers=None, timeout=30):
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    return conn, conn.getresponse()
+
+
+def _post(url, path, body, headers=None):
+    conn, resp = _request(url, "POST", path, body, headers)
+    data = resp.read()
+    conn.close()
+    return resp.status, json.loads(data) if data else None, resp
+
+
+def _events(resp):
+    """The JSON objects of a server-sent event stream, up to [DONE]."""
+    out = []
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return out, True
+        out.append(json.loads(line[6:]))
+    return out, False
+
+
+def _stream(url, path, body):
+    conn, resp = _request(url, "POST", path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
+    events, done = _events(resp)
+    conn.close()
+    assert done
+    return events
+
+
+def _stream_text(events, chat=True):
+    if chat:
+        return "".join(c["choices"][0]["delta"].get("content", "") for c in events if c["choices"])
+    return "".join(c["choices"][0]["text"] for c in events if c["choices"])
+
+
+def test_chat_and_completions_match_generate_streamed_or_not(server, qwen3_pair):
+    model, draft, tokenizer = qwen3_pair
+    for text in PROMPTS[:2]:
+        ids = _chat_ids(tokenizer, text)
+        expected = generate(model, draft, tokenizer, ids, max_tokens=MAX_TOKENS)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "temperature": 0}
+        status, full, _ = _post(server.url, "/v1/chat/completions", body)
+        assert status == 200 and full["object"] == "chat.completion"
+        assert full["choices"][0]["message"] == {"role": "assistant", "content": expected}
+        events = _stream(server.url, "/v1/chat/completions", body)
+        assert _stream_text(events) == expected
+        assert all(e["id"] == events[0]["id"] and e["object"] == "chat.completion.chunk" for e in events)
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert events[-1]["choices"] == []
+        assert events[-1]["usage"]["completion_tokens"] == full["usage"]["completion_tokens"]
+        # The same prompt again continues its conversation cache: all but one token reused.
+        assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
+        assert events[-1]["metrics"]["speculative_decoding"]["num_spec_steps"] > 0
+
+        expected = generate(model, draft, tokenizer, text, max_tokens=MAX_TOKENS)
+        body = {"prompt": text, "max_tokens": MAX_TOKENS}
+        status, full, _ = _post(server.url, "/v1/completions", body)
+        assert status == 200 and full["object"] == "text_completion"
+        assert full["choices"][0]["text"] == expected
+        assert _stream_text(_stream(server.url, "/v1/completions", body), chat=False) == expected
+
+
+def test_usage_and_speculative_statistics_agree_with_stream_generate(server, qwen3_pair):
+    model, draft, tokenizer = qwen3_pair
+    ids = _chat_ids(tokenizer, PROMPTS[2])
+    responses = list(stream_generate(model, draft, tokenizer, ids, max_tokens=MAX_TOKENS))
+    cycles = [r for r in responses if r.cycle > 0 and r.num_draft > 0]
+    status, full, _ = _post(server.url, "/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": PROMPTS[2]}]})
+    assert status == 200
+    usage, spec = full["usage"], full["metrics"]["speculative_decoding"]
+    assert usage["prompt_tokens"] == len(ids)
+    assert usage["completion_tokens"] == responses[-1].generation_tokens
+    assert usage["total_tokens"] == len(ids) + responses[-1].generation_tokens
+    assert spec["num_spec_steps"] == len(cycles)
+    assert spec["num_draft_tokens"] == sum(r.num_draft for r in cycles)
+    assert spec["num_accepted_draft_tokens"] == sum(r.acceptance_length - 1 for r in cycles)
+    assert spec["mean_acceptance_length"] == pytest.approx(1 + spec["num_accepted_draft_tokens"] / len(cycles))
+    assert sum(spec["acceptance_histogram"]) == len(cycles)
+    assert len(spec["acceptance_histogram"]) == draft.block_size
+    assert spec["num_spec_tokens"] == draft.block_size - 1
+    # Same messages again: the conversation cache holds the prompt, so only one token is prefilled.
+    status, again, _ = _post(server.url, "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": PROMPTS[2]}]})
+    assert again["choices"] == full["choices"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
+
+
+def test_sampling_parameters_stop_and_seed(server):
+    body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0.9, "top_p": 0.9, "top_k": 20,
+            "min_p": 0.05, "repetition_penalty": 1.2, "seed": 7, "block_size": 4, "min_confidence": 0.1,
+            "lookup_fallback": 2}
+    a = _post(server.url, "/v1/completions", body)[1]
+    b = _post(server.url, "/v1/completions", body)[1]
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]  # the seed makes it reproducible
+    assert len(a["metrics"]["speculative_decoding"]["acceptance_histogram"]) == 4
+    plain = _post(server.url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 16})[1]
+    text = plain["choices"][0]["text"]
+    word = text.split()[2]
+    cut = _post(server.url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 16, "stop": [word]})[1]
+    assert cut["choices"][0]["text"] == text[: text.index(word)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    streamed = _stream(server.url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 16, "stop": word})
+    assert _stream_text(streamed, chat=False) == text[: text.index(word)]
+
+
+def test_stop_matcher_holds_back_a_possible_start():
+    m = StopMatcher(["END"])
+    assert m.feed("abcE") == ("ab", False)
+    assert m.feed("N") == ("c", False)
+    assert m.feed("Dzz") == ("", True)
+    m = StopMatcher(["END"])
+    assert m.feed("xyE") == ("x", False)
+    assert m.feed("q") == ("y", False)
+    assert m.flush() == "Eq"
+
+
+BAD = [
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "t1", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "t1", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "t1", "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "t1", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "t1", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "t1", "block_size": 99}, 400, "block_size"),
+    ("/v1/completions", {"prompt": "t1", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "t1", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "t1", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "t1", "seed": 1.5}, 400, "seed"),
+    ("/v1/completions", {"prompt": [5] * 2048}, 400, "prompt"),  # longer than the context
+    ("/v1/completions", {"prompt": [5, 999]}, 400, "prompt"),  # a token id outside the vocabulary
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ("/v1/embeddings", {"input": "x"}, 404, None),
+]
+
+
+def test_every_bad_request_gets_a_4xx_with_an_openai_error_body(server, caplog):
+    for path, body, status, param in BAD:
+        got, err, _ = _post(server.url, path, body)
+        assert got == status, (path, body, err)
+        assert set(err["error"]) == {"message", "type", "param", "code"}, err
+        assert err["error"]["message"] and err["error"]["param"] == param, (body, err)
+    assert "context length" in _post(server.url, "/v1/completions", {"prompt": [5] * 2048})[1]["error"]["message"]
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) >= len(BAD)
+    conn, resp = _request(server.url, "GET", "/health")
+    assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}
+    status, ok, _ = _post(server.url, "/v1/completions", {"prompt": "t1", "max_tokens": 4})
+    assert status == 200 and ok["usage"]["completion_tokens"] >= 1
+
+
+def test_models_health_and_prometheus_metrics(server):
+    conn, resp = _request(server.url, "GET", "/v1/models")
+    models = json.loads(resp.read())
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["object"] == "model"
+    assert models["data"][0]["dflash"]["block_size"] == 16
+    _post(server.url, "/v1/completions", {"prompt": "t3", "max_tokens": 8})
+    conn, resp = _request(server.url, "GET", "/metrics")
+    text = resp.read().decode()
+    assert resp.getheader("Content-Type").startswith("text/plain")
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "generation_tokens_total"):
+        assert values["dflash:" + name] > 0 or name == "spec_decode_num_accepted_tokens_total"
+        assert f"# TYPE dflash:{name} counter" in text
+    assert "# TYPE dflash:generation_tokens_per_second gauge" in text
+
+
+def test_eight_concurrent_streams_lose_duplicate_and_mix_nothing(server, qwen3_pair):
+    model, draft, tokenizer = qwen3_pair
+    expected = [generate(model, draft, tokenizer, _chat_ids(tokenizer, p), max_tokens=MAX_TOKENS) for p in PROMPTS]
+    results: dict[int, list] = {}
+
+    def client(i):
+        results[i] = _stream(server.url, "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": PROMPTS[i]}]})
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+    tic = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert time.monotonic() - tic < 60 and len(results) == len(PROMPTS)
+    for i, events in results.items():
+        assert len({e["id"] for e in events}) == 1  # one request's chunks only
+        assert _stream_text(events) == expected[i]
+        cycles = [e["dflash"] for e in events if "dflash" in e]
+        assert [c["cycle"] for c in cycles] == list(range(len(cycles)))  # none lost or repeated
+        assert sum(c["tokens"] for c in cycles) <= events[-1]["usage"]["completion_tokens"]
+
+
+def test_a_client_that_hangs_up_stops_its_generation(slow_pair):
+    srv = DFlashServer(*slow_pair, model_name="tiny", port=0).start()
+    try:
+        conn, resp = _request(srv.url, "POST", "/v1/completions",
+                              {"prompt": "t1 t2", "max_tokens": 1500, "stream": True})
+        assert resp.status == 200
+        resp.fp.readline()  # the first chunk
+        resp.close()  # the client hangs up
+        deadline = time.monotonic() + 10
+        while srv.worker.running is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        values = srv.metrics.values
+        assert values["request_cancelled_total"] == 1
+        # 40 ms cycles, a 20 ms poll: it stops within a few cycles, far from 1500 tokens.
+        assert values["spec_decode_num_drafts_total"] <= 6
+        assert values["generation_tokens_total"] <= 6 * 16
+        status, ok, _ = _post(srv.url, "/v1/completions", {"prompt": "t3", "max_tokens": 4})
+        assert status == 200
+        # A client waiting for a whole (non-streamed) answer that hangs up is noticed too.
+        conn = http.client.HTTPConnection(*srv.httpd.server_address[:2], timeout=10)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "t4", "max_tokens": 1500}))
+        while srv.worker.running is None and time.monotonic() < deadline + 10:
+            time.sleep(0.01)
+        conn.sock.close()
+        deadline = time.monotonic() + 10
+        while srv.worker.running is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert values["request_cancelled_total"] == 2
+        assert values["generation_tokens_total"] <= 4 + 2 * 6 * 16
+    finally:
+        srv.close()
+
+
+def test_a_full_queue_answers_429_with_retry_after(slow_pair):
+    srv = DFlashServer(*slow_pair, model_name="tiny", port=0, queue_size=1).start()
+    try:
+        _, running = _request(srv.url, "POST", "/v1/completions",
+                                 {"prompt": "t1", "max_tokens": 1500, "stream": True})
+        running.fp.readline()
+        waiting = threading.Thread(target=_post, args=(srv.url, "/v1/completions", {"prompt": "t2", "max_tokens": 2}))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while srv.worker.waiting < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status, err, resp = _post(srv.url, "/v1/completions", {"prompt": "t3", "max_tokens": 2})
+        assert status == 429 and err["error"]["code"] == "rate_limit_exceeded"
+        assert int(resp.getheader("Retry-After")) >= 1
+        running.close()
+        waiting.join(20)
+        assert not waiting.is_alive()
+    finally:
+        srv.close()
+
+
+def test_close_cuts_the_running_stream_and_stops_listening(slow_pair):
+    srv = DFlashServer(*slow_pair, model_name="tiny", port=0).start()
+    conn, resp = _request(srv.url, "POST", "/v1/completions", {"prompt": "t1", "max_tokens": 1500, "stream": True})
+    resp.fp.readline()
+    tic = time.monotonic()
+    srv.close()
+    assert time.monotonic() - tic < 5
+    events, done = _events(resp)
+    assert events[-1]["error"]["code"] == "shutting_down" and done
+    with pytest.raises(OSError):
+        _request(srv.url, "GET", "/health", timeout=2)
+
+
+def test_api_key(qwen3_pair):
+    srv = DFlashServer(*qwen3_pair, model_name="tiny", port=0, api_key="sekret").start()
+    try:
+        body = {"prompt": "t1", "max_tokens": 2}
+        status, err, _ = _post(srv.url, "/v1/completions", body)
+        assert status == 401 and err["error"]["code"] == "invalid_api_key"
+        assert _post(srv.url, "/v1/completions", body, {"Authorization": "Bearer nope"})[0] == 401
+        assert _post(srv.url, "/v1/completions", body, {"Authorization": "Bearer sekret"})[0] == 200
+        assert _request(srv.url, "GET", "/health")[1].status == 200
+    finally:
+        srv.close()
+
+
+def test_the_openai_client_works_unchanged(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    messages = [{"role": "user", "content": PROMPTS[3]}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert full.model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] >= 1
+    text = client.completions.create(model="tiny", prompt="t4 t5", max_tokens=6)
+    assert text.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=messages)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=messages, temperature=-2)
+
+
+def test_only_loopback_hosts_go_without_the_key_warning():
+    from dflash_mlx.server.app import _is_loopback
+
+    assert all(_is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
+    assert not any(_is_loopback(h) for h in ("0.0.0.0", "192.168.1.5", "::", "myhost"))
+
+
+def test_cli_help_and_bad_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "--api-key" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["--queue-size", "0"])
+    assert e.value.code == 2 and "--queue-size must be at least 1" in capsys.readouterr().err
+
+
+def test_cli_serves_and_exits_cleanly_on_sigterm(pair_dirs, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_mlx.server.app", "--model", str(pair_dirs["qwen3-tied"]),
+         "--draft", str(pair_dirs["draft"]), "--port", "0", "--served-model-name", "tiny"],
+        stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stderr.readline()
+        assert "dflash-serve: tiny" in line and "http://127.0.0.1:" in line, line
+        url = line.split(" at ")[1].split("/v1")[0]
+        assert _post(url, "/v1/completions", {"prompt": "t1", "max_tokens": 3})[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert "stopping" in proc.stderr.read()
+    finally:
+        proc.kill()
+
+
+def test_a_conversation_continues_its_cache_and_stays_exact(server, qwen3_pair):
+    model, draft, tokenizer = qwen3_pair
+    turn1 = [{"role": "user", "content": "t20 t21 t22"}]
+    first = _post(server.url, "/v1/chat/completions", {"messages": turn1})[1]
+    # Another conversation in between keeps its own cache.
+    _post(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "t90"}]})
+    turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "t23"}]
+    second = _post(server.url, "/v1/chat/completions", {"messages": turn2})[1]
+    ids = list(tokenizer.apply_chat_template(turn2, add_generation_prompt=True))
+    assert second["choices"][0]["message"]["content"] == generate(model, draft, tokenizer, ids, max_tokens=MAX_TOKENS)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
