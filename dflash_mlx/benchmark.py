@@ -644,6 +644,8 @@ def _remote_main(args) -> None:
 
     if any(n < 1 for n in args.concurrency):
         raise DFlashError(f"--concurrency levels must be at least 1 (got {args.concurrency}).")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise DFlashError(f"--num-prompts must be at least 1 (got {args.num_prompts}); leave it out to use every prompt.")
     rows = _prompt_rows(args.prompts or str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
     result = run_load(args.base_url, rows, api_key=args.api_key, model=args.model,
                       concurrency=tuple(args.concurrency), max_tokens=args.max_tokens)
@@ -651,9 +653,9 @@ def _remote_main(args) -> None:
     table = load_markdown(result)
     print(table)
     if args.markdown:
-        Path(args.markdown).write_text(table)
+        _write_text(args.markdown, table)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        _write_text(args.json, json.dumps(result, indent=1))
 
 
 def _scaling_main(args) -> None:

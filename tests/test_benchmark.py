@@ -286,6 +286,9 @@ def no_loading(monkeypatch):
         (["--num-prompts", "0"], "--num-prompts must be at least 1 (got 0)"),
         (["--min-confidence", "1.5"], "--min-confidence must be in (0, 1] (got 1.5)"),
         (["--lookup-fallback", "0"], "--lookup-fallback must be at least 1 (got 0)"),
+        # Against a server too: checked before the first request (nothing listens on port 9).
+        (["--base-url", "http://127.0.0.1:9", "--num-prompts", "0"], "--num-prompts must be at least 1 (got 0)"),
+        (["--base-url", "http://127.0.0.1:9", "--json", "{tmp}/nodir/r.json"], "--json {tmp}/nodir/r.json: the folder"),
     ],
 )
 def test_bad_outputs_and_values_fail_before_loading(no_loading, tmp_path, capsys, argv, message):
