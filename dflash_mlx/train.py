@@ -11,13 +11,13 @@ random anchor in the response, against the target's taps (computed once per exam
 ``OUT`` then holds the drafter (``config.json`` + ``model.safetensors``, the z-lab layout
 that ``dflash_mlx.load`` reads), ``training_state/`` (for ``--resume``), ``metrics.jsonl``
 (losses and acceptance evaluations) and, by default, the response cache ``data.jsonl``.
+The checkpoints and what may be resumed: ``train_checkpoint.py``.
 """
 
 import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from collections import Counter
@@ -29,14 +29,33 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from . import target as tgt
 from .backend import cpu_speedups
 from .drafter import DraftModel, ModelArgs, default_target_layer_ids
 from .errors import DFlashError
 from .generate import dflash_generate_step
-from .loading import DTYPES, MASK_TOKENS, default_pair_path, load_draft, load_target, resolve
+from .loading import (
+    DTYPES,
+    MASK_TOKENS,
+    default_pair_path,
+    is_drafter_config,
+    load_draft,
+    load_target,
+    read_config,
+    resolve,
+)
+from .train_checkpoint import (
+    TrainingInterrupted,
+    check_out,
+    check_resume,
+    interrupt_after_step,
+    latest_checkpoint,
+    load_state,
+    save_checkpoint,
+    target_record,
+)
 from .train_data import (
     dataset_examples,
     generate_responses,
@@ -48,13 +67,11 @@ from .train_data import (
     usable,
 )
 
-STATE_DIR = "training_state"
-
 
 @dataclass
 class TrainingArgs:
     model: str | None = field(default=None, metadata={"help": "Target folder or hub id (default: embedded)."})
-    data: str | None = field(default=None, metadata={"help": "Prompts JSONL ('messages' or 'prompt')."})
+    data: str | None = field(default=None, metadata={"help": "Prompts JSONL ('messages' or 'prompt'); required."})
     out: str = field(default="dflash-draft", metadata={"help": "Checkpoint folder (z-lab drafter format)."})
     responses: str = field(
         default="generate",
@@ -64,10 +81,10 @@ class TrainingArgs:
         default=None, metadata={"help": "Response cache JSONL (default: OUT/data.jsonl)."}
     )
     max_prompts: int | None = field(
-        default=None, metadata={"help": "Most prompts to generate responses for."}
+        default=None, metadata={"help": "Most prompts to generate responses for (default: all)."}
     )
     data_minutes: float | None = field(
-        default=None, metadata={"help": "Minutes of generating (0: the cache as is)."}
+        default=None, metadata={"help": "Minutes of generating (0: the cache as is; default: no limit)."}
     )
     gen_max_tokens: int = field(default=256, metadata={"help": "Most tokens per generated response."})
     gen_batch_size: int = field(default=1, metadata={"help": "Responses generated together (1: plain loop)."})
@@ -77,7 +94,10 @@ class TrainingArgs:
         metadata={"help": "Corpus 'text' chunks: first N lines as raw completion prompts (0: skip)."},
     )
     data_only: bool = field(default=False, metadata={"help": "Stop after the data step."})
-    eval_data: str | None = field(default=None, metadata={"help": "Held-out prompts JSONL for acceptance."})
+    eval_data: str | None = field(
+        default=None,
+        metadata={"help": "Held-out prompts JSONL for acceptance (default: the held-out examples' prompts)."},
+    )
     block_size: int = field(default=16, metadata={"help": "Tokens per draft block."})
     num_layers: int = field(default=2, metadata={"help": "Drafter decoder layers."})
     intermediate_size: int | None = field(
@@ -88,7 +108,9 @@ class TrainingArgs:
         default=True,
         metadata={"help": "Condition on the target's taps (--no-target-features: the ablation without them)."},
     )
-    target_layer_ids: list[int] | None = field(default=None, metadata={"help": "Explicit tapped layers."})
+    target_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "Explicit tapped layers (default: --num-taps layers, spread out)."}
+    )
     mask_token_id: int | None = field(
         default=None, metadata={"help": "Mask token (default: the tokenizer's)."}
     )
@@ -109,7 +131,9 @@ class TrainingArgs:
     eval_max_tokens: int = field(default=128, metadata={"help": "Tokens generated per evaluation prompt."})
     save_every: int = field(default=200, metadata={"help": "Steps between checkpoints."})
     log_every: int = field(default=10, metadata={"help": "Steps between progress lines."})
-    stop_at: int | None = field(default=None, metadata={"help": "Stop after this step (resume later)."})
+    stop_at: int | None = field(
+        default=None, metadata={"help": "Stop after this step, to resume later (default: run all --iters)."}
+    )
     resume: bool = field(default=False, metadata={"help": "Continue from the checkpoint in --out."})
     cache_taps: bool = field(default=True, metadata={"help": "Keep each example's taps in memory."})
     compile: bool = field(default=True, metadata={"help": "Compile the training step with mx.compile."})
@@ -201,45 +225,6 @@ def draft_config(target: nn.Module, tokenizer, args: TrainingArgs) -> dict:
     return config
 
 
-def _write(path: Path, write) -> None:
-    # Write then rename, so an interrupted save never leaves a torn checkpoint. The file is
-    # written in a subfolder: a stray "*.safetensors" next to the weights would be loaded.
-    tmp = path.parent / ".partial" / path.name
-    tmp.parent.mkdir(exist_ok=True)
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def save_draft(draft: DraftModel, config: dict, out: Path) -> None:
-    """Save ``config.json`` + ``model.safetensors`` (float32) in the z-lab layout ``load`` reads."""
-    out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(mx.float32) for k, v in tree_flatten(draft.parameters())}
-    _write(out / "model.safetensors", lambda p: mx.save_safetensors(str(p), weights, {"format": "pt"}))
-    _write(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2)))
-
-
-def save_checkpoint(out, draft, config, optimizer, step, rng, args) -> None:
-    """The drafter plus what resuming needs: optimizer state, step and the data RNG.
-
-    MLX's RNG only draws the initial weights, which the checkpoint holds; every later
-    random choice (examples, anchors) comes from the saved numpy generator.
-    """
-    save_draft(draft, config, out)
-    state_dir = out / STATE_DIR
-    state_dir.mkdir(exist_ok=True)
-    arrays = dict(tree_flatten(optimizer.state))
-    _write(state_dir / "optimizer.safetensors", lambda p: mx.save_safetensors(str(p), arrays))
-    state = {"step": step, "numpy_rng": rng.bit_generator.state, "args": dataclasses.asdict(args)}
-    _write(state_dir / "state.json", lambda p: p.write_text(json.dumps(state)))
-
-
-def _load_state(out: Path, optimizer) -> tuple[int, dict]:
-    arrays = mx.load(str(out / STATE_DIR / "optimizer.safetensors"))
-    optimizer.state = tree_unflatten(list(arrays.items()))
-    state = json.loads((out / STATE_DIR / "state.json").read_text())
-    return state["step"], state["numpy_rng"]
-
-
 def block_mask(anchors: mx.array, starts: mx.array, context_len: int, block_size: int) -> mx.array:
     """Which keys each training block may see: ``(nb, 1, B, L + B)`` booleans.
 
@@ -315,15 +300,32 @@ def train(args: TrainingArgs) -> DraftModel | None:
         The trained drafter (also saved in ``args.out``), or None with ``data_only``.
 
     Raises:
-        DFlashError: On bad arguments, data or models.
+        DFlashError: On bad arguments, data or models; an ``out`` that holds other files than
+          the response cache without ``resume``; ``resume`` without a checkpoint in ``out``, or
+          with drafter settings or a target other than the checkpoint's.
+        TrainingInterrupted: On Ctrl+C in the loop, once the current step is saved.
     """
     _check_args(args)
     out = Path(args.out)
+    checkpoint = check_out(out, args.resume, args.data_only)
     target_path = resolve(args.model, what="target") if args.model else default_pair_path() / "target"
+    if is_drafter_config(read_config(target_path, "target")):
+        raise DFlashError(
+            f"{target_path} holds a DFlash drafter, not a target model. Pass the target it drafts for with "
+            "--model; to continue training this drafter, pass its folder with --out and --resume."
+        )
     target, tokenizer = load_target(target_path, dtype=args.dtype)
     tgt.check_supported(target)
     target.freeze()
     stop_tokens = frozenset(tokenizer.eos_token_ids)
+    # Built before the data step, so that bad drafter settings fail before it runs.
+    config = None if args.data_only else draft_config(target, tokenizer, args)
+    target_info = target_record(target_path)
+    if checkpoint is not None:
+        saved_state = json.loads((checkpoint[0] / "state.json").read_text())
+        saved_config = read_config(checkpoint[1], "drafter")
+        check_resume(out, saved_config, config, saved_state.get("target"), target_info)
+        config = saved_config
 
     # ---- data: the target's own greedy responses, cached and resumable ----
     prompts = read_prompts(args.data, text_prompt_lines=args.text_prompt_lines)
@@ -360,20 +362,27 @@ def train(args: TrainingArgs) -> DraftModel | None:
         ]
     else:
         eval_prompts = [ex["prompt_ids"] for ex in (val_ex or train_ex)[: args.eval_prompts]]
+    if val_ex:
+        no_val = ""
+    elif args.val_examples == 0:
+        no_val = "no held-out set for a validation loss (--val-examples 0; pass --val-examples N for one)"
+    else:
+        no_val = (
+            f"no held-out set for a validation loss: {len(examples)} usable examples, and one in five at most "
+            "is held out; pass more prompts with --data (or a larger --max-prompts)"
+        )
     print(
-        f"data: {len(train_ex)} train / {len(val_ex)} val examples, {len(eval_prompts)} eval prompts",
+        f"data: {len(train_ex)} train / {len(val_ex)} val examples, {len(eval_prompts)} eval prompts"
+        + (f"; {no_val}" if no_val else ""),
         flush=True,
     )
 
     # ---- drafter, optimizer, optional resume ----
-    resuming = args.resume and (out / STATE_DIR / "state.json").is_file()
     mx.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    if resuming:
-        draft = load_draft(out, dtype=args.dtype)
-        config = json.loads((out / "config.json").read_text())
+    if checkpoint is not None:
+        draft = load_draft(checkpoint[1], dtype=args.dtype)
     else:
-        config = draft_config(target, tokenizer, args)
         draft = DraftModel(ModelArgs.from_dict(config))
         draft.set_dtype(DTYPES[args.dtype])
     draft.train()
@@ -383,13 +392,17 @@ def train(args: TrainingArgs) -> DraftModel | None:
     )
     optimizer.init(draft.trainable_parameters())
     start = 0
-    if resuming:
-        start, rng_state = _load_state(out, optimizer)
+    if checkpoint is not None:
+        start, rng_state = load_state(checkpoint[0], optimizer)
         optimizer.init(draft.trainable_parameters())
         rng.bit_generator.state = rng_state
-        print(f"resumed from {out} at step {start}", flush=True)
+        print(f"resumed from {checkpoint[0]} at step {start}", flush=True)
     n_params = sum(v.size for _, v in tree_flatten(draft.trainable_parameters()))
-    print(f"drafter: {args.num_layers} layers, {n_params / 1e6:.2f}M trainable, taps {tap_ids}", flush=True)
+    print(
+        f"drafter: {draft.args.num_hidden_layers} layers, block size {B}, {n_params / 1e6:.2f}M trainable, "
+        f"taps {tap_ids}",
+        flush=True,
+    )
 
     weights = position_weights(B, args.loss_decay)
     batch_kwargs = dict(
@@ -452,35 +465,39 @@ def train(args: TrainingArgs) -> DraftModel | None:
             "acceptance": mean,
             "hist": hist,
         }
-        print(f"eval step {step}: val loss {record['val_loss']}, acceptance {mean:.2f} {hist}", flush=True)
+        val_text = f"val loss {record['val_loss']:.4f}" if val else "no val loss (no held-out set)"
+        print(f"eval step {step}: {val_text}, acceptance {mean:.2f} {hist}", flush=True)
         return record
 
     # ---- the loop ----
     out.mkdir(parents=True, exist_ok=True)
-    metrics = open(out / "metrics.jsonl", "a")
     tic, tokens_done, losses = time.perf_counter(), 0, []
-    for it in range(start, min(args.iters, args.stop_at or args.iters)):
-        optimizer.learning_rate = get_lr(it, args)
-        batch = _to_mx(make_batch(train_ex, rng, **batch_kwargs))
-        taps = taps_for(batch, train_ex)
-        loss = step_fn(taps, *[batch[k] for k in _KEYS])
-        mx.eval(loss, state)
-        losses.append(loss.item())
-        tokens_done += int(batch["weights"].size)
-        step = it + 1
-        if step % args.log_every == 0 or step == args.iters:
-            elapsed = time.perf_counter() - tic
-            eta = elapsed / (step - start) * (args.iters - step)
-            # The mean training loss since the last progress line.
-            loss, losses = float(np.mean(losses)), []
-            _progress(step, args.iters, loss, tokens_done / elapsed, eta)
-            metrics.write(json.dumps({"step": step, "loss": loss, "lr": get_lr(it, args)}) + "\n")
-        if (args.eval_every and step % args.eval_every == 0) or step == args.iters:
-            metrics.write(json.dumps(run_eval(step)) + "\n")
-        if step % args.save_every == 0 or step in (args.iters, args.stop_at):
-            save_checkpoint(out, draft, config, optimizer, step, rng, args)
-        metrics.flush()
-    metrics.close()
+    save = partial(save_checkpoint, out, draft, config, optimizer, rng=rng, args=args, target=target_info)
+    last = min(args.iters, args.stop_at or args.iters)
+    with open(out / "metrics.jsonl", "a") as metrics, interrupt_after_step() as interrupted:
+        for it in range(start, last):
+            optimizer.learning_rate = get_lr(it, args)
+            batch = _to_mx(make_batch(train_ex, rng, **batch_kwargs))
+            taps = taps_for(batch, train_ex)
+            loss = step_fn(taps, *[batch[k] for k in _KEYS])
+            mx.eval(loss, state)
+            losses.append(loss.item())
+            tokens_done += int(batch["weights"].size)
+            step = it + 1
+            if step % args.log_every == 0 or step == args.iters:
+                elapsed = time.perf_counter() - tic
+                eta = elapsed / (step - start) * (args.iters - step)
+                # The mean training loss since the last progress line.
+                loss, losses = float(np.mean(losses)), []
+                _progress(step, args.iters, loss, tokens_done / elapsed, eta)
+                metrics.write(json.dumps({"step": step, "loss": loss, "lr": get_lr(it, args)}) + "\n")
+            if (args.eval_every and step % args.eval_every == 0) or step == args.iters:
+                metrics.write(json.dumps(run_eval(step)) + "\n")
+            if step % args.save_every == 0 or step in (args.iters, args.stop_at) or interrupted:
+                save(step=step)
+            metrics.flush()
+            if interrupted and step < last:
+                raise TrainingInterrupted(step, out)
     draft.eval()
     return draft
 
@@ -488,11 +505,19 @@ def train(args: TrainingArgs) -> DraftModel | None:
 _KEYS = ("blocks", "anchors", "starts", "labels", "weights")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    # A help text that already says its default (or has none worth saying) is shown as it is.
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash-train",
         description="Train a DFlash drafter for an mlx-lm target.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     for f in dataclasses.fields(TrainingArgs):
         flag, help_text = "--" + f.name.replace("_", "-"), f.metadata["help"]
@@ -518,6 +543,19 @@ def main(argv: list[str] | None = None) -> None:
     except DFlashError as e:
         print(f"dflash-train: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except TrainingInterrupted as e:
+        print(f"dflash-train: interrupted at step {e.step}; saved to {e.out}; rerun with --resume to continue",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(130)
+    except KeyboardInterrupt:
+        checkpoint = latest_checkpoint(Path(args.out)) if Path(args.out).is_dir() else None
+        if checkpoint is None:
+            saved = "no checkpoint saved (the response cache keeps the responses generated so far)"
+        else:
+            step = json.loads((checkpoint[0] / "state.json").read_text())["step"]
+            saved = f"the last checkpoint in {args.out} is at step {step}; rerun with --resume to continue"
+        print(f"dflash-train: interrupted; {saved}", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
