@@ -30,7 +30,7 @@ from mlx_lm.utils import load_tokenizer
 
 from .. import __version__
 from .. import target as tgt
-from ..drafter import DraftModel
+from ..drafter import DraftModel, save_draft
 from ..errors import DFlashError
 from ..generate import apply_chat_template, dflash_generate_step
 from ..loading import (
@@ -47,7 +47,8 @@ from ..loading import (
     resolve,
 )
 from .. import registry
-from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft, save_draft
+from ..progress import Progress
+from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft
 
 # Affine bit widths mlx-lm can quantize a target to.
 TARGET_Q_BITS = (2, 3, 4, 5, 6, 8)
@@ -92,34 +93,6 @@ class ConvertResult:
     target: str
     draft: str
     check: CheckResult | None
-
-
-class _Progress:
-    """A plain-text progress bar on stderr: one line per stage, redrawn in place on a terminal."""
-
-    def __init__(self, total: int, enabled: bool = True, width: int = 24):
-        self.total, self.done, self.enabled, self.width = total, 0, enabled, width
-        self.tty = sys.stderr.isatty()
-        self.start = time.perf_counter()
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        self.show(label)
-
-    def show(self, label: str) -> None:
-        if not self.enabled:
-            return
-        filled = self.width * min(self.done, self.total) // self.total
-        bar = "#" * filled + "-" * (self.width - filled)
-        line = f"[{bar}] {self.done}/{self.total} {label} ({time.perf_counter() - self.start:.1f}s)"
-        if self.tty:
-            print(f"\r\033[K{line}", end="", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            print(file=sys.stderr)
 
 
 def _check_arguments(
@@ -379,9 +352,9 @@ def convert(
     _check_arguments(quantize, q_group_size, q_bits, dtype, draft_q_bits, draft_q_group_size, check_tokens)
     dest = Path(mlx_path).expanduser()
     _check_destination(dest, force)
-    progress = _Progress(total=6 if check else 5, enabled=verbose)
+    progress = Progress(6 if check else 5, enabled=verbose)
     try:
-        progress.show("resolving the models")
+        progress.update(0, "resolving the models")
         target_src, target_config = _target_source(hf_path, revision)
         if quantize and "quantization" in target_config:
             raise DFlashError(f"{hf_path} is already quantized; drop -q/--quantize to convert it as it is.")
@@ -417,7 +390,7 @@ def convert(
             if draft_q_bits:
                 quantization = quantize_draft(draft, draft_q_bits, draft_q_group_size)
             config = normalized_config(draft_config, draft, dtype=draft_dtype, quantization=quantization)
-            save_draft(tmp / "draft", draft, config)
+            save_draft(draft, config, tmp / "draft")
             del draft
 
             target_quant = json.loads((tmp / "target" / "config.json").read_text()).get("quantization")

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from . import __version__
 from . import target as tgt

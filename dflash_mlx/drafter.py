@@ -6,12 +6,14 @@ conditioned on the target's hidden states (the "taps"), which are projected once
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.rope_utils import initialize_rope
+from mlx_lm.utils import save_config, save_model
 
 from . import kernels, steps
 from .backend import CpuSpeedups
@@ -308,3 +310,13 @@ class DraftModel(nn.Module):
                 continue
             out[k] = v
         return out
+
+
+def save_draft(draft: DraftModel, config: dict[str, Any], path: Path) -> None:
+    """Write a drafter as the z-lab layout ``load`` reads: ``config.json`` + safetensors.
+
+    The one writer of this format (dflash-convert and dflash-train both use it), on mlx-lm's
+    own writers; the weights keep their dtype (and quantization, given in ``config``).
+    """
+    save_model(path, draft)
+    save_config(dict(config), path / "config.json")

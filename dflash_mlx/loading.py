@@ -12,7 +12,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
@@ -241,22 +240,15 @@ def load_draft(
             bits=q["bits"],
             class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
         )
-    expected = dict(tree_flatten(draft.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
+    try:
+        draft.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        # MLX names the missing, unexpected or misshapen parameters.
+        detail = " ".join(str(e).split())
         raise DFlashError(
-            f"The drafter weights in {path} do not match its config: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}. Re-download or re-convert the drafter."
-        )
-    bad = [k for k, v in weights.items() if v.shape != expected[k].shape]
-    if bad:
-        k = bad[0]
-        raise DFlashError(
-            f"The drafter weight {k} in {path} has shape {weights[k].shape}, but its config "
-            f"implies {expected[k].shape}. The config and the weights do not belong together."
-        )
-    draft.load_weights(list(weights.items()))
+            f"The drafter weights in {path} do not match its config ({detail}). The config and the "
+            "weights do not belong together: re-download or re-convert the drafter."
+        ) from e
     if dtype is not None:
         _cast(draft, dtype)
     mx.eval(draft.parameters())

@@ -36,6 +36,7 @@ from .backend import cpu_speedups
 from .drafter import DraftModel, ModelArgs, default_target_layer_ids
 from .errors import DFlashError
 from .generate import dflash_generate_step
+from .progress import Progress
 from .loading import (
     DTYPES,
     MASK_TOKENS,
@@ -281,33 +282,9 @@ def evaluate_acceptance(
     return sum(k * v for k, v in hist.items()) / max(cycles, 1), dict(sorted(hist.items()))
 
 
-def _progress(step: int, total: int, loss: float, tps: float, eta_s: float) -> None:
-    filled = int(20 * step / total)
-    line = (
-        f"[{'#' * filled}{'.' * (20 - filled)}] {step}/{total} loss {loss:.3f} "
-        f"{tps:,.0f} tok/s ETA {int(eta_s) // 60}m{int(eta_s) % 60:02d}s"
-    )
-    if sys.stdout.isatty():
-        print("\r" + line, end="\n" if step == total else "", flush=True)
-    else:
-        print(line, flush=True)
-
-
-def train(args: TrainingArgs) -> DraftModel | None:
-    """Generate (or read) the data, then train and save a drafter for ``args.model``.
-
-    Returns:
-        The trained drafter (also saved in ``args.out``), or None with ``data_only``.
-
-    Raises:
-        DFlashError: On bad arguments, data or models; an ``out`` that holds other files than
-          the response cache without ``resume``; ``resume`` without a checkpoint in ``out``, or
-          with drafter settings or a target other than the checkpoint's.
-        TrainingInterrupted: On Ctrl+C in the loop, once the current step is saved.
-    """
-    _check_args(args)
-    out = Path(args.out)
-    checkpoint = check_out(out, args.resume, args.data_only)
+def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
+    """The frozen target, its tokenizer, the drafter config (the checkpoint's when resuming)
+    and the target's record for the checkpoint; bad settings fail here, before any data."""
     target_path = resolve(args.model, what="target") if args.model else default_pair_path() / "target"
     if is_drafter_config(read_config(target_path, "target")):
         raise DFlashError(
@@ -317,7 +294,6 @@ def train(args: TrainingArgs) -> DraftModel | None:
     target, tokenizer = load_target(target_path, dtype=args.dtype)
     tgt.check_supported(target)
     target.freeze()
-    stop_tokens = frozenset(tokenizer.eos_token_ids)
     # Built before the data step, so that bad drafter settings fail before it runs.
     config = None if args.data_only else draft_config(target, tokenizer, args)
     target_info = target_record(target_path)
@@ -327,7 +303,19 @@ def train(args: TrainingArgs) -> DraftModel | None:
         check_resume(out, saved_config, config, saved_state.get("target"), target_info)
         config = saved_config
 
-    # ---- data: the target's own greedy responses, cached and resumable ----
+    return target, tokenizer, config, target_info
+
+
+@dataclass
+class _Data:
+    train: list[dict]
+    val: list[dict]
+    eval_prompts: list[list[int]]
+
+
+def _training_data(args: TrainingArgs, target: nn.Module, tokenizer, out: Path) -> _Data | None:
+    """The target's own greedy responses (cached and resumable), split into training and
+    held-out examples, and the prompts the acceptance is evaluated on; None with data_only."""
     prompts = read_prompts(args.data, text_prompt_lines=args.text_prompt_lines)
     if args.responses == "generate":
         cache = args.cache or out / "data.jsonl"
@@ -377,7 +365,12 @@ def train(args: TrainingArgs) -> DraftModel | None:
         flush=True,
     )
 
-    # ---- drafter, optimizer, optional resume ----
+    return _Data(train_ex, val_ex, eval_prompts)
+
+
+def _drafter_and_optimizer(args: TrainingArgs, config: dict, checkpoint) -> tuple:
+    """A fresh drafter from ``config``, or the checkpoint's with its optimizer state, step and
+    data RNG."""
     mx.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
     if checkpoint is not None:
@@ -386,7 +379,6 @@ def train(args: TrainingArgs) -> DraftModel | None:
         draft = DraftModel(ModelArgs.from_dict(config))
         draft.set_dtype(DTYPES[args.dtype])
     draft.train()
-    B, mask_id, tap_ids = draft.block_size, draft.mask_token_id, draft.target_layer_ids
     optimizer = optim.AdamW(
         learning_rate=args.learning_rate, betas=[0.9, 0.95], weight_decay=args.weight_decay
     )
@@ -399,11 +391,19 @@ def train(args: TrainingArgs) -> DraftModel | None:
         print(f"resumed from {checkpoint[0]} at step {start}", flush=True)
     n_params = sum(v.size for _, v in tree_flatten(draft.trainable_parameters()))
     print(
-        f"drafter: {draft.args.num_hidden_layers} layers, block size {B}, {n_params / 1e6:.2f}M trainable, "
-        f"taps {tap_ids}",
+        f"drafter: {draft.args.num_hidden_layers} layers, block size {draft.block_size}, "
+        f"{n_params / 1e6:.2f}M trainable, taps {draft.target_layer_ids}",
         flush=True,
     )
 
+    return draft, optimizer, start, rng
+
+
+def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data, config, target_info):
+    """The optimizer steps, with progress lines, evaluations and checkpoints."""
+    B, mask_id, tap_ids = draft.block_size, draft.mask_token_id, draft.target_layer_ids
+    train_ex, val_ex, eval_prompts = data.train, data.val, data.eval_prompts
+    stop_tokens = frozenset(tokenizer.eos_token_ids)
     weights = position_weights(B, args.loss_decay)
     batch_kwargs = dict(
         batch_size=args.batch_size,
@@ -474,6 +474,7 @@ def train(args: TrainingArgs) -> DraftModel | None:
     tic, tokens_done, losses = time.perf_counter(), 0, []
     save = partial(save_checkpoint, out, draft, config, optimizer, rng=rng, args=args, target=target_info)
     last = min(args.iters, args.stop_at or args.iters)
+    bar = Progress(args.iters, width=20, stream=sys.stdout)
     with open(out / "metrics.jsonl", "a") as metrics, interrupt_after_step() as interrupted:
         for it in range(start, last):
             optimizer.learning_rate = get_lr(it, args)
@@ -489,7 +490,8 @@ def train(args: TrainingArgs) -> DraftModel | None:
                 eta = elapsed / (step - start) * (args.iters - step)
                 # The mean training loss since the last progress line.
                 loss, losses = float(np.mean(losses)), []
-                _progress(step, args.iters, loss, tokens_done / elapsed, eta)
+                eta_text = f"{int(eta) // 60}m{int(eta) % 60:02d}s"
+                bar.update(step, f"loss {loss:.3f} {tokens_done / elapsed:,.0f} tok/s ETA {eta_text}", elapsed=False)
                 metrics.write(json.dumps({"step": step, "loss": loss, "lr": get_lr(it, args)}) + "\n")
             if (args.eval_every and step % args.eval_every == 0) or step == args.iters:
                 metrics.write(json.dumps(run_eval(step)) + "\n")
@@ -498,8 +500,34 @@ def train(args: TrainingArgs) -> DraftModel | None:
             metrics.flush()
             if interrupted and step < last:
                 raise TrainingInterrupted(step, out)
+    bar.close()
     draft.eval()
     return draft
+
+
+
+
+def train(args: TrainingArgs) -> DraftModel | None:
+    """Generate (or read) the data, then train and save a drafter for ``args.model``.
+
+    Returns:
+        The trained drafter (also saved in ``args.out``), or None with ``data_only``.
+
+    Raises:
+        DFlashError: On bad arguments, data or models; an ``out`` that holds other files than
+          the response cache without ``resume``; ``resume`` without a checkpoint in ``out``, or
+          with drafter settings or a target other than the checkpoint's.
+        TrainingInterrupted: On Ctrl+C in the loop, once the current step is saved.
+    """
+    _check_args(args)
+    out = Path(args.out)
+    checkpoint = check_out(out, args.resume, args.data_only)
+    target, tokenizer, config, target_info = _target_and_config(args, out, checkpoint)
+    data = _training_data(args, target, tokenizer, out)
+    if data is None:
+        return None
+    draft, optimizer, start, rng = _drafter_and_optimizer(args, config, checkpoint)
+    return _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data, config, target_info)
 
 
 _KEYS = ("blocks", "anchors", "starts", "labels", "weights")

@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from .drafter import DraftModel
+from .drafter import save_draft
 from .errors import DFlashError
 from .loading import read_config
 
@@ -35,17 +35,6 @@ class TrainingInterrupted(KeyboardInterrupt):
     def __init__(self, step: int, out: Path):
         super().__init__(f"interrupted at step {step}; saved to {out}")
         self.step, self.out = step, out
-
-
-def save_draft(draft: DraftModel, config: dict, out: Path) -> None:
-    """Save ``config.json`` + ``model.safetensors`` (float32) in the z-lab layout ``load`` reads.
-
-    Writes into ``out`` as it goes: pass a new folder, as :func:`save_checkpoint` does.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(mx.float32) for k, v in tree_flatten(draft.parameters())}
-    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def latest_checkpoint(out: Path) -> tuple[Path, Path] | None:
