@@ -23,6 +23,7 @@ import mlx.core as mx
 from . import __version__
 from . import target as tgt
 from .backend import cpu_speedups
+from .chat_template import has_chat_template, render_chat
 from .errors import DFlashError
 from .generate import stream_generate
 from .lookup import PromptLookup
@@ -154,8 +155,8 @@ def _prompt_rows(prompts: str, limit: int | None) -> list[dict]:
 
 def encode(tokenizer, row: dict) -> list[int]:
     messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-    if getattr(tokenizer, "chat_template", None) and not row.get("raw", False):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    if has_chat_template(tokenizer) and not row.get("raw", False):
+        return render_chat(tokenizer, messages)
     return tokenizer.encode(row.get("prompt") or messages[-1]["content"])
 
 
