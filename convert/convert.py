@@ -14,7 +14,9 @@ import io
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -24,11 +26,11 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.convert import convert as mlx_lm_convert
 from mlx_lm.generate import generate_step
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import load_tokenizer
 
 from .. import __version__
 from .. import target as tgt
-from ..drafter import DraftModel
+from ..drafter import DraftModel, save_draft
 from ..errors import DFlashError
 from ..generate import apply_chat_template, dflash_generate_step
 from ..loading import (
@@ -39,12 +41,14 @@ from ..loading import (
     known_draft,
     load,
     load_draft,
+    load_target_model,
     read_config,
     read_pair_manifest,
     resolve,
 )
 from .. import registry
-from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft, save_draft
+from ..progress import Progress
+from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft
 
 # Affine bit widths mlx-lm can quantize a target to.
 TARGET_Q_BITS = (2, 3, 4, 5, 6, 8)
@@ -89,34 +93,6 @@ class ConvertResult:
     target: str
     draft: str
     check: CheckResult | None
-
-
-class _Progress:
-    """A plain-text progress bar on stderr: one line per stage, redrawn in place on a terminal."""
-
-    def __init__(self, total: int, enabled: bool = True, width: int = 24):
-        self.total, self.done, self.enabled, self.width = total, 0, enabled, width
-        self.tty = sys.stderr.isatty()
-        self.start = time.perf_counter()
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        self.show(label)
-
-    def show(self, label: str) -> None:
-        if not self.enabled:
-            return
-        filled = self.width * min(self.done, self.total) // self.total
-        bar = "#" * filled + "-" * (self.width - filled)
-        line = f"[{bar}] {self.done}/{self.total} {label} ({time.perf_counter() - self.start:.1f}s)"
-        if self.tty:
-            print(f"\r\033[K{line}", end="", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            print(file=sys.stderr)
 
 
 def _check_arguments(
@@ -260,6 +236,48 @@ def check_converted(path: Path, prompt: str = CHECK_PROMPT, max_tokens: int = 32
     )
 
 
+def _check_destination(dest: Path, force: bool) -> bool:
+    """Whether writing ``dest`` replaces an earlier pair; refuses what ``force`` may not replace.
+
+    Only a pair folder that dflash-convert wrote (it holds ``dflash_pair.json``) is ever
+    replaced: a folder of other files, or a file, stays untouched, ``force`` or not.
+    """
+    full, here = dest.resolve(), Path.cwd().resolve()
+    if full == here or full in here.parents:
+        raise DFlashError(f"--mlx-path {dest} is the current folder or holds it; pass a new folder for the pair.")
+    if not (dest.exists() or dest.is_symlink()):
+        ancestor = next(p for p in full.parents if p.exists())
+        if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+            what = "is not a folder" if not ancestor.is_dir() else "is not writable"
+            raise DFlashError(f"Cannot create --mlx-path {dest}: {ancestor} {what}. Pass another --mlx-path.")
+        return False
+    if not (dest.is_dir() and (dest / PAIR_MANIFEST).is_file()):
+        what = "a folder that dflash-convert did not write (no dflash_pair.json)" if dest.is_dir() else "not a folder"
+        raise DFlashError(
+            f"--mlx-path {dest} already exists and is {what}; it is never replaced, --force or not. "
+            "Pass a new folder with --mlx-path."
+        )
+    if not force:
+        raise DFlashError(
+            f"{dest} already exists. Choose another --mlx-path, or pass --force to replace it "
+            "(the old pair is kept until the new one is complete and has passed its check)."
+        )
+    return True
+
+
+@contextlib.contextmanager
+def _uninterrupted():
+    """Ignore Ctrl+C for a few renames or a clean-up, so that they are never cut halfway."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+
+
 def _install(tmp: Path, dest: Path) -> None:
     """Move the finished ``tmp`` to ``dest``; an old ``dest`` is removed only after that succeeds."""
     old = None
@@ -295,6 +313,7 @@ def convert(
     check_prompt: str = CHECK_PROMPT,
     check_tokens: int = 32,
     verbose: bool = True,
+    allow_failed_check: bool = False,
 ) -> ConvertResult:
     """Convert a Hugging Face target and its DFlash drafter to one MLX pair folder.
 
@@ -311,31 +330,31 @@ def convert(
         draft_q_bits: Quantize the drafter to 8 or 4 bits; None keeps it in ``dtype``.
         draft_q_group_size: Drafter quantization group size.
         revision: Hub revision of the target (and of an explicitly given drafter).
-        force: Replace an existing ``mlx_path``; the old folder is kept until the new one
-          is complete.
+        force: Replace an existing pair folder at ``mlx_path`` (one that dflash-convert wrote;
+          anything else is never replaced). The old pair is kept until the new one is complete
+          and has passed its check.
         check: Load the result and compare greedy DFlash output with the target's own.
         check_prompt: The prompt of that check.
         check_tokens: Tokens generated by the check.
         verbose: Print progress on stderr.
+        allow_failed_check: With ``force``, replace the old pair even when the new one fails
+          its check. Without an old pair, a pair that fails its check is written anyway.
 
     Returns:
         ConvertResult: The folder, the sources and the check result.
 
     Raises:
-        DFlashError: On a bad argument, an existing ``mlx_path`` without ``force``, a missing
+        DFlashError: On a bad argument, an existing ``mlx_path`` without ``force`` or one that
+          is not a pair folder, a new pair failing its check while replacing an old one, a missing
           or non-model folder, a drafter given as target or the reverse, an unknown target
           without a drafter, or a drafter made for another target.
     """
     _check_arguments(quantize, q_group_size, q_bits, dtype, draft_q_bits, draft_q_group_size, check_tokens)
     dest = Path(mlx_path).expanduser()
-    if (dest.exists() or dest.is_symlink()) and not force:
-        raise DFlashError(
-            f"{dest} already exists. Choose another --mlx-path, or pass --force to replace it "
-            "(the old folder is kept until the new pair is complete)."
-        )
-    progress = _Progress(total=6 if check else 5, enabled=verbose)
+    _check_destination(dest, force)
+    progress = Progress(6 if check else 5, enabled=verbose)
     try:
-        progress.show("resolving the models")
+        progress.update(0, "resolving the models")
         target_src, target_config = _target_source(hf_path, revision)
         if quantize and "quantization" in target_config:
             raise DFlashError(f"{hf_path} is already quantized; drop -q/--quantize to convert it as it is.")
@@ -371,7 +390,7 @@ def convert(
             if draft_q_bits:
                 quantization = quantize_draft(draft, draft_q_bits, draft_q_group_size)
             config = normalized_config(draft_config, draft, dtype=draft_dtype, quantization=quantization)
-            save_draft(tmp / "draft", draft, config)
+            save_draft(draft, config, tmp / "draft")
             del draft
 
             target_quant = json.loads((tmp / "target" / "config.json").read_text()).get("quantization")
@@ -396,11 +415,21 @@ def convert(
                 result = check_converted(tmp, prompt=check_prompt, max_tokens=check_tokens)
                 manifest["check"] = asdict(result)
                 _write_manifest(tmp, manifest)
+            # Asked again: the destination may have appeared during the conversion.
+            replacing = _check_destination(dest, force)
+            if replacing and result is not None and not result.tokens_match and not allow_failed_check:
+                raise DFlashError(
+                    f"The new pair failed its check (greedy DFlash differs from the target's own output from "
+                    f"token {result.first_mismatch}), so the pair in {dest} was kept. Pass --allow-failed-check "
+                    "to replace it anyway (in bf16 or quantized, a near-tie may round differently)."
+                )
             progress.step("moving the pair into place")
-            _install(tmp, dest)
+            with _uninterrupted():
+                _install(tmp, dest)
         except BaseException:
             # Covers Ctrl-C too: nothing half-written may stay next to the destination.
-            shutil.rmtree(tmp, ignore_errors=True)
+            with _uninterrupted():
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
         progress.step(f"done: {dest}")
     finally:
@@ -415,12 +444,12 @@ def _load_checked_draft(target_src: Path, draft_src: Path, dtype: str | None) ->
             f"No *.safetensors weights in {target_src}: the target must be a model folder with "
             "safetensors weights. Re-download it, or convert its .bin weights to safetensors first."
         )
+    # Lazy: the target's weights are never read here, only its config and layer count.
+    target_skeleton, _ = load_target_model(target_src, lazy=True)
     try:
-        # Lazy: the target's weights are never read here, only its config and layer count.
-        target_skeleton, _ = load_model(target_src, lazy=True)
         tokenizer = load_tokenizer(target_src)
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
-        raise DFlashError(f"Could not load the target from {target_src} ({type(e).__name__}: {e}).") from e
+        raise DFlashError(f"Could not load the tokenizer from {target_src} ({type(e).__name__}: {e}).") from e
     draft = load_draft(draft_src, num_target_layers=tgt.num_layers(target_skeleton), dtype=dtype)
     # Also fills a missing mask_token_id from the tokenizer, for the normalized config.
     check_pair(target_skeleton, draft, tokenizer)
@@ -471,7 +500,16 @@ def configure_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--draft-q-group-size", type=int, default=64, help="Drafter quantization group size.")
     parser.add_argument("--revision", default=None, help="Hub revision of the target.")
-    parser.add_argument("--force", action="store_true", help="Replace an existing --mlx-path.")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="Replace an earlier pair folder at --mlx-path (only one that dflash-convert wrote).",
+    )
+    parser.add_argument(
+        "--allow-failed-check",
+        action="store_true",
+        help="With --force, replace the old pair even if the new one fails its check.",
+    )
     parser.add_argument(
         "--no-check", dest="check", action="store_false", help="Skip loading and checking the converted pair."
     )
@@ -496,6 +534,9 @@ def main(argv: list[str] | None = None) -> None:
     except DFlashError as e:
         print(f"dflash-convert: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print("dflash-convert: interrupted; nothing written", file=sys.stderr)
+        sys.exit(130)
     print(f"Wrote the DFlash pair to {result.path}")
     print(f"  target: {result.target}")
     print(f"  draft:  {result.draft}")
@@ -508,8 +549,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         if not c.tokens_match:
             print(
-                "dflash-convert: warning: greedy DFlash output differs from the target's own. At float32 this "
-                "is a bug; in bf16 or quantized, a near-tie may round differently in a multi-token pass.",
+                "dflash-convert: warning: the pair was written, but it failed its check: greedy DFlash output "
+                "differs from the target's own. At float32 this is a bug; in bf16 or quantized, a near-tie may "
+                "round differently in a multi-token pass.",
                 file=sys.stderr,
             )
     print(f"Use it: dflash-generate --model {result.path}")

@@ -12,6 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache
 
+from .drafter import DraftModel
+from .errors import DFlashError
+
 
 def make_draft_cache(draft: nn.Module) -> list[KVCache]:
     return [KVCache() for _ in draft.layers]
@@ -53,6 +56,11 @@ class DFlashCache:
             n += 1
         return n
 
+    def trim_target(self, n: int) -> None:
+        """Forget the target's last ``n`` entries (a verified block's rejected drafts)."""
+        for c in self.target:
+            c.trim(n)
+
     def trim_to(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens."""
         length = max(0, min(length, len(self.tokens)))
@@ -85,14 +93,17 @@ class DFlashCache:
 def make_cache(target: nn.Module, draft: nn.Module | None = None) -> DFlashCache:
     """A fresh cache for ``target`` (and ``draft`` if given).
 
+    ``draft`` may also be any other proposer (prompt lookup): only a DFlash drafter keeps
+    a context cache of its own.
+
     Raises:
-        ValueError: If the target's cache cannot be rolled back (e.g. a rotating window).
+        DFlashError: If the target's cache cannot be rolled back (e.g. a rotating window).
     """
     target_cache = make_prompt_cache(target)
     if not can_trim_prompt_cache(target_cache):
         types = {type(c).__name__ for c in target_cache if not c.is_trimmable()}
-        raise ValueError(
+        raise DFlashError(
             f"DFlash needs a trimmable target cache (got {sorted(types)}). "
             "Use a target with full attention layers."
         )
-    return DFlashCache(target_cache, make_draft_cache(draft) if draft is not None else None)
+    return DFlashCache(target_cache, make_draft_cache(draft) if isinstance(draft, DraftModel) else None)

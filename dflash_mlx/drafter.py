@@ -6,14 +6,17 @@ conditioned on the target's hidden states (the "taps"), which are projected once
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.rope_utils import initialize_rope
+from mlx_lm.utils import save_config, save_model
 
 from . import kernels, steps
+from .backend import CpuSpeedups
 from . import target as tgt
 
 # Keys of the published checkpoints that may live under "dflash_config".
@@ -116,6 +119,7 @@ class Attention(nn.Module):
         cache: Any | None = None,
         mask: mx.array | None = None,
         block_offset: int | mx.array | None = None,
+        use_kernel: bool = False,
     ) -> mx.array:
         B, L, _ = x.shape
         ctx_offset = cache.offset if cache is not None else 0
@@ -129,10 +133,12 @@ class Attention(nn.Module):
 
         k_ctx = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), ctx_offset)
         v_ctx = self._heads(self.v_proj(ctx), self.n_kv_heads)
-        out = self.attend(q, k, v, k_ctx, v_ctx, cache, mask)
+        out = self.attend(q, k, v, k_ctx, v_ctx, cache, mask, use_kernel)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def attend(self, q, k, v, k_ctx, v_ctx, cache: Any | None, mask: mx.array | None) -> mx.array:
+    def attend(
+        self, q, k, v, k_ctx, v_ctx, cache: Any | None, mask: mx.array | None, use_kernel: bool = False
+    ) -> mx.array:
         """The block's queries over the cached context, the new context and the block
         itself, all ``(B, heads, length, D)``; returns ``(B, n_heads, L, D)``."""
         B = q.shape[0]
@@ -149,7 +155,7 @@ class Attention(nn.Module):
         values = mx.concatenate([v_ctx, v], axis=2)
 
         # No causal mask: the block attends to the whole context and to itself both ways.
-        return kernels.attention(q, keys, values, self.scale, mask)
+        return kernels.attention(q, keys, values, self.scale, mask, use_kernel=use_kernel)
 
 
 class MLP(nn.Module):
@@ -159,8 +165,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+    def __call__(self, x: mx.array, use_kernel: bool = False) -> mx.array:
+        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x), use_kernel))
 
 
 class DecoderLayer(nn.Module):
@@ -171,33 +177,34 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, h, ctx, cache=None, mask=None, block_offset=None) -> mx.array:
-        if cache is not None and mask is None and block_offset is None and self._compiled_steps(h):
-            return self._compiled_call(h, ctx, cache)
+    def __call__(self, h, ctx, cache=None, mask=None, block_offset=None, speedups=None) -> mx.array:
+        if cache is not None and mask is None and block_offset is None and self._compiled_steps(h, speedups):
+            return self._compiled_call(h, ctx, cache, speedups)
+        kernel = speedups is not None and speedups.kernels
         # The context is used as it comes out of hidden_norm, not re-normed per layer.
-        h = h + self.self_attn(self.input_layernorm(h), ctx, cache, mask, block_offset)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cache, mask, block_offset, kernel)
+        return h + self.mlp(self.post_attention_layernorm(h), kernel)
 
-    def _compiled_steps(self, h: mx.array) -> bool:
-        # Drafting on MLX's CPU backend (float32): the same operations as below, compiled
+    def _compiled_steps(self, h: mx.array, speedups: CpuSpeedups | None) -> bool:
+        # Drafting with the CPU speedups (float32): the same operations as below, compiled
         # around the attention (dflash_mlx.steps). Training (no cache) stays as written.
         attn = self.self_attn
         return (
-            h.dtype == mx.float32
-            and kernels.cpu_default()
+            speedups is not None
+            and h.dtype == mx.float32
             and steps.plain_layer(attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
         )
 
-    def _compiled_call(self, h: mx.array, ctx: mx.array, cache: Any) -> mx.array:
+    def _compiled_call(self, h: mx.array, ctx: mx.array, cache: Any, speedups: CpuSpeedups) -> mx.array:
         attn = self.self_attn
         ctx_offset = cache.offset
-        q, k, v = steps.before(attn, self.input_layernorm, h, ctx_offset + ctx.shape[1])
+        q, k, v = steps.before(attn, self.input_layernorm, h, ctx_offset + ctx.shape[1], speedups)
         if ctx.shape[1] > 0:
-            k_ctx, v_ctx = steps.key_values(attn, ctx, ctx_offset)
+            k_ctx, v_ctx = steps.key_values(attn, ctx, ctx_offset, speedups)
         else:
             k_ctx = v_ctx = mx.zeros((ctx.shape[0], attn.n_kv_heads, 0, attn.head_dim), dtype=h.dtype)
-        out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None)
-        return steps.after(attn, self.mlp, self.post_attention_layernorm, out, h)
+        out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None, speedups.kernels)
+        return steps.after(attn, self.mlp, self.post_attention_layernorm, out, h, speedups)
 
 
 class DraftModel(nn.Module):
@@ -236,6 +243,7 @@ class DraftModel(nn.Module):
         cache: list[Any] | None = None,
         mask: mx.array | None = None,
         block_offset: int | mx.array | None = None,
+        speedups: CpuSpeedups | None = None,
     ) -> mx.array:
         """Run the drafter on one block per batch row.
 
@@ -247,6 +255,8 @@ class DraftModel(nn.Module):
             mask: Optional attention mask over ``[context, block]`` keys (training).
             block_offset: Position of the block's first token; defaults to right after
               the context. An array of shape ``(B,)`` gives each row its own position.
+            speedups: The CPU speedups (:func:`dflash_mlx.backend.cpu_speedups`); None runs
+              MLX's native ops.
 
         Returns:
             ``(B, L, H)`` normed hidden states of the block.
@@ -261,7 +271,7 @@ class DraftModel(nn.Module):
         if cache is None:
             cache = [None] * len(self.layers)
         for layer, c in zip(self.layers, cache):
-            h = layer(h, ctx, c, mask, block_offset)
+            h = layer(h, ctx, c, mask, block_offset, speedups)
         return self.norm(h)
 
     def propose(
@@ -270,7 +280,7 @@ class DraftModel(nn.Module):
         block: mx.array,
         target_hidden: mx.array | None,
         cache: list[Any],
-        history: list[int] | None = None,
+        speedups: CpuSpeedups | None = None,
     ) -> mx.array:
         """Draft logits for a block, through the target's embedding and LM head.
 
@@ -279,7 +289,7 @@ class DraftModel(nn.Module):
             block: ``(1, B)`` ids ``[last, mask, ..., mask]``.
             target_hidden: Taps of context positions not yet in ``cache`` (or None).
             cache: The drafter's per-layer context caches.
-            history: The token ids before ``block`` (unused here; other proposers need them).
+            speedups: The CPU speedups, or None for MLX's native ops.
 
         Returns:
             ``(1, B - 1, vocab)`` logits for block positions ``1..B-1``.
@@ -287,7 +297,7 @@ class DraftModel(nn.Module):
         if target_hidden is None:
             width = len(self.target_layer_ids) * self.args.hidden_size
             target_hidden = mx.zeros((1, 0, width), dtype=self.norm.weight.dtype)
-        h = self(tgt.embed(model, block), target_hidden, cache)
+        h = self(tgt.embed(model, block), target_hidden, cache, speedups=speedups)
         return tgt.lm_head(model, h[:, 1:])
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -300,3 +310,13 @@ class DraftModel(nn.Module):
                 continue
             out[k] = v
         return out
+
+
+def save_draft(draft: DraftModel, config: dict[str, Any], path: Path) -> None:
+    """Write a drafter as the z-lab layout ``load`` reads: ``config.json`` + safetensors.
+
+    The one writer of this format (dflash-convert and dflash-train both use it), on mlx-lm's
+    own writers; the weights keep their dtype (and quantization, given in ``config``).
+    """
+    save_model(path, draft)
+    save_config(dict(config), path / "config.json")

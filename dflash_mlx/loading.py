@@ -5,13 +5,13 @@ a checkpoint is ever executed (``auto_map`` / remote code is ignored).
 """
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
@@ -153,6 +153,34 @@ def _read_weights(path: Path, what: str) -> dict[str, mx.array]:
     return weights
 
 
+def load_target_model(path: Path, *, lazy: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+    """mlx-lm's ``load_model`` on a target folder, with a broken folder reported in one line.
+
+    Raises:
+        DFlashError: If a config field the architecture needs is missing, or the weights are
+          missing, corrupt or do not fit the config.
+    """
+    try:
+        return load_model(path, lazy=lazy, trust_remote_code=False)
+    except TypeError as e:
+        # mlx-lm builds ModelArgs(**config): a missing field is a missing constructor argument.
+        fields = re.findall(r"'(\w+)'", str(e).partition("missing")[2])
+        if not fields:
+            raise
+        model_type = read_config(path, "target").get("model_type")
+        raise DFlashError(
+            f"The target config {path / 'config.json'} lacks {', '.join(fields)}, which a {model_type} "
+            "model needs. Re-download or re-convert the target, or add the field to its config.json."
+        ) from e
+    except RuntimeError as e:
+        # MLX's safetensors reader reports a truncated or corrupt file as a RuntimeError.
+        raise DFlashError(
+            f"Could not read the target weights in {path} ({e}). Re-download or re-convert the target."
+        ) from e
+    except (ValueError, FileNotFoundError, KeyError, OSError) as e:
+        raise DFlashError(f"Could not load the target from {path} ({type(e).__name__}: {e}).") from e
+
+
 def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
     """Load an mlx-lm target and its tokenizer from a local folder."""
     config = read_config(path, "target")
@@ -167,10 +195,7 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
             f"DFlash supports {', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets."
         )
     _read_weights(path, "target")  # a clear message for missing or corrupt files
-    try:
-        model, config = load_model(path, trust_remote_code=False)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        raise DFlashError(f"Could not load the target from {path}: {e}") from e
+    model, config = load_target_model(path)
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
@@ -215,22 +240,15 @@ def load_draft(
             bits=q["bits"],
             class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
         )
-    expected = dict(tree_flatten(draft.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
+    try:
+        draft.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        # MLX names the missing, unexpected or misshapen parameters.
+        detail = " ".join(str(e).split())
         raise DFlashError(
-            f"The drafter weights in {path} do not match its config: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}. Re-download or re-convert the drafter."
-        )
-    bad = [k for k, v in weights.items() if v.shape != expected[k].shape]
-    if bad:
-        k = bad[0]
-        raise DFlashError(
-            f"The drafter weight {k} in {path} has shape {weights[k].shape}, but its config "
-            f"implies {expected[k].shape}. The config and the weights do not belong together."
-        )
-    draft.load_weights(list(weights.items()))
+            f"The drafter weights in {path} do not match its config ({detail}). The config and the "
+            "weights do not belong together: re-download or re-convert the drafter."
+        ) from e
     if dtype is not None:
         _cast(draft, dtype)
     mx.eval(draft.parameters())

@@ -18,8 +18,8 @@ class ScriptedDraft(DraftModel):
         self.sequence, self.vocab, self.wrong_every = sequence, vocab, wrong_every
         self.unsure_every = unsure_every
 
-    def propose(self, model, block, target_hidden, cache, history=None):
-        mx.eval(super().propose(model, block, target_hidden, cache))  # keeps the context cache real
+    def propose(self, model, block, target_hidden, cache, speedups=None):
+        mx.eval(super().propose(model, block, target_hidden, cache, speedups=speedups))  # keeps the context cache real
         start = cache[0].offset  # absolute position of block[0]
         ids, peaks = [], []
         for pos in range(start + 1, start + block.shape[1]):

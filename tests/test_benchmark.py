@@ -128,6 +128,7 @@ def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, 
     assert result["times"]["context"] > 12 / 2 and f"at a {result['times']['context']}-token context" in table
     assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "acceptance_histogram.png").is_file()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
 def test_runs_are_round_robin(pair_dirs, prompts, monkeypatch):
@@ -274,3 +275,39 @@ def test_git_commit_says_when_tracked_files_changed(tmp_path):
     assert git_commit(tmp_path) == clean
     (tmp_path / "weights.txt").write_text("b")
     assert git_commit(tmp_path) == clean + "+changes"
+
+
+@pytest.fixture()
+def no_loading(monkeypatch):
+    """Fails the test if a model is loaded: the checks under test must come first."""
+    import dflash_mlx.loading
+
+    def load(*args, **kwargs):
+        raise AssertionError("loaded a model before checking the arguments")
+
+    monkeypatch.setattr(dflash_mlx.loading, "load", load)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--json", "{tmp}/nodir/out.json"], "--json {tmp}/nodir/out.json: the folder {tmp}/nodir does not exist"),
+        (["--markdown", "{tmp}"], "--markdown {tmp} is a folder; pass a file name."),
+        (["--plots", "{tmp}/file.txt/plots"], "--plots {tmp}/file.txt/plots: {tmp}/file.txt is a file, not a folder"),
+        (["--plots", "{tmp}/file.txt"], "--plots {tmp}/file.txt is a file; pass a folder."),
+        (["--num-prompts", "0"], "--num-prompts must be at least 1 (got 0)"),
+        (["--min-confidence", "1.5"], "--min-confidence must be in (0, 1] (got 1.5)"),
+        (["--lookup-fallback", "0"], "--lookup-fallback must be at least 1 (got 0)"),
+        # Against a server too: checked before the first request (nothing listens on port 9).
+        (["--base-url", "http://127.0.0.1:9", "--num-prompts", "0"], "--num-prompts must be at least 1 (got 0)"),
+        (["--base-url", "http://127.0.0.1:9", "--json", "{tmp}/nodir/r.json"], "--json {tmp}/nodir/r.json: the folder"),
+    ],
+)
+def test_bad_outputs_and_values_fail_before_loading(no_loading, tmp_path, capsys, argv, message):
+    (tmp_path / "file.txt").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err.startswith(f"dflash-bench: error: {message.format(tmp=tmp_path)}")
+    assert "\n" not in err
+    assert (tmp_path / "file.txt").read_text() == "mine"

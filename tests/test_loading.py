@@ -142,7 +142,8 @@ def test_unsupported_target_architecture(folders):
 
 def test_drafter_weights_that_do_not_match_config(folders):
     _edit_config(folders[1], num_hidden_layers=3)
-    assert "do not match its config" in _error(*folders)
+    message = _error(*folders)
+    assert "do not match its config" in message and "layers.2" in message and "\n" not in message
 
 
 def test_missing_folder_and_bad_id():
