@@ -15,6 +15,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from . import kernels, steps
 from . import target as tgt
+from .errors import DFlashError
 
 # Keys of the published checkpoints that may live under "dflash_config".
 _DFLASH_KEYS = (
@@ -24,6 +25,53 @@ _DFLASH_KEYS = (
     "num_target_layers",
     "use_target_features",
 )
+
+# Fields of newer drafters (DFlash2: a convolution, a token selector, scaled logits and
+# embeddings) that change what the model computes; this drafter implements none of them.
+_UNSUPPORTED_DFLASH_KEYS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "final_logit_softcapping",
+    "output_multiplier",
+)
+
+
+def check_layout(config: dict) -> None:
+    """Refuse a drafter config whose attention layout or extra fields we cannot honour.
+
+    Read: ``rope_theta`` or ``rope_parameters``, any number of taps and layers, and
+    ``layer_types`` of ``full_attention`` layers (bidirectional over context and block).
+
+    Raises:
+        DFlashError: For ``sliding_attention`` layers (a windowed, causal block), ``is_causal``,
+          a scaled input embedding or DFlash2's fields, each named in the message.
+    """
+    fix = "Use a DFlash v1 drafter (full_attention layers), or a newer dflash-mlx."
+    archs = [a for a in config.get("architectures") or [] if a != "DFlashDraftModel" and "DFlash" in a]
+    if archs:
+        raise DFlashError(f"Unsupported drafter architecture {archs[0]!r}: this drafter is DFlashDraftModel. {fix}")
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        layers = config.get("num_hidden_layers")
+        if len(layer_types) != layers:
+            raise DFlashError(f"The drafter's layer_types has {len(layer_types)} entries for {layers} layers. {fix}")
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            raise DFlashError(
+                f"Unsupported drafter layer_types {other} (sliding_window={config.get('sliding_window')}): "
+                f"only full_attention drafter layers are implemented. {fix}"
+            )
+    if config.get("is_causal"):
+        raise DFlashError(f"Unsupported drafter is_causal={config['is_causal']!r}: blocks are drafted bidirectionally. {fix}")
+    nested = {**config, **(config.get("dflash_config") or {})}
+    extra = [k for k in _UNSUPPORTED_DFLASH_KEYS if nested.get(k) is not None]
+    if extra:
+        raise DFlashError(f"Unsupported drafter fields {extra} (a DFlash2 drafter?). {fix}")
+    scale = nested.get("input_embedding_scale", 1.0)
+    if scale != 1.0:
+        raise DFlashError(f"Unsupported drafter input_embedding_scale={scale!r}: only 1.0 is implemented. {fix}")
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -59,6 +107,7 @@ class ModelArgs(BaseModelArgs):
 
     @classmethod
     def from_dict(cls, params: dict) -> "ModelArgs":
+        check_layout(params)
         params = dict(params)
         nested = params.get("dflash_config") or {}
         for key in _DFLASH_KEYS:

@@ -219,3 +219,22 @@ def test_generation_left_early_then_continue(pairs):
     follow = prompt + taken + _prompt(5, seed=9)
     again, _ = run(model, draft, follow, max_tokens=40, prompt_cache=cache)
     assert again == reference(model, follow, 40)
+
+
+@pytest.fixture(scope="module")
+def hybrid_marginals(pairs):
+    """The qwen3_5 pair and the exact marginals of its first sampled tokens."""
+    from test_sampling import _exact_marginals
+
+    exact = _exact_marginals(pairs["qwen3_5"][0])
+    assert all(p.max() < 0.5 for p in exact)  # no near-certain token: the check has teeth
+    return pairs["qwen3_5"], exact
+
+
+@pytest.mark.parametrize("proposal", ["greedy", "sample"])
+def test_sampling_keeps_the_hybrid_targets_distribution(hybrid_marginals, proposal):
+    from test_sampling import _excess
+
+    pair, exact = hybrid_marginals
+    excess = _excess(pair, exact, proposal)
+    assert max(excess) < 0, excess
