@@ -238,3 +238,38 @@ def test_sampling_keeps_the_hybrid_targets_distribution(hybrid_marginals, propos
     pair, exact = hybrid_marginals
     excess = _excess(pair, exact, proposal)
     assert max(excess) < 0, excess
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5"])
+def test_convert_load_generate_chat(hf_targets, kind, tmp_path, capsys):
+    """dflash-convert -> load -> dflash-generate -> the chat engine's turns, for an MoE and a
+    hybrid pair; the chat's second turn (reusing the cache) equals a fresh run of it."""
+    from dflash_mlx.convert import convert
+    from dflash_mlx.generate import main as generate_main
+    from dflash_mlx.tui.commands import Settings
+    from dflash_mlx.tui.engine import MLXEngine
+
+    pair = tmp_path / "pair"
+    result = convert(str(hf_targets[kind][0]), str(pair), draft_hf_path=str(hf_targets["draft"][0]),
+                     dtype="float32", check_tokens=16, verbose=False)  # fmt: skip
+    assert result.check.tokens_match
+    model, draft, _ = load(pair)
+    prompt = _prompt(9)
+    assert run(model, draft, prompt, max_tokens=24)[0] == reference(model, prompt, 24)
+    generate_main(["--model", str(pair), "--prompt", "t1 t2 t3", "--max-tokens", "8"])
+    assert "Acceptance length" in capsys.readouterr().out
+
+    def reply(engine, messages):
+        return "".join(r.text for r in engine(messages, Settings(max_tokens=10)))
+
+    chat = MLXEngine(str(pair))
+    chat.load()
+    turns = [{"role": "user", "content": "t1 t2 t3"}]
+    turns.append({"role": "assistant", "content": reply(chat, turns)})
+    turns.append({"role": "user", "content": "t4 t5"})
+    second = reply(chat, turns)
+    fresh = MLXEngine(str(pair))
+    fresh.load()
+    assert second == reply(fresh, turns)
+    chat.close()
+    fresh.close()
