@@ -273,3 +273,16 @@ def test_convert_load_generate_chat(hf_targets, kind, tmp_path, capsys):
     assert second == reply(fresh, turns)
     chat.close()
     fresh.close()
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_pytorch_reference_agrees_on_the_moe_target(hf_targets, pairs, block_size):
+    """The PyTorch reference (transformers target, PyTorch drafter) and ours, on qwen3_moe."""
+    from dflash_mlx.reference import load_reference, reference_generate
+
+    model, draft, _ = pairs["qwen3_moe"]
+    target, ref_draft, _ = load_reference(hf_targets["qwen3_moe"][0], hf_targets["draft"][0], device="cpu")
+    prompt = _prompt(9)
+    ours, _ = run(model, draft, prompt, block_size=block_size, max_tokens=40)
+    theirs = reference_generate(prompt, target, ref_draft, block_size=block_size, max_tokens=40)
+    assert ours == theirs.tokens == reference(model, prompt, 40)
