@@ -35,9 +35,8 @@ class RecurrentCache(ArraysCache):
     """A Gated DeltaNet layer's ``[conv_state, recurrent_state]`` that can be trimmed.
 
     ``begin(layer, h)`` is called before each pass with the decoder layer and its input;
-    ``trim(n)``
-    then drops the last ``n`` tokens of that pass (and only of that pass), or returns the
-    state to a checkpoint with :meth:`restore`.
+    ``trim(n)`` then drops the last ``n`` tokens of that pass (and only of that pass), and
+    :meth:`restore` returns the state to a checkpoint.
     """
 
     def __init__(self):

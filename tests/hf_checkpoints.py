@@ -75,8 +75,9 @@ def hf_model(kind: str, layers: int = 4, seed: int = 0):
     with torch.no_grad():
         # transformers' init (std 0.02) leaves the layers' outputs small next to the
         # embedding, and greedy decoding then repeats a token: give every projection a
-        # 1/sqrt(fan_in) scale (4x in the attention and linear attention), larger embeddings (logits far from ties) and sharper
-        # attention, so that the output depends on the whole context and a rollback bug shows.
+        # 1/sqrt(fan_in) scale (4x in the attention and linear attention), larger embeddings
+        # (logits far from ties) and sharper attention, so that the output depends on the
+        # whole context and a rollback bug shows.
         model.get_input_embeddings().weight.normal_(0.0, 0.5)
         for name, p in model.named_parameters():
             if "visual" in name or "embed_tokens" in name or "lm_head" in name:

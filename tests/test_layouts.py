@@ -37,7 +37,8 @@ def test_rope_parameters_many_taps_and_layers(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"layer_types": ["linear_attention", "full_attention"]}, r"Unsupported drafter layer_types \['linear_attention'\]"),
+        ({"layer_types": ["linear_attention", "full_attention"]},
+         r"Unsupported drafter layer_types \['linear_attention'\]"),
         ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention layers but sliding_window=None"),
         ({"layer_types": ["full_attention"]}, "layer_types has 1 entries for 2 layers"),
         ({"is_causal": "yes"}, "Unsupported drafter is_causal='yes'"),
@@ -84,7 +85,8 @@ def _no_downloads(monkeypatch, configs: dict):
 
 def test_unsupported_hub_target_is_refused_before_download(tmp_path, monkeypatch):
     fetched = _no_downloads(monkeypatch, {"dir": tmp_path, "someone/mamba-1b": {"model_type": "mamba"}})
-    with pytest.raises(DFlashError, match=r"model_type='mamba' for someone/mamba-1b \(from its config.json\).*No weights"):
+    message = r"model_type='mamba' for someone/mamba-1b \(from its config.json\).*No weights"
+    with pytest.raises(DFlashError, match=message):
         load("someone/mamba-1b")
     assert fetched == ["someone/mamba-1b"]
 
