@@ -143,17 +143,19 @@ def trim_to(caches: list[Any], length: int) -> None:
             c.checkpoint()
 
 
-def check_layout(model: nn.Module) -> None:
-    """Refuse a checkpoint whose ``layer_types`` mlx-lm would not build as written."""
-    text = model.language_model
-    layer_types = getattr(text.args, "layer_types", None)
+def check_layout(config: dict) -> None:
+    """Refuse a hybrid checkpoint whose ``layer_types`` mlx-lm would not build as written:
+    mlx-lm places a full attention layer every ``full_attention_interval`` layers."""
+    text = config.get("text_config") or config
+    layer_types = text.get("layer_types")
     if layer_types is None:
         return
-    built = ["linear_attention" if layer.is_linear else "full_attention" for layer in text.model.layers]
+    interval = text.get("full_attention_interval", 4)
+    built = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(layer_types))]
     if list(layer_types) != built:
         raise DFlashError(
-            f"The target's layer_types {list(layer_types)} differ from the layers mlx-lm builds ({built}, "
-            "one full attention layer every full_attention_interval). Set full_attention_interval to match."
+            f"The target's layer_types {list(layer_types)} differ from the layers mlx-lm builds ({built}: "
+            f"full attention every full_attention_interval={interval} layers). Set full_attention_interval to match."
         )
 
 

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
+from . import hybrid
 from . import target as tgt
 from .drafter import DraftModel, ModelArgs
 from .errors import DFlashError
@@ -166,6 +167,8 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
             f"Unsupported target architecture model_type={config.get('model_type')!r} in {path}: "
             f"DFlash supports {', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets."
         )
+    if config.get("model_type") in hybrid.HYBRID_MODEL_TYPES:
+        hybrid.check_layout(config)
     _read_weights(path, "target")  # a clear message for missing or corrupt files
     try:
         model, config = load_model(path, trust_remote_code=False)

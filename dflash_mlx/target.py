@@ -43,8 +43,6 @@ def check_supported(model: nn.Module, name: str = "target") -> None:
             f"Unsupported {name} architecture model_type={model_type!r}: DFlash taps are "
             f"implemented for {', '.join(SUPPORTED_MODEL_TYPES)}. Use one of those targets."
         )
-    if model_type in hybrid.HYBRID_MODEL_TYPES:
-        hybrid.check_layout(model)
 
 
 def num_layers(model: nn.Module) -> int:

@@ -286,3 +286,16 @@ def test_pytorch_reference_agrees_on_the_moe_target(hf_targets, pairs, block_siz
     ours, _ = run(model, draft, prompt, block_size=block_size, max_tokens=40)
     theirs = reference_generate(prompt, target, ref_draft, block_size=block_size, max_tokens=40)
     assert ours == theirs.tokens == reference(model, prompt, 40)
+
+
+def test_a_layer_layout_mlx_lm_would_not_build_is_refused(hf_targets, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "target"
+    shutil.copytree(hf_targets["qwen3_5"][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["layer_types"] = ["linear_attention", "full_attention"] * 2
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashError, match=r"layer_types \['linear_attention', 'full_attention', .* differ from"):
+        load(folder)
