@@ -18,6 +18,7 @@ from mlx_lm.utils import save_config, save_model
 from . import kernels, steps
 from .backend import CpuSpeedups
 from . import target as tgt
+from .errors import DFlashError
 
 # Keys of the published checkpoints that may live under "dflash_config".
 _DFLASH_KEYS = (
@@ -27,6 +28,73 @@ _DFLASH_KEYS = (
     "num_target_layers",
     "use_target_features",
 )
+
+# Fields of newer drafters (DFlash2: a convolution, a token selector, scaled logits and
+# embeddings) that change what the model computes; this drafter implements none of them.
+_UNSUPPORTED_DFLASH_KEYS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "final_logit_softcapping",
+    "output_multiplier",
+)
+
+
+def check_layout(config: dict) -> None:
+    """Refuse a drafter config whose attention layout or extra fields we cannot honour.
+
+    Read: ``rope_theta`` or ``rope_parameters``, any number of taps and layers, and
+    ``layer_types`` of ``full_attention`` and ``sliding_attention`` layers (with
+    ``sliding_window`` and ``is_causal``, see :func:`block_mask`).
+
+    Raises:
+        DFlashError: For other layer types, a sliding layer without a window, a scaled input
+          embedding or DFlash2's fields, each named in the message.
+    """
+    fix = "Use a DFlash drafter of full_attention or sliding_attention layers."
+    archs = [a for a in config.get("architectures") or [] if a != "DFlashDraftModel" and "DFlash" in a]
+    if archs:
+        raise DFlashError(f"Unsupported drafter architecture {archs[0]!r}: this drafter is DFlashDraftModel. {fix}")
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        layers = config.get("num_hidden_layers")
+        if len(layer_types) != layers:
+            raise DFlashError(f"The drafter's layer_types has {len(layer_types)} entries for {layers} layers. {fix}")
+        other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+        if other:
+            raise DFlashError(f"Unsupported drafter layer_types {other}. {fix}")
+        window = config.get("sliding_window")
+        if "sliding_attention" in layer_types and not (isinstance(window, int) and window > 0):
+            raise DFlashError(f"The drafter has sliding_attention layers but sliding_window={window!r}. {fix}")
+    if config.get("is_causal") not in (None, True, False):
+        raise DFlashError(f"Unsupported drafter is_causal={config['is_causal']!r}: use true or false. {fix}")
+    nested = {**config, **(config.get("dflash_config") or {})}
+    extra = [k for k in _UNSUPPORTED_DFLASH_KEYS if nested.get(k) is not None]
+    if extra:
+        raise DFlashError(f"Unsupported drafter fields {extra} (a DFlash2 drafter?). {fix}")
+    scale = nested.get("input_embedding_scale", 1.0)
+    if scale != 1.0:
+        raise DFlashError(f"Unsupported drafter input_embedding_scale={scale!r}: only 1.0 is implemented. {fix}")
+
+
+def block_mask(start: int, length: int, causal: bool, window: int | None) -> mx.array | None:
+    """Which keys each block query sees, ``(length, start + length)`` booleans, or None for all.
+
+    Keys are the context positions ``0..start-1`` then the block's; query ``i`` sits at
+    ``start + i``. As in z-lab's drafters: a causal layer sees no later key, a sliding one
+    no key ``window`` or more positions before (and, if not causal, after) its query.
+    """
+    if not causal and window is None:
+        return None
+    q = mx.arange(start, start + length)[:, None]
+    k = mx.arange(start + length)[None]
+    visible = k <= q if causal else mx.ones((length, start + length), dtype=mx.bool_)
+    if window is not None:
+        visible = visible & (q - k < window)
+        if not causal:
+            visible = visible & (k - q < window)
+    return visible
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -56,12 +124,16 @@ class ModelArgs(BaseModelArgs):
     block_size: int = 16
     target_layer_ids: list[int] = field(default_factory=list)
     mask_token_id: int | None = None
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None
     # False only for the ablation drafter trained without the target's context.
     use_target_features: bool = True
     model_type: str = "qwen3"
 
     @classmethod
     def from_dict(cls, params: dict) -> "ModelArgs":
+        check_layout(params)
         params = dict(params)
         nested = params.get("dflash_config") or {}
         for key in _DFLASH_KEYS:
@@ -86,8 +158,12 @@ class ModelArgs(BaseModelArgs):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
+        # Sliding layers of newer drafters: causal by default, and windowed (see block_mask).
+        sliding = bool(args.layer_types) and args.layer_types[layer_idx] == "sliding_attention"
+        self.causal = sliding if args.is_causal is None else bool(args.is_causal)
+        self.window = args.sliding_window if sliding else None
         dim, hd = args.hidden_size, args.head_dim
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
@@ -170,9 +246,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer_idx)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -219,7 +295,7 @@ class DraftModel(nn.Module):
         self.args = args
         self.model_type = args.model_type
         n_taps = len(args.target_layer_ids) or args.num_hidden_layers
-        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -270,8 +346,17 @@ class DraftModel(nn.Module):
         h = noise_embedding
         if cache is None:
             cache = [None] * len(self.layers)
+        start = ctx.shape[1] + (cache[0].offset if cache[0] is not None else 0)
         for layer, c in zip(self.layers, cache):
-            h = layer(h, ctx, c, mask, block_offset, speedups)
+            layer_mask = mask
+            if layer.self_attn.causal or layer.self_attn.window is not None:
+                if mask is not None or block_offset is not None:
+                    raise DFlashError(
+                        "Training or batching a drafter with causal or sliding_attention layers is not "
+                        "implemented; train a full_attention drafter."
+                    )
+                layer_mask = block_mask(start, h.shape[1], layer.self_attn.causal, layer.self_attn.window)
+            h = layer(h, ctx, c, layer_mask, block_offset, speedups)
         return self.norm(h)
 
     def propose(

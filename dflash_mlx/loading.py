@@ -15,10 +15,11 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
+from . import hybrid
 from . import target as tgt
 from .drafter import DraftModel, ModelArgs
 from .errors import DFlashError
-from .registry import find_draft, known_targets
+from .registry import find_draft, find_pair, known_targets
 
 # The files a model folder needs; nothing else is fetched from the hub.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
@@ -194,6 +195,8 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
             f"Unsupported target architecture model_type={config.get('model_type')!r} in {path}: "
             f"DFlash supports {', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets."
         )
+    if config.get("model_type") in hybrid.HYBRID_MODEL_TYPES:
+        hybrid.check_layout(config)
     _read_weights(path, "target")  # a clear message for missing or corrupt files
     model, config = load_target_model(path)
     try:
@@ -206,6 +209,37 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
     if dtype is not None:
         _cast(model, dtype)
     return model, tokenizer
+
+
+def check_target_type(model: str | Path, revision: str | None = None) -> None:
+    """Refuse a hub target of an unsupported type before downloading its weights.
+
+    The registry of known pairs names the type of the official targets; any other hub id
+    gets its ``config.json`` alone fetched first. Local folders are checked by
+    :func:`load_target`.
+
+    Raises:
+        DFlashError: If the target's ``model_type`` is not one DFlash can tap.
+    """
+    text = str(model)
+    if Path(text).expanduser().exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        return
+    pair = find_pair(text)
+    if pair is not None:
+        model_type, where = pair.model_type, "the registry of known pairs"
+    else:
+        from huggingface_hub import hf_hub_download
+
+        try:
+            config = json.loads(Path(hf_hub_download(text, "config.json", revision=revision)).read_text())
+        except Exception:
+            return  # resolve() gives the download error in full
+        model_type, where = config.get("model_type"), "its config.json"
+    if model_type not in tgt.SUPPORTED_MODEL_TYPES:
+        raise DFlashError(
+            f"Unsupported target architecture model_type={model_type!r} for {text} (from {where}): "
+            f"DFlash supports {', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets. No weights were downloaded."
+        )
 
 
 def load_draft(
@@ -353,6 +387,7 @@ def load(
                 "Reinstall mlx-dflash, or pass --model and --draft."
             )
         model, draft = pair / "target", (pair / "draft" if draft in (None, AUTO_DRAFT) else draft)
+    check_target_type(model, revision)
     target_path = resolve(model, what="target", revision=revision)
     draft_revision = revision
     if (manifest := read_pair_manifest(target_path)) is not None:

@@ -13,12 +13,17 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from . import kernels, steps
+from . import hybrid, kernels, steps
 from .backend import CpuSpeedups
 from .errors import DFlashError
 
 # mlx-lm model families whose decoder we know how to walk layer by layer.
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe") + hybrid.HYBRID_MODEL_TYPES
+
+
+def _text(model: nn.Module) -> nn.Module:
+    # Qwen3.5 checkpoints are vision-language models: the text model sits one level down.
+    return getattr(model, "language_model", model)
 
 
 def _layer_masks(model: nn.Module, h: mx.array, cache: list[Any]) -> list:
@@ -47,11 +52,11 @@ def num_layers(model: nn.Module) -> int:
 
 
 def hidden_size(model: nn.Module) -> int:
-    return model.args.hidden_size
+    return _text(model).args.hidden_size
 
 
 def vocab_size(model: nn.Module) -> int:
-    return model.args.vocab_size
+    return _text(model).args.vocab_size
 
 
 def compute_dtype(model: nn.Module) -> mx.Dtype:
@@ -67,9 +72,10 @@ def embed(model: nn.Module, tokens: mx.array) -> mx.array:
 
 def lm_head(model: nn.Module, h: mx.array) -> mx.array:
     """The target's output head (tied or untied), shared with the drafter."""
-    if getattr(model.args, "tie_word_embeddings", False):
-        return model.model.embed_tokens.as_linear(h)
-    return model.lm_head(h)
+    text = _text(model)
+    if getattr(text.args, "tie_word_embeddings", False):
+        return text.model.embed_tokens.as_linear(h)
+    return text.lm_head(h)
 
 
 def _qwen3_block(
@@ -115,7 +121,7 @@ def forward_with_taps(
     """Run the target on ``tokens`` and capture the hidden states after ``tap_ids``.
 
     Args:
-        model: An mlx-lm Qwen3, Qwen2 or Llama model.
+        model: An mlx-lm model of one of ``SUPPORTED_MODEL_TYPES``.
         tokens: ``(B, L)`` token ids.
         cache: The target's per-layer caches, updated in place.
         tap_ids: 0-based decoder layer indices to capture (may be empty).
@@ -128,6 +134,10 @@ def forward_with_taps(
         ``(logits, target_hidden)``: ``(B, L, vocab)`` logits and the taps concatenated
         in ``tap_ids`` order, ``(B, L, len(tap_ids) * H)``, or None if ``tap_ids`` is empty.
     """
+    start_every = speedups.start_every if speedups is not None else 0
+    if model.model_type in hybrid.HYBRID_MODEL_TYPES:
+        h, captured = hybrid.forward_with_taps(model, tokens, cache, tap_ids, start_every)
+        return _head(model, h, captured, tap_ids)
     inner = model.model
     h = inner.embed_tokens(tokens)
     masks = _layer_masks(model, h, cache)
@@ -136,14 +146,19 @@ def forward_with_taps(
     visible = None
     if _cpu_layers(model, h, cache, masks, speedups):
         visible = kernels.causal_mask(cache[0].offset, h.shape[1])
-    start_every = speedups.start_every if speedups is not None else 0
     for i, (layer, c, mask) in enumerate(zip(inner.layers, cache, masks)):
         h = layer(h, mask, c) if visible is None else _qwen3_block(layer, h, c, visible, speedups)
         if i in wanted:
             captured[i] = h
         if start_every and (i + 1) % start_every == 0 and i + 1 < len(inner.layers):
             mx.async_eval(h)
+    return _head(model, h, captured, tap_ids)
+
+
+def _head(model: nn.Module, h: mx.array, captured: dict, tap_ids: list[int]) -> tuple[mx.array, mx.array | None]:
+    inner = model.model
     h = inner.norm(h)
+    wanted = set(tap_ids)
     # HF's last hidden state is taken after the final norm; drafters were trained on that.
     if len(inner.layers) - 1 in wanted:
         captured[len(inner.layers) - 1] = h
