@@ -12,11 +12,9 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import shutil
 import sys
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,8 @@ from .. import __version__
 from .. import target as tgt
 from ..drafter import DraftModel
 from ..errors import DFlashError
+from ..files import install, partial_sibling
+from ..gguf import convert_gguf, find_gguf
 from ..generate import apply_chat_template, dflash_generate_step
 from ..loading import (
     DTYPES,
@@ -260,25 +260,6 @@ def check_converted(path: Path, prompt: str = CHECK_PROMPT, max_tokens: int = 32
     )
 
 
-def _install(tmp: Path, dest: Path) -> None:
-    """Move the finished ``tmp`` to ``dest``; an old ``dest`` is removed only after that succeeds."""
-    old = None
-    if dest.exists() or dest.is_symlink():
-        old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(dest, old)
-    try:
-        os.replace(tmp, dest)
-    except BaseException:
-        if old is not None:
-            os.replace(old, dest)
-        raise
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
-
-
 def convert(
     hf_path: str,
     mlx_path: str = "mlx_model",
@@ -333,13 +314,27 @@ def convert(
             f"{dest} already exists. Choose another --mlx-path, or pass --force to replace it "
             "(the old folder is kept until the new pair is complete)."
         )
-    progress = _Progress(total=6 if check else 5, enabled=verbose)
+    gguf_file = find_gguf(hf_path)
+    if gguf_file is not None and quantize:
+        raise DFlashError(
+            f"{hf_path} is a GGUF file: its Q4_0/Q4_1/Q8_0 tensors stay quantized as they are. "
+            "Drop -q/--quantize, or pass --dtype to dequantize them."
+        )
+    progress = _Progress(total=(6 if check else 5) + (gguf_file is not None), enabled=verbose)
+    tmp = None
     try:
         progress.show("resolving the models")
-        target_src, target_config = _target_source(hf_path, revision)
-        if quantize and "quantization" in target_config:
-            raise DFlashError(f"{hf_path} is already quantized; drop -q/--quantize to convert it as it is.")
+        if gguf_file is None:
+            target_src, target_config = _target_source(hf_path, revision)
+            if quantize and "quantization" in target_config:
+                raise DFlashError(f"{hf_path} is already quantized; drop -q/--quantize to convert it as it is.")
         draft_id, draft_src = _draft_source(draft_hf_path, hf_path, revision)
+        if gguf_file is not None:
+            # The pairing check needs the target folder, so a GGUF target is converted first.
+            tmp = partial_sibling(dest)
+            progress.step("converting the target from GGUF")
+            target_src = convert_gguf(gguf_file, tmp / "target", dtype=dtype)
+            target_config = read_config(target_src, "target")
         progress.step("checking the pairing")
         draft_config = read_config(draft_src, "drafter")
         if draft_q_bits and "quantization" in draft_config:
@@ -349,11 +344,8 @@ def convert(
         draft_dtype = _draft_dtype(dtype, target_config, draft_config)
         draft = _load_checked_draft(target_src, draft_src, draft_dtype)
 
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        # Not tempfile.mkdtemp: its 0700 mode would stick to the renamed pair folder.
-        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.partial"
-        tmp.mkdir()
-        try:
+        if tmp is None:
+            tmp = partial_sibling(dest)
             progress.step("converting the target with mlx-lm")
             # mlx-lm reports on stdout; keep stdout for our own report.
             with contextlib.redirect_stdout(sys.stderr if verbose else io.StringIO()):
@@ -365,44 +357,45 @@ def convert(
                     q_bits=q_bits,
                     dtype=dtype,
                 )
-            progress.step("converting the drafter")
-            # An already quantized drafter (an earlier conversion) keeps its quantization.
-            quantization = draft_config.get("quantization")
-            if draft_q_bits:
-                quantization = quantize_draft(draft, draft_q_bits, draft_q_group_size)
-            config = normalized_config(draft_config, draft, dtype=draft_dtype, quantization=quantization)
-            save_draft(tmp / "draft", draft, config)
-            del draft
+        progress.step("converting the drafter")
+        # An already quantized drafter (an earlier conversion) keeps its quantization.
+        quantization = draft_config.get("quantization")
+        if draft_q_bits:
+            quantization = quantize_draft(draft, draft_q_bits, draft_q_group_size)
+        config = normalized_config(draft_config, draft, dtype=draft_dtype, quantization=quantization)
+        save_draft(tmp / "draft", draft, config)
+        del draft
 
-            target_quant = json.loads((tmp / "target" / "config.json").read_text()).get("quantization")
-            manifest = {
-                "format": MANIFEST_FORMAT,
-                "version": MANIFEST_VERSION,
-                "target": "target",
-                "draft": "draft",
-                "block_size": config["block_size"],
-                "target_layer_ids": config["target_layer_ids"],
-                "mask_token_id": config["mask_token_id"],
-                "source": {"target": str(hf_path), "draft": str(draft_id), "revision": revision},
-                "dtype": dtype or _config_dtype(target_config),
-                "quantization": {"target": target_quant, "draft": quantization},
-                "converted_with": f"mlx-dflash {__version__}",
-            }
+        target_quant = json.loads((tmp / "target" / "config.json").read_text()).get("quantization")
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "target": "target",
+            "draft": "draft",
+            "block_size": config["block_size"],
+            "target_layer_ids": config["target_layer_ids"],
+            "mask_token_id": config["mask_token_id"],
+            "source": {"target": str(hf_path), "draft": str(draft_id), "revision": revision},
+            "dtype": dtype or _config_dtype(target_config),
+            "quantization": {"target": target_quant, "draft": quantization},
+            "converted_with": f"mlx-dflash {__version__}",
+        }
+        _write_manifest(tmp, manifest)
+
+        result = None
+        if check:
+            progress.step("checking DFlash against the target")
+            result = check_converted(tmp, prompt=check_prompt, max_tokens=check_tokens)
+            manifest["check"] = asdict(result)
             _write_manifest(tmp, manifest)
-
-            result = None
-            if check:
-                progress.step("checking DFlash against the target")
-                result = check_converted(tmp, prompt=check_prompt, max_tokens=check_tokens)
-                manifest["check"] = asdict(result)
-                _write_manifest(tmp, manifest)
-            progress.step("moving the pair into place")
-            _install(tmp, dest)
-        except BaseException:
-            # Covers Ctrl-C too: nothing half-written may stay next to the destination.
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        progress.step("moving the pair into place")
+        install(tmp, dest)
         progress.step(f"done: {dest}")
+    except BaseException:
+        # Covers Ctrl-C too: nothing half-written may stay next to the destination.
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         progress.close()
     return ConvertResult(path=dest, target=str(hf_path), draft=str(draft_id), check=result)
