@@ -1,4 +1,4 @@
-"""dflash-convert: a Hugging Face target and its DFlash drafter to one checked MLX pair folder.
+"""dflash-convert: a Hugging Face (or GGUF) target and its DFlash drafter to one checked MLX pair folder.
 
 The output folder holds ``target/`` (written by mlx-lm's own converter), ``draft/`` (the
 drafter, converted here) and ``dflash_pair.json``, so ``dflash_mlx.load(path)`` finds both.
@@ -280,13 +280,15 @@ def convert(
     """Convert a Hugging Face target and its DFlash drafter to one MLX pair folder.
 
     Args:
-        hf_path: The target: local folder or Hugging Face id.
+        hf_path: The target: local folder, Hugging Face id, or a ``.gguf`` file (or a folder
+          holding one), converted by :func:`dflash_mlx.gguf.convert_gguf`.
         mlx_path: The pair folder to write; it must not exist unless ``force``.
         quantize: Quantize the target (mlx-lm's affine quantization).
         q_group_size: Target quantization group size (mlx-lm's default: 64).
         q_bits: Target bits per weight (mlx-lm's default: 4).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` for the unquantized weights of
-          both models; by default the target's ``torch_dtype``.
+          both models; by default the target's ``torch_dtype``. A GGUF target is dequantized
+          to it; without it its Q4_0/Q4_1/Q8_0 layers stay quantized.
         draft_hf_path: The drafter: local folder or Hugging Face id. None takes the official
           drafter of a known target (see :mod:`dflash_mlx.registry`).
         draft_q_bits: Quantize the drafter to 8 or 4 bits; None keeps it in ``dtype``.
@@ -438,7 +440,12 @@ def configure_parser() -> argparse.ArgumentParser:
         prog="dflash-convert",
         description="Convert a Hugging Face target and its DFlash drafter to one checked MLX pair folder.",
     )
-    parser.add_argument("--hf-path", "--model", default=None, help="Target: local folder or Hugging Face id.")
+    parser.add_argument(
+        "--hf-path",
+        "--model",
+        default=None,
+        help="Target: local folder, Hugging Face id, or a .gguf file (or a folder holding one).",
+    )
     parser.add_argument(
         "--draft-hf-path",
         "--draft",
@@ -453,7 +460,7 @@ def configure_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=list(DTYPES),
         default=None,
-        help="dtype of unquantized weights (default: the target's).",
+        help="dtype of unquantized weights (default: the target's); a GGUF target is dequantized to it.",
     )
     parser.add_argument(
         "--draft-q-bits",

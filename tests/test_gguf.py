@@ -105,23 +105,32 @@ def _add(writer, name: str, w: np.ndarray, qtype) -> None:
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None, seed: int = 0) -> dict:
-    """A llama GGUF with a real tokenizer; returns the HF-layout F32 weights it was made from."""
+    """A tiny GGUF with a real tokenizer; returns the HF-layout F32 weights it was made from."""
     types = {**TINY_TYPES, **(types or {})}
     tokens, token_types, merges = _tiny_tokenizer()
     rng = np.random.default_rng(seed)
     vocab = len(tokens)
+    # transformers reads no head size from a qwen3 GGUF and takes Qwen3's 128, as every Qwen3 has.
+    hd = 128 if arch == "qwen3" else HEAD_DIM
     hf = {"token_embd.weight": rng.standard_normal((vocab, HIDDEN)) * 0.5}
     for i in range(LAYERS):
         # Sharp attention, so that outputs depend on the positions (a RoPE error shows).
-        hf[f"blk.{i}.attn_q.weight"] = rng.standard_normal((HEADS * HEAD_DIM, HIDDEN)) * 0.6
-        hf[f"blk.{i}.attn_k.weight"] = rng.standard_normal((KV_HEADS * HEAD_DIM, HIDDEN)) * 0.6
-        hf[f"blk.{i}.attn_v.weight"] = rng.standard_normal((KV_HEADS * HEAD_DIM, HIDDEN)) * 0.15
-        hf[f"blk.{i}.attn_output.weight"] = rng.standard_normal((HIDDEN, HEADS * HEAD_DIM)) * 0.15
+        hf[f"blk.{i}.attn_q.weight"] = rng.standard_normal((HEADS * hd, HIDDEN)) * 0.6
+        hf[f"blk.{i}.attn_k.weight"] = rng.standard_normal((KV_HEADS * hd, HIDDEN)) * 0.6
+        hf[f"blk.{i}.attn_v.weight"] = rng.standard_normal((KV_HEADS * hd, HIDDEN)) * 0.15
+        hf[f"blk.{i}.attn_output.weight"] = rng.standard_normal((HIDDEN, HEADS * hd)) * 0.15
         hf[f"blk.{i}.ffn_gate.weight"] = rng.standard_normal((FFN, HIDDEN)) * 0.15
         hf[f"blk.{i}.ffn_up.weight"] = rng.standard_normal((FFN, HIDDEN)) * 0.15
         hf[f"blk.{i}.ffn_down.weight"] = rng.standard_normal((HIDDEN, FFN)) * 0.1
         hf[f"blk.{i}.attn_norm.weight"] = 1 + 0.1 * rng.standard_normal(HIDDEN)
         hf[f"blk.{i}.ffn_norm.weight"] = 1 + 0.1 * rng.standard_normal(HIDDEN)
+        if arch == "qwen2":
+            hf[f"blk.{i}.attn_q.bias"] = 0.3 * rng.standard_normal(HEADS * hd)
+            hf[f"blk.{i}.attn_k.bias"] = 0.3 * rng.standard_normal(KV_HEADS * hd)
+            hf[f"blk.{i}.attn_v.bias"] = 0.1 * rng.standard_normal(KV_HEADS * hd)
+        if arch == "qwen3":
+            hf[f"blk.{i}.attn_q_norm.weight"] = 1 + 0.3 * rng.standard_normal(hd)
+            hf[f"blk.{i}.attn_k_norm.weight"] = 1 + 0.3 * rng.standard_normal(hd)
     hf["output_norm.weight"] = 1 + 0.1 * rng.standard_normal(HIDDEN)
     hf = {k: v.astype(np.float32) for k, v in hf.items()}
 
@@ -133,7 +142,10 @@ def write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None, 
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_dimension_count(hd)
+    if arch == "qwen3":
+        w.add_key_length(hd)
+        w.add_value_length(hd)
     w.add_rope_freq_base(100000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
@@ -150,9 +162,10 @@ def write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None, 
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
     for name, value in hf.items():
-        if name.endswith("attn_q.weight"):
+        # Only llama's rotary layout differs; qwen2/qwen3 files keep HF's row order.
+        if arch == "llama" and name.endswith("attn_q.weight"):
             value = _permute(value, HEADS)
-        elif name.endswith("attn_k.weight"):
+        elif arch == "llama" and name.endswith("attn_k.weight"):
             value = _permute(value, KV_HEADS)
         _add(w, name, value, types.get(name, Q.F32))
     w.write_header_to_file()
@@ -166,6 +179,13 @@ def write_tiny_gguf(path: Path, arch: str = "llama", types: dict | None = None, 
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
     hf = write_tiny_gguf(root / "tiny.gguf")
+    return root / "tiny.gguf", hf
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny_arch(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    hf = write_tiny_gguf(root / "tiny.gguf", arch=request.param)
     return root / "tiny.gguf", hf
 
 
@@ -264,8 +284,8 @@ def check_against_transformers(gguf_file: Path, folder: Path, model) -> float:
     return diff
 
 
-def test_tiny_float32_matches_transformers(tiny, tmp_path):
-    src, hf = tiny
+def test_tiny_float32_matches_transformers(tiny_arch, tmp_path):
+    src, hf = tiny_arch
     folder = convert_gguf(src, tmp_path / "tiny", dtype="float32")
     config = json.loads((folder / "config.json").read_text())
     assert "quantization" not in config and config["tie_word_embeddings"]
@@ -275,11 +295,11 @@ def test_tiny_float32_matches_transformers(tiny, tmp_path):
     np.testing.assert_array_equal(np.array(attn.q_proj.weight), hf["blk.1.attn_q.weight"])
     np.testing.assert_array_equal(np.array(attn.k_proj.weight), hf["blk.1.attn_k.weight"])
     diff = check_against_transformers(src, folder, model)
-    print(f"tiny float32: max abs logit diff vs transformers {diff:.2e}")
+    print(f"tiny {src.parent.name} float32: max abs logit diff vs transformers {diff:.2e}")
 
 
-def test_tiny_quantized_matches_transformers(tiny, tmp_path):
-    src, _ = tiny
+def test_tiny_quantized_matches_transformers(tiny_arch, tmp_path):
+    src, _ = tiny_arch
     folder = convert_gguf(src, tmp_path / "tiny-q")
     config = json.loads((folder / "config.json").read_text())
     q = config["quantization"]
@@ -291,7 +311,7 @@ def test_tiny_quantized_matches_transformers(tiny, tmp_path):
     assert model.model.embed_tokens.bits == 8
     assert not hasattr(model.model.layers[1].self_attn.q_proj, "bits")  # F32 in the file
     diff = check_against_transformers(src, folder, model)
-    print(f"tiny quantized (float32 scales): max abs logit diff vs transformers {diff:.2e}")
+    print(f"tiny {src.parent.name} quantized (float32 scales): max abs logit diff vs transformers {diff:.2e}")
 
 
 # ---- the real SmolLM2 file -------------------------------------------------------------------
