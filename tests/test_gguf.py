@@ -427,7 +427,7 @@ def test_cli_converts_a_gguf_target(tiny, tmp_path, capsys):
     )  # fmt: skip
     captured = capsys.readouterr()
     assert "Check: 8 greedy tokens, DFlash vs target-only identical" in captured.out
-    assert "converting the target from GGUF" in captured.err
+    assert "converting the target from GGUF" in captured.err and "6/6 done" in captured.err
     manifest = json.loads((out / "dflash_pair.json").read_text())
     assert manifest["source"]["target"] == str(tiny[0]) and manifest["dtype"] == "float32"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "pair"]
