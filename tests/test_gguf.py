@@ -451,3 +451,18 @@ def test_smollm2_kept_quantized_matches_transformers(smollm2, tmp_path):
     model, _ = load_target(folder, dtype="float32")
     diff = check_logits(folder, model, hf_model)
     print(f"SmolLM2 Q4_1 kept quantized (float32 scales): max abs logit diff vs transformers {diff:.2e}")
+
+
+def test_mlx_lm_loads_it_and_streams_text(tiny, tmp_path):
+    import mlx_lm
+
+    folder = convert_gguf(tiny[0], tmp_path / "tiny")
+    model, tokenizer = mlx_lm.load(str(folder))
+    assert tokenizer.eos_token_ids == {2} and tokenizer.bos_token == "<|im_start|>"
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    for token in tokenizer.encode(SAMPLE):
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    assert detokenizer.text == SAMPLE
+    assert tokenizer.encode("<|im_start|>user")[0] == 1  # control tokens stay whole
