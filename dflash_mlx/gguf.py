@@ -100,6 +100,9 @@ _IGNORE_MERGES = (_LLAMA3_SPLIT,)
 def find_gguf(path: str | Path) -> Path | None:
     """The GGUF file ``path`` names: the file itself, or the one ``.gguf`` in a folder.
 
+    A folder with a ``config.json`` is a Hugging Face or MLX model folder, even when it also
+    holds a ``.gguf``.
+
     Returns:
         The file, or None when ``path`` is neither a ``.gguf`` file nor a folder holding one.
 
@@ -111,7 +114,7 @@ def find_gguf(path: str | Path) -> Path | None:
         if not p.is_file():
             raise DFlashError(f"No GGUF file at {p}. Check the path.")
         return p
-    if not p.is_dir():
+    if not p.is_dir() or (p / "config.json").is_file():
         return None
     files = sorted(f for f in p.glob("*.gguf") if f.is_file())
     if len(files) > 1:
@@ -300,6 +303,8 @@ def _read_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, tuple
                 dims = [c.scalar("Q") for _ in range(c.scalar("I"))]
                 table.append((name, tuple(reversed(dims)), c.scalar("I"), c.scalar("Q")))
             alignment = metadata.get("general.alignment", 32)
+            if not isinstance(alignment, int) or alignment <= 0:
+                raise ValueError(f"general.alignment={alignment!r}")
             data_start = -(-c.pos // alignment) * alignment
             size = len(buf)
     except (struct.error, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as e:

@@ -390,6 +390,8 @@ def test_find_gguf(tiny, tmp_path):
         find_gguf(tmp_path)
     with pytest.raises(DFlashError, match="No GGUF file at"):
         find_gguf(tmp_path / "missing.gguf")
+    (tmp_path / "config.json").write_text("{}")
+    assert find_gguf(tmp_path) is None  # a model folder that also holds GGUF files
 
 
 def test_existing_destination_refused_then_forced(tiny, tmp_path):
