@@ -307,6 +307,8 @@ def _read_header(path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, tuple
                 raise ValueError(f"general.alignment={alignment!r}")
             data_start = -(-c.pos // alignment) * alignment
             size = len(buf)
+    except DFlashError:
+        raise
     except (struct.error, ValueError, UnicodeDecodeError, OverflowError, MemoryError) as e:
         raise DFlashError(f"{corrupt} ({e}). Re-download it.") from e
     tensors = {}

@@ -380,6 +380,13 @@ def test_truncated_file(tiny, tmp_path, keep):
     _nothing_written(tmp_path, {"cut.gguf"})
 
 
+def test_not_a_gguf(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(DFlashError, match=r"is not a GGUF file \(it does not start with 'GGUF'\)\. Check the path\.$"):
+        convert_gguf(tmp_path / "model.gguf", tmp_path / "out")
+    _nothing_written(tmp_path, {"model.gguf"})
+
+
 def test_find_gguf(tiny, tmp_path):
     assert find_gguf(tiny[0]) == tiny[0]
     assert find_gguf(tiny[0].parent) == tiny[0]
