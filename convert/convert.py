@@ -1,4 +1,4 @@
-"""dflash-convert: a Hugging Face target and its DFlash drafter to one checked MLX pair folder.
+"""dflash-convert: a Hugging Face (or GGUF) target and its DFlash drafter to one checked MLX pair folder.
 
 The output folder holds ``target/`` (written by mlx-lm's own converter), ``draft/`` (the
 drafter, converted here) and ``dflash_pair.json``, so ``dflash_mlx.load(path)`` finds both.
@@ -18,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,8 @@ from .. import __version__
 from .. import target as tgt
 from ..drafter import DraftModel, save_draft
 from ..errors import DFlashError
+from ..files import install, partial_sibling
+from ..gguf import convert_gguf, find_gguf
 from ..generate import apply_chat_template, dflash_generate_step
 from ..loading import (
     DTYPES,
@@ -278,25 +279,6 @@ def _uninterrupted():
         signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
-def _install(tmp: Path, dest: Path) -> None:
-    """Move the finished ``tmp`` to ``dest``; an old ``dest`` is removed only after that succeeds."""
-    old = None
-    if dest.exists() or dest.is_symlink():
-        old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(dest, old)
-    try:
-        os.replace(tmp, dest)
-    except BaseException:
-        if old is not None:
-            os.replace(old, dest)
-        raise
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
-
-
 def convert(
     hf_path: str,
     mlx_path: str = "mlx_model",
@@ -318,13 +300,15 @@ def convert(
     """Convert a Hugging Face target and its DFlash drafter to one MLX pair folder.
 
     Args:
-        hf_path: The target: local folder or Hugging Face id.
+        hf_path: The target: local folder, Hugging Face id, or a ``.gguf`` file (or a folder
+          holding one), converted by :func:`dflash_mlx.gguf.convert_gguf`.
         mlx_path: The pair folder to write; it must not exist unless ``force``.
         quantize: Quantize the target (mlx-lm's affine quantization).
         q_group_size: Target quantization group size (mlx-lm's default: 64).
         q_bits: Target bits per weight (mlx-lm's default: 4).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` for the unquantized weights of
-          both models; by default the target's ``torch_dtype``.
+          both models; by default the target's ``torch_dtype``. A GGUF target is dequantized
+          to it; without it its Q4_0/Q4_1/Q8_0 layers stay quantized.
         draft_hf_path: The drafter: local folder or Hugging Face id. None takes the official
           drafter of a known target (see :mod:`dflash_mlx.registry`).
         draft_q_bits: Quantize the drafter to 8 or 4 bits; None keeps it in ``dtype``.
@@ -352,13 +336,27 @@ def convert(
     _check_arguments(quantize, q_group_size, q_bits, dtype, draft_q_bits, draft_q_group_size, check_tokens)
     dest = Path(mlx_path).expanduser()
     _check_destination(dest, force)
+    gguf_file = find_gguf(hf_path)
+    if gguf_file is not None and quantize:
+        raise DFlashError(
+            f"{hf_path} is a GGUF file: its Q4_0/Q4_1/Q8_0 tensors stay quantized as they are. "
+            "Drop -q/--quantize, or pass --dtype to dequantize them."
+        )
     progress = Progress(6 if check else 5, enabled=verbose)
+    tmp = None
     try:
         progress.update(0, "resolving the models")
-        target_src, target_config = _target_source(hf_path, revision)
-        if quantize and "quantization" in target_config:
-            raise DFlashError(f"{hf_path} is already quantized; drop -q/--quantize to convert it as it is.")
+        if gguf_file is None:
+            target_src, target_config = _target_source(hf_path, revision)
+            if quantize and "quantization" in target_config:
+                raise DFlashError(f"{hf_path} is already quantized; drop -q/--quantize to convert it as it is.")
         draft_id, draft_src = _draft_source(draft_hf_path, hf_path, revision)
+        if gguf_file is not None:
+            # The pairing check needs the target folder, so a GGUF target is converted first.
+            tmp = partial_sibling(dest)
+            progress.step("converting the target from GGUF")
+            target_src = convert_gguf(gguf_file, tmp / "target", dtype=dtype)
+            target_config = read_config(target_src, "target")
         progress.step("checking the pairing")
         draft_config = read_config(draft_src, "drafter")
         if draft_q_bits and "quantization" in draft_config:
@@ -368,11 +366,8 @@ def convert(
         draft_dtype = _draft_dtype(dtype, target_config, draft_config)
         draft = _load_checked_draft(target_src, draft_src, draft_dtype)
 
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        # Not tempfile.mkdtemp: its 0700 mode would stick to the renamed pair folder.
-        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.partial"
-        tmp.mkdir()
-        try:
+        if tmp is None:
+            tmp = partial_sibling(dest)
             progress.step("converting the target with mlx-lm")
             # mlx-lm reports on stdout; keep stdout for our own report.
             with contextlib.redirect_stdout(sys.stderr if verbose else io.StringIO()):
@@ -384,54 +379,55 @@ def convert(
                     q_bits=q_bits,
                     dtype=dtype,
                 )
-            progress.step("converting the drafter")
-            # An already quantized drafter (an earlier conversion) keeps its quantization.
-            quantization = draft_config.get("quantization")
-            if draft_q_bits:
-                quantization = quantize_draft(draft, draft_q_bits, draft_q_group_size)
-            config = normalized_config(draft_config, draft, dtype=draft_dtype, quantization=quantization)
-            save_draft(draft, config, tmp / "draft")
-            del draft
+        progress.step("converting the drafter")
+        # An already quantized drafter (an earlier conversion) keeps its quantization.
+        quantization = draft_config.get("quantization")
+        if draft_q_bits:
+            quantization = quantize_draft(draft, draft_q_bits, draft_q_group_size)
+        config = normalized_config(draft_config, draft, dtype=draft_dtype, quantization=quantization)
+        save_draft(draft, config, tmp / "draft")
+        del draft
 
-            target_quant = json.loads((tmp / "target" / "config.json").read_text()).get("quantization")
-            manifest = {
-                "format": MANIFEST_FORMAT,
-                "version": MANIFEST_VERSION,
-                "target": "target",
-                "draft": "draft",
-                "block_size": config["block_size"],
-                "target_layer_ids": config["target_layer_ids"],
-                "mask_token_id": config["mask_token_id"],
-                "source": {"target": str(hf_path), "draft": str(draft_id), "revision": revision},
-                "dtype": dtype or _config_dtype(target_config),
-                "quantization": {"target": target_quant, "draft": quantization},
-                "converted_with": f"mlx-dflash {__version__}",
-            }
+        target_quant = json.loads((tmp / "target" / "config.json").read_text()).get("quantization")
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "target": "target",
+            "draft": "draft",
+            "block_size": config["block_size"],
+            "target_layer_ids": config["target_layer_ids"],
+            "mask_token_id": config["mask_token_id"],
+            "source": {"target": str(hf_path), "draft": str(draft_id), "revision": revision},
+            "dtype": dtype or _config_dtype(target_config),
+            "quantization": {"target": target_quant, "draft": quantization},
+            "converted_with": f"mlx-dflash {__version__}",
+        }
+        _write_manifest(tmp, manifest)
+
+        result = None
+        if check:
+            progress.step("checking DFlash against the target")
+            result = check_converted(tmp, prompt=check_prompt, max_tokens=check_tokens)
+            manifest["check"] = asdict(result)
             _write_manifest(tmp, manifest)
-
-            result = None
-            if check:
-                progress.step("checking DFlash against the target")
-                result = check_converted(tmp, prompt=check_prompt, max_tokens=check_tokens)
-                manifest["check"] = asdict(result)
-                _write_manifest(tmp, manifest)
-            # Asked again: the destination may have appeared during the conversion.
-            replacing = _check_destination(dest, force)
-            if replacing and result is not None and not result.tokens_match and not allow_failed_check:
-                raise DFlashError(
-                    f"The new pair failed its check (greedy DFlash differs from the target's own output from "
-                    f"token {result.first_mismatch}), so the pair in {dest} was kept. Pass --allow-failed-check "
-                    "to replace it anyway (in bf16 or quantized, a near-tie may round differently)."
-                )
-            progress.step("moving the pair into place")
-            with _uninterrupted():
-                _install(tmp, dest)
-        except BaseException:
-            # Covers Ctrl-C too: nothing half-written may stay next to the destination.
+        # Asked again: the destination may have appeared during the conversion.
+        replacing = _check_destination(dest, force)
+        if replacing and result is not None and not result.tokens_match and not allow_failed_check:
+            raise DFlashError(
+                f"The new pair failed its check (greedy DFlash differs from the target's own output from "
+                f"token {result.first_mismatch}), so the pair in {dest} was kept. Pass --allow-failed-check "
+                "to replace it anyway (in bf16 or quantized, a near-tie may round differently)."
+            )
+        progress.step("moving the pair into place")
+        with _uninterrupted():
+            install(tmp, dest)
+        progress.step(f"done: {dest}")
+    except BaseException:
+        # Covers Ctrl-C too: nothing half-written may stay next to the destination.
+        if tmp is not None:
             with _uninterrupted():
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        progress.step(f"done: {dest}")
+        raise
     finally:
         progress.close()
     return ConvertResult(path=dest, target=str(hf_path), draft=str(draft_id), check=result)
@@ -474,7 +470,12 @@ def configure_parser() -> argparse.ArgumentParser:
         prog="dflash-convert",
         description="Convert a Hugging Face target and its DFlash drafter to one checked MLX pair folder.",
     )
-    parser.add_argument("--hf-path", "--model", default=None, help="Target: local folder or Hugging Face id.")
+    parser.add_argument(
+        "--hf-path",
+        "--model",
+        default=None,
+        help="Target: local folder, Hugging Face id, or a .gguf file (or a folder holding one).",
+    )
     parser.add_argument(
         "--draft-hf-path",
         "--draft",
@@ -489,7 +490,7 @@ def configure_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=list(DTYPES),
         default=None,
-        help="dtype of unquantized weights (default: the target's).",
+        help="dtype of unquantized weights (default: the target's); a GGUF target is dequantized to it.",
     )
     parser.add_argument(
         "--draft-q-bits",
