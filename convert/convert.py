@@ -1,4 +1,4 @@
-"""dflash-convert: a Hugging Face target and its DFlash drafter to one checked MLX pair folder.
+"""dflash-convert: a Hugging Face (or GGUF) target and its DFlash drafter to one checked MLX pair folder.
 
 The output folder holds ``target/`` (written by mlx-lm's own converter), ``draft/`` (the
 drafter, converted here) and ``dflash_pair.json``, so ``dflash_mlx.load(path)`` finds both.
@@ -14,9 +14,10 @@ import io
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,14 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.convert import convert as mlx_lm_convert
 from mlx_lm.generate import generate_step
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import load_tokenizer
 
 from .. import __version__
 from .. import target as tgt
-from ..drafter import DraftModel
+from ..drafter import DraftModel, save_draft
 from ..errors import DFlashError
+from ..files import install, partial_sibling
+from ..gguf import convert_gguf, find_gguf
 from ..generate import apply_chat_template, dflash_generate_step
 from ..loading import (
     DTYPES,
@@ -39,12 +42,14 @@ from ..loading import (
     known_draft,
     load,
     load_draft,
+    load_target_model,
     read_config,
     read_pair_manifest,
     resolve,
 )
 from .. import registry
-from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft, save_draft
+from ..progress import Progress
+from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft
 
 # Affine bit widths mlx-lm can quantize a target to.
 TARGET_Q_BITS = (2, 3, 4, 5, 6, 8)
@@ -89,34 +94,6 @@ class ConvertResult:
     target: str
     draft: str
     check: CheckResult | None
-
-
-class _Progress:
-    """A plain-text progress bar on stderr: one line per stage, redrawn in place on a terminal."""
-
-    def __init__(self, total: int, enabled: bool = True, width: int = 24):
-        self.total, self.done, self.enabled, self.width = total, 0, enabled, width
-        self.tty = sys.stderr.isatty()
-        self.start = time.perf_counter()
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        self.show(label)
-
-    def show(self, label: str) -> None:
-        if not self.enabled:
-            return
-        filled = self.width * min(self.done, self.total) // self.total
-        bar = "#" * filled + "-" * (self.width - filled)
-        line = f"[{bar}] {self.done}/{self.total} {label} ({time.perf_counter() - self.start:.1f}s)"
-        if self.tty:
-            print(f"\r\033[K{line}", end="", file=sys.stderr, flush=True)
-        else:
-            print(line, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            print(file=sys.stderr)
 
 
 def _check_arguments(
@@ -260,23 +237,46 @@ def check_converted(path: Path, prompt: str = CHECK_PROMPT, max_tokens: int = 32
     )
 
 
-def _install(tmp: Path, dest: Path) -> None:
-    """Move the finished ``tmp`` to ``dest``; an old ``dest`` is removed only after that succeeds."""
-    old = None
-    if dest.exists() or dest.is_symlink():
-        old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(dest, old)
+def _check_destination(dest: Path, force: bool) -> bool:
+    """Whether writing ``dest`` replaces an earlier pair; refuses what ``force`` may not replace.
+
+    Only a pair folder that dflash-convert wrote (it holds ``dflash_pair.json``) is ever
+    replaced: a folder of other files, or a file, stays untouched, ``force`` or not.
+    """
+    full, here = dest.resolve(), Path.cwd().resolve()
+    if full == here or full in here.parents:
+        raise DFlashError(f"--mlx-path {dest} is the current folder or holds it; pass a new folder for the pair.")
+    if not (dest.exists() or dest.is_symlink()):
+        ancestor = next(p for p in full.parents if p.exists())
+        if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+            what = "is not a folder" if not ancestor.is_dir() else "is not writable"
+            raise DFlashError(f"Cannot create --mlx-path {dest}: {ancestor} {what}. Pass another --mlx-path.")
+        return False
+    if not (dest.is_dir() and (dest / PAIR_MANIFEST).is_file()):
+        what = "a folder that dflash-convert did not write (no dflash_pair.json)" if dest.is_dir() else "not a folder"
+        raise DFlashError(
+            f"--mlx-path {dest} already exists and is {what}; it is never replaced, --force or not. "
+            "Pass a new folder with --mlx-path."
+        )
+    if not force:
+        raise DFlashError(
+            f"{dest} already exists. Choose another --mlx-path, or pass --force to replace it "
+            "(the old pair is kept until the new one is complete and has passed its check)."
+        )
+    return True
+
+
+@contextlib.contextmanager
+def _uninterrupted():
+    """Ignore Ctrl+C for a few renames or a clean-up, so that they are never cut halfway."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        os.replace(tmp, dest)
-    except BaseException:
-        if old is not None:
-            os.replace(old, dest)
-        raise
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
 
 
 def convert(
@@ -295,51 +295,68 @@ def convert(
     check_prompt: str = CHECK_PROMPT,
     check_tokens: int = 32,
     verbose: bool = True,
+    allow_failed_check: bool = False,
 ) -> ConvertResult:
     """Convert a Hugging Face target and its DFlash drafter to one MLX pair folder.
 
     Args:
-        hf_path: The target: local folder or Hugging Face id.
+        hf_path: The target: local folder, Hugging Face id, or a ``.gguf`` file (or a folder
+          holding one), converted by :func:`dflash_mlx.gguf.convert_gguf`.
         mlx_path: The pair folder to write; it must not exist unless ``force``.
         quantize: Quantize the target (mlx-lm's affine quantization).
         q_group_size: Target quantization group size (mlx-lm's default: 64).
         q_bits: Target bits per weight (mlx-lm's default: 4).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` for the unquantized weights of
-          both models; by default the target's ``torch_dtype``.
+          both models; by default the target's ``torch_dtype``. A GGUF target is dequantized
+          to it; without it its Q4_0/Q4_1/Q8_0 layers stay quantized.
         draft_hf_path: The drafter: local folder or Hugging Face id. None takes the official
           drafter of a known target (see :mod:`dflash_mlx.registry`).
         draft_q_bits: Quantize the drafter to 8 or 4 bits; None keeps it in ``dtype``.
         draft_q_group_size: Drafter quantization group size.
         revision: Hub revision of the target (and of an explicitly given drafter).
-        force: Replace an existing ``mlx_path``; the old folder is kept until the new one
-          is complete.
+        force: Replace an existing pair folder at ``mlx_path`` (one that dflash-convert wrote;
+          anything else is never replaced). The old pair is kept until the new one is complete
+          and has passed its check.
         check: Load the result and compare greedy DFlash output with the target's own.
         check_prompt: The prompt of that check.
         check_tokens: Tokens generated by the check.
         verbose: Print progress on stderr.
+        allow_failed_check: With ``force``, replace the old pair even when the new one fails
+          its check. Without an old pair, a pair that fails its check is written anyway.
 
     Returns:
         ConvertResult: The folder, the sources and the check result.
 
     Raises:
-        DFlashError: On a bad argument, an existing ``mlx_path`` without ``force``, a missing
+        DFlashError: On a bad argument, an existing ``mlx_path`` without ``force`` or one that
+          is not a pair folder, a new pair failing its check while replacing an old one, a missing
           or non-model folder, a drafter given as target or the reverse, an unknown target
           without a drafter, or a drafter made for another target.
     """
     _check_arguments(quantize, q_group_size, q_bits, dtype, draft_q_bits, draft_q_group_size, check_tokens)
     dest = Path(mlx_path).expanduser()
-    if (dest.exists() or dest.is_symlink()) and not force:
+    _check_destination(dest, force)
+    gguf_file = find_gguf(hf_path)
+    if gguf_file is not None and quantize:
         raise DFlashError(
-            f"{dest} already exists. Choose another --mlx-path, or pass --force to replace it "
-            "(the old folder is kept until the new pair is complete)."
+            f"{hf_path} is a GGUF file: its Q4_0/Q4_1/Q8_0 tensors stay quantized as they are. "
+            "Drop -q/--quantize, or pass --dtype to dequantize them."
         )
-    progress = _Progress(total=6 if check else 5, enabled=verbose)
+    progress = Progress(6 if check else 5, enabled=verbose)
+    tmp = None
     try:
-        progress.show("resolving the models")
-        target_src, target_config = _target_source(hf_path, revision)
-        if quantize and "quantization" in target_config:
-            raise DFlashError(f"{hf_path} is already quantized; drop -q/--quantize to convert it as it is.")
+        progress.update(0, "resolving the models")
+        if gguf_file is None:
+            target_src, target_config = _target_source(hf_path, revision)
+            if quantize and "quantization" in target_config:
+                raise DFlashError(f"{hf_path} is already quantized; drop -q/--quantize to convert it as it is.")
         draft_id, draft_src = _draft_source(draft_hf_path, hf_path, revision)
+        if gguf_file is not None:
+            # The pairing check needs the target folder, so a GGUF target is converted first.
+            tmp = partial_sibling(dest)
+            progress.step("converting the target from GGUF")
+            target_src = convert_gguf(gguf_file, tmp / "target", dtype=dtype)
+            target_config = read_config(target_src, "target")
         progress.step("checking the pairing")
         draft_config = read_config(draft_src, "drafter")
         if draft_q_bits and "quantization" in draft_config:
@@ -349,11 +366,8 @@ def convert(
         draft_dtype = _draft_dtype(dtype, target_config, draft_config)
         draft = _load_checked_draft(target_src, draft_src, draft_dtype)
 
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        # Not tempfile.mkdtemp: its 0700 mode would stick to the renamed pair folder.
-        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.partial"
-        tmp.mkdir()
-        try:
+        if tmp is None:
+            tmp = partial_sibling(dest)
             progress.step("converting the target with mlx-lm")
             # mlx-lm reports on stdout; keep stdout for our own report.
             with contextlib.redirect_stdout(sys.stderr if verbose else io.StringIO()):
@@ -365,44 +379,55 @@ def convert(
                     q_bits=q_bits,
                     dtype=dtype,
                 )
-            progress.step("converting the drafter")
-            # An already quantized drafter (an earlier conversion) keeps its quantization.
-            quantization = draft_config.get("quantization")
-            if draft_q_bits:
-                quantization = quantize_draft(draft, draft_q_bits, draft_q_group_size)
-            config = normalized_config(draft_config, draft, dtype=draft_dtype, quantization=quantization)
-            save_draft(tmp / "draft", draft, config)
-            del draft
+        progress.step("converting the drafter")
+        # An already quantized drafter (an earlier conversion) keeps its quantization.
+        quantization = draft_config.get("quantization")
+        if draft_q_bits:
+            quantization = quantize_draft(draft, draft_q_bits, draft_q_group_size)
+        config = normalized_config(draft_config, draft, dtype=draft_dtype, quantization=quantization)
+        save_draft(draft, config, tmp / "draft")
+        del draft
 
-            target_quant = json.loads((tmp / "target" / "config.json").read_text()).get("quantization")
-            manifest = {
-                "format": MANIFEST_FORMAT,
-                "version": MANIFEST_VERSION,
-                "target": "target",
-                "draft": "draft",
-                "block_size": config["block_size"],
-                "target_layer_ids": config["target_layer_ids"],
-                "mask_token_id": config["mask_token_id"],
-                "source": {"target": str(hf_path), "draft": str(draft_id), "revision": revision},
-                "dtype": dtype or _config_dtype(target_config),
-                "quantization": {"target": target_quant, "draft": quantization},
-                "converted_with": f"mlx-dflash {__version__}",
-            }
+        target_quant = json.loads((tmp / "target" / "config.json").read_text()).get("quantization")
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "target": "target",
+            "draft": "draft",
+            "block_size": config["block_size"],
+            "target_layer_ids": config["target_layer_ids"],
+            "mask_token_id": config["mask_token_id"],
+            "source": {"target": str(hf_path), "draft": str(draft_id), "revision": revision},
+            "dtype": dtype or _config_dtype(target_config),
+            "quantization": {"target": target_quant, "draft": quantization},
+            "converted_with": f"mlx-dflash {__version__}",
+        }
+        _write_manifest(tmp, manifest)
+
+        result = None
+        if check:
+            progress.step("checking DFlash against the target")
+            result = check_converted(tmp, prompt=check_prompt, max_tokens=check_tokens)
+            manifest["check"] = asdict(result)
             _write_manifest(tmp, manifest)
-
-            result = None
-            if check:
-                progress.step("checking DFlash against the target")
-                result = check_converted(tmp, prompt=check_prompt, max_tokens=check_tokens)
-                manifest["check"] = asdict(result)
-                _write_manifest(tmp, manifest)
-            progress.step("moving the pair into place")
-            _install(tmp, dest)
-        except BaseException:
-            # Covers Ctrl-C too: nothing half-written may stay next to the destination.
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        # Asked again: the destination may have appeared during the conversion.
+        replacing = _check_destination(dest, force)
+        if replacing and result is not None and not result.tokens_match and not allow_failed_check:
+            raise DFlashError(
+                f"The new pair failed its check (greedy DFlash differs from the target's own output from "
+                f"token {result.first_mismatch}), so the pair in {dest} was kept. Pass --allow-failed-check "
+                "to replace it anyway (in bf16 or quantized, a near-tie may round differently)."
+            )
+        progress.step("moving the pair into place")
+        with _uninterrupted():
+            install(tmp, dest)
         progress.step(f"done: {dest}")
+    except BaseException:
+        # Covers Ctrl-C too: nothing half-written may stay next to the destination.
+        if tmp is not None:
+            with _uninterrupted():
+                shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         progress.close()
     return ConvertResult(path=dest, target=str(hf_path), draft=str(draft_id), check=result)
@@ -415,12 +440,12 @@ def _load_checked_draft(target_src: Path, draft_src: Path, dtype: str | None) ->
             f"No *.safetensors weights in {target_src}: the target must be a model folder with "
             "safetensors weights. Re-download it, or convert its .bin weights to safetensors first."
         )
+    # Lazy: the target's weights are never read here, only its config and layer count.
+    target_skeleton, _ = load_target_model(target_src, lazy=True)
     try:
-        # Lazy: the target's weights are never read here, only its config and layer count.
-        target_skeleton, _ = load_model(target_src, lazy=True)
         tokenizer = load_tokenizer(target_src)
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
-        raise DFlashError(f"Could not load the target from {target_src} ({type(e).__name__}: {e}).") from e
+        raise DFlashError(f"Could not load the tokenizer from {target_src} ({type(e).__name__}: {e}).") from e
     draft = load_draft(draft_src, num_target_layers=tgt.num_layers(target_skeleton), dtype=dtype)
     # Also fills a missing mask_token_id from the tokenizer, for the normalized config.
     check_pair(target_skeleton, draft, tokenizer)
@@ -445,7 +470,12 @@ def configure_parser() -> argparse.ArgumentParser:
         prog="dflash-convert",
         description="Convert a Hugging Face target and its DFlash drafter to one checked MLX pair folder.",
     )
-    parser.add_argument("--hf-path", "--model", default=None, help="Target: local folder or Hugging Face id.")
+    parser.add_argument(
+        "--hf-path",
+        "--model",
+        default=None,
+        help="Target: local folder, Hugging Face id, or a .gguf file (or a folder holding one).",
+    )
     parser.add_argument(
         "--draft-hf-path",
         "--draft",
@@ -460,7 +490,7 @@ def configure_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=list(DTYPES),
         default=None,
-        help="dtype of unquantized weights (default: the target's).",
+        help="dtype of unquantized weights (default: the target's); a GGUF target is dequantized to it.",
     )
     parser.add_argument(
         "--draft-q-bits",
@@ -471,7 +501,16 @@ def configure_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--draft-q-group-size", type=int, default=64, help="Drafter quantization group size.")
     parser.add_argument("--revision", default=None, help="Hub revision of the target.")
-    parser.add_argument("--force", action="store_true", help="Replace an existing --mlx-path.")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="Replace an earlier pair folder at --mlx-path (only one that dflash-convert wrote).",
+    )
+    parser.add_argument(
+        "--allow-failed-check",
+        action="store_true",
+        help="With --force, replace the old pair even if the new one fails its check.",
+    )
     parser.add_argument(
         "--no-check", dest="check", action="store_false", help="Skip loading and checking the converted pair."
     )
@@ -496,6 +535,9 @@ def main(argv: list[str] | None = None) -> None:
     except DFlashError as e:
         print(f"dflash-convert: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print("dflash-convert: interrupted; nothing written", file=sys.stderr)
+        sys.exit(130)
     print(f"Wrote the DFlash pair to {result.path}")
     print(f"  target: {result.target}")
     print(f"  draft:  {result.draft}")
@@ -508,8 +550,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         if not c.tokens_match:
             print(
-                "dflash-convert: warning: greedy DFlash output differs from the target's own. At float32 this "
-                "is a bug; in bf16 or quantized, a near-tie may round differently in a multi-token pass.",
+                "dflash-convert: warning: the pair was written, but it failed its check: greedy DFlash output "
+                "differs from the target's own. At float32 this is a bug; in bf16 or quantized, a near-tie may "
+                "round differently in a multi-token pass.",
                 file=sys.stderr,
             )
     print(f"Use it: dflash-generate --model {result.path}")

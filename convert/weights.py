@@ -3,17 +3,13 @@
 Targets are converted by mlx-lm itself; only the drafter, which mlx-lm does not know, is
 handled here. The drafter is read with the library's own ``load_draft`` (which applies
 ``DraftModel.sanitize``, so the published z-lab key names map to ours) and written back as
-``config.json`` + ``model*.safetensors`` in the layout ``load_draft`` reads.
+``config.json`` + ``model*.safetensors`` by the library's one writer of that layout
+(``dflash_mlx.drafter.save_draft``).
 """
 
-import json
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
-from mlx_lm.utils import make_shards
 
 from ..drafter import DraftModel
 from ..errors import DFlashError
@@ -23,8 +19,6 @@ DRAFT_Q_BITS = (4, 8)
 Q_GROUP_SIZES = (32, 64, 128)
 # Fields that may sit under "dflash_config" (z-lab layout) or at the top level.
 _DFLASH_FIELDS = ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers")
-
-Progress = Callable[[int, int], None]
 
 
 def quantize_draft(draft: DraftModel, bits: int, group_size: int = 64) -> dict[str, int]:
@@ -110,54 +104,3 @@ def normalized_config(
         out["quantization"] = dict(quantization)
         out["quantization_config"] = dict(quantization)
     return out
-
-
-def save_weights(path: Path, weights: dict[str, mx.array], progress: Progress | None = None) -> list[str]:
-    """Write ``weights`` as safetensors shards (with an index when there is more than one).
-
-    Args:
-        path: An existing folder.
-        weights: Flat parameter names to arrays.
-        progress: Called as ``progress(done, total)`` after each shard.
-
-    Returns:
-        The names of the files written.
-    """
-    shards = make_shards(weights)
-    n = len(shards)
-    names = (
-        ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    )
-    weight_map = {}
-    for i, (name, shard) in enumerate(zip(names, shards)):
-        mx.save_safetensors(str(path / name), shard, metadata={"format": "mlx"})
-        weight_map.update({k: name for k in shard})
-        if progress is not None:
-            progress(i + 1, n)
-    if n > 1:
-        index = {
-            "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
-        names.append("model.safetensors.index.json")
-    return names
-
-
-def save_draft(
-    path: Path,
-    draft: DraftModel,
-    config: dict[str, Any],
-    progress: Progress | None = None,
-) -> None:
-    """Write a loaded (and maybe quantized) drafter to the new folder ``path``.
-
-    Args:
-        path: The folder to create; it must not exist yet.
-        draft: The drafter whose parameters are written.
-        config: Its normalized config (see :func:`normalized_config`).
-        progress: Passed on to :func:`save_weights`.
-    """
-    path.mkdir(parents=True)
-    save_weights(path, dict(tree_flatten(draft.parameters())), progress)
-    (path / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=4))

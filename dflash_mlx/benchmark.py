@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -19,15 +18,16 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from . import __version__
 from . import target as tgt
+from .backend import cpu_speedups
+from .blas import blas_in_use, cpu_flags, find_openblas, openblas_core, preload_env, read_cpuinfo
+from .chat_template import has_chat_template, render_chat
 from .errors import DFlashError
 from .generate import stream_generate
-from .lookup import PromptLookupDraft
+from .lookup import PromptLookup
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 METHODS = ("baseline", "mlx-spec", "lookup", "dflash", "dflash-cut", "dflash-fallback")
 # DFlash methods: the paper's fixed block, the block cut at the drafter's first unsure draft, and
 # the fixed block with prompt-lookup cycles after the drafter's first-draft misses.
@@ -70,20 +70,6 @@ def loop_efficiency(tps: float, tau: float, t_draft: float, t_verify: float) -> 
     passes timed alone. It differs from :func:`efficiency` by the baseline's real step against a
     lone AR pass (mlx-lm builds its next step's graph while the current one runs)."""
     return tps * (t_draft + t_verify) / tau if tau > 0 else 0.0
-
-
-def blas_in_use() -> str:
-    """Which BLAS this process's MLX calls (Linux CPU); 'Accelerate' on macOS."""
-    if sys.platform == "darwin":
-        return "Accelerate"
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return "unknown"
-    if "libopenblas" in maps:
-        return "OpenBLAS (preloaded)"
-    libs = sorted(set(re.findall(r"/\S*lib\S*blas\S*\.so\S*", maps)))
-    return f"reference BLAS bundled with MLX ({Path(libs[0]).name})" if libs else "unknown"
 
 
 def git_commit(path: str | Path) -> str:
@@ -154,8 +140,8 @@ def _prompt_rows(prompts: str, limit: int | None) -> list[dict]:
 
 def encode(tokenizer, row: dict) -> list[int]:
     messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
-    if getattr(tokenizer, "chat_template", None) and not row.get("raw", False):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    if has_chat_template(tokenizer) and not row.get("raw", False):
+        return render_chat(tokenizer, messages)
     return tokenizer.encode(row.get("prompt") or messages[-1]["content"])
 
 
@@ -198,7 +184,7 @@ def make_runner(
             mlx_lm_stream(model, tokenizer, ids, max_tokens=max_tokens, **kwargs),
             lambda r: [] if r.finish_reason == "stop" else [r.token],
         )
-    proposer = PromptLookupDraft(block_size) if method == "lookup" else draft
+    proposer = PromptLookup(block_size) if method == "lookup" else draft
     cutoff = min_confidence if method == "dflash-cut" else 0.0
     fallback = lookup_fallback if method == "dflash-fallback" else 0
     return lambda ids: _time_stream(
@@ -236,12 +222,14 @@ def component_times(model, draft, block_sizes: list[int], context: int = 64, rep
     cache = make_cache(model, draft)
     prompt = mx.array([[1] * context])
     taps_ids = draft.target_layer_ids if draft is not None else []
-    _, taps = tgt.forward_with_taps(model, prompt, cache.target, taps_ids)
+    # The passes as the loop runs them, with the same CPU speedups.
+    speedups = cpu_speedups(tgt.compute_dtype(model))
+    _, taps = tgt.forward_with_taps(model, prompt, cache.target, taps_ids, speedups)
     mx.eval(taps, [c.state for c in cache.target])
 
     def target_pass(n):
         def run():
-            out, t = tgt.forward_with_taps(model, mx.array([[1] * n]), cache.target, taps_ids)
+            out, t = tgt.forward_with_taps(model, mx.array([[1] * n]), cache.target, taps_ids, speedups)
             mx.eval(out, t)
             for c in cache.target:
                 c.trim(n)
@@ -259,7 +247,7 @@ def component_times(model, draft, block_sizes: list[int], context: int = 64, rep
         times["verify"][b] = times["verify_by_size"][b]
         if draft is not None:
             block = mx.array([[1] * draft.block_size])
-            times["draft"][b] = timed(lambda: mx.eval(draft.propose(model, block, None, cache.draft)))
+            times["draft"][b] = timed(lambda: mx.eval(draft.propose(model, block, None, cache.draft, speedups)))
     return times
 
 
@@ -437,11 +425,13 @@ def run_benchmark(
         raise DFlashError(f"Unknown method {bad[0]!r}; choose from {', '.join(METHODS)}.")
     if runs < 1 or max_tokens < 1:
         raise DFlashError(f"--runs and --max-tokens must be at least 1 (got {runs} and {max_tokens}).")
-    target, drafter, tokenizer = load(model, draft, dtype=dtype)
+    if num_prompts is not None and num_prompts < 1:
+        raise DFlashError(f"--num-prompts must be at least 1 (got {num_prompts}); leave it out to use every prompt.")
     if not 0.0 < min_confidence <= 1.0:
         raise DFlashError(f"--min-confidence must be in (0, 1] (got {min_confidence}).")
     if lookup_fallback < 1:
         raise DFlashError(f"--lookup-fallback must be at least 1 (got {lookup_fallback}).")
+    target, drafter, tokenizer = load(model, draft, dtype=dtype)
     if any(m in DFLASH_METHODS for m in methods) and drafter is None:
         raise DFlashError("The dflash method needs a drafter: pass --draft.")
     bad_b = [b for b in block_sizes if drafter is not None and not 1 <= b <= drafter.block_size]
@@ -555,15 +545,53 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_outputs(json_path: str | None, markdown_path: str | None, plots_dir: str | None) -> None:
+    """Refuse an output path that cannot be written before anything runs, not after the whole benchmark."""
+    for flag, value, is_file in (("--json", json_path, True), ("--markdown", markdown_path, True),
+                                 ("--plots", plots_dir, False)):  # fmt: skip
+        if value is None:
+            continue
+        path = Path(value).expanduser().absolute()
+        if is_file and path.is_dir():
+            raise DFlashError(f"{flag} {value} is a folder; pass a file name.")
+        if not is_file and path.exists() and not path.is_dir():
+            raise DFlashError(f"{flag} {value} is a file; pass a folder.")
+        # A file goes into an existing folder; the plots folder is created, with its parents.
+        where = path.parent if is_file else next(p for p in (path, *path.parents) if p.exists())
+        if not where.exists():
+            raise DFlashError(f"{flag} {value}: the folder {where} does not exist; create it or pass another path.")
+        if not where.is_dir():
+            raise DFlashError(f"{flag} {value}: {where} is a file, not a folder; pass another path.")
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise DFlashError(f"{flag} {value}: the folder {where} is not writable; pass another path.")
+
+
+def _write_text(path: str, text: str) -> None:
+    # A temporary sibling renamed into place: an interrupted write never leaves half a file.
+    tmp = Path(path).with_name(f".{Path(path).name}.partial")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _maybe_reexec_with_openblas(choice: str) -> None:
     # LD_PRELOAD only takes effect at process start, so re-run ourselves with it set.
     if sys.platform != "linux" or choice == "bundled" or "libopenblas" in os.environ.get("LD_PRELOAD", ""):
         return
-    if not Path(OPENBLAS).exists():
+    library = find_openblas()
+    if library is None:
         if choice == "openblas":
-            raise DFlashError(f"OpenBLAS is not installed at {OPENBLAS}; apt-get install libopenblas0-pthread.")
+            raise DFlashError(
+                "OpenBLAS is not installed (not in the usual folders nor in ldconfig -p): install "
+                "libopenblas0-pthread (Debian/Ubuntu) or openblas-threads (Fedora), or pass --blas bundled."
+            )
         return
-    env = {**os.environ, "LD_PRELOAD": OPENBLAS}
+    # Ask the library which kernels it picks by itself, to name better ones for this CPU if needed.
+    detected = openblas_core(library) if "OPENBLAS_CORETYPE" not in os.environ else None
+    env = preload_env(dict(os.environ), library, cpu_flags(read_cpuinfo()), detected and detected[1])
     os.execve(sys.executable, [sys.executable, "-m", "dflash_mlx.benchmark", *sys.argv[1:]], env)
 
 
@@ -573,6 +601,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.max_tokens < 1 or args.runs < 1:
         parser.error("--max-tokens and --runs must be at least 1.")
     try:
+        _check_outputs(args.json, args.markdown, args.plots)
         if argv is None:
             _maybe_reexec_with_openblas(args.blas)
         if args.scaling:
@@ -595,9 +624,9 @@ def main(argv: list[str] | None = None) -> None:
         table += f"\n### {category}\n\n" + "\n".join(markdown(rows, result["meta"], {}).splitlines()[2:]) + "\n"
     print(table)
     if args.markdown:
-        Path(args.markdown).write_text(table)
+        _write_text(args.markdown, table)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        _write_text(args.json, json.dumps(result, indent=1))
     if args.plots:
         for path in plots(result["rows"], Path(args.plots)):
             print(f"wrote {path}")
@@ -609,6 +638,8 @@ def _remote_main(args) -> None:
 
     if any(n < 1 for n in args.concurrency):
         raise DFlashError(f"--concurrency levels must be at least 1 (got {args.concurrency}).")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise DFlashError(f"--num-prompts must be at least 1 (got {args.num_prompts}); leave it out to use every prompt.")
     rows = _prompt_rows(args.prompts or str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
     result = run_load(args.base_url, rows, api_key=args.api_key, model=args.model,
                       concurrency=tuple(args.concurrency), max_tokens=args.max_tokens)
@@ -616,9 +647,9 @@ def _remote_main(args) -> None:
     table = load_markdown(result)
     print(table)
     if args.markdown:
-        Path(args.markdown).write_text(table)
+        _write_text(args.markdown, table)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        _write_text(args.json, json.dumps(result, indent=1))
 
 
 def _scaling_main(args) -> None:
@@ -639,9 +670,9 @@ def _scaling_main(args) -> None:
     table += scaling_markdown(rows)
     print(table)
     if args.markdown:
-        Path(args.markdown).write_text(table)
+        _write_text(args.markdown, table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "scaling": rows}, indent=1))
+        _write_text(args.json, json.dumps({"meta": meta, "scaling": rows}, indent=1))
 
 
 if __name__ == "__main__":

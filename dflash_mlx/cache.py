@@ -12,6 +12,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache
 
+from . import hybrid
+from .drafter import DraftModel
+from .errors import DFlashError
+
 
 def make_draft_cache(draft: nn.Module) -> list[KVCache]:
     return [KVCache() for _ in draft.layers]
@@ -31,6 +35,8 @@ class DFlashCache:
     draft: list[Any] | None = None
     tokens: list[int] = field(default_factory=list)
     pending: mx.array | None = None
+    # Why the last reusable_prefix() reused less than the common prefix, or None.
+    reuse_note: str | None = None
 
     @property
     def offset(self) -> int:
@@ -51,13 +57,27 @@ class DFlashCache:
             if a != b:
                 break
             n += 1
+        self.reuse_note = None
+        restorable = hybrid.restorable_lengths(self.target)
+        if restorable is not None and n not in restorable:
+            # A recurrent state returns only to where it was saved: reuse the nearest one.
+            best = max(k for k in restorable if k <= n)
+            self.reuse_note = (
+                f"reused {best} of {n} cached tokens: the target's recurrent state was saved "
+                f"at {sorted(restorable)[-6:]} only, so the rest is prefilled again"
+            )
+            n = best
         return n
+
+    def trim_target(self, n: int) -> None:
+        """Forget the target's last ``n`` entries (a verified block's rejected drafts)."""
+        for c in self.target:
+            c.trim(n)
 
     def trim_to(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens."""
         length = max(0, min(length, len(self.tokens)))
-        for c in self.target:
-            c.trim(c.offset - length)
+        hybrid.trim_to(self.target, length)
         if self.draft:
             d = self.draft_offset
             if length >= d:
@@ -85,14 +105,20 @@ class DFlashCache:
 def make_cache(target: nn.Module, draft: nn.Module | None = None) -> DFlashCache:
     """A fresh cache for ``target`` (and ``draft`` if given).
 
+    ``draft`` may also be any other proposer (prompt lookup): only a DFlash drafter keeps
+    a context cache of its own.
+
     Raises:
-        ValueError: If the target's cache cannot be rolled back (e.g. a rotating window).
+        DFlashError: If the target's cache cannot be rolled back (e.g. a rotating window).
     """
-    target_cache = make_prompt_cache(target)
+    if getattr(target, "model_type", None) in hybrid.HYBRID_MODEL_TYPES:
+        target_cache = hybrid.make_cache(target)
+    else:
+        target_cache = make_prompt_cache(target)
     if not can_trim_prompt_cache(target_cache):
         types = {type(c).__name__ for c in target_cache if not c.is_trimmable()}
-        raise ValueError(
+        raise DFlashError(
             f"DFlash needs a trimmable target cache (got {sorted(types)}). "
             "Use a target with full attention layers."
         )
-    return DFlashCache(target_cache, make_draft_cache(draft) if draft is not None else None)
+    return DFlashCache(target_cache, make_draft_cache(draft) if isinstance(draft, DraftModel) else None)

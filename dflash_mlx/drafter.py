@@ -6,15 +6,19 @@ conditioned on the target's hidden states (the "taps"), which are projected once
 """
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.rope_utils import initialize_rope
+from mlx_lm.utils import save_config, save_model
 
 from . import kernels, steps
+from .backend import CpuSpeedups
 from . import target as tgt
+from .errors import DFlashError
 
 # Keys of the published checkpoints that may live under "dflash_config".
 _DFLASH_KEYS = (
@@ -24,6 +28,73 @@ _DFLASH_KEYS = (
     "num_target_layers",
     "use_target_features",
 )
+
+# Fields of newer drafters (DFlash2: a convolution, a token selector, scaled logits and
+# embeddings) that change what the model computes; this drafter implements none of them.
+_UNSUPPORTED_DFLASH_KEYS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "final_logit_softcapping",
+    "output_multiplier",
+)
+
+
+def check_layout(config: dict) -> None:
+    """Refuse a drafter config whose attention layout or extra fields we cannot honour.
+
+    Read: ``rope_theta`` or ``rope_parameters``, any number of taps and layers, and
+    ``layer_types`` of ``full_attention`` and ``sliding_attention`` layers (with
+    ``sliding_window`` and ``is_causal``, see :func:`block_mask`).
+
+    Raises:
+        DFlashError: For other layer types, a sliding layer without a window, a scaled input
+          embedding or DFlash2's fields, each named in the message.
+    """
+    fix = "Use a DFlash drafter of full_attention or sliding_attention layers."
+    archs = [a for a in config.get("architectures") or [] if a != "DFlashDraftModel" and "DFlash" in a]
+    if archs:
+        raise DFlashError(f"Unsupported drafter architecture {archs[0]!r}: this drafter is DFlashDraftModel. {fix}")
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        layers = config.get("num_hidden_layers")
+        if len(layer_types) != layers:
+            raise DFlashError(f"The drafter's layer_types has {len(layer_types)} entries for {layers} layers. {fix}")
+        other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+        if other:
+            raise DFlashError(f"Unsupported drafter layer_types {other}. {fix}")
+        window = config.get("sliding_window")
+        if "sliding_attention" in layer_types and not (isinstance(window, int) and window > 0):
+            raise DFlashError(f"The drafter has sliding_attention layers but sliding_window={window!r}. {fix}")
+    if config.get("is_causal") not in (None, True, False):
+        raise DFlashError(f"Unsupported drafter is_causal={config['is_causal']!r}: use true or false. {fix}")
+    nested = {**config, **(config.get("dflash_config") or {})}
+    extra = [k for k in _UNSUPPORTED_DFLASH_KEYS if nested.get(k) is not None]
+    if extra:
+        raise DFlashError(f"Unsupported drafter fields {extra} (a DFlash2 drafter?). {fix}")
+    scale = nested.get("input_embedding_scale", 1.0)
+    if scale != 1.0:
+        raise DFlashError(f"Unsupported drafter input_embedding_scale={scale!r}: only 1.0 is implemented. {fix}")
+
+
+def block_mask(start: int, length: int, causal: bool, window: int | None) -> mx.array | None:
+    """Which keys each block query sees, ``(length, start + length)`` booleans, or None for all.
+
+    Keys are the context positions ``0..start-1`` then the block's; query ``i`` sits at
+    ``start + i``. As in z-lab's drafters: a causal layer sees no later key, a sliding one
+    no key ``window`` or more positions before (and, if not causal, after) its query.
+    """
+    if not causal and window is None:
+        return None
+    q = mx.arange(start, start + length)[:, None]
+    k = mx.arange(start + length)[None]
+    visible = k <= q if causal else mx.ones((length, start + length), dtype=mx.bool_)
+    if window is not None:
+        visible = visible & (q - k < window)
+        if not causal:
+            visible = visible & (k - q < window)
+    return visible
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -53,12 +124,16 @@ class ModelArgs(BaseModelArgs):
     block_size: int = 16
     target_layer_ids: list[int] = field(default_factory=list)
     mask_token_id: int | None = None
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None
     # False only for the ablation drafter trained without the target's context.
     use_target_features: bool = True
     model_type: str = "qwen3"
 
     @classmethod
     def from_dict(cls, params: dict) -> "ModelArgs":
+        check_layout(params)
         params = dict(params)
         nested = params.get("dflash_config") or {}
         for key in _DFLASH_KEYS:
@@ -83,8 +158,12 @@ class ModelArgs(BaseModelArgs):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
+        # Sliding layers of newer drafters: causal by default, and windowed (see block_mask).
+        sliding = bool(args.layer_types) and args.layer_types[layer_idx] == "sliding_attention"
+        self.causal = sliding if args.is_causal is None else bool(args.is_causal)
+        self.window = args.sliding_window if sliding else None
         dim, hd = args.hidden_size, args.head_dim
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
@@ -116,6 +195,7 @@ class Attention(nn.Module):
         cache: Any | None = None,
         mask: mx.array | None = None,
         block_offset: int | mx.array | None = None,
+        use_kernel: bool = False,
     ) -> mx.array:
         B, L, _ = x.shape
         ctx_offset = cache.offset if cache is not None else 0
@@ -129,10 +209,12 @@ class Attention(nn.Module):
 
         k_ctx = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), ctx_offset)
         v_ctx = self._heads(self.v_proj(ctx), self.n_kv_heads)
-        out = self.attend(q, k, v, k_ctx, v_ctx, cache, mask)
+        out = self.attend(q, k, v, k_ctx, v_ctx, cache, mask, use_kernel)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def attend(self, q, k, v, k_ctx, v_ctx, cache: Any | None, mask: mx.array | None) -> mx.array:
+    def attend(
+        self, q, k, v, k_ctx, v_ctx, cache: Any | None, mask: mx.array | None, use_kernel: bool = False
+    ) -> mx.array:
         """The block's queries over the cached context, the new context and the block
         itself, all ``(B, heads, length, D)``; returns ``(B, n_heads, L, D)``."""
         B = q.shape[0]
@@ -149,7 +231,7 @@ class Attention(nn.Module):
         values = mx.concatenate([v_ctx, v], axis=2)
 
         # No causal mask: the block attends to the whole context and to itself both ways.
-        return kernels.attention(q, keys, values, self.scale, mask)
+        return kernels.attention(q, keys, values, self.scale, mask, use_kernel=use_kernel)
 
 
 class MLP(nn.Module):
@@ -159,45 +241,46 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
+    def __call__(self, x: mx.array, use_kernel: bool = False) -> mx.array:
+        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x), use_kernel))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, layer_idx)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, h, ctx, cache=None, mask=None, block_offset=None) -> mx.array:
-        if cache is not None and mask is None and block_offset is None and self._compiled_steps(h):
-            return self._compiled_call(h, ctx, cache)
+    def __call__(self, h, ctx, cache=None, mask=None, block_offset=None, speedups=None) -> mx.array:
+        if cache is not None and mask is None and block_offset is None and self._compiled_steps(h, speedups):
+            return self._compiled_call(h, ctx, cache, speedups)
+        kernel = speedups is not None and speedups.kernels
         # The context is used as it comes out of hidden_norm, not re-normed per layer.
-        h = h + self.self_attn(self.input_layernorm(h), ctx, cache, mask, block_offset)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cache, mask, block_offset, kernel)
+        return h + self.mlp(self.post_attention_layernorm(h), kernel)
 
-    def _compiled_steps(self, h: mx.array) -> bool:
-        # Drafting on MLX's CPU backend (float32): the same operations as below, compiled
+    def _compiled_steps(self, h: mx.array, speedups: CpuSpeedups | None) -> bool:
+        # Drafting with the CPU speedups (float32): the same operations as below, compiled
         # around the attention (dflash_mlx.steps). Training (no cache) stays as written.
         attn = self.self_attn
         return (
-            h.dtype == mx.float32
-            and kernels.cpu_default()
+            speedups is not None
+            and h.dtype == mx.float32
             and steps.plain_layer(attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
         )
 
-    def _compiled_call(self, h: mx.array, ctx: mx.array, cache: Any) -> mx.array:
+    def _compiled_call(self, h: mx.array, ctx: mx.array, cache: Any, speedups: CpuSpeedups) -> mx.array:
         attn = self.self_attn
         ctx_offset = cache.offset
-        q, k, v = steps.before(attn, self.input_layernorm, h, ctx_offset + ctx.shape[1])
+        q, k, v = steps.before(attn, self.input_layernorm, h, ctx_offset + ctx.shape[1], speedups)
         if ctx.shape[1] > 0:
-            k_ctx, v_ctx = steps.key_values(attn, ctx, ctx_offset)
+            k_ctx, v_ctx = steps.key_values(attn, ctx, ctx_offset, speedups)
         else:
             k_ctx = v_ctx = mx.zeros((ctx.shape[0], attn.n_kv_heads, 0, attn.head_dim), dtype=h.dtype)
-        out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None)
-        return steps.after(attn, self.mlp, self.post_attention_layernorm, out, h)
+        out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None, speedups.kernels)
+        return steps.after(attn, self.mlp, self.post_attention_layernorm, out, h, speedups)
 
 
 class DraftModel(nn.Module):
@@ -212,7 +295,7 @@ class DraftModel(nn.Module):
         self.args = args
         self.model_type = args.model_type
         n_taps = len(args.target_layer_ids) or args.num_hidden_layers
-        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -236,6 +319,7 @@ class DraftModel(nn.Module):
         cache: list[Any] | None = None,
         mask: mx.array | None = None,
         block_offset: int | mx.array | None = None,
+        speedups: CpuSpeedups | None = None,
     ) -> mx.array:
         """Run the drafter on one block per batch row.
 
@@ -247,6 +331,8 @@ class DraftModel(nn.Module):
             mask: Optional attention mask over ``[context, block]`` keys (training).
             block_offset: Position of the block's first token; defaults to right after
               the context. An array of shape ``(B,)`` gives each row its own position.
+            speedups: The CPU speedups (:func:`dflash_mlx.backend.cpu_speedups`); None runs
+              MLX's native ops.
 
         Returns:
             ``(B, L, H)`` normed hidden states of the block.
@@ -260,8 +346,17 @@ class DraftModel(nn.Module):
         h = noise_embedding
         if cache is None:
             cache = [None] * len(self.layers)
+        start = ctx.shape[1] + (cache[0].offset if cache[0] is not None else 0)
         for layer, c in zip(self.layers, cache):
-            h = layer(h, ctx, c, mask, block_offset)
+            layer_mask = mask
+            if layer.self_attn.causal or layer.self_attn.window is not None:
+                if mask is not None or block_offset is not None:
+                    raise DFlashError(
+                        "Training or batching a drafter with causal or sliding_attention layers is not "
+                        "implemented; train a full_attention drafter."
+                    )
+                layer_mask = block_mask(start, h.shape[1], layer.self_attn.causal, layer.self_attn.window)
+            h = layer(h, ctx, c, layer_mask, block_offset, speedups)
         return self.norm(h)
 
     def propose(
@@ -270,7 +365,7 @@ class DraftModel(nn.Module):
         block: mx.array,
         target_hidden: mx.array | None,
         cache: list[Any],
-        history: list[int] | None = None,
+        speedups: CpuSpeedups | None = None,
     ) -> mx.array:
         """Draft logits for a block, through the target's embedding and LM head.
 
@@ -279,7 +374,7 @@ class DraftModel(nn.Module):
             block: ``(1, B)`` ids ``[last, mask, ..., mask]``.
             target_hidden: Taps of context positions not yet in ``cache`` (or None).
             cache: The drafter's per-layer context caches.
-            history: The token ids before ``block`` (unused here; other proposers need them).
+            speedups: The CPU speedups, or None for MLX's native ops.
 
         Returns:
             ``(1, B - 1, vocab)`` logits for block positions ``1..B-1``.
@@ -287,7 +382,7 @@ class DraftModel(nn.Module):
         if target_hidden is None:
             width = len(self.target_layer_ids) * self.args.hidden_size
             target_hidden = mx.zeros((1, 0, width), dtype=self.norm.weight.dtype)
-        h = self(tgt.embed(model, block), target_hidden, cache)
+        h = self(tgt.embed(model, block), target_hidden, cache, speedups=speedups)
         return tgt.lm_head(model, h[:, 1:])
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
@@ -300,3 +395,13 @@ class DraftModel(nn.Module):
                 continue
             out[k] = v
         return out
+
+
+def save_draft(draft: DraftModel, config: dict[str, Any], path: Path) -> None:
+    """Write a drafter as the z-lab layout ``load`` reads: ``config.json`` + safetensors.
+
+    The one writer of this format (dflash-convert and dflash-train both use it), on mlx-lm's
+    own writers; the weights keep their dtype (and quantization, given in ``config``).
+    """
+    save_model(path, draft)
+    save_config(dict(config), path / "config.json")

@@ -12,10 +12,12 @@ from typing import Callable, Generator, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import target as tgt
+from .backend import CpuSpeedups
+from .backend import cpu_speedups as resolve_speedups
 from .cache import DFlashCache, make_cache
 from .cli import (
     ArgumentParser,
@@ -27,16 +29,12 @@ from .cli import (
     block_size_problem,
     str2bool,
 )
+from .drafter import DraftModel
 from .errors import DFlashError
-from .lookup import PromptLookupDraft
-from .sampling import (
-    accept_one_hot,
-    can_sample_proposals,
-    check_proposal,
-    make_sampler,
-    speculative_accept,
-    top_probability,
-)
+from .lookup import LookupProposer, PromptLookup
+from .proposer import DFlashProposer, FallbackProposer, Proposal
+from .sampling import can_sample_proposals, check_proposal, make_sampler
+from .verify import Verifier
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -91,16 +89,40 @@ def _prompt_ids(prompt) -> list[int]:
     return ids
 
 
-# A verify pass starts running after every this many target layers are built: building its
-# graph in Python takes longer than a drafter pass takes to run on MLX's CPU backend, and
-# the stream would otherwise wait for all of it (1-3 measured within noise of each other).
-_VERIFY_START_EVERY = 3
+def is_greedy(sampler: Sampler | None) -> bool:
+    """True for samplers that take the argmax: None, ours at temperature 0, mlx-lm's own."""
+    return sampler is None or sampler is _greedy or sampler is greedy_sampler or getattr(sampler, "greedy", False) is True
+
+
+def _check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallback: int, proposal: str) -> None:
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise DFlashError(f"max_tokens must be a positive integer (got {max_tokens!r}).")
+    check_proposal(proposal)
+    if not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence <= 1.0:
+        raise DFlashError(f"min_confidence must be a probability from 0 to 1 (got {min_confidence!r}).")
+    if not isinstance(lookup_fallback, int) or isinstance(lookup_fallback, bool) or lookup_fallback < 0:
+        raise DFlashError(f"lookup_fallback must be a non-negative integer of cycles (got {lookup_fallback!r}).")
+
+
+def _make_proposer(model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, speedups):
+    # None for plain decoding; prompt lookup alone; the drafter, with the lookup fallback.
+    if draft is None:
+        return None
+    if isinstance(draft, PromptLookup):
+        return LookupProposer(draft, cache.tokens)
+    sample = proposal == "sample" and can_sample_proposals(sampler)
+    drafter = DFlashProposer(
+        model, draft, cache, sampler=sampler if sample else None, min_confidence=min_confidence, speedups=speedups
+    )
+    if not lookup_fallback:
+        return drafter
+    return FallbackProposer(drafter, LookupProposer(PromptLookup(draft.block_size), cache.tokens), lookup_fallback)
 
 
 def dflash_generate_step(
     prompt: mx.array | list[int],
     model: nn.Module,
-    draft: nn.Module | None,
+    draft: DraftModel | PromptLookup | None,
     *,
     block_size: int | None = None,
     max_tokens: int = 256,
@@ -113,6 +135,7 @@ def dflash_generate_step(
     stop_tokens: set[int] | frozenset[int] = frozenset(),
     prompt_cache: DFlashCache | None = None,
     prefill_step_size: int = 512,
+    cpu_speedups: CpuSpeedups | bool | None = None,
     stream: mx.Stream = generation_stream,
 ) -> Generator[StepOutput, None, None]:
     """Generate token ids with DFlash speculative decoding.
@@ -123,7 +146,8 @@ def dflash_generate_step(
     Args:
         prompt: The prompt token ids (the chat template already applied).
         model: The target, an mlx-lm model.
-        draft: The DFlash drafter, or None for plain decoding.
+        draft: The DFlash drafter; a :class:`dflash_mlx.lookup.PromptLookup` to draft by
+          prompt lookup alone; or None for plain decoding.
         block_size: Tokens verified per cycle, 1..drafter's trained size (default).
         max_tokens: The most tokens to generate.
         sampler: ``logprobs -> token ids``: :func:`dflash_mlx.sampling.make_sampler` or any
@@ -150,6 +174,9 @@ def dflash_generate_step(
         prompt_cache: A ``DFlashCache`` to continue from; its common prefix with
           ``prompt`` is reused and the rest is prefilled. Updated in place.
         prefill_step_size: Prompt tokens per prefill chunk.
+        cpu_speedups: None (default) uses the CPU speedups where they pay (float32 on MLX's
+          CPU backend; :func:`dflash_mlx.backend.cpu_speedups`); False runs the portable path
+          an Apple GPU takes; True or a ``CpuSpeedups`` forces them. Same tokens either way.
         stream: The MLX stream to run on.
 
     Yields:
@@ -160,85 +187,23 @@ def dflash_generate_step(
           ``proposal``, ``min_confidence`` or ``lookup_fallback``.
     """
     ids = _prompt_ids(prompt)
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise DFlashError(f"max_tokens must be a positive integer (got {max_tokens!r}).")
+    _check_cycle_settings(max_tokens, min_confidence, lookup_fallback, proposal)
     block_size = resolve_block_size(draft, block_size)
-    check_proposal(proposal)
-    if not isinstance(min_confidence, (int, float)) or not 0.0 <= min_confidence <= 1.0:
-        raise DFlashError(f"min_confidence must be a probability from 0 to 1 (got {min_confidence!r}).")
-    if not isinstance(lookup_fallback, int) or isinstance(lookup_fallback, bool) or lookup_fallback < 0:
-        raise DFlashError(f"lookup_fallback must be a non-negative integer of cycles (got {lookup_fallback!r}).")
-    lookup = PromptLookupDraft() if lookup_fallback and draft is not None else None
-    # Greedy needs only the argmax: normalising 16 rows of logits costs a verify pass about
-    # a millisecond on MLX's CPU backend, whose exp is slow.
-    greedy = sampler is None or sampler is _greedy or getattr(sampler, "greedy", False) is True
-    sampler = _greedy if greedy else sampler
-    sample_proposals = proposal == "sample" and can_sample_proposals(sampler)
+    sampler = None if is_greedy(sampler) else sampler
     cache = prompt_cache if prompt_cache is not None else make_cache(model, draft)
-    if draft is not None and cache.draft is None:
+    if isinstance(draft, DraftModel) and cache.draft is None:
         raise DFlashError(
             "The prompt cache was made without a drafter; make it with make_cache(model, draft)."
         )
-    tap_ids = draft.target_layer_ids if cache.draft else []
-    mask_id = draft.mask_token_id if draft is not None else None
-
-    def _logprobs(logits: mx.array, block: mx.array | None = None) -> mx.array:
-        # Row i of a verified block sees the cached tokens plus block[: i + 1].
-        if logits_processors:
-            seen = mx.array(cache.tokens, dtype=mx.uint32)
-            rows = []
-            for i in range(logits.shape[0]):
-                tokens = seen if block is None else mx.concatenate([seen, block[0, : i + 1]])
-                row = logits[i : i + 1]
-                for processor in logits_processors:
-                    row = processor(tokens, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
-        if greedy:
-            return logits  # the argmax of the logprobs, without computing them
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-    def _prefill(tokens: list[int]) -> mx.array:
-        for i in range(0, len(tokens), prefill_step_size):
-            chunk = tokens[i : i + prefill_step_size]
-            logits, taps = tgt.forward_with_taps(model, mx.array(chunk)[None], cache.target, tap_ids)
-            cache.append_pending(taps)
-            cache.tokens.extend(chunk)
-            mx.eval(logits, cache.pending, [c.state for c in cache.target])
-        return logits[0, -1:]
-
-    def _draft_block(last: int, num_draft: int) -> tuple[mx.array, mx.array | None]:
-        # The drafter always sees its trained block: [last, MASK x (B-1)].
-        block = mx.array([[last] + [mask_id] * (draft.block_size - 1)], dtype=mx.uint32)
-        draft_logits = draft.propose(model, block, cache.take_pending(), cache.draft, history=cache.tokens)
-        draft_logits = draft_logits[0, :num_draft]  # a proposer may offer fewer tokens
-        if draft_logits.shape[0] == 0:
-            return mx.zeros((0,), dtype=mx.uint32), None
-        if not sample_proposals:
-            drafts, q = mx.argmax(draft_logits, axis=-1).astype(mx.uint32), None
-        else:
-            q = sampler.probs(draft_logits - mx.logsumexp(draft_logits, axis=-1, keepdims=True))
-            drafts = mx.random.categorical(mx.log(q)).astype(mx.uint32)  # (num_draft,), (num_draft, V)
-        if min_confidence > 0 and drafts.shape[0] > 1:
-            drafts, q = _confident_prefix(draft_logits, drafts, q)
-        return drafts, q
-
-    def _confident_prefix(draft_logits, drafts, q):
-        # The cut depends on the drafter alone, so verifying the shorter block is still exact.
-        if q is None:  # greedy drafts are the argmax, so their probability is the top one
-            conf = top_probability(draft_logits)
-        else:
-            conf = mx.take_along_axis(q, drafts[:, None].astype(mx.int32), axis=-1)[:, 0]
-        confident = (conf >= min_confidence).tolist()
-        k = 1
-        while k < len(confident) and confident[k - 1] and confident[k]:
-            k += 1
-        return drafts[:k], None if q is None else q[:k]
-
-    def _rewind(num_kept: int, num_verified: int, taps: mx.array | None) -> None:
-        for c in cache.target:
-            c.trim(num_verified - num_kept)
-        cache.append_pending(None if taps is None else taps[:, :num_kept])
+    speedups = resolve_speedups(tgt.compute_dtype(model), cpu_speedups)
+    proposer = _make_proposer(
+        model, draft, cache, sampler=sampler, proposal=proposal, min_confidence=min_confidence,
+        lookup_fallback=lookup_fallback, speedups=speedups,
+    )
+    tap_ids = proposer.tap_ids if proposer is not None else []
+    verifier = Verifier(
+        model, cache, sampler=sampler, logits_processors=logits_processors, tap_ids=tap_ids, speedups=speedups
+    )
 
     with mx.stream(stream):
         if seed is not None:
@@ -246,73 +211,42 @@ def dflash_generate_step(
         # Reuse the longest common prefix; at least one token is prefilled for its logits.
         reuse = cache.reusable_prefix(ids)
         cache.trim_to(reuse)
-        last = sampler(_logprobs(_prefill(ids[reuse:]))).item()
+        last = verifier.prefill(ids[reuse:], prefill_step_size)
         yield StepOutput([last], 0, 0)
         generated, stopped = 1, last in stop_tokens
 
-        # Lookup cycles still to run, and how many the drafter's next first-draft miss buys.
-        lookup_cycles, next_fallback = 0, 1
-
-        def _propose() -> tuple[mx.array, mx.array | None, bool, int]:
-            # The block to verify next, [last, drafts...], with the drafter's pass started.
-            nonlocal lookup_cycles
-            num_draft = min(block_size, max_tokens - generated) - 1
-            block, q, drafter_cycle = mx.array([[last]], dtype=mx.uint32), None, False
-            if num_draft > 0 and lookup_cycles > 0:
-                # The taps stay pending: the drafter's next pass takes them all in.
-                lookup_cycles -= 1
-                found = lookup.lookup(cache.tokens + [last], num_draft)
-                num_draft = len(found)
-                block = mx.array([[last] + found], dtype=mx.uint32)
-            elif num_draft > 0:
-                drafts, q = _draft_block(last, num_draft)
-                num_draft, drafter_cycle = drafts.shape[0], True
-                # Start drafting now, so the verify graph below is built while it runs.
-                mx.async_eval(drafts)
-                block = mx.concatenate([block, drafts[None]], axis=1)
-            return block, q, drafter_cycle, num_draft
+        def propose() -> Proposal | None:
+            # The next cycle's drafts, their pass already started; None when generation is over.
+            if stopped or generated >= max_tokens:
+                return None
+            n = min(block_size, max_tokens - generated) - 1
+            if proposer is None or n == 0:
+                return Proposal(mx.zeros((0,), dtype=mx.uint32))
+            return proposer.propose(last, n)
 
         try:
-            proposal = _propose() if generated < max_tokens and not stopped else None
-            while proposal is not None:
-                block, q, drafter_cycle, num_draft = proposal
-                verify_size = num_draft + 1
-                logits, taps = tgt.forward_with_taps(
-                    model, block, cache.target, tap_ids, start_every=_VERIFY_START_EVERY
-                )
-                logprobs = _logprobs(logits[0], block)
-                if q is None:
-                    # One-hot proposals: keep the drafts that the target's own samples match.
-                    target_tokens = sampler(logprobs)  # (verify_size,)
-                    passed = accept_one_hot(block[0, 1:], target_tokens)
-                else:
-                    passed, target_tokens = speculative_accept(block[0, 1:], q, sampler.probs(logprobs))
-                # The one host synchronisation of the cycle.
-                mx.eval(block, passed, target_tokens)
-                drafted, passed, posterior = block.tolist()[0][1:], passed.tolist(), target_tokens.tolist()
-
-                n = 0
-                while n < num_draft and passed[n]:
-                    n += 1
-                if lookup is not None and drafter_cycle and num_draft > 0:
-                    if n == 0:
-                        lookup_cycles, next_fallback = next_fallback, min(2 * next_fallback, lookup_fallback)
-                    else:
-                        next_fallback = 1
-                emitted = drafted[:n] + [posterior[n]]
+            drafts = propose()
+            while drafts is not None:
+                num_draft = drafts.size
+                verdict = verifier.verify(last, drafts)
+                emitted = verdict.tokens
                 for j, tok in enumerate(emitted):
                     if tok in stop_tokens:
                         emitted, stopped = emitted[: j + 1], True
                         break
-                _rewind(len(emitted), verify_size, taps)
+                # Rewind: the target forgets the rejected drafts, the proposer keeps the taps
+                # of the kept positions.
+                cache.trim_target(num_draft + 1 - len(emitted))
+                if proposer is not None:
+                    proposer.accept(len(emitted), verdict.taps)
                 cache.tokens.append(last)
                 cache.tokens.extend(emitted[:-1])
                 last = emitted[-1]
                 generated += len(emitted)
                 # The next drafter pass starts before this cycle's tokens are handed out, so it
                 # runs while the caller decodes and shows them.
-                proposal = _propose() if generated < max_tokens and not stopped else None
-                yield StepOutput(emitted, n, num_draft)
+                drafts = propose()
+                yield StepOutput(emitted, verdict.num_accepted, num_draft)
         finally:
             # A cycle cut short (an exception) leaves unverified entries: drop them.
             if cache.offset != len(cache.tokens):
@@ -368,6 +302,7 @@ def stream_generate(
     seed: int | None = None,
     prompt_cache: DFlashCache | None = None,
     prefill_step_size: int = 512,
+    cpu_speedups: CpuSpeedups | bool | None = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Stream text from ``model`` with DFlash drafting by ``draft``.
 
@@ -388,6 +323,7 @@ def stream_generate(
         seed: Seed for sampling; the same seed gives the same output.
         prompt_cache: A ``DFlashCache`` to reuse across calls (multi-turn chat).
         prefill_step_size: Prompt tokens per prefill chunk.
+        cpu_speedups: The CPU speedups (None: where they pay); see :func:`dflash_generate_step`.
 
     Yields:
         GenerationResponse: One per cycle; the last one has ``finish_reason`` set.
@@ -420,6 +356,7 @@ def stream_generate(
         stop_tokens=stop_tokens,
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step_size,
+        cpu_speedups=cpu_speedups,
     )
     tic = time.perf_counter()
     prompt_tps, generated, cycles, acceptance_sum = 0.0, 0, 0, 0

@@ -4,7 +4,9 @@ MLX's CPU exp costs about 12 ns an element against 0.2 ns for an add, so in a 16
 verify of a small target, SwiGLU's sigmoid and the attention softmax are a quarter of the
 pass. Here exp is a polynomial of adds and multiplies that ``mx.compile`` fuses with its
 neighbours into one kernel, as accurate as MLX's own (a few float32 ulps). On a GPU, exp
-costs what an add does, so every function falls back to MLX's native ops there.
+costs what an add does: callers pass ``use_kernel`` from the one switch in
+``dflash_mlx.backend``, and the dispatchers here fall back to MLX's native ops when it is off
+or the inputs are not float32.
 """
 
 from functools import partial
@@ -34,11 +36,6 @@ _SHIFT_MIN = -43.0
 # Below this many queries the softmax is too small for its saving to cover the extra
 # operations (a 4-token verify of the embedded target ran 0.3 ms slower with them).
 _MIN_QUERIES = 8
-
-
-def cpu_default() -> bool:
-    """True when MLX computes on its CPU backend, where these kernels pay."""
-    return mx.default_device().type == mx.cpu
 
 
 def _two_to_the_f(y: mx.array) -> tuple[mx.array, mx.array]:
@@ -87,9 +84,9 @@ def _swiglu_cpu_vjp(primals, cotangent, output):
     return d_gate, cotangent * silu
 
 
-def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    """``silu(gate) * up``, as mlx-lm's ``swiglu``."""
-    if gate.dtype != mx.float32 or up.dtype != mx.float32 or not cpu_default():
+def swiglu(gate: mx.array, up: mx.array, use_kernel: bool = False) -> mx.array:
+    """``silu(gate) * up``, as mlx-lm's ``swiglu``; the kernel only for float32 inputs."""
+    if not use_kernel or gate.dtype != mx.float32 or up.dtype != mx.float32:
         return _native_swiglu(gate, up)
     return _swiglu_cpu(gate, up)
 
@@ -126,6 +123,7 @@ def attention(
     values: mx.array,
     scale: float,
     mask: mx.array | None = None,
+    use_kernel: bool = False,
 ) -> mx.array:
     """Softmax attention with grouped KV heads, as ``mx.fast.scaled_dot_product_attention``.
 
@@ -136,13 +134,15 @@ def attention(
         mask: None (every query sees every key) or booleans broadcastable to
           ``(B, n_heads, L, S)``, True where a query may attend; every query must see at
           least one key. Other masks go to MLX's own attention.
+        use_kernel: Use the fused-exp softmax (float32, from 8 queries on); else, and for
+          other inputs, ``mx.fast.scaled_dot_product_attention``.
     """
     b, n_heads, length, dim = queries.shape
     n_kv = keys.shape[1]
     if (
-        queries.dtype != mx.float32
+        not use_kernel
+        or queries.dtype != mx.float32
         or length < _MIN_QUERIES
-        or not cpu_default()
         or (mask is not None and (not isinstance(mask, mx.array) or mask.dtype != mx.bool_))
     ):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)

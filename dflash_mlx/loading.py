@@ -7,20 +7,21 @@ a checkpoint is ever executed (``auto_map`` / remote code is ignored).
 import json
 import logging
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
+from . import hybrid
 from . import target as tgt
 from .drafter import DraftModel, ModelArgs
 from .errors import DFlashError
-from .registry import find_draft, known_targets
+from .registry import find_draft, find_pair, known_targets
 
 # The files a model folder needs; nothing else is fetched from the hub.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
@@ -175,6 +176,34 @@ def _check_tokenizer_files(path: Path) -> None:
         raise _no_tokenizer(path)
 
 
+def load_target_model(path: Path, *, lazy: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+    """mlx-lm's ``load_model`` on a target folder, with a broken folder reported in one line.
+
+    Raises:
+        DFlashError: If a config field the architecture needs is missing, or the weights are
+          missing, corrupt or do not fit the config.
+    """
+    try:
+        return load_model(path, lazy=lazy, trust_remote_code=False)
+    except TypeError as e:
+        # mlx-lm builds ModelArgs(**config): a missing field is a missing constructor argument.
+        fields = re.findall(r"'(\w+)'", str(e).partition("missing")[2])
+        if not fields:
+            raise
+        model_type = read_config(path, "target").get("model_type")
+        raise DFlashError(
+            f"The target config {path / 'config.json'} lacks {', '.join(fields)}, which a {model_type} "
+            "model needs. Re-download or re-convert the target, or add the field to its config.json."
+        ) from e
+    except RuntimeError as e:
+        # MLX's safetensors reader reports a truncated or corrupt file as a RuntimeError.
+        raise DFlashError(
+            f"Could not read the target weights in {path} ({e}). Re-download or re-convert the target."
+        ) from e
+    except (ValueError, FileNotFoundError, KeyError, OSError) as e:
+        raise DFlashError(f"Could not load the target from {path} ({type(e).__name__}: {e}).") from e
+
+
 def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, TokenizerWrapper]:
     """Load an mlx-lm target and its tokenizer from a local folder."""
     config = read_config(path, "target")
@@ -188,12 +217,11 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
             f"Unsupported target architecture model_type={config.get('model_type')!r} in {path}: "
             f"DFlash supports {', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets."
         )
+    if config.get("model_type") in hybrid.HYBRID_MODEL_TYPES:
+        hybrid.check_layout(config)
     _read_weights(path, "target")  # a clear message for missing or corrupt files
     _check_tokenizer_files(path)
-    try:
-        model, config = load_model(path, trust_remote_code=False)
-    except (ValueError, FileNotFoundError, KeyError) as e:
-        raise DFlashError(f"Could not load the target from {path}: {e}") from e
+    model, config = load_target_model(path)
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
@@ -206,6 +234,37 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
     if dtype is not None:
         _cast(model, dtype)
     return model, tokenizer
+
+
+def check_target_type(model: str | Path, revision: str | None = None) -> None:
+    """Refuse a hub target of an unsupported type before downloading its weights.
+
+    The registry of known pairs names the type of the official targets; any other hub id
+    gets its ``config.json`` alone fetched first. Local folders are checked by
+    :func:`load_target`.
+
+    Raises:
+        DFlashError: If the target's ``model_type`` is not one DFlash can tap.
+    """
+    text = str(model)
+    if Path(text).expanduser().exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        return
+    pair = find_pair(text)
+    if pair is not None:
+        model_type, where = pair.model_type, "the registry of known pairs"
+    else:
+        from huggingface_hub import hf_hub_download
+
+        try:
+            config = json.loads(Path(hf_hub_download(text, "config.json", revision=revision)).read_text())
+        except Exception:
+            return  # resolve() gives the download error in full
+        model_type, where = config.get("model_type"), "its config.json"
+    if model_type not in tgt.SUPPORTED_MODEL_TYPES:
+        raise DFlashError(
+            f"Unsupported target architecture model_type={model_type!r} for {text} (from {where}): "
+            f"DFlash supports {', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets. No weights were downloaded."
+        )
 
 
 def load_draft(
@@ -240,22 +299,15 @@ def load_draft(
             bits=q["bits"],
             class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
         )
-    expected = dict(tree_flatten(draft.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
+    try:
+        draft.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        # MLX names the missing, unexpected or misshapen parameters.
+        detail = " ".join(str(e).split())
         raise DFlashError(
-            f"The drafter weights in {path} do not match its config: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}. Re-download or re-convert the drafter."
-        )
-    bad = [k for k, v in weights.items() if v.shape != expected[k].shape]
-    if bad:
-        k = bad[0]
-        raise DFlashError(
-            f"The drafter weight {k} in {path} has shape {weights[k].shape}, but its config "
-            f"implies {expected[k].shape}. The config and the weights do not belong together."
-        )
-    draft.load_weights(list(weights.items()))
+            f"The drafter weights in {path} do not match its config ({detail}). The config and the "
+            "weights do not belong together: re-download or re-convert the drafter."
+        ) from e
     if dtype is not None:
         _cast(draft, dtype)
     mx.eval(draft.parameters())
@@ -420,6 +472,7 @@ def load(
                 "Reinstall mlx-dflash, or pass --model and --draft."
             )
         model, draft = pair / "target", (pair / "draft" if draft in (None, AUTO_DRAFT) else draft)
+    check_target_type(model, revision)
     target_path = resolve(model, what="target", revision=revision)
     draft_revision = revision
     if (manifest := read_pair_manifest(target_path)) is not None:

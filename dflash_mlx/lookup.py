@@ -1,19 +1,21 @@
-"""Prompt-lookup drafting through the same verify loop: a cheap, strong baseline on code.
+"""Prompt-lookup drafting: a cheap, strong baseline on code, and DFlash's fallback.
 
 The proposer finds the latest earlier occurrence of the last few tokens and proposes what
-followed it (Saxena, "Prompt Lookup Decoding", 2023). It has no layers and no taps.
+followed it (Saxena, "Prompt Lookup Decoding", 2023). It has no layers and needs no taps;
+its drafts are certain (one-hot), so with sampling on they are accepted exactly as often as
+the target's own samples agree with them.
 """
 
-from typing import Any
+from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from . import target as tgt
+from .proposer import Proposal
 
 
-class PromptLookupDraft(nn.Module):
-    """Drop-in proposer for ``dflash_generate_step`` that drafts by n-gram lookup.
+@dataclass(frozen=True)
+class PromptLookup:
+    """Prompt-lookup settings; pass one as ``draft`` to generate with lookup drafts alone.
 
     Args:
         block_size: Most tokens verified per cycle (drafts + 1).
@@ -21,13 +23,9 @@ class PromptLookupDraft(nn.Module):
         min_ngram: Shortest suffix to look up.
     """
 
-    def __init__(self, block_size: int = 16, max_ngram: int = 3, min_ngram: int = 1):
-        super().__init__()
-        self.block_size = block_size
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.layers: list = []
-        self.target_layer_ids: list[int] = []
-        self.mask_token_id = 0
+    block_size: int = 16
+    max_ngram: int = 3
+    min_ngram: int = 1
 
     def lookup(self, tokens: list[int], count: int) -> list[int]:
         """Up to ``count`` tokens that followed the latest earlier match of a suffix of ``tokens``."""
@@ -39,18 +37,19 @@ class PromptLookupDraft(nn.Module):
                     return tokens[start + n : start + n + count]
         return []
 
-    def propose(
-        self,
-        model: nn.Module,
-        block: mx.array,
-        target_hidden: mx.array | None,
-        cache: list[Any],
-        history: list[int] | None = None,
-    ) -> mx.array:
-        """One-hot logits ``(1, k, vocab)`` for the ``k <= B - 1`` looked-up tokens."""
-        tokens = list(history or []) + [int(block[0, 0].item())]
-        found = self.lookup(tokens, block.shape[1] - 1)
-        vocab = tgt.vocab_size(model)
-        if not found:
-            return mx.zeros((1, 0, vocab))
-        return (mx.arange(vocab)[None] == mx.array(found)[:, None]).astype(mx.float32)[None]
+
+class LookupProposer:
+    """The :class:`~dflash_mlx.proposer.Proposer` for one generation: looks up in ``history``,
+    the committed tokens (the pair cache's ``tokens``, which the loop extends in place)."""
+
+    tap_ids: list[int] = []
+
+    def __init__(self, settings: PromptLookup, history: list[int]):
+        self.settings, self.history = settings, history
+
+    def propose(self, last: int, n: int) -> Proposal:
+        found = self.settings.lookup(self.history + [last], n)
+        return Proposal(mx.array(found, dtype=mx.uint32), None)
+
+    def accept(self, num_kept: int, taps: mx.array | None) -> None:
+        pass

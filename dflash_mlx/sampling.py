@@ -24,13 +24,23 @@ PROPOSALS = ("greedy", "sample")
 
 @dataclass(frozen=True)
 class Sampler:
-    """mlx-lm's sampler (``logprobs -> ids``) that also exposes the distribution it draws from."""
+    """mlx-lm's sampler (``logprobs -> ids``) that also exposes the distribution it draws from.
+
+    XTC ("exclude top choices") is a random filter: with probability ``xtc_probability`` a
+    token's draw leaves out every candidate above ``xtc_threshold`` but the least likely of
+    them. Its distribution is the mixture of the two cases, which ``probs`` gives; ``__call__``
+    draws each row from it on its own, as mlx-lm's one-token steps do (mlx-lm's sampler would
+    toss one coin for all the rows of a verified block).
+    """
 
     temp: float = 0.0
     top_p: float = 0.0
     min_p: float = 0.0
     top_k: int = 0
     min_tokens_to_keep: int = 1
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special_tokens: tuple[int, ...] = ()
     _sample: Callable = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -45,21 +55,38 @@ class Sampler:
         return self.temp == 0
 
     def __call__(self, logprobs: mx.array) -> mx.array:
+        if self.xtc_probability > 0 and not self.greedy:
+            return mx.random.categorical(mx.log(self.probs(logprobs)))
         return self._sample(logprobs)
 
-    def filtered(self, logprobs: mx.array) -> mx.array:
-        """The logprobs with the filtered-out tokens at -inf, in mlx-lm's order."""
+    def filtered(self, logprobs: mx.array, xtc: bool = False) -> mx.array:
+        """The logprobs with the filtered-out tokens at -inf, in mlx-lm's order; ``xtc`` for the
+        draws where XTC's cut applies."""
         if 0 < self.top_p < 1.0:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p != 0.0:
             logprobs = apply_min_p(logprobs, self.min_p, self.min_tokens_to_keep)
+        if xtc:
+            logprobs = self._xtc_cut(logprobs)
         if self.top_k > 0:
             logprobs = apply_top_k(logprobs, self.top_k)
         return logprobs
 
+    def _xtc_cut(self, logprobs: mx.array) -> mx.array:
+        # mlx-lm's apply_xtc with its coin always landing on "cut".
+        probs = mx.softmax(logprobs, axis=-1)
+        cut = probs > mx.where(probs > self.xtc_threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+        if self.xtc_special_tokens:
+            cut[..., list(self.xtc_special_tokens)] = False
+        return mx.where(cut, -mx.inf, logprobs)
+
     def probs(self, logprobs: mx.array) -> mx.array:
         """The distribution ``__call__`` samples from, ``(..., vocab)``."""
-        return mx.softmax(self.filtered(logprobs) * (1.0 / self.temp), axis=-1)
+        probs = mx.softmax(self.filtered(logprobs) * (1.0 / self.temp), axis=-1)
+        if self.xtc_probability <= 0:
+            return probs
+        cut = mx.softmax(self.filtered(logprobs, xtc=True) * (1.0 / self.temp), axis=-1)
+        return (1 - self.xtc_probability) * probs + self.xtc_probability * cut
 
 
 def make_sampler(
@@ -68,12 +95,19 @@ def make_sampler(
     min_p: float = 0.0,
     top_k: int = 0,
     min_tokens_to_keep: int = 1,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    xtc_special_tokens: list[int] | None = None,
 ) -> Sampler:
     """Make a sampler with mlx-lm's settings and semantics (``temp=0`` is greedy).
 
     Raises:
         DFlashError: For settings outside their ranges.
     """
+    if not 0 <= xtc_probability <= 1:
+        raise DFlashError(f"xtc_probability must be in [0, 1] (got {xtc_probability}); 0 turns XTC off.")
+    if not 0 <= xtc_threshold <= 0.5:
+        raise DFlashError(f"xtc_threshold must be in [0, 0.5] (got {xtc_threshold}).")
     if temp < 0:
         raise DFlashError(f"temp must be >= 0 (got {temp}).")
     if not 0 <= top_p <= 1:
@@ -82,7 +116,8 @@ def make_sampler(
         raise DFlashError(f"min_p must be in [0, 1] (got {min_p}); 0 turns it off.")
     if not isinstance(top_k, int) or top_k < 0:
         raise DFlashError(f"top_k must be a non-negative integer (got {top_k!r}); 0 turns it off.")
-    return Sampler(temp, top_p, min_p, top_k, min_tokens_to_keep)
+    special = tuple(xtc_special_tokens or ())
+    return Sampler(temp, top_p, min_p, top_k, min_tokens_to_keep, xtc_probability, xtc_threshold, special)
 
 
 def can_sample_proposals(sampler) -> bool:
@@ -143,15 +178,18 @@ def _exp_nonpositive(x: mx.array) -> mx.array:
     return poly * mx.view(mx.left_shift(k.astype(mx.int32) + 127, 23), mx.float32)
 
 
-def top_probability(logits: mx.array) -> mx.array:
-    """The probability of the most likely token, ``(..., vocab) -> (...)``, to a few parts in 1e6.
+def top_probability(logits: mx.array, use_kernel: bool = False) -> mx.array:
+    """The probability of the most likely token, ``(..., vocab) -> (...)``.
 
-    For a confidence threshold, where that is plenty: MLX's CPU exp costs about 12 ns an element
-    (an add 0.2 ns), so an exact softmax over 15 x 4096 logits took ~0.8 ms, on the critical
-    path of a cycle; this takes ~0.3 ms.
+    With ``use_kernel`` (the CPU speedups), exp is a polynomial, good to a few parts in 1e6,
+    plenty for a confidence threshold: MLX's CPU exp costs about 12 ns an element (an add
+    0.2 ns), so an exact softmax over 15 x 4096 logits took ~0.8 ms, on the critical path of
+    a cycle; this takes ~0.3 ms.
     """
     logits = logits.astype(mx.float32)
     shifted = logits - mx.max(logits, axis=-1, keepdims=True)
+    if not use_kernel:
+        return 1.0 / mx.sum(mx.exp(shifted), axis=-1)
     return 1.0 / mx.sum(_exp_nonpositive(shifted), axis=-1)
 
 

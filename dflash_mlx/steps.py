@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import kernels
+from .backend import CpuSpeedups
 
 
 def rope_key(rope: nn.Module) -> tuple | None:
@@ -39,7 +40,14 @@ def plain_layer(attn: nn.Module, mlp: nn.Module, input_norm: nn.Module, post_nor
 
 @lru_cache(maxsize=None)
 def _steps(
-    n_heads: int, n_kv_heads: int, head_dim: int, eps: float, qk_eps: float, rope: tuple | None, compiled: bool = True
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    eps: float,
+    qk_eps: float,
+    rope: tuple | None,
+    compiled: bool,
+    use_kernel: bool,
 ):
     # compiled=False gives the same functions op by op, for measuring what compiling saves.
     rope_fn = None if rope is None else partial(mx.fast.rope, **dict(rope))
@@ -64,23 +72,28 @@ def _steps(
         b, _, length, _ = out.shape
         h = x + out.transpose(0, 2, 1, 3).reshape(b, length, -1) @ w_o.T
         g = mx.fast.rms_norm(h, w_norm, eps)
-        return h + kernels.swiglu(g @ w_gate.T, g @ w_up.T) @ w_down.T
+        return h + kernels.swiglu(g @ w_gate.T, g @ w_up.T, use_kernel) @ w_down.T
 
     wrap = mx.compile if compiled else (lambda fn: fn)
     return wrap(before), wrap(key_values), wrap(after)
 
 
-def _compiled(attn: nn.Module, eps: float) -> tuple[tuple, bool]:
+def _compiled(attn: nn.Module, eps: float, speedups: CpuSpeedups) -> tuple[tuple, bool]:
     # The layer's compiled steps, and whether its RoPE is inside them: variants other than
     # plain or linear RoPE are left to the caller.
     key = rope_key(attn.rope)
     head_dim = attn.q_norm.weight.shape[0]
-    return _steps(attn.n_heads, attn.n_kv_heads, head_dim, eps, attn.q_norm.eps, key), key is not None
+    steps = _steps(
+        attn.n_heads, attn.n_kv_heads, head_dim, eps, attn.q_norm.eps, key, speedups.compiled_steps, speedups.kernels
+    )
+    return steps, key is not None
 
 
-def before(attn: nn.Module, input_norm: nn.Module, x: mx.array, offset: int) -> tuple[mx.array, ...]:
+def before(
+    attn: nn.Module, input_norm: nn.Module, x: mx.array, offset: int, speedups: CpuSpeedups
+) -> tuple[mx.array, ...]:
     """``(q, k, v)`` of a layer's input ``x``, ``(B, heads, L, D)``, RoPE'd from ``offset``."""
-    (step, _, _), rope_inside = _compiled(attn, input_norm.eps)
+    (step, _, _), rope_inside = _compiled(attn, input_norm.eps, speedups)
     q, k, v = step(
         x, mx.array(offset), input_norm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
         attn.q_norm.weight, attn.k_norm.weight,
@@ -90,16 +103,18 @@ def before(attn: nn.Module, input_norm: nn.Module, x: mx.array, offset: int) -> 
     return q, k, v
 
 
-def key_values(attn: nn.Module, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+def key_values(attn: nn.Module, x: mx.array, offset: int, speedups: CpuSpeedups) -> tuple[mx.array, mx.array]:
     """``(k, v)`` of inputs taken as they are (no input norm), RoPE'd from ``offset``."""
-    (_, step, _), rope_inside = _compiled(attn, attn.k_norm.eps)
+    (_, step, _), rope_inside = _compiled(attn, attn.k_norm.eps, speedups)
     k, v = step(x, mx.array(offset), attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight)
     return (k if rope_inside else attn.rope(k, offset=offset)), v
 
 
-def after(attn: nn.Module, mlp: nn.Module, post_norm: nn.Module, out: mx.array, x: mx.array) -> mx.array:
+def after(
+    attn: nn.Module, mlp: nn.Module, post_norm: nn.Module, out: mx.array, x: mx.array, speedups: CpuSpeedups
+) -> mx.array:
     """The layer's output from its attention's ``(B, heads, L, D)`` output and its input ``x``."""
-    (_, _, step), _ = _compiled(attn, post_norm.eps)
+    (_, _, step), _ = _compiled(attn, post_norm.eps, speedups)
     return step(
         out, x, attn.o_proj.weight, post_norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
     )

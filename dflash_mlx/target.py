@@ -13,10 +13,17 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from . import kernels, steps
+from . import hybrid, kernels, steps
+from .backend import CpuSpeedups
+from .errors import DFlashError
 
 # mlx-lm model families whose decoder we know how to walk layer by layer.
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe") + hybrid.HYBRID_MODEL_TYPES
+
+
+def _text(model: nn.Module) -> nn.Module:
+    # Qwen3.5 checkpoints are vision-language models: the text model sits one level down.
+    return getattr(model, "language_model", model)
 
 
 def _layer_masks(model: nn.Module, h: mx.array, cache: list[Any]) -> list:
@@ -34,7 +41,7 @@ def check_supported(model: nn.Module, name: str = "target") -> None:
     """Raise a one-line error for targets whose decoder we cannot tap."""
     model_type = getattr(model, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise DFlashError(
             f"Unsupported {name} architecture model_type={model_type!r}: DFlash taps are "
             f"implemented for {', '.join(SUPPORTED_MODEL_TYPES)}. Use one of those targets."
         )
@@ -45,11 +52,17 @@ def num_layers(model: nn.Module) -> int:
 
 
 def hidden_size(model: nn.Module) -> int:
-    return model.args.hidden_size
+    return _text(model).args.hidden_size
 
 
 def vocab_size(model: nn.Module) -> int:
-    return model.args.vocab_size
+    return _text(model).args.vocab_size
+
+
+def compute_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype the target's activations are in (a quantized embedding's scales')."""
+    emb = model.model.embed_tokens
+    return emb.scales.dtype if hasattr(emb, "scales") else emb.weight.dtype
 
 
 def embed(model: nn.Module, tokens: mx.array) -> mx.array:
@@ -59,29 +72,34 @@ def embed(model: nn.Module, tokens: mx.array) -> mx.array:
 
 def lm_head(model: nn.Module, h: mx.array) -> mx.array:
     """The target's output head (tied or untied), shared with the drafter."""
-    if getattr(model.args, "tie_word_embeddings", False):
-        return model.model.embed_tokens.as_linear(h)
-    return model.lm_head(h)
+    text = _text(model)
+    if getattr(text.args, "tie_word_embeddings", False):
+        return text.model.embed_tokens.as_linear(h)
+    return text.lm_head(h)
 
 
-def _qwen3_block(block: nn.Module, x: mx.array, cache: KVCache, visible: mx.array) -> mx.array:
+def _qwen3_block(
+    block: nn.Module, x: mx.array, cache: KVCache, visible: mx.array, speedups: CpuSpeedups
+) -> mx.array:
     # mlx-lm's Qwen3 TransformerBlock, the same operations in the same order, compiled
     # around the attention and with the CPU kernels for the softmax and SwiGLU: its own
     # call would reach MLX's slow CPU exp, one operation at a time.
     attn = block.self_attn
-    q, k, v = steps.before(attn, block.input_layernorm, x, cache.offset)
+    q, k, v = steps.before(attn, block.input_layernorm, x, cache.offset, speedups)
     k, v = cache.update_and_fetch(k, v)
-    out = kernels.attention(q, k, v, attn.scale, visible)
-    return steps.after(attn, block.mlp, block.post_attention_layernorm, out, x)
+    out = kernels.attention(q, k, v, attn.scale, visible, use_kernel=speedups.kernels)
+    return steps.after(attn, block.mlp, block.post_attention_layernorm, out, x, speedups)
 
 
-def _use_cpu_kernels(model: nn.Module, h: mx.array, cache: list[Any], masks: list) -> bool:
-    # Passes of several tokens (verifies, prefills): a one-token step, which DFlash's loop
-    # never makes, stays mlx-lm's own, the baseline that speedups are measured against.
+def _cpu_layers(
+    model: nn.Module, h: mx.array, cache: list[Any], masks: list, speedups: CpuSpeedups | None
+) -> bool:
+    # Only the layers the steps reproduce exactly, with plain caches and causal masks; a
+    # pass shorter than min_tokens (plain decoding's step) stays mlx-lm's own.
     return (
-        h.shape[1] > 1
+        speedups is not None
+        and h.shape[1] >= speedups.min_tokens
         and h.dtype == mx.float32
-        and kernels.cpu_default()
         and model.model_type == "qwen3"
         and all(
             type(layer) is qwen3.TransformerBlock
@@ -98,39 +116,49 @@ def forward_with_taps(
     tokens: mx.array,
     cache: list[Any],
     tap_ids: list[int],
-    start_every: int = 0,
+    speedups: CpuSpeedups | None = None,
 ) -> tuple[mx.array, mx.array | None]:
     """Run the target on ``tokens`` and capture the hidden states after ``tap_ids``.
 
     Args:
-        model: An mlx-lm Qwen3, Qwen2 or Llama model.
+        model: An mlx-lm model of one of ``SUPPORTED_MODEL_TYPES``.
         tokens: ``(B, L)`` token ids.
         cache: The target's per-layer caches, updated in place.
         tap_ids: 0-based decoder layer indices to capture (may be empty).
-        start_every: If > 0, start evaluating the pass (``mx.async_eval``) after every this
-          many layers, while the rest of its graph is still being built, so that the stream
-          does not wait for all of it; 0 leaves the graph lazy. Not inside ``mx.compile``
-          or a gradient.
+        speedups: The CPU speedups from :func:`dflash_mlx.backend.cpu_speedups` (None: the
+          portable path, mlx-lm's layers as they are). With ``start_every`` the pass starts
+          running (``mx.async_eval``) while the rest of its graph is still being built, so
+          not inside ``mx.compile`` or a gradient.
 
     Returns:
         ``(logits, target_hidden)``: ``(B, L, vocab)`` logits and the taps concatenated
         in ``tap_ids`` order, ``(B, L, len(tap_ids) * H)``, or None if ``tap_ids`` is empty.
     """
+    start_every = speedups.start_every if speedups is not None else 0
+    if model.model_type in hybrid.HYBRID_MODEL_TYPES:
+        h, captured = hybrid.forward_with_taps(model, tokens, cache, tap_ids, start_every)
+        return _head(model, h, captured, tap_ids)
     inner = model.model
     h = inner.embed_tokens(tokens)
     masks = _layer_masks(model, h, cache)
     wanted = set(tap_ids)
     captured = {}
     visible = None
-    if _use_cpu_kernels(model, h, cache, masks):
+    if _cpu_layers(model, h, cache, masks, speedups):
         visible = kernels.causal_mask(cache[0].offset, h.shape[1])
     for i, (layer, c, mask) in enumerate(zip(inner.layers, cache, masks)):
-        h = layer(h, mask, c) if visible is None else _qwen3_block(layer, h, c, visible)
+        h = layer(h, mask, c) if visible is None else _qwen3_block(layer, h, c, visible, speedups)
         if i in wanted:
             captured[i] = h
         if start_every and (i + 1) % start_every == 0 and i + 1 < len(inner.layers):
             mx.async_eval(h)
+    return _head(model, h, captured, tap_ids)
+
+
+def _head(model: nn.Module, h: mx.array, captured: dict, tap_ids: list[int]) -> tuple[mx.array, mx.array | None]:
+    inner = model.model
     h = inner.norm(h)
+    wanted = set(tap_ids)
     # HF's last hidden state is taken after the final norm; drafters were trained on that.
     if len(inner.layers) - 1 in wanted:
         captured[len(inner.layers) - 1] = h

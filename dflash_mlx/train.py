@@ -11,13 +11,13 @@ random anchor in the response, against the target's taps (computed once per exam
 ``OUT`` then holds the drafter (``config.json`` + ``model.safetensors``, the z-lab layout
 that ``dflash_mlx.load`` reads), ``training_state/`` (for ``--resume``), ``metrics.jsonl``
 (losses and acceptance evaluations) and, by default, the response cache ``data.jsonl``.
+The checkpoints and what may be resumed: ``train_checkpoint.py``.
 """
 
 import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from collections import Counter
@@ -29,13 +29,34 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from . import target as tgt
+from .backend import cpu_speedups
 from .drafter import DraftModel, ModelArgs, default_target_layer_ids
 from .errors import DFlashError
 from .generate import dflash_generate_step
-from .loading import DTYPES, MASK_TOKENS, default_pair_path, load_draft, load_target, resolve
+from .progress import Progress
+from .loading import (
+    DTYPES,
+    MASK_TOKENS,
+    default_pair_path,
+    is_drafter_config,
+    load_draft,
+    load_target,
+    read_config,
+    resolve,
+)
+from .train_checkpoint import (
+    TrainingInterrupted,
+    check_out,
+    check_resume,
+    interrupt_after_step,
+    latest_checkpoint,
+    load_state,
+    save_checkpoint,
+    target_record,
+)
 from .train_data import (
     dataset_examples,
     generate_responses,
@@ -47,13 +68,11 @@ from .train_data import (
     usable,
 )
 
-STATE_DIR = "training_state"
-
 
 @dataclass
 class TrainingArgs:
     model: str | None = field(default=None, metadata={"help": "Target folder or hub id (default: embedded)."})
-    data: str | None = field(default=None, metadata={"help": "Prompts JSONL ('messages' or 'prompt')."})
+    data: str | None = field(default=None, metadata={"help": "Prompts JSONL ('messages' or 'prompt'); required."})
     out: str = field(default="dflash-draft", metadata={"help": "Checkpoint folder (z-lab drafter format)."})
     responses: str = field(
         default="generate",
@@ -63,10 +82,10 @@ class TrainingArgs:
         default=None, metadata={"help": "Response cache JSONL (default: OUT/data.jsonl)."}
     )
     max_prompts: int | None = field(
-        default=None, metadata={"help": "Most prompts to generate responses for."}
+        default=None, metadata={"help": "Most prompts to generate responses for (default: all)."}
     )
     data_minutes: float | None = field(
-        default=None, metadata={"help": "Minutes of generating (0: the cache as is)."}
+        default=None, metadata={"help": "Minutes of generating (0: the cache as is; default: no limit)."}
     )
     gen_max_tokens: int = field(default=256, metadata={"help": "Most tokens per generated response."})
     gen_batch_size: int = field(default=1, metadata={"help": "Responses generated together (1: plain loop)."})
@@ -76,7 +95,10 @@ class TrainingArgs:
         metadata={"help": "Corpus 'text' chunks: first N lines as raw completion prompts (0: skip)."},
     )
     data_only: bool = field(default=False, metadata={"help": "Stop after the data step."})
-    eval_data: str | None = field(default=None, metadata={"help": "Held-out prompts JSONL for acceptance."})
+    eval_data: str | None = field(
+        default=None,
+        metadata={"help": "Held-out prompts JSONL for acceptance (default: the held-out examples' prompts)."},
+    )
     block_size: int = field(default=16, metadata={"help": "Tokens per draft block."})
     num_layers: int = field(default=2, metadata={"help": "Drafter decoder layers."})
     intermediate_size: int | None = field(
@@ -87,7 +109,9 @@ class TrainingArgs:
         default=True,
         metadata={"help": "Condition on the target's taps (--no-target-features: the ablation without them)."},
     )
-    target_layer_ids: list[int] | None = field(default=None, metadata={"help": "Explicit tapped layers."})
+    target_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "Explicit tapped layers (default: --num-taps layers, spread out)."}
+    )
     mask_token_id: int | None = field(
         default=None, metadata={"help": "Mask token (default: the tokenizer's)."}
     )
@@ -108,7 +132,9 @@ class TrainingArgs:
     eval_max_tokens: int = field(default=128, metadata={"help": "Tokens generated per evaluation prompt."})
     save_every: int = field(default=200, metadata={"help": "Steps between checkpoints."})
     log_every: int = field(default=10, metadata={"help": "Steps between progress lines."})
-    stop_at: int | None = field(default=None, metadata={"help": "Stop after this step (resume later)."})
+    stop_at: int | None = field(
+        default=None, metadata={"help": "Stop after this step, to resume later (default: run all --iters)."}
+    )
     resume: bool = field(default=False, metadata={"help": "Continue from the checkpoint in --out."})
     cache_taps: bool = field(default=True, metadata={"help": "Keep each example's taps in memory."})
     compile: bool = field(default=True, metadata={"help": "Compile the training step with mx.compile."})
@@ -200,45 +226,6 @@ def draft_config(target: nn.Module, tokenizer, args: TrainingArgs) -> dict:
     return config
 
 
-def _write(path: Path, write) -> None:
-    # Write then rename, so an interrupted save never leaves a torn checkpoint. The file is
-    # written in a subfolder: a stray "*.safetensors" next to the weights would be loaded.
-    tmp = path.parent / ".partial" / path.name
-    tmp.parent.mkdir(exist_ok=True)
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def save_draft(draft: DraftModel, config: dict, out: Path) -> None:
-    """Save ``config.json`` + ``model.safetensors`` (float32) in the z-lab layout ``load`` reads."""
-    out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(mx.float32) for k, v in tree_flatten(draft.parameters())}
-    _write(out / "model.safetensors", lambda p: mx.save_safetensors(str(p), weights, {"format": "pt"}))
-    _write(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2)))
-
-
-def save_checkpoint(out, draft, config, optimizer, step, rng, args) -> None:
-    """The drafter plus what resuming needs: optimizer state, step and the data RNG.
-
-    MLX's RNG only draws the initial weights, which the checkpoint holds; every later
-    random choice (examples, anchors) comes from the saved numpy generator.
-    """
-    save_draft(draft, config, out)
-    state_dir = out / STATE_DIR
-    state_dir.mkdir(exist_ok=True)
-    arrays = dict(tree_flatten(optimizer.state))
-    _write(state_dir / "optimizer.safetensors", lambda p: mx.save_safetensors(str(p), arrays))
-    state = {"step": step, "numpy_rng": rng.bit_generator.state, "args": dataclasses.asdict(args)}
-    _write(state_dir / "state.json", lambda p: p.write_text(json.dumps(state)))
-
-
-def _load_state(out: Path, optimizer) -> tuple[int, dict]:
-    arrays = mx.load(str(out / STATE_DIR / "optimizer.safetensors"))
-    optimizer.state = tree_unflatten(list(arrays.items()))
-    state = json.loads((out / STATE_DIR / "state.json").read_text())
-    return state["step"], state["numpy_rng"]
-
-
 def block_mask(anchors: mx.array, starts: mx.array, context_len: int, block_size: int) -> mx.array:
     """Which keys each training block may see: ``(nb, 1, B, L + B)`` booleans.
 
@@ -253,19 +240,19 @@ def block_mask(anchors: mx.array, starts: mx.array, context_len: int, block_size
     return mx.broadcast_to(mask[:, None, None, :], (nb, 1, block_size, context_len + block_size))
 
 
-def block_logits(draft, target, taps, blocks, anchors, starts) -> mx.array:
+def block_logits(draft, target, taps, blocks, anchors, starts, speedups=None) -> mx.array:
     """Draft logits ``(nb, B - 1, vocab)`` of many blocks over one packed context ``taps``.
 
     Each block row gets its own RoPE position (its anchor), as in inference.
     """
     mask = block_mask(anchors, starts, taps.shape[1], blocks.shape[1])
-    h = draft(tgt.embed(target, blocks), taps, mask=mask, block_offset=anchors)
+    h = draft(tgt.embed(target, blocks), taps, mask=mask, block_offset=anchors, speedups=speedups)
     return tgt.lm_head(target, h[:, 1:])
 
 
-def block_loss(draft, target, taps, blocks, anchors, starts, labels, weights) -> mx.array:
+def block_loss(draft, target, taps, blocks, anchors, starts, labels, weights, speedups=None) -> mx.array:
     """Weighted cross-entropy on the masked block positions."""
-    logits = block_logits(draft, target, taps, blocks, anchors, starts).astype(mx.float32)
+    logits = block_logits(draft, target, taps, blocks, anchors, starts, speedups).astype(mx.float32)
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")
     return (ce * weights).sum() / weights.sum()
 
@@ -295,36 +282,40 @@ def evaluate_acceptance(
     return sum(k * v for k, v in hist.items()) / max(cycles, 1), dict(sorted(hist.items()))
 
 
-def _progress(step: int, total: int, loss: float, tps: float, eta_s: float) -> None:
-    filled = int(20 * step / total)
-    line = (
-        f"[{'#' * filled}{'.' * (20 - filled)}] {step}/{total} loss {loss:.3f} "
-        f"{tps:,.0f} tok/s ETA {int(eta_s) // 60}m{int(eta_s) % 60:02d}s"
-    )
-    if sys.stdout.isatty():
-        print("\r" + line, end="\n" if step == total else "", flush=True)
-    else:
-        print(line, flush=True)
-
-
-def train(args: TrainingArgs) -> DraftModel | None:
-    """Generate (or read) the data, then train and save a drafter for ``args.model``.
-
-    Returns:
-        The trained drafter (also saved in ``args.out``), or None with ``data_only``.
-
-    Raises:
-        DFlashError: On bad arguments, data or models.
-    """
-    _check_args(args)
-    out = Path(args.out)
+def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
+    """The frozen target, its tokenizer, the drafter config (the checkpoint's when resuming)
+    and the target's record for the checkpoint; bad settings fail here, before any data."""
     target_path = resolve(args.model, what="target") if args.model else default_pair_path() / "target"
+    if is_drafter_config(read_config(target_path, "target")):
+        raise DFlashError(
+            f"{target_path} holds a DFlash drafter, not a target model. Pass the target it drafts for with "
+            "--model; to continue training this drafter, pass its folder with --out and --resume."
+        )
     target, tokenizer = load_target(target_path, dtype=args.dtype)
     tgt.check_supported(target)
     target.freeze()
-    stop_tokens = frozenset(tokenizer.eos_token_ids)
+    # Built before the data step, so that bad drafter settings fail before it runs.
+    config = None if args.data_only else draft_config(target, tokenizer, args)
+    target_info = target_record(target_path)
+    if checkpoint is not None:
+        saved_state = json.loads((checkpoint[0] / "state.json").read_text())
+        saved_config = read_config(checkpoint[1], "drafter")
+        check_resume(out, saved_config, config, saved_state.get("target"), target_info)
+        config = saved_config
 
-    # ---- data: the target's own greedy responses, cached and resumable ----
+    return target, tokenizer, config, target_info
+
+
+@dataclass
+class _Data:
+    train: list[dict]
+    val: list[dict]
+    eval_prompts: list[list[int]]
+
+
+def _training_data(args: TrainingArgs, target: nn.Module, tokenizer, out: Path) -> _Data | None:
+    """The target's own greedy responses (cached and resumable), split into training and
+    held-out examples, and the prompts the acceptance is evaluated on; None with data_only."""
     prompts = read_prompts(args.data, text_prompt_lines=args.text_prompt_lines)
     if args.responses == "generate":
         cache = args.cache or out / "data.jsonl"
@@ -359,37 +350,60 @@ def train(args: TrainingArgs) -> DraftModel | None:
         ]
     else:
         eval_prompts = [ex["prompt_ids"] for ex in (val_ex or train_ex)[: args.eval_prompts]]
+    if val_ex:
+        no_val = ""
+    elif args.val_examples == 0:
+        no_val = "no held-out set for a validation loss (--val-examples 0; pass --val-examples N for one)"
+    else:
+        no_val = (
+            f"no held-out set for a validation loss: {len(examples)} usable examples, and one in five at most "
+            "is held out; pass more prompts with --data (or a larger --max-prompts)"
+        )
     print(
-        f"data: {len(train_ex)} train / {len(val_ex)} val examples, {len(eval_prompts)} eval prompts",
+        f"data: {len(train_ex)} train / {len(val_ex)} val examples, {len(eval_prompts)} eval prompts"
+        + (f"; {no_val}" if no_val else ""),
         flush=True,
     )
 
-    # ---- drafter, optimizer, optional resume ----
-    resuming = args.resume and (out / STATE_DIR / "state.json").is_file()
+    return _Data(train_ex, val_ex, eval_prompts)
+
+
+def _drafter_and_optimizer(args: TrainingArgs, config: dict, checkpoint) -> tuple:
+    """A fresh drafter from ``config``, or the checkpoint's with its optimizer state, step and
+    data RNG."""
     mx.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    if resuming:
-        draft = load_draft(out, dtype=args.dtype)
-        config = json.loads((out / "config.json").read_text())
+    if checkpoint is not None:
+        draft = load_draft(checkpoint[1], dtype=args.dtype)
     else:
-        config = draft_config(target, tokenizer, args)
         draft = DraftModel(ModelArgs.from_dict(config))
         draft.set_dtype(DTYPES[args.dtype])
     draft.train()
-    B, mask_id, tap_ids = draft.block_size, draft.mask_token_id, draft.target_layer_ids
     optimizer = optim.AdamW(
         learning_rate=args.learning_rate, betas=[0.9, 0.95], weight_decay=args.weight_decay
     )
     optimizer.init(draft.trainable_parameters())
     start = 0
-    if resuming:
-        start, rng_state = _load_state(out, optimizer)
+    if checkpoint is not None:
+        start, rng_state = load_state(checkpoint[0], optimizer)
         optimizer.init(draft.trainable_parameters())
         rng.bit_generator.state = rng_state
-        print(f"resumed from {out} at step {start}", flush=True)
+        print(f"resumed from {checkpoint[0]} at step {start}", flush=True)
     n_params = sum(v.size for _, v in tree_flatten(draft.trainable_parameters()))
-    print(f"drafter: {args.num_layers} layers, {n_params / 1e6:.2f}M trainable, taps {tap_ids}", flush=True)
+    print(
+        f"drafter: {draft.args.num_hidden_layers} layers, block size {draft.block_size}, "
+        f"{n_params / 1e6:.2f}M trainable, taps {draft.target_layer_ids}",
+        flush=True,
+    )
 
+    return draft, optimizer, start, rng
+
+
+def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data, config, target_info):
+    """The optimizer steps, with progress lines, evaluations and checkpoints."""
+    B, mask_id, tap_ids = draft.block_size, draft.mask_token_id, draft.target_layer_ids
+    train_ex, val_ex, eval_prompts = data.train, data.val, data.eval_prompts
+    stop_tokens = frozenset(tokenizer.eos_token_ids)
     weights = position_weights(B, args.loss_decay)
     batch_kwargs = dict(
         batch_size=args.batch_size,
@@ -422,7 +436,9 @@ def train(args: TrainingArgs) -> DraftModel | None:
             parts.append(mx.pad(taps, [(0, 0), (0, L - taps.shape[1]), (0, 0)]))
         return mx.concatenate(parts, axis=1)
 
-    loss_and_grad = nn.value_and_grad(draft, partial(block_loss, draft, target))
+    # The CPU kernels have exact gradients (custom VJPs), so training uses them too.
+    loss_fn = partial(block_loss, draft, target, speedups=cpu_speedups(DTYPES[args.dtype]))
+    loss_and_grad = nn.value_and_grad(draft, loss_fn)
     state = [draft.state, optimizer.state]
 
     def step_fn(taps, blocks, anchors, starts, labels, weights):
@@ -438,7 +454,7 @@ def train(args: TrainingArgs) -> DraftModel | None:
     def run_eval(step: int) -> dict:
         draft.eval()
         val = [
-            block_loss(draft, target, taps_for(b, val_ex), *[b[k] for k in _KEYS]).item()
+            loss_fn(taps_for(b, val_ex), *[b[k] for k in _KEYS]).item()
             for b in map(_to_mx, val_batches)
         ]
         mean, hist = evaluate_acceptance(target, draft, eval_prompts, args.eval_max_tokens, stop_tokens)
@@ -449,47 +465,87 @@ def train(args: TrainingArgs) -> DraftModel | None:
             "acceptance": mean,
             "hist": hist,
         }
-        print(f"eval step {step}: val loss {record['val_loss']}, acceptance {mean:.2f} {hist}", flush=True)
+        val_text = f"val loss {record['val_loss']:.4f}" if val else "no val loss (no held-out set)"
+        print(f"eval step {step}: {val_text}, acceptance {mean:.2f} {hist}", flush=True)
         return record
 
     # ---- the loop ----
     out.mkdir(parents=True, exist_ok=True)
-    metrics = open(out / "metrics.jsonl", "a")
     tic, tokens_done, losses = time.perf_counter(), 0, []
-    for it in range(start, min(args.iters, args.stop_at or args.iters)):
-        optimizer.learning_rate = get_lr(it, args)
-        batch = _to_mx(make_batch(train_ex, rng, **batch_kwargs))
-        taps = taps_for(batch, train_ex)
-        loss = step_fn(taps, *[batch[k] for k in _KEYS])
-        mx.eval(loss, state)
-        losses.append(loss.item())
-        tokens_done += int(batch["weights"].size)
-        step = it + 1
-        if step % args.log_every == 0 or step == args.iters:
-            elapsed = time.perf_counter() - tic
-            eta = elapsed / (step - start) * (args.iters - step)
-            # The mean training loss since the last progress line.
-            loss, losses = float(np.mean(losses)), []
-            _progress(step, args.iters, loss, tokens_done / elapsed, eta)
-            metrics.write(json.dumps({"step": step, "loss": loss, "lr": get_lr(it, args)}) + "\n")
-        if (args.eval_every and step % args.eval_every == 0) or step == args.iters:
-            metrics.write(json.dumps(run_eval(step)) + "\n")
-        if step % args.save_every == 0 or step in (args.iters, args.stop_at):
-            save_checkpoint(out, draft, config, optimizer, step, rng, args)
-        metrics.flush()
-    metrics.close()
+    save = partial(save_checkpoint, out, draft, config, optimizer, rng=rng, args=args, target=target_info)
+    last = min(args.iters, args.stop_at or args.iters)
+    bar = Progress(args.iters, width=20, stream=sys.stdout)
+    with open(out / "metrics.jsonl", "a") as metrics, interrupt_after_step() as interrupted:
+        for it in range(start, last):
+            optimizer.learning_rate = get_lr(it, args)
+            batch = _to_mx(make_batch(train_ex, rng, **batch_kwargs))
+            taps = taps_for(batch, train_ex)
+            loss = step_fn(taps, *[batch[k] for k in _KEYS])
+            mx.eval(loss, state)
+            losses.append(loss.item())
+            tokens_done += int(batch["weights"].size)
+            step = it + 1
+            if step % args.log_every == 0 or step == args.iters:
+                elapsed = time.perf_counter() - tic
+                eta = elapsed / (step - start) * (args.iters - step)
+                # The mean training loss since the last progress line.
+                loss, losses = float(np.mean(losses)), []
+                eta_text = f"{int(eta) // 60}m{int(eta) % 60:02d}s"
+                bar.update(step, f"loss {loss:.3f} {tokens_done / elapsed:,.0f} tok/s ETA {eta_text}", elapsed=False)
+                metrics.write(json.dumps({"step": step, "loss": loss, "lr": get_lr(it, args)}) + "\n")
+            if (args.eval_every and step % args.eval_every == 0) or step == args.iters:
+                metrics.write(json.dumps(run_eval(step)) + "\n")
+            if step % args.save_every == 0 or step in (args.iters, args.stop_at) or interrupted:
+                save(step=step)
+            metrics.flush()
+            if interrupted and step < last:
+                raise TrainingInterrupted(step, out)
+    bar.close()
     draft.eval()
     return draft
 
 
+
+
+def train(args: TrainingArgs) -> DraftModel | None:
+    """Generate (or read) the data, then train and save a drafter for ``args.model``.
+
+    Returns:
+        The trained drafter (also saved in ``args.out``), or None with ``data_only``.
+
+    Raises:
+        DFlashError: On bad arguments, data or models; an ``out`` that holds other files than
+          the response cache without ``resume``; ``resume`` without a checkpoint in ``out``, or
+          with drafter settings or a target other than the checkpoint's.
+        TrainingInterrupted: On Ctrl+C in the loop, once the current step is saved.
+    """
+    _check_args(args)
+    out = Path(args.out)
+    checkpoint = check_out(out, args.resume, args.data_only)
+    target, tokenizer, config, target_info = _target_and_config(args, out, checkpoint)
+    data = _training_data(args, target, tokenizer, out)
+    if data is None:
+        return None
+    draft, optimizer, start, rng = _drafter_and_optimizer(args, config, checkpoint)
+    return _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data, config, target_info)
+
+
 _KEYS = ("blocks", "anchors", "starts", "labels", "weights")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    # A help text that already says its default (or has none worth saying) is shown as it is.
+    def _get_help_string(self, action):
+        if "default" in (action.help or "") or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dflash-train",
         description="Train a DFlash drafter for an mlx-lm target.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     for f in dataclasses.fields(TrainingArgs):
         flag, help_text = "--" + f.name.replace("_", "-"), f.metadata["help"]
@@ -515,6 +571,19 @@ def main(argv: list[str] | None = None) -> None:
     except DFlashError as e:
         print(f"dflash-train: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except TrainingInterrupted as e:
+        print(f"dflash-train: interrupted at step {e.step}; saved to {e.out}; rerun with --resume to continue",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(130)
+    except KeyboardInterrupt:
+        checkpoint = latest_checkpoint(Path(args.out)) if Path(args.out).is_dir() else None
+        if checkpoint is None:
+            saved = "no checkpoint saved (the response cache keeps the responses generated so far)"
+        else:
+            step = json.loads((checkpoint[0] / "state.json").read_text())["step"]
+            saved = f"the last checkpoint in {args.out} is at step {step}; rerun with --resume to continue"
+        print(f"dflash-train: interrupted; {saved}", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

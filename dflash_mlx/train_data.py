@@ -20,6 +20,7 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .chat_template import render_chat
 from .errors import DFlashError
 from .generate import dflash_generate_step
 
@@ -41,11 +42,8 @@ class Prompt:
 
 def render_prompt(tokenizer: TokenizerWrapper, prompt: Prompt) -> list[int]:
     """Prompt token ids: raw text as is, chat turns in the template ready for the answer."""
-    if prompt.text is not None:
-        return tokenizer.encode(prompt.text)
-    if getattr(tokenizer, "chat_template", None) is None:
-        return tokenizer.encode("\n".join(m["content"] for m in prompt.messages))
-    return list(tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True))
+    rendered = prompt.text if prompt.text is not None else render_chat(tokenizer, prompt.messages)
+    return tokenizer.encode(rendered) if isinstance(rendered, str) else rendered
 
 
 def _to_prompt(record: dict, where: str, text_prompt_lines: int) -> Prompt | None:

@@ -18,8 +18,8 @@ class ScriptedDraft(DraftModel):
         self.sequence, self.vocab, self.wrong_every = sequence, vocab, wrong_every
         self.unsure_every = unsure_every
 
-    def propose(self, model, block, target_hidden, cache, history=None):
-        mx.eval(super().propose(model, block, target_hidden, cache))  # keeps the context cache real
+    def propose(self, model, block, target_hidden, cache, speedups=None):
+        mx.eval(super().propose(model, block, target_hidden, cache, speedups=speedups))  # keeps the context cache real
         start = cache[0].offset  # absolute position of block[0]
         ids, peaks = [], []
         for pos in range(start + 1, start + block.shape[1]):
@@ -29,3 +29,21 @@ class ScriptedDraft(DraftModel):
                 tok = (tok + 1) % self.vocab
             ids.append(tok)
         return mx.eye(self.vocab)[mx.array(ids)][None] * mx.array(peaks)[None, :, None]
+
+
+class AcceptExactlyDraft(ScriptedDraft):
+    """Right for exactly ``schedule[i % len(schedule)]`` drafts in its i-th pass, then wrong:
+    the target keeps exactly that many, so every rollback length can be exercised."""
+
+    def __init__(self, base: DraftModel, sequence: list[int], vocab: int, schedule: list[int]):
+        super().__init__(base, sequence, vocab)
+        self.schedule, self.passes = schedule, 0
+
+    def propose(self, model, block, target_hidden, cache, speedups=None):
+        right = self.schedule[self.passes % len(self.schedule)]
+        self.passes += 1
+        logits = super().propose(model, block, target_hidden, cache, speedups)
+        ids = mx.argmax(logits[0], axis=-1)
+        wrong = mx.arange(ids.shape[0]) >= right
+        ids = mx.where(wrong, (ids + 1) % self.vocab, ids)
+        return mx.eye(self.vocab)[ids][None] * 10.0

@@ -21,6 +21,15 @@ REPLY = [
 ]
 ACCEPTANCE = [7, 3, 5, 2, 9, 4, 16, 6]
 CYCLE_SECONDS = 0.05
+GATE_SECONDS = 30.0  # as long as wait_until's limit: only a test that never opens a gate hits it
+
+
+async def wait_until(pilot, condition, timeout: float = 30.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError("timed out waiting for the app")
 
 
 def fake_responses(pieces: list[str] = REPLY, prompt_tokens: int = 12, stop: bool = True):
@@ -50,8 +59,11 @@ class FakeStream:
     """A stand-in for the models: records each call and plays ``fake_responses``.
 
     With ``pause_after=k`` it waits on ``gate`` before its k-th response, so a test can look
-    at the app mid-reply or press Esc there.
+    at the app mid-reply or press Esc there. A gate never opened raises (the app shows that as an
+    error) and is recorded in ``timeouts``, so the test fails instead of playing on.
     """
+
+    timeouts: list[str] = []
 
     def __init__(self, pieces: list[str] = REPLY, pause_after: int | None = None):
         self.pieces, self.pause_after = pieces, pause_after
@@ -68,11 +80,16 @@ class FakeStream:
         try:
             for i, response in enumerate(fake_responses(self.pieces)):
                 if i == self.pause_after:
-                    self.gate.wait(10)
+                    self.wait_for(self.gate, f"the gate before response {i}")
                 self.produced += 1
                 yield response
         finally:
             self.closed = True
+
+    def wait_for(self, event: threading.Event, what: str) -> None:
+        if not event.wait(GATE_SECONDS):
+            FakeStream.timeouts.append(what)
+            raise TimeoutError(f"The test never opened {what}.")
 
 
 app = ChatApp(FakeStream())

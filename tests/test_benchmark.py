@@ -1,4 +1,5 @@
 import json
+import types
 
 import pytest
 from checkpoints import write_target
@@ -72,11 +73,14 @@ def test_limit_uses_each_cycles_verify_size():
     ]
     times = {"ar": 0.01, "verify": {16: 0.02}, "draft": {16: 0.004}, "verify_by_size": {1: 0.01, 2: 0.011, 16: 0.02}}
     row = summarize(results, times)[1]
-    t_cycle = 0.004 + (0.02 + 0.011 + 0.011) / 3
-    assert row["verify_size"] == pytest.approx(20 / 3)
-    assert row["limit"] == pytest.approx(11 / 3 * 0.01 / t_cycle)
-    assert row["loop_efficiency"] == pytest.approx(200.0 * t_cycle / (11 / 3))
-    assert row["efficiency"] == pytest.approx(2.0 / row["limit"])
+    # By hand: tau = (8 + 1 + 2) / 3 = 3.667; a cycle = 4 ms draft + (20 + 11 + 11) / 3 = 14 ms verify = 18 ms.
+    assert row["verify_size"] == pytest.approx(6.6667, abs=1e-4)
+    # limit = 3.667 tokens per 18 ms against one per 10 ms = 2.037x.
+    assert row["limit"] == pytest.approx(2.0370, abs=1e-4)
+    # The ideal loop makes 3.667 tokens per 18 ms = 203.7 tok/s; 200 tok/s measured is 98.18% of it,
+    # and the 2.0x speedup is 98.18% of the 2.037x limit.
+    assert row["loop_efficiency"] == pytest.approx(0.9818, abs=1e-4)
+    assert row["efficiency"] == pytest.approx(0.9818, abs=1e-4)
 
 
 def test_fastest_times_keeps_the_faster_of_each_entry():
@@ -124,6 +128,7 @@ def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, 
     assert result["times"]["context"] > 12 / 2 and f"at a {result['times']['context']}-token context" in table
     assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "acceptance_histogram.png").is_file()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
 def test_runs_are_round_robin(pair_dirs, prompts, monkeypatch):
@@ -183,13 +188,21 @@ def test_scaling_mode_on_a_small_shape(tmp_path, monkeypatch, capsys):
     tiny = dict(hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, vocab_size=256)
     monkeypatch.setitem(bench_scaling.SHAPES, "tiny", tiny)
+    # A clock that reads one second later each time: a plain run reads it after its first token and
+    # after 24 more (1 s / 24 tokens = 41.7 ms a token), a DFlash run around 6 cycles (166.7 ms a cycle).
+    ticks = iter(range(1000))
+    monkeypatch.setattr(bench_scaling, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     replay = tmp_path / "r.json"
     replay.write_text(json.dumps({"rows": [{"method": "dflash", "block_size": 4, "tau": 3.0}]}))
     main(["--scaling", "tiny", "--replay", str(replay), "--json", str(tmp_path / "s.json")])
     rows = json.loads((tmp_path / "s.json").read_text())["scaling"]
     assert rows[0]["shape"] == "tiny" and rows[0]["tau"] == 3.0
-    assert rows[0]["projected_speedup"] == pytest.approx(3.0 * rows[0]["ar_step_ms"] / rows[0]["cycle_ms"])
-    assert "projected speedup" in capsys.readouterr().out
+    assert rows[0]["ar_step_ms"] == pytest.approx(41.667, abs=1e-3)
+    assert rows[0]["cycle_ms"] == pytest.approx(166.667, abs=1e-3)
+    # 3 tokens a cycle at 166.7 ms against 41.7 ms a token: 0.75x.
+    assert rows[0]["projected_speedup"] == pytest.approx(0.75)
+    out = capsys.readouterr().out
+    assert "projected speedup" in out and "| tiny | 4 | 3.00 | 41.7 | 166.7 | 0.75x |" in out
 
 
 def test_scaling_needs_a_replay(capsys):
@@ -262,3 +275,39 @@ def test_git_commit_says_when_tracked_files_changed(tmp_path):
     assert git_commit(tmp_path) == clean
     (tmp_path / "weights.txt").write_text("b")
     assert git_commit(tmp_path) == clean + "+changes"
+
+
+@pytest.fixture()
+def no_loading(monkeypatch):
+    """Fails the test if a model is loaded: the checks under test must come first."""
+    import dflash_mlx.loading
+
+    def load(*args, **kwargs):
+        raise AssertionError("loaded a model before checking the arguments")
+
+    monkeypatch.setattr(dflash_mlx.loading, "load", load)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--json", "{tmp}/nodir/out.json"], "--json {tmp}/nodir/out.json: the folder {tmp}/nodir does not exist"),
+        (["--markdown", "{tmp}"], "--markdown {tmp} is a folder; pass a file name."),
+        (["--plots", "{tmp}/file.txt/plots"], "--plots {tmp}/file.txt/plots: {tmp}/file.txt is a file, not a folder"),
+        (["--plots", "{tmp}/file.txt"], "--plots {tmp}/file.txt is a file; pass a folder."),
+        (["--num-prompts", "0"], "--num-prompts must be at least 1 (got 0)"),
+        (["--min-confidence", "1.5"], "--min-confidence must be in (0, 1] (got 1.5)"),
+        (["--lookup-fallback", "0"], "--lookup-fallback must be at least 1 (got 0)"),
+        # Against a server too: checked before the first request (nothing listens on port 9).
+        (["--base-url", "http://127.0.0.1:9", "--num-prompts", "0"], "--num-prompts must be at least 1 (got 0)"),
+        (["--base-url", "http://127.0.0.1:9", "--json", "{tmp}/nodir/r.json"], "--json {tmp}/nodir/r.json: the folder"),
+    ],
+)
+def test_bad_outputs_and_values_fail_before_loading(no_loading, tmp_path, capsys, argv, message):
+    (tmp_path / "file.txt").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err.startswith(f"dflash-bench: error: {message.format(tmp=tmp_path)}")
+    assert "\n" not in err
+    assert (tmp_path / "file.txt").read_text() == "mine"

@@ -1,5 +1,6 @@
 import importlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -270,10 +271,15 @@ def test_interrupted_conversion_leaves_nothing(hf, tmp_path, monkeypatch, fail_a
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def _old_pair(hf, dest):
+    """An earlier pair at ``dest``, marked so that a test sees whether it was replaced."""
+    _convert(hf, dest, check=False)
+    (dest / "draft" / "old.txt").write_text("old")
+    return dest
+
+
 def test_interrupt_during_check_keeps_old_folder(hf, tmp_path, monkeypatch):
-    dest = tmp_path / "pair"
-    dest.mkdir()
-    (dest / "keep.txt").write_text("old")
+    dest = _old_pair(hf, tmp_path / "pair")
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -281,21 +287,117 @@ def test_interrupt_during_check_keeps_old_folder(hf, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_mod, "check_converted", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _convert(hf, dest, force=True)
-    assert sorted(p.name for p in dest.iterdir()) == ["keep.txt"]
+    assert (dest / "draft" / "old.txt").read_text() == "old"
     assert _leftovers(tmp_path) == []
 
 
 def test_existing_destination_refused_then_forced(hf, tmp_path):
-    dest = tmp_path / "pair"
-    dest.mkdir()
-    (dest / "keep.txt").write_text("old")
+    dest = _old_pair(hf, tmp_path / "pair")
     with pytest.raises(DFlashError, match=r"pair already exists\. .*--force"):
         _convert(hf, dest)
-    assert (dest / "keep.txt").read_text() == "old"
+    assert (dest / "draft" / "old.txt").read_text() == "old"
     _convert(hf, dest, force=True, check=False)
     assert sorted(p.name for p in dest.iterdir()) == [PAIR_MANIFEST, "draft", "target"]
+    assert not (dest / "draft" / "old.txt").exists()
     assert _leftovers(tmp_path) == []
     assert load(dest)[1] is not None
+
+
+def _no_conversion(*args, **kwargs):
+    raise AssertionError("converted before checking --mlx-path")
+
+
+@pytest.mark.parametrize("kind", ["folder-of-files", "file", "current-folder", "parent-is-a-file"])
+def test_force_only_replaces_a_pair_folder(hf, tmp_path, monkeypatch, capsys, kind):
+    """--force never deletes what dflash-convert did not write, and says so before converting."""
+    docs = tmp_path / "mydocs"
+    docs.mkdir()
+    (docs / "notes.txt").write_text("mine")
+    paths = {"folder-of-files": docs, "file": docs / "notes.txt", "current-folder": Path("."),
+             "parent-is-a-file": docs / "notes.txt" / "pair"}  # fmt: skip
+    monkeypatch.chdir(docs)
+    monkeypatch.setattr(convert_mod, "mlx_lm_convert", _no_conversion)
+    with pytest.raises(SystemExit) as e:
+        main(["--hf-path", str(hf / "target"), "--draft", str(hf / "draft"), "--mlx-path", str(paths[kind]),
+              "--force"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err.startswith("dflash-convert: error: ") and "--mlx-path" in err and "\n" not in err
+    assert "never replaced" in err or "current folder" in err or "is not a folder" in err
+    assert sorted(p.name for p in docs.iterdir()) == ["notes.txt"] and (docs / "notes.txt").read_text() == "mine"
+    assert _leftovers(tmp_path) == []
+
+
+def _failed_check(*args, **kwargs):
+    return convert_mod.CheckResult(False, 16, 3, 1.5, 0.1, 0.1)
+
+
+def test_failed_check_keeps_the_old_pair(hf, tmp_path, monkeypatch, capsys):
+    dest = _old_pair(hf, tmp_path / "pair")
+    monkeypatch.setattr(convert_mod, "check_converted", _failed_check)
+    with pytest.raises(DFlashError, match=r"failed its check .* from token 3\), so the pair in .* was kept\. "
+                                          r"Pass --allow-failed-check"):  # fmt: skip
+        _convert(hf, dest, force=True)
+    assert (dest / "draft" / "old.txt").read_text() == "old" and _leftovers(tmp_path) == []
+    # Asked for: the failed pair replaces the old one.
+    _convert(hf, dest, force=True, allow_failed_check=True)
+    assert not (dest / "draft" / "old.txt").exists()
+    assert json.loads((dest / PAIR_MANIFEST).read_text())["check"]["tokens_match"] is False
+    # Nothing to lose: a new folder gets the pair, with a warning that says it failed.
+    main(["--hf-path", str(hf / "target"), "--draft", str(hf / "draft"), "--mlx-path", str(tmp_path / "new")])
+    assert (tmp_path / "new" / PAIR_MANIFEST).is_file()
+    assert "the pair was written, but it failed its check" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_one_line_and_leaves_nothing(hf, tmp_path, monkeypatch, capsys):
+    def interrupted(hf_path, mlx_path, **kwargs):
+        Path(mlx_path).mkdir(parents=True)
+        (Path(mlx_path) / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert_mod, "mlx_lm_convert", interrupted)
+    with pytest.raises(SystemExit) as e:
+        main(["--hf-path", str(hf / "target"), "--draft", str(hf / "draft"), "--mlx-path", str(tmp_path / "pair")])
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "dflash-convert: interrupted; nothing written"
+    assert list(tmp_path.iterdir()) == []
+
+
+def _broken_target(hf, tmp_path, kind):
+    bad = tmp_path / kind
+    shutil.copytree(hf / "target", bad)
+    if kind == "no-layer-count":
+        config = json.loads((bad / "config.json").read_text())
+        del config["num_hidden_layers"]
+        (bad / "config.json").write_text(json.dumps(config))
+    else:
+        data = (bad / "model.safetensors").read_bytes()
+        (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return bad
+
+
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("no-layer-count", r"config\.json lacks num_hidden_layers, which a qwen3 model needs"),
+        ("truncated", r"Could not read .*incomplete download or corrupt file.*[Rr]e-download or re-convert the target"),
+    ],
+)
+def test_broken_target_is_one_line_in_convert_and_generate(hf, tmp_path, capsys, kind, message):
+    from dflash_mlx.generate import main as generate_main
+
+    bad = _broken_target(hf, tmp_path, kind)
+    runs = [
+        (main, ["--hf-path", str(bad), "--draft", str(hf / "draft"), "--mlx-path", str(tmp_path / "out")]),
+        (generate_main, ["--model", str(bad), "--prompt", "t1", "--max-tokens", "2"]),
+    ]
+    for tool, argv in runs:
+        with pytest.raises(SystemExit) as e:
+            tool(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 1 and len(err[-1:]) == 1
+        assert re.search(message, err[-1]) and err[-1].startswith(("dflash-convert: error:", "dflash-generate: error:"))
+        assert not any(line.startswith("Traceback") for line in err)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(

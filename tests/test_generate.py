@@ -45,6 +45,28 @@ def test_lossless_random_drafter(tiny_pair, block_size, prompt_len):
         assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
 
 
+@pytest.mark.parametrize("block_size", [2, 16])
+def test_lossless_on_the_portable_path(tiny_pair, block_size, monkeypatch):
+    """With the CPU speedups off, the loop takes the path an Apple GPU takes (mlx-lm's layers,
+    MLX's native ops): still the target's own output, and none of the CPU code runs."""
+    from dflash_mlx import kernels, steps
+
+    model, draft, _ = tiny_pair
+    used = []
+    for name in ("before", "after", "key_values"):
+        monkeypatch.setattr(steps, name, lambda *a, name=name: used.append(name))
+    monkeypatch.setattr(kernels, "_swiglu_cpu", lambda *a: used.append("swiglu"))
+    monkeypatch.setattr(kernels, "_shifted_exp", lambda *a: used.append("softmax"))
+    for prompt_len in (1, 130):
+        prompt = _prompt(prompt_len)
+        ref = reference(model, prompt)
+        mixed = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=3, unsure_every=4)
+        for drafter, extra in ((draft, {}), (mixed, {"lookup_fallback": 4, "min_confidence": 0.5})):
+            out, _ = run(model, drafter, prompt, block_size=block_size, max_tokens=MAX_REF, cpu_speedups=False, **extra)
+            assert out == ref, (prompt_len, extra)
+    assert used == []
+
+
 @pytest.mark.parametrize("wrong_every", [0, 1, 3, 5])
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_lossless_scripted_drafters(qwen3_pair, block_size, wrong_every):
@@ -111,10 +133,12 @@ class CountingDraft(ScriptedDraft):
         super().__init__(*args, **kwargs)
         self.passes, self.drafted_at = 0, set()
 
-    def propose(self, *args, **kwargs):
+    def propose(self, model, block, target_hidden, cache, speedups=None):
         self.passes += 1
-        self.drafted_at.add(len(kwargs["history"]))
-        return super().propose(*args, **kwargs)
+        logits = super().propose(model, block, target_hidden, cache, speedups)
+        # After the pass the context cache holds every committed token before block[0].
+        self.drafted_at.add(cache[0].offset)
+        return logits
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

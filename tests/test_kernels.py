@@ -7,6 +7,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from dflash_mlx import kernels
 from dflash_mlx import steps
 from dflash_mlx import target as tgt
+from dflash_mlx.backend import CPU_SPEEDUPS, CpuSpeedups
 
 
 def _relative_error(ours: mx.array, reference: np.ndarray) -> float:
@@ -38,7 +39,7 @@ def test_swiglu_matches_mlx_lm(shape):
     gate = mx.random.normal(shape) * 8
     up = mx.random.normal(shape)
     # A float32 ulp or two of each output.
-    assert mx.allclose(kernels.swiglu(gate, up), mlx_lm_swiglu(gate, up), rtol=3e-7, atol=1e-6).item()
+    assert mx.allclose(kernels.swiglu(gate, up, use_kernel=True), mlx_lm_swiglu(gate, up), rtol=3e-7, atol=1e-6).item()
 
 
 def test_swiglu_gradient_matches_mlx_lm():
@@ -48,7 +49,7 @@ def test_swiglu_gradient_matches_mlx_lm():
     def loss(fn):
         return lambda g, u: (fn(g, u) * weights).sum()
 
-    ours = mx.grad(loss(kernels.swiglu), argnums=(0, 1))(gate, up)
+    ours = mx.grad(loss(lambda g, u: kernels.swiglu(g, u, use_kernel=True)), argnums=(0, 1))(gate, up)
     theirs = mx.grad(loss(mlx_lm_swiglu), argnums=(0, 1))(gate, up)
     for a, b in zip(ours, theirs):
         assert mx.abs(a - b).max().item() < 1e-5
@@ -70,7 +71,7 @@ def test_attention_matches_mlx_fast_with_its_gradient(mask_shape):
     weights = mx.random.normal((2, 4, 16, 8))
 
     def ours(q, k, v):
-        return kernels.attention(q, k, v, 0.35, mask)
+        return kernels.attention(q, k, v, 0.35, mask, use_kernel=True)
 
     def theirs(q, k, v):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=mask)
@@ -90,20 +91,20 @@ def test_other_inputs_go_to_mlx_unchanged():
     q = mx.random.normal((1, 4, 16, 8)).astype(mx.bfloat16)
     k, v = (mx.random.normal((1, 2, 20, 8)).astype(mx.bfloat16) for _ in range(2))
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask="causal")
-    assert mx.array_equal(kernels.attention(q, k, v, 0.5, "causal"), expected).item()
+    assert mx.array_equal(kernels.attention(q, k, v, 0.5, "causal", use_kernel=True), expected).item()
     g = mx.random.normal((2, 8)).astype(mx.bfloat16)
-    assert mx.array_equal(kernels.swiglu(g, g), mlx_lm_swiglu(g, g)).item()
+    assert mx.array_equal(kernels.swiglu(g, g, use_kernel=True), mlx_lm_swiglu(g, g)).item()
 
 
 def test_qwen3_verify_through_the_kernels_matches_mlx_lm(qwen3_pair):
     model, _, _ = qwen3_pair
     prompt, block = mx.array([list(range(3, 40))]), mx.array([list(range(50, 66))])
     ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
-    tgt.forward_with_taps(model, prompt, ours, [1])
+    tgt.forward_with_taps(model, prompt, ours, [1], CPU_SPEEDUPS)
     model(prompt, cache=theirs)
     h = model.model.embed_tokens(block)
-    assert tgt._use_cpu_kernels(model, h, ours, tgt._layer_masks(model, h, ours))
-    logits, _ = tgt.forward_with_taps(model, block, ours, [1])
+    assert tgt._cpu_layers(model, h, ours, tgt._layer_masks(model, h, ours), CPU_SPEEDUPS)
+    logits, _ = tgt.forward_with_taps(model, block, ours, [1], CPU_SPEEDUPS)
     assert mx.abs(logits - model(block, cache=theirs)).max().item() < 1e-4
     assert ours[0].offset == theirs[0].offset == 53
 
@@ -123,17 +124,17 @@ def _tiny_qwen3(**overrides):
     return model
 
 
-def _verify_matches_mlx_lm(model, expect_kernels: bool) -> None:
+def _verify_matches_mlx_lm(model, expect_kernels: bool, speedups: CpuSpeedups = CPU_SPEEDUPS) -> None:
     ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
     prompt = mx.array([list(range(3, 30))])
-    tgt.forward_with_taps(model, prompt, ours, [0])
+    tgt.forward_with_taps(model, prompt, ours, [0], speedups)
     model(prompt, cache=theirs)
     # Two passes in a row: the second starts where the first left the cache.
     for start in (40, 60):
         block = mx.array([list(range(start, start + 12))])
         h = model.model.embed_tokens(block)
-        assert tgt._use_cpu_kernels(model, h, ours, tgt._layer_masks(model, h, ours)) == expect_kernels
-        logits, _ = tgt.forward_with_taps(model, block, ours, [0])
+        assert tgt._cpu_layers(model, h, ours, tgt._layer_masks(model, h, ours), speedups) == expect_kernels
+        logits, _ = tgt.forward_with_taps(model, block, ours, [0], speedups)
         assert mx.abs(logits - model(block, cache=theirs)).max().item() < 1e-4
 
 
@@ -150,6 +151,13 @@ def test_compiled_qwen3_step_matches_mlx_lm_with_each_rope(rope_scaling):
     _verify_matches_mlx_lm(model, expect_kernels=True)
 
 
+@pytest.mark.parametrize(
+    "speedups", [CpuSpeedups(kernels=False), CpuSpeedups(compiled_steps=False), CpuSpeedups(kernels=False, compiled_steps=False)]
+)
+def test_each_speedup_alone_matches_mlx_lm(speedups):
+    _verify_matches_mlx_lm(_tiny_qwen3(), expect_kernels=True, speedups=speedups)
+
+
 def test_quantized_qwen3_keeps_mlx_lm_layers():
     import mlx.nn as nn
 
@@ -164,7 +172,8 @@ def test_a_pass_started_layer_by_layer_equals_a_lazy_one(qwen3_pair):
     outs = []
     for start_every in (0, 1, 3):
         cache = make_prompt_cache(model)
-        tgt.forward_with_taps(model, prompt, cache, draft.target_layer_ids)
-        outs.append(tgt.forward_with_taps(model, block, cache, draft.target_layer_ids, start_every=start_every))
+        speedups = CpuSpeedups(start_every=start_every)
+        tgt.forward_with_taps(model, prompt, cache, draft.target_layer_ids, speedups)
+        outs.append(tgt.forward_with_taps(model, block, cache, draft.target_layer_ids, speedups))
     for logits, taps in outs[1:]:
         assert mx.array_equal(logits, outs[0][0]).item() and mx.array_equal(taps, outs[0][1]).item()

@@ -1,7 +1,10 @@
 import json
 import shutil
+import sys
+import types
 
 import mlx.core as mx
+import mlx_lm
 import pytest
 from checkpoints import EOS_ID, draft_config, write_draft
 
@@ -43,11 +46,13 @@ def test_loads_pair_from_local_folders(folders):
     assert tokenizer.eos_token_ids == {EOS_ID}
 
 
-def test_target_only_is_plain_decoding(folders):
-    model, draft, tokenizer = load(folders[0])
+def test_target_only_is_plain_decoding(pair_dirs):
+    # The untied target: the tied one repeats its last token, which any decoding bug would too.
+    model, draft, tokenizer = load(pair_dirs["qwen3-untied"])
     assert draft is None
     text = generate(model, None, tokenizer, "t1 t2 t3", max_tokens=5)
-    assert isinstance(text, str)
+    expected = mlx_lm.generate(model, tokenizer, "t1 t2 t3", max_tokens=5)
+    assert text == expected and len(text.split()) == 5 and len(set(text.split())) > 1
 
 
 def test_hidden_size_mismatch(folders, tmp_path):
@@ -137,7 +142,8 @@ def test_unsupported_target_architecture(folders):
 
 def test_drafter_weights_that_do_not_match_config(folders):
     _edit_config(folders[1], num_hidden_layers=3)
-    assert "do not match its config" in _error(*folders)
+    message = _error(*folders)
+    assert "do not match its config" in message and "layers.2" in message and "\n" not in message
 
 
 def test_missing_folder_and_bad_id():
@@ -238,13 +244,20 @@ def test_load_computes_in_float32_on_cpu_unless_told_or_short_of_memory(folders,
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["Computing in bfloat16, the checkpoint's dtype"]
 
 
-def test_stream_generate_response_fields(qwen3_pair):
+def test_stream_generate_response_fields(qwen3_pair, monkeypatch):
     model, draft, tokenizer = qwen3_pair
     responses = list(stream_generate(model, draft, tokenizer, "t1 t2 t3", max_tokens=20))
     last = responses[-1]
     assert last.finish_reason in ("stop", "length")
     assert sum(len(r.tokens) for r in responses) <= 20
-    assert last.prompt_tokens == 3 and last.generation_tps >= 0 and last.peak_memory >= 0
+    assert last.prompt_tokens == 3 and 0 < last.peak_memory <= mx.get_peak_memory() / 1e9
+    # A clock one second later at each reading: the 3 prompt tokens take the 1 s before the first
+    # token, then plain decoding makes one token a second.
+    ticks = iter(range(100))
+    clock = types.SimpleNamespace(perf_counter=lambda: float(next(ticks)))
+    monkeypatch.setattr(sys.modules["dflash_mlx.generate"], "time", clock)
+    plain = list(stream_generate(model, None, tokenizer, "t1 t2 t3", max_tokens=6))
+    assert [(r.prompt_tps, r.generation_tps) for r in plain] == [(3.0, 0.0)] + [(3.0, 1.0)] * 5
     assert all(isinstance(t, int) for r in responses for t in r.tokens)
     assert [r.cycle for r in responses] == list(range(len(responses)))
     for bad, message in (("", "The prompt is empty"), ([], "The prompt is empty")):

@@ -1,7 +1,5 @@
 """Speculative sampling keeps the target's distribution: checked against exact marginals."""
 
-import importlib
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -12,11 +10,10 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 from oracles import ScriptedDraft
 
 from dflash_mlx import DFlashError, dflash_generate_step, load
-from dflash_mlx.lookup import PromptLookupDraft
+from dflash_mlx.lookup import PromptLookup
 from dflash_mlx.sampling import make_sampler, speculative_accept, top_probability
 
-# The package exports a function named generate, which hides the module of that name.
-gen = importlib.import_module("dflash_mlx.generate")
+from dflash_mlx import verify
 
 PROMPT = [3, 17, 42, 8, 99]
 TEMP = 1.0
@@ -28,9 +25,9 @@ def _tokens(model, draft, prompt=PROMPT, **kwargs):
     return [t for s in dflash_generate_step(prompt, model, draft, **kwargs) for t in s.tokens]
 
 
-def _exact_marginals(model) -> list[np.ndarray]:
+def _exact_marginals(model, sampler=None) -> list[np.ndarray]:
     """p(x_1), p(x_2), p(x_3) of the target at TEMP, by enumerating all prefixes."""
-    sampler = make_sampler(TEMP)
+    sampler = sampler or make_sampler(TEMP)
 
     def next_probs(prefixes):
         logits = model(mx.array([PROMPT + p for p in prefixes]))[:, -1]
@@ -79,11 +76,11 @@ def _drafter(pair, proposal):
     return draft  # the random drafter's own distribution q
 
 
-def _excess(pair, exact, proposal) -> list[float]:
+def _excess(pair, exact, proposal, sampler=None, drafter=None) -> list[float]:
     """TV distance minus its bound, per position; all negative for a correct sampler."""
-    model, drafter = pair[0], _drafter(pair, proposal)
+    model, drafter = pair[0], drafter or _drafter(pair, proposal)
     counts = np.zeros((DEPTH, VOCAB))
-    sampler = make_sampler(TEMP)
+    sampler = sampler or make_sampler(TEMP)
     for seed in range(RUNS):
         out = _tokens(model, drafter, sampler=sampler, proposal=proposal, seed=seed, block_size=DEPTH, max_tokens=DEPTH)
         for pos, tok in enumerate(out):
@@ -94,6 +91,30 @@ def _excess(pair, exact, proposal) -> list[float]:
 @pytest.mark.parametrize("proposal", ["greedy", "sample"])
 def test_distribution_matches_target(pair, exact, proposal):
     excess = _excess(pair, exact, proposal)
+    assert max(excess) < 0, excess
+
+
+XTC = dict(xtc_probability=0.5, xtc_threshold=0.05)
+
+
+def test_xtc_probs_are_what_mlx_lm_samples_from():
+    """Our XTC distribution (the mixture of cut and uncut draws) against mlx-lm's own sampler."""
+    logits = mx.array([[2.0, 1.8, 1.5, 0.5, 0.0, -1.0, -2.0, -3.0]])
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ours = np.array(make_sampler(TEMP, **XTC).probs(logprobs))[0]
+    theirs = mlx_lm_make_sampler(TEMP, **XTC)
+    mx.random.seed(0)
+    n = 4000
+    counts = np.bincount([theirs(logprobs).item() for _ in range(n)], minlength=8)
+    assert _tv(counts, ours) < _tv_bound(ours, n)
+    plain = np.array(make_sampler(TEMP).probs(logprobs))[0]
+    assert _tv(counts, plain) > _tv_bound(plain, n)  # the check tells XTC from no XTC
+
+
+@pytest.mark.parametrize("proposal", ["greedy", "sample"])
+def test_distribution_matches_target_with_xtc(pair, proposal):
+    sampler = make_sampler(TEMP, **XTC)
+    excess = _excess(pair, _exact_marginals(pair[0], sampler), proposal, sampler)
     assert max(excess) < 0, excess
 
 
@@ -134,7 +155,7 @@ def test_distribution_matches_target_with_lookup_fallback(pair, exact, monkeypat
         proposed.append(int(mx.argmax(model(mx.array([tokens]))[0, -1]).item()))
         return proposed[-1:][:count]
 
-    monkeypatch.setattr(PromptLookupDraft, "lookup", likely_lookup)
+    monkeypatch.setattr(PromptLookup, "lookup", likely_lookup)
     counts, sampler = np.zeros((DEPTH, VOCAB)), make_sampler(TEMP)
     accepted = 0
     for seed in range(RUNS):
@@ -154,12 +175,42 @@ def test_distribution_matches_target_with_lookup_fallback(pair, exact, monkeypat
 @pytest.mark.parametrize("proposal", ["greedy", "sample"])
 def test_broken_acceptance_rule_fails_the_same_check(pair, exact, proposal, monkeypatch):
     """Negative control: with an always-accept rule the check above must fail."""
-    monkeypatch.setattr(gen, "accept_one_hot", lambda d, t: mx.ones(d.shape, dtype=mx.bool_))
+    monkeypatch.setattr(verify, "accept_one_hot", lambda d, t: mx.ones(d.shape, dtype=mx.bool_))
     monkeypatch.setattr(
-        gen, "speculative_accept", lambda d, q, p: (mx.ones(d.shape, dtype=mx.bool_), speculative_accept(d, q, p)[1])
+        verify, "speculative_accept", lambda d, q, p: (mx.ones(d.shape, dtype=mx.bool_), speculative_accept(d, q, p)[1])
     )
     excess = _excess(pair, exact, proposal)
     assert max(excess) > 0, excess
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_resampling_from_p_after_a_rejection_fails_the_same_check(pair, exact, monkeypatch, broken):
+    """A subtle negative control: the right acceptance test, but a rejected draft replaced by a
+    sample of p instead of normalize(max(p - q, 0)). The check must catch that too. It shows
+    where q is sharp on a likely token (a drafter sure of the target's greedy continuation,
+    with sampled proposals), so the same setting is also checked with the right rule."""
+
+    def from_p(draft_tokens, q, p):
+        accepted, _ = speculative_accept(draft_tokens, q, p)
+        return accepted, mx.random.categorical(mx.log(p))
+
+    if broken:
+        monkeypatch.setattr(verify, "speculative_accept", from_p)
+    excess = _excess(pair, exact, "sample", drafter=_drafter(pair, "greedy"))
+    assert (max(excess) > 0) == broken, excess
+
+
+def test_lookup_drafts_are_one_hot_and_accepted_as_the_target_allows(qwen3_pair, monkeypatch):
+    """Prompt-lookup drafts are certain: at a low temperature, where the target's own samples are
+    its argmax, drafts of its argmax continuation are all accepted."""
+    model, _, _ = qwen3_pair
+    greedy = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=40)]
+    script = PROMPT + greedy
+    monkeypatch.setattr(PromptLookup, "lookup", lambda self, tokens, count: script[len(tokens) : len(tokens) + count])
+    steps = list(dflash_generate_step(PROMPT, model, PromptLookup(8), sampler=make_sampler(0.01), seed=0, max_tokens=40))
+    assert [t for s in steps for t in s.tokens] == greedy
+    assert all(s.num_accepted == s.num_draft for s in steps[1:])
+    assert sum(s.num_draft for s in steps) >= 30
 
 
 def _allowed(model, prompt, out, keep):

@@ -1,4 +1,7 @@
 import json
+import os
+import shutil
+import signal
 
 import mlx.core as mx
 import numpy as np
@@ -11,7 +14,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from dflash_mlx import DFlashError, dflash_generate_step, load
 from dflash_mlx import target as tgt
 from dflash_mlx.cache import make_draft_cache
+from dflash_mlx import train as train_mod
 from dflash_mlx.train import TrainingArgs, block_logits, block_mask, get_lr, main, train
+from dflash_mlx.train_checkpoint import check_out, latest_checkpoint
 from dflash_mlx.train_data import (
     dataset_examples,
     generate_responses,
@@ -76,19 +81,30 @@ def test_data_step_is_greedy_and_resumable(setup, tmp_path):
 
 
 def test_batched_generation_matches_plain_loop(setup, tmp_path):
-    root, prompts, _ = setup
-    model, _, tokenizer = load(root / "target", dtype="float32")
+    _, prompts, _ = setup
+    # The module's tied target repeats its last token; an untied one gives a different response
+    # per prompt, so a mixed-up or shifted batch shows.
+    write_target(tmp_path / "target", layers=4, tied=False)
+    model, _, tokenizer = load(tmp_path / "target", dtype="float32")
+    free = generate_responses(model, tokenizer, read_prompts(prompts), tmp_path / "free.jsonl", max_tokens=30)
+    # It never emits its end token in 30 tokens: stop on a token it does emit, so some responses
+    # stop early (the stop token kept, nothing after it) and others run to the length limit.
+    stop = free[0]["response_ids"][10]
+    tokenizer.eos_token_ids = {*tokenizer.eos_token_ids, stop}
     plain = generate_responses(model, tokenizer, read_prompts(prompts), tmp_path / "a.jsonl", max_tokens=30)
     batched = generate_responses(
         model, tokenizer, read_prompts(prompts), tmp_path / "b.jsonl", max_tokens=30, batch_size=4
     )
     by_key = {ex["key"]: ex for ex in batched}
-    assert len(by_key) == len(plain) == 12
-    for ex in plain:
+    assert len(by_key) == len(plain) == 12 and len({tuple(ex["response_ids"]) for ex in free}) == 12
+    for ex, full in zip(plain, free):
+        ids = full["response_ids"]
+        expected = ids[: ids.index(stop) + 1] if stop in ids else ids
+        assert ex["response_ids"] == expected
+        assert ex["finish_reason"] == ("stop" if stop in ids else "length")
         assert by_key[ex["key"]]["response_ids"] == ex["response_ids"]
-    assert any(ex["finish_reason"] == "stop" for ex in plain) or all(
-        len(e["response_ids"]) == 30 for e in plain
-    )
+        assert by_key[ex["key"]]["finish_reason"] == ex["finish_reason"]
+    assert {ex["finish_reason"] for ex in plain} == {"stop", "length"}
 
 
 def test_taps_with_fresh_cache_or_none(qwen3_pair):
@@ -202,12 +218,21 @@ def test_train_end_to_end(setup, tmp_path):
     losses = [r["loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r]
     assert np.mean(losses[-5:]) < 0.8 * losses[0]
     evals = [r for r in map(json.loads, open(out / "metrics.jsonl")) if "acceptance" in r]
-    assert [r["step"] for r in evals] == [20, 40] and all(r["acceptance"] >= 1 for r in evals)
+    # The tied target repeats its last token, which the drafter learns by step 20: it accepts every
+    # draft, so each 12-token eval is the first token, then cycles of 4, 4 and 3 (max_tokens cuts the last).
+    assert [(r["step"], r["acceptance"], r["hist"]) for r in evals] == [
+        (step, pytest.approx(11 / 3), {"3": 2, "4": 4}) for step in (20, 40)
+    ]
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
     assert config["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 2]}
     model, draft, tokenizer = load(root / "target", out, dtype="float32")
     assert draft.block_size == 4 and draft.args.num_hidden_layers == 1
+    # One checkpoint, no temporary files; the drafter on top is the checkpoint's.
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "metrics.jsonl", "model.safetensors", STATE]
+    assert [p.name for p in (out / STATE).iterdir()] == ["step-00000040"]
+    saved = out / STATE / "step-00000040" / "draft" / "model.safetensors"
+    assert (out / "model.safetensors").read_bytes() == saved.read_bytes()
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": _words(5, 99)}], add_generation_prompt=True
     )
@@ -216,21 +241,181 @@ def test_train_end_to_end(setup, tmp_path):
     assert spec == plain
 
 
-def test_resume_matches_uninterrupted(setup, tmp_path):
-    straight, split = tmp_path / "a", tmp_path / "b"
+def _argv(args: TrainingArgs) -> list[str]:
+    """The command line of ``args`` (only the fields the tests set)."""
+    argv = []
+    for key, value in vars(args).items():
+        default = TrainingArgs.__dataclass_fields__[key].default
+        if value == default:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, *map(str, value if isinstance(value, list) else [value])]
+    return argv
+
+
+def test_resume_matches_uninterrupted(setup, tmp_path, monkeypatch, capsys):
+    straight, split, stopped = tmp_path / "a", tmp_path / "b", tmp_path / "ctrl-c"
     train(_args(setup, straight, iters=6, stop_at=None))
     train(_args(setup, split, iters=6, stop_at=3))
-    state = json.loads((split / "training_state" / "state.json").read_text())
+    state = json.loads((latest_checkpoint(split)[0] / "state.json").read_text())
     assert state["step"] == 3
     train(_args(setup, split, iters=6, resume=True))
     a = mx.load(str(straight / "model.safetensors"))
     b = mx.load(str(split / "model.safetensors"))
     assert a.keys() == b.keys()
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+
+    # Ctrl+C during step 3: the step ends, is saved, and the run exits 130 saying where.
+    real_get_lr = train_mod.get_lr
+
+    def get_lr(it, args):
+        if it == 2 and not os.environ.get("_SENT"):
+            monkeypatch.setenv("_SENT", "1")
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_get_lr(it, args)
+
+    monkeypatch.setattr(train_mod, "get_lr", get_lr)
+    with pytest.raises(SystemExit) as e:
+        main(_argv(_args(setup, stopped, iters=6)))
+    assert e.value.code == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"dflash-train: interrupted at step 3; saved to {stopped}; rerun with --resume to continue"
+    assert json.loads((latest_checkpoint(stopped)[0] / "state.json").read_text())["step"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    main(_argv(_args(setup, stopped, iters=6, resume=True)))
+    c = mx.load(str(stopped / "model.safetensors"))
+    assert all(mx.array_equal(a[k], c[k]).item() for k in a)
     # A fresh run with another seed differs, so the comparison above can fail.
     train(_args(setup, tmp_path / "c", iters=6, seed=1))
     c = mx.load(str(tmp_path / "c" / "model.safetensors"))
     assert not all(mx.array_equal(a[k], c[k]).item() for k in a)
+
+
+STATE = "training_state"
+
+
+def _one_line_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err.startswith("dflash-train: error: ") and "\n" not in err
+    return err
+
+
+def test_out_is_never_spoiled(setup, tmp_path, capsys):
+    """A folder of other files, a file, or --resume without a checkpoint: refused before anything runs."""
+    root, _, _ = setup
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "notes.txt").write_text("mine")
+    base = _argv(_args(setup, docs))
+    err = _one_line_error(base, capsys)
+    assert f"--out {docs} already holds files (notes.txt). Pass --resume to continue its training, or a new " in err
+    err = _one_line_error([*base, "--resume"], capsys)
+    assert f"--resume: there is no saved training state in {docs}" in err
+    err = _one_line_error(_argv(_args(setup, docs / "notes.txt")), capsys)
+    assert err.endswith(f"--out {docs / 'notes.txt'} is a file; pass a folder for the drafter.")
+    assert [p.name for p in docs.iterdir()] == ["notes.txt"] and (docs / "notes.txt").read_text() == "mine"
+    # A drafter given as the target: what to pass instead, in flags dflash-train has.
+    drafter = tmp_path / "drafter"
+    write_draft(drafter)
+    err = _one_line_error(_argv(_args(setup, tmp_path / "new", model=str(drafter))), capsys)
+    assert "holds a DFlash drafter, not a target model. Pass the target it drafts for with --model" in err
+    assert "--draft" not in err and not (tmp_path / "new").exists()
+    # The response cache of a --data-only run is no reason to refuse.
+    (tmp_path / "cached").mkdir()
+    (tmp_path / "cached" / "data.jsonl").write_text("")
+    assert check_out(tmp_path / "cached", resume=False) is None
+
+
+def test_resume_refuses_other_settings_and_logs_the_loaded_ones(setup, tmp_path, capsys):
+    root, _, _ = setup
+    out = tmp_path / "run"
+    train(_args(setup, out, iters=4, stop_at=2, val_examples=0, eval_every=1))
+    log = capsys.readouterr().out
+    assert "no held-out set for a validation loss (--val-examples 0; pass --val-examples N for one)" in log
+    assert "eval step 1: no val loss (no held-out set), acceptance" in log and "None" not in log
+    other_target = tmp_path / "other-target"
+    shutil.copytree(root / "target", other_target)
+    cases = [
+        (dict(num_layers=2), "trained with --num-layers 1, but this run asks for --num-layers 2. Pass --num-layers 1"),
+        (dict(block_size=8), "trained with --block-size 4, but this run asks for --block-size 8"),
+        (dict(target_layer_ids=[0, 3]), "with --target-layer-ids 1 2, but this run asks for --target-layer-ids 0 3"),
+        (dict(model=str(other_target)), f"trained on the target {(root / 'target').resolve()}, but this run gives "
+                                        f"{other_target.resolve()}. Pass --model {(root / 'target').resolve()}"),
+    ]  # fmt: skip
+    for change, message in cases:
+        err = _one_line_error(_argv(_args(setup, out, iters=4, resume=True, **change)), capsys)
+        assert message in err and "to resume it, or start a new run with another --out" in err
+    main(_argv(_args(setup, out, iters=4, resume=True)))
+    log = capsys.readouterr().out
+    assert f"resumed from {out / STATE / 'step-00000002'} at step 2" in log
+    assert "drafter: 1 layers, block size 4," in log and "taps [1, 2]" in log
+    assert json.loads((latest_checkpoint(out)[0] / "state.json").read_text())["step"] == 4
+
+
+def test_checkpoint_is_one_rename(setup, tmp_path, monkeypatch):
+    """A save that dies halfway leaves the previous checkpoint whole, and the drafter on top loadable."""
+    root, _, _ = setup
+    out = tmp_path / "run"
+    train(_args(setup, out, iters=4, stop_at=2))
+    before = (out / "model.safetensors").read_bytes()
+    real_save = mx.save_safetensors
+
+    def save(path, arrays, metadata=None):
+        if "optimizer" in str(path):
+            raise OSError("disk full")
+        real_save(path, arrays, metadata) if metadata else real_save(path, arrays)
+
+    monkeypatch.setattr(mx, "save_safetensors", save)
+    with pytest.raises(OSError, match="disk full"):
+        train(_args(setup, out, iters=4, resume=True))
+    assert [p.name for p in (out / STATE).iterdir()] == ["step-00000002"]
+    assert (out / "model.safetensors").read_bytes() == before
+    assert load(root / "target", out)[1] is not None
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_resumes_a_checkpoint_of_the_earlier_layout(setup, tmp_path, capsys):
+    """State files straight in training_state/, the drafter only at the top: still resumed, then replaced."""
+    out = tmp_path / "run"
+    train(_args(setup, out, iters=4, stop_at=2))
+    step = out / STATE / "step-00000002"
+    for name in ("optimizer.safetensors", "state.json"):
+        (step / name).rename(out / STATE / name)
+    shutil.rmtree(step)
+    capsys.readouterr()
+    train(_args(setup, out, iters=4, resume=True))
+    assert f"resumed from {out / STATE} at step 2" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / STATE).iterdir()) == ["step-00000004"]
+
+
+def test_ctrl_c_before_training_is_one_line(setup, tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod, "generate_responses", interrupted)
+    with pytest.raises(SystemExit) as e:
+        main(_argv(_args(setup, tmp_path / "run")))
+    assert e.value.code == 130
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "dflash-train: interrupted; no checkpoint saved (the response cache keeps the responses generated so far)"
+    )
+
+
+def test_help_shows_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    blocks = text.split("\n  --")[1:]
+    assert len(blocks) > 40
+    for block in blocks:
+        assert block.count("default") <= 1, block
+    assert "(default: None)" not in text and "(default: 1000)" in text
 
 
 def test_get_lr_schedule():

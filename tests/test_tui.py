@@ -5,7 +5,7 @@ import threading
 
 import pytest
 from checkpoints import write_draft, write_target
-from snapshot_app import ACCEPTANCE, REPLY, FakeStream
+from snapshot_app import ACCEPTANCE, REPLY, FakeStream, wait_until
 
 from dflash_mlx import DFlashError
 from dflash_mlx.tui.app import ChatApp, main, setup_arg_parser
@@ -16,12 +16,12 @@ from dflash_mlx.tui.widgets import ErrorScreen, HelpNote, Note, PromptInput, Rep
 SIZE = (100, 30)
 
 
-async def wait_until(pilot, condition, timeout: float = 30.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if condition():
-            return
-        await pilot.pause(0.02)
-    raise AssertionError("timed out waiting for the app")
+@pytest.fixture(autouse=True)
+def _gates_opened():
+    """A fake whose gate timed out fails the test (the app would only show an error note)."""
+    FakeStream.timeouts.clear()
+    yield
+    assert not FakeStream.timeouts, f"timed out waiting on {FakeStream.timeouts}"
 
 
 async def ready(pilot) -> None:
@@ -487,7 +487,7 @@ async def test_message_sent_while_loading_is_kept():
         loaded = threading.Event()
 
         def load(self):
-            self.loaded.wait(10)
+            self.wait_for(self.loaded, "the load gate")
             return {"name": "slow", "has_draft": True, "max_block_size": 16, "chat_template": True}
 
         def reset(self):

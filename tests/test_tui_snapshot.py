@@ -5,6 +5,8 @@ Regenerate after a deliberate UI change with ``pytest tests/test_tui_snapshot.py
 
 from pathlib import Path
 
+from snapshot_app import wait_until
+
 from dflash_mlx.tui.widgets import PromptInput
 
 APP = Path(__file__).parent / "snapshot_app.py"
@@ -14,16 +16,10 @@ async def _chat(pilot) -> None:
     app = pilot.app
     # A blinking cursor is drawn or not depending on when the screen is taken: keep it on.
     app.query_one(PromptInput).cursor_blink = False
-    for _ in range(500):
-        if app.info is not None:
-            break
-        await pilot.pause(0.01)
+    await wait_until(pilot, lambda: app.info is not None)
     await pilot.press(*"What is DFlash?", "enter")
     await app.workers.wait_for_complete()
-    for _ in range(500):
-        if not app.generating:
-            break
-        await pilot.pause(0.01)
+    await wait_until(pilot, lambda: not app.generating and len(app.turns) == 2)
     await pilot.pause()
 
 

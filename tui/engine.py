@@ -132,12 +132,9 @@ class MLXEngine:
         self._thread.submit(_reset)
 
     def _prompt(self, messages: list[dict[str, str]], system_prompt: str | None) -> list[int] | str:
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            # A base model: the conversation is one running text to continue.
-            return (system_prompt or "") + "".join(m["content"] for m in messages)
-        if system_prompt:
-            messages = [{"role": "system", "content": system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **self.template_kwargs)
+        from ..chat_template import render_chat
+
+        return render_chat(self.tokenizer, messages, system_prompt=system_prompt, template_args=self.template_kwargs)
 
     def _start(self, messages: list[dict[str, str]], settings: Settings):
         from ..sampling import make_sampler

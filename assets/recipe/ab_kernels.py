@@ -4,18 +4,17 @@ end to end: an interleaved A/B/C in one process.
 Runs the embedded pair (fp32) on the benchmark's held-out prompts with the paper's loop and with
 lookup_fallback=4, each three ways: MLX's native ops through mlx-lm's layers; the kernels with
 the layer steps run op by op; and as dflash_mlx runs, kernels and compiled steps. Round robin per
-prompt after a warm-up (median of 3 runs); checks that all six emit the same tokens. The native
-runs are made by telling the kernels module that the default device is not a CPU, the op-by-op
-ones by building the steps uncompiled, for the duration of those runs only.
+prompt after a warm-up (median of 3 runs); checks that all six emit the same tokens. Each way is
+a ``cpu_speedups`` setting of the loop: off (the portable path), ``CpuSpeedups(compiled_steps=False)``
+and the default.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
+    LD_PRELOAD=<path to libopenblas.so.0> OPENBLAS_NUM_THREADS=1 \\
         python assets/recipe/ab_kernels.py --block-size 16
 """
 
 import argparse
-from functools import partial
 
-from dflash_mlx import kernels, steps
+from dflash_mlx.backend import CPU_SPEEDUPS, CpuSpeedups
 from dflash_mlx.benchmark import _time_stream
 from dflash_mlx.generate import stream_generate
 
@@ -30,25 +29,19 @@ def main() -> None:
     args = parser.parse_args()
 
     model, draft, tokenizer, rows = embedded_pair_and_prompts(args.num_prompts)
-    ways = ("native ops", "kernels, op by op", "kernels, compiled")
+    ways = {"native ops": False, "kernels, op by op": CpuSpeedups(compiled_steps=False), "kernels, compiled": CPU_SPEEDUPS}
     configs = {
         f"{loop}, {way}": (extra, way)
         for loop, extra in (("dflash", {}), ("dflash-fallback", {"lookup_fallback": 4}))
         for way in ways
     }
-    cpu_default, compiled_steps = kernels.cpu_default, steps._steps
-
     def run(name: str, ids: list[int]):
         extra, way = configs[name]
-        kernels.cpu_default = (lambda: False) if way == "native ops" else cpu_default
-        steps._steps = partial(compiled_steps, compiled=False) if way == "kernels, op by op" else compiled_steps
-        try:
-            stream = stream_generate(
-                model, draft, tokenizer, ids, max_tokens=args.max_tokens, block_size=args.block_size, **extra
-            )
-            return _time_stream(stream, lambda r: r.tokens)
-        finally:
-            kernels.cpu_default, steps._steps = cpu_default, compiled_steps
+        stream = stream_generate(
+            model, draft, tokenizer, ids, max_tokens=args.max_tokens, block_size=args.block_size,
+            cpu_speedups=ways[way], **extra,
+        )
+        return _time_stream(stream, lambda r: r.tokens)
 
     tps, outputs = run_interleaved(tokenizer, rows, list(configs), run, args.runs)
 

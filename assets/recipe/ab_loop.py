@@ -7,19 +7,18 @@ embedded pair (fp32) on the benchmark's held-out prompts with the paper's loop a
 lookup_fallback=4, each with the pass left lazy until the end (0) and started every 1, 2 or
 3 layers, round robin per prompt after a warm-up (median of 3 runs); checks the tokens match.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
+    LD_PRELOAD=<path to libopenblas.so.0> OPENBLAS_NUM_THREADS=1 \\
         python assets/recipe/ab_loop.py
 """
 
 import argparse
-import importlib
 
+from dflash_mlx.backend import CpuSpeedups
 from dflash_mlx.benchmark import _time_stream
+from dflash_mlx.generate import stream_generate
 
 # assets/recipe/interleaved.py, beside this script
 from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interleaved
-
-generate = importlib.import_module("dflash_mlx.generate")
 
 
 def main() -> None:
@@ -31,18 +30,14 @@ def main() -> None:
     model, draft, tokenizer, rows = embedded_pair_and_prompts(args.num_prompts)
     configs = {f"{loop}, start_every={e}": (fb, e) for loop, fb in (("dflash", 0), ("dflash-fallback", 4))
                for e in args.every}  # fmt: skip
-    default = generate._VERIFY_START_EVERY
 
     def run(name: str, ids: list[int]):
         fallback, every = configs[name]
-        generate._VERIFY_START_EVERY = every
-        try:
-            stream = generate.stream_generate(
-                model, draft, tokenizer, ids, max_tokens=args.max_tokens, block_size=16, lookup_fallback=fallback
-            )
-            return _time_stream(stream, lambda r: r.tokens)
-        finally:
-            generate._VERIFY_START_EVERY = default
+        stream = stream_generate(
+            model, draft, tokenizer, ids, max_tokens=args.max_tokens, block_size=16, lookup_fallback=fallback,
+            cpu_speedups=CpuSpeedups(start_every=every),
+        )
+        return _time_stream(stream, lambda r: r.tokens)
 
     tps, outputs = run_interleaved(tokenizer, rows, list(configs), run, args.runs)
 

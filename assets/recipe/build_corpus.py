@@ -5,7 +5,7 @@ assistant answers with the function's source, docstring removed (so the answer i
 question). Whole modules are also cut into plain code chunks so the model learns raw code too.
 A fixed, hash-chosen share of files is held out for evaluation.
 
-    python assets/recipe/build_corpus.py --out /work/runs/data
+    python assets/recipe/build_corpus.py --out runs/data
 """
 
 import argparse
@@ -113,7 +113,7 @@ def main():
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path("/work/runs/data"),
+        default=Path("runs/data"),
         help="Output folder for JSONL files.",
     )
     parser.add_argument(

@@ -3,7 +3,7 @@
 Two categories: "chat" (a held-out docstring as the user's message, answered in the chat template)
 and "completion" (the first lines of a held-out code chunk, continued as raw text).
 
-    python assets/recipe/make_bench_prompts.py --data /work/runs/data/valid.jsonl \
+    python assets/recipe/make_bench_prompts.py --data runs/data/valid.jsonl \
         --out assets/dflash-tiny/prompts.jsonl
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default="/work/runs/data/valid.jsonl")
+    parser.add_argument("--data", default="runs/data/valid.jsonl")
     parser.add_argument("--out", default="assets/dflash-tiny/prompts.jsonl")
     parser.add_argument("--chat", type=int, default=16, help="Number of chat prompts.")
     parser.add_argument("--completion", type=int, default=8, help="Number of completion prompts.")

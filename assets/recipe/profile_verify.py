@@ -10,7 +10,7 @@ what an AR step would gain from the same treatment. The stand-ins
 give wrong outputs: they exist only to measure what exp costs, and are swapped in for the
 timing and restored after. Also prints the per-element cost of exp and of an add.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
+    LD_PRELOAD=<path to libopenblas.so.0> OPENBLAS_NUM_THREADS=1 \\
         python assets/recipe/profile_verify.py
 """
 
@@ -21,8 +21,9 @@ import time
 import mlx.core as mx
 import mlx_lm.models.qwen3 as qwen3
 
-from dflash_mlx import kernels, load
+from dflash_mlx import load
 from dflash_mlx import target as tgt
+from dflash_mlx.backend import CPU_SPEEDUPS, CpuSpeedups
 from dflash_mlx.cache import make_cache
 
 
@@ -60,16 +61,11 @@ def main() -> None:
     _, taps = tgt.forward_with_taps(model, mx.array([[1] * args.context]), cache.target, draft.target_layer_ids)
     mx.eval(taps, [c.state for c in cache.target])
 
-    cpu_default = kernels.cpu_default
-
-    use_cpu_kernels = tgt._use_cpu_kernels
-
     def target_pass(n: int, use_kernels: bool, force: bool = False) -> None:
-        # Without the kernels, forward_with_taps calls mlx-lm's layers as they are, which is
-        # where the stand-ins take effect.
-        kernels.cpu_default = cpu_default if use_kernels else (lambda: False)
-        tgt._use_cpu_kernels = (lambda *a: True) if force else use_cpu_kernels
-        logits, taps = tgt.forward_with_taps(model, mx.array([[1] * n]), cache.target, draft.target_layer_ids)
+        # Without the speedups, forward_with_taps calls mlx-lm's layers as they are, which is
+        # where the stand-ins take effect; min_tokens=1 sends 1-token passes through them too.
+        speedups = (CpuSpeedups(min_tokens=1) if force else CPU_SPEEDUPS) if use_kernels else None
+        logits, taps = tgt.forward_with_taps(model, mx.array([[1] * n]), cache.target, draft.target_layer_ids, speedups)
         mx.eval(mx.argmax(logits, axis=-1), taps)
         for c in cache.target:
             c.trim(n)
@@ -98,8 +94,6 @@ def main() -> None:
                     samples[(name, n)].append((time.perf_counter() - tic) / 10 * 1e3)
     finally:
         qwen3.swiglu, qwen3.scaled_dot_product_attention = stock
-        kernels.cpu_default = cpu_default
-        tgt._use_cpu_kernels = use_cpu_kernels
 
     print(f"exp: {_per_element_ns(mx.exp):.2f} ns/element, add: {_per_element_ns(lambda x: x + 1):.2f} ns/element")
     print(f"\ncontext {args.context}, median of {args.rounds} rounds of 10 passes (ms)\n")

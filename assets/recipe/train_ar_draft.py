@@ -3,7 +3,7 @@
 A 2-layer Qwen3 started from the embedded target's first layers, embedding and head, trained on the
 same stdlib corpus with mlx-lm's own trainer (full fine-tuning of its layers), then saved in bf16:
 
-    python assets/recipe/train_ar_draft.py --data /work/runs/data --work /work/runs/ar \
+    python assets/recipe/train_ar_draft.py --data runs/data --work runs/ar \
         --out assets/dflash-tiny/ar-draft --iters 500
 """
 
@@ -60,8 +60,8 @@ def make_text_split(src: Path, dst: Path, tokenizer) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default="/work/runs/data", help="Folder with train.jsonl and valid.jsonl.")
-    parser.add_argument("--work", default="/work/runs/ar", help="Scratch folder.")
+    parser.add_argument("--data", default="runs/data", help="Folder with train.jsonl and valid.jsonl.")
+    parser.add_argument("--work", default="runs/ar", help="Scratch folder.")
     parser.add_argument("--out", default=str(TARGET.parent / "ar-draft"))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--iters", type=int, default=500)

@@ -4,7 +4,7 @@ A flat nanoGPT-style loop: packed 512-token windows, AdamW, warmup then cosine L
 Without --max-steps the cosine runs on wall-clock progress and stops at --minutes, because the
 cores are shared and the speed changes during a run; pass --max-steps for a step-based schedule.
 
-    python assets/recipe/train_target.py --data /work/runs/data --out assets/dflash-tiny/target
+    python assets/recipe/train_target.py --data runs/data --out assets/dflash-tiny/target
 """
 
 import argparse
@@ -126,7 +126,7 @@ def main():
     parser.add_argument(
         "--data",
         type=Path,
-        default=Path("/work/runs/data"),
+        default=Path("runs/data"),
         help="Folder with train/valid JSONL.",
     )
     parser.add_argument(
@@ -138,7 +138,7 @@ def main():
     parser.add_argument(
         "--ckpt",
         type=Path,
-        default=Path("/work/runs/target_ckpt"),
+        default=Path("runs/target_ckpt"),
         help="Periodic checkpoint folder.",
     )
     parser.add_argument("--seq-len", type=int, default=512)

@@ -1,6 +1,6 @@
 """Train the byte-level BPE tokenizer of the tiny target on the train split.
 
-python assets/recipe/train_tokenizer.py --data /work/runs/data --out assets/dflash-tiny/target
+python assets/recipe/train_tokenizer.py --data runs/data --out assets/dflash-tiny/target
 """
 
 import argparse
@@ -38,7 +38,7 @@ def main():
     parser.add_argument(
         "--data",
         type=Path,
-        default=Path("/work/runs/data"),
+        default=Path("runs/data"),
         help="Folder with train.jsonl.",
     )
     parser.add_argument(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from mlx_lm.sample_utils import make_logits_processors
 
 from ..cache import DFlashCache, make_cache
+from ..chat_template import render_chat
 from ..errors import DFlashError
 from ..generate import stream_generate
 from ..sampling import make_sampler
@@ -129,13 +130,13 @@ class Worker:
     def _encode(self, req: CompletionRequest) -> list[int]:
         tok = self.tokenizer
         if req.kind == CHAT:
-            if getattr(tok, "chat_template", None) is not None:
-                try:
-                    return list(tok.apply_chat_template(req.messages, add_generation_prompt=True,
-                                                        **self.chat_template_args))
-                except Exception as e:  # a template may refuse a role order; say so, not 500
-                    raise APIError(400, f"The chat template rejected these messages: {e}", param="messages")
-            text = "".join(m["content"] for m in req.messages)  # a base model continues the text
+            try:
+                rendered = render_chat(tok, req.messages, template_args=self.chat_template_args)
+            except Exception as e:  # a template may refuse a role order; say so, not 500
+                raise APIError(400, f"The chat template rejected these messages: {e}", param="messages")
+            if not isinstance(rendered, str):
+                return rendered
+            text = rendered  # a base model continues the text
         elif isinstance(req.prompt, list):
             return list(req.prompt)
         else:

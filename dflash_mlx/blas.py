@@ -1,0 +1,162 @@
+"""OpenBLAS for MLX's Linux CPU backend: where it is installed, and which kernels it runs.
+
+MLX's Linux CPU wheel calls a bundled reference BLAS; OpenBLAS preloaded with ``LD_PRELOAD`` is
+many times faster. Builds with ``DYNAMIC_ARCH`` (Debian's, Fedora's) pick their kernels for the CPU
+when they load, and a release that does not know the CPU (0.3.21 on some recent Xeon and EPYC
+parts) falls back to its generic "Prescott" kernels, about 5x slower on a 1024 fp32 matmul.
+``OPENBLAS_CORETYPE`` names the kernels to use instead.
+"""
+
+import ctypes
+import ctypes.util
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+# Threaded builds first. Debian/Ubuntu keep one folder per variant plus an alternatives link;
+# Fedora names its pthreads build libopenblasp and its OpenMP build libopenblaso (plain is serial).
+KNOWN_LOCATIONS = (
+    "/usr/lib/{triplet}/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/{triplet}/openblas-openmp/libopenblas.so.0",
+    "/usr/lib/{triplet}/libopenblas.so.0",
+    "/usr/lib64/libopenblasp.so.0",
+    "/usr/lib64/libopenblaso.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+    "/usr/local/lib/libopenblas.so.0",
+)
+# How ldconfig -p names each machine's libraries, e.g. "(libc6,x86-64)".
+LDCONFIG_ARCH = {"x86_64": "x86-64", "aarch64": "AArch64"}
+# OpenBLAS cores whose single-precision kernels use AVX-512, or at least AVX2.
+AVX512_CORES = frozenset({"SkylakeX", "Cooperlake", "SapphireRapids"})
+AVX2_CORES = AVX512_CORES | {"Haswell", "Zen"}
+
+
+def _ldconfig_candidates(text: str, machine: str) -> list[str]:
+    """OpenBLAS paths in ``ldconfig -p`` output for this machine, threaded builds first."""
+    arch = LDCONFIG_ARCH.get(machine)
+    found = []
+    for line in text.splitlines():
+        m = re.match(r"\s*(libopenblas(p|o)?\.so\S*)\s+\(([^)]*)\)\s+=>\s+(\S+)", line)
+        if m and (arch is None or arch in m.group(3)):
+            found.append(({"p": 0, "o": 1}.get(m.group(2), 2), m.group(4)))
+    return [path for _, path in sorted(found)]
+
+
+def find_openblas(
+    *,
+    ldconfig: str | None = None,
+    exists: Callable[[str], bool] = os.path.exists,
+    find_library: Callable[[str], str | None] = ctypes.util.find_library,
+    machine: str | None = None,
+) -> str | None:
+    """The OpenBLAS library to preload: a known location, else ``ldconfig -p``, else the linker's search.
+
+    Args:
+        ldconfig: The output of ``ldconfig -p``; run when None.
+        exists: Whether a file exists (tests pass a fake).
+        find_library: ``ctypes.util.find_library`` (tests pass a fake).
+        machine: ``platform.machine()`` when None.
+
+    Returns:
+        A path, a library name the dynamic loader finds by itself, or None when none is installed.
+    """
+    machine = machine or platform.machine()
+    for pattern in KNOWN_LOCATIONS:
+        path = pattern.format(triplet=f"{machine}-linux-gnu")
+        if exists(path):
+            return path
+    if ldconfig is None:
+        ldconfig = ""
+        for exe in ("ldconfig", "/sbin/ldconfig"):
+            try:
+                ldconfig = subprocess.run([exe, "-p"], capture_output=True, text=True).stdout
+                break
+            except OSError:
+                continue
+    for path in _ldconfig_candidates(ldconfig, machine):
+        if exists(path):
+            return path
+    return find_library("openblas")
+
+
+def read_cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The x86 feature flags of the first CPU in ``/proc/cpuinfo`` text (empty on other CPUs)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return set(value.split())
+    return set()
+
+
+def core_type_for(flags: set[str]) -> str | None:
+    """The ``OPENBLAS_CORETYPE`` whose kernels this CPU runs: SkylakeX with AVX-512, Haswell with AVX2."""
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        return "SkylakeX"
+    if {"avx2", "fma"} <= flags:
+        return "Haswell"
+    return None
+
+
+def openblas_core(library: str) -> tuple[str, str] | None:
+    """``(version, core)`` of the OpenBLAS ``library``, loaded into this process to ask it.
+
+    Returns the library's own answer (``openblas_get_config``, ``openblas_get_corename``), or None
+    when it cannot be loaded or is not OpenBLAS.
+    """
+    try:
+        lib = ctypes.CDLL(library)
+        lib.openblas_get_corename.restype = ctypes.c_char_p
+        lib.openblas_get_config.restype = ctypes.c_char_p
+        core, config = lib.openblas_get_corename().decode(), lib.openblas_get_config().decode()
+    except (OSError, AttributeError):
+        return None
+    m = re.match(r"OpenBLAS\s+(\S+)", config)
+    return (m.group(1) if m else "", core)
+
+
+def preload_env(environ: dict[str, str], library: str, flags: set[str], detected_core: str | None) -> dict[str, str]:
+    """The environment that preloads ``library``, with the core type named when OpenBLAS would pick worse.
+
+    ``OPENBLAS_CORETYPE`` is set only when the user has not set it, the CPU has AVX2 or AVX-512, and
+    the core OpenBLAS detects by itself (``detected_core``; None when unknown) has slower kernels.
+    """
+    env = dict(environ)
+    env["LD_PRELOAD"] = ":".join(p for p in (library, environ.get("LD_PRELOAD", "")) if p)
+    want = core_type_for(flags)
+    good_enough = AVX512_CORES if want == "SkylakeX" else AVX2_CORES
+    if want and "OPENBLAS_CORETYPE" not in environ and detected_core not in good_enough:
+        env["OPENBLAS_CORETYPE"] = want
+    return env
+
+
+def blas_in_use() -> str:
+    """Which BLAS this process's MLX calls; for OpenBLAS its version and the core whose kernels run."""
+    if sys.platform == "darwin":
+        return "Accelerate"
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    openblas = sorted(set(re.findall(r"/\S*libopenblas\S*\.so\S*", maps)))
+    if openblas:
+        info = openblas_core(openblas[0])
+        if info is None:
+            return "OpenBLAS (preloaded)"
+        version, core = info
+        asked = os.environ.get("OPENBLAS_CORETYPE")
+        how = f"OPENBLAS_CORETYPE={asked}" if asked else "detected"
+        return f"OpenBLAS {version} (preloaded), core {core} ({how})"
+    libs = sorted(set(re.findall(r"/\S*lib\S*blas\S*\.so\S*", maps)))
+    return f"reference BLAS bundled with MLX ({Path(libs[0]).name})" if libs else "unknown"

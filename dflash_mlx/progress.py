@@ -1,0 +1,43 @@
+"""One plain-text progress bar for the command-line tools (convert, train)."""
+
+import sys
+import time
+from typing import TextIO
+
+
+class Progress:
+    """``[####----] done/total label (elapsed)``: redrawn in place on a terminal, one line
+    per update when the output is a file or a pipe (logs stay readable).
+
+    Args:
+        total: The count that fills the bar.
+        enabled: False prints nothing (quiet runs).
+        width: Characters of the bar.
+        stream: Where to print (default: stderr).
+    """
+
+    def __init__(self, total: int, *, enabled: bool = True, width: int = 24, stream: TextIO | None = None):
+        self.total, self.done, self.enabled, self.width = max(total, 1), 0, enabled, width
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.start = time.perf_counter()
+
+    def update(self, done: int, label: str, elapsed: bool = True) -> None:
+        self.done = done
+        if not self.enabled:
+            return
+        filled = self.width * min(done, self.total) // self.total
+        line = f"[{'#' * filled}{'-' * (self.width - filled)}] {done}/{self.total} {label}"
+        if elapsed:
+            line += f" ({time.perf_counter() - self.start:.1f}s)"
+        if self.tty:
+            print(f"\r\033[K{line}", end="", file=self.stream, flush=True)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def step(self, label: str) -> None:
+        self.update(self.done + 1, label)
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            print(file=self.stream)

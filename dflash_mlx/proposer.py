@@ -1,0 +1,148 @@
+"""What proposes drafts for the verify loop: the DFlash drafter, prompt lookup, or both.
+
+The loop in ``dflash_mlx.generate`` sees only the :class:`Proposer` protocol: ``propose`` the
+next drafts after the last committed token, then ``accept`` how many positions of the
+verified block were kept, with their taps. A proposal carries the distribution its drafts
+were drawn from, or None when they are certain (greedy or looked-up drafts).
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .backend import CpuSpeedups
+from .cache import DFlashCache
+from .sampling import Sampler, top_probability
+
+
+@dataclass
+class Proposal:
+    """Drafts for one cycle.
+
+    Args:
+        tokens: ``(n,)`` draft ids, possibly still being computed.
+        q: ``(n, vocab)`` the distribution each draft was drawn from, or None when the
+          drafts are one-hot (greedy or looked up).
+    """
+
+    tokens: mx.array
+    q: mx.array | None = None
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Proposer(Protocol):
+    """Proposes drafts; keeps whatever state it needs across the cycles of one generation."""
+
+    tap_ids: list[int]  # target layers whose taps it needs (empty: none)
+
+    def propose(self, last: int, n: int) -> Proposal:
+        """Up to ``n`` drafts to follow ``last``, the newest committed token."""
+        ...
+
+    def accept(self, num_kept: int, taps: mx.array | None) -> None:
+        """The target kept the first ``num_kept`` positions of the verified block
+        ``[last, drafts...]``; ``taps`` are the block's taps (all of its positions)."""
+        ...
+
+
+class DFlashProposer:
+    """The DFlash drafter: one pass over ``[last, MASK x (B-1)]`` with the target's taps
+    injected through its context cache (``cache.draft``; the taps of newly committed
+    positions wait in ``cache.pending`` until the next pass takes them in).
+
+    Args:
+        model: The target, whose embedding and LM head the drafter borrows.
+        draft: The drafter.
+        cache: The pair's cache.
+        sampler: When given, drafts are drawn from the drafter's distribution filtered as
+          the sampler filters the target's (``q``); else the drafter's argmax.
+        min_confidence: Keep only the leading drafts the drafter gives at least this
+          probability (at least one). The cut depends on the drafter alone, so verifying the
+          shorter block is still exact.
+        speedups: The CPU speedups, or None.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        draft: nn.Module,
+        cache: DFlashCache,
+        *,
+        sampler: Sampler | None = None,
+        min_confidence: float = 0.0,
+        speedups: CpuSpeedups | None = None,
+    ):
+        self.model, self.draft, self.cache = model, draft, cache
+        self.sampler, self.min_confidence, self.speedups = sampler, min_confidence, speedups
+        self.tap_ids = draft.target_layer_ids
+
+    def propose(self, last: int, n: int) -> Proposal:
+        # The drafter always sees its trained block, whatever n is.
+        block = mx.array([[last] + [self.draft.mask_token_id] * (self.draft.block_size - 1)], dtype=mx.uint32)
+        taps = self.cache.take_pending()
+        logits = self.draft.propose(self.model, block, taps, self.cache.draft, speedups=self.speedups)[0, :n]
+        if self.sampler is None:
+            drafts, q = mx.argmax(logits, axis=-1).astype(mx.uint32), None
+        else:
+            q = self.sampler.probs(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            drafts = mx.random.categorical(mx.log(q)).astype(mx.uint32)  # (n,), (n, V)
+        if self.min_confidence > 0 and n > 1:
+            drafts, q = self._confident_prefix(logits, drafts, q)
+        # Start drafting now, so that the verify graph is built while the pass runs.
+        mx.async_eval(drafts)
+        return Proposal(drafts, q)
+
+    def _confident_prefix(self, logits, drafts, q):
+        if q is None:  # greedy drafts are the argmax, so their probability is the top one
+            conf = top_probability(logits, use_kernel=self.speedups is not None and self.speedups.kernels)
+        else:
+            conf = mx.take_along_axis(q, drafts[:, None].astype(mx.int32), axis=-1)[:, 0]
+        confident = (conf >= self.min_confidence).tolist()
+        k = 1
+        while k < len(confident) and confident[k - 1] and confident[k]:
+            k += 1
+        return drafts[:k], None if q is None else q[:k]
+
+    def accept(self, num_kept: int, taps: mx.array | None) -> None:
+        if taps is not None:
+            self.cache.append_pending(taps[:, :num_kept])
+
+
+class FallbackProposer:
+    """The drafter, with prompt-lookup cycles after each of its first-draft misses.
+
+    When the target rejects the drafter's first draft, the next cycle drafts by lookup (no
+    drafter pass); each further such miss doubles the lookup cycles that follow, up to
+    ``limit``, and an accepted draft resets them to one. Taps of lookup cycles stay pending
+    until the drafter's next pass takes them all in.
+    """
+
+    def __init__(self, drafter: DFlashProposer, lookup: Proposer, limit: int):
+        self.drafter, self.lookup, self.limit = drafter, lookup, limit
+        self.tap_ids = drafter.tap_ids
+        self.lookup_cycles, self.next_run = 0, 1
+        self.drafted = 0  # drafts of this cycle's drafter pass (0: a lookup cycle)
+
+    def propose(self, last: int, n: int) -> Proposal:
+        if self.lookup_cycles > 0:
+            self.lookup_cycles -= 1
+            self.drafted = 0
+            return self.lookup.propose(last, n)
+        proposal = self.drafter.propose(last, n)
+        self.drafted = proposal.size
+        return proposal
+
+    def accept(self, num_kept: int, taps: mx.array | None) -> None:
+        if self.drafted > 0:
+            if num_kept == 1:  # the first draft was rejected
+                self.lookup_cycles, self.next_run = self.next_run, min(2 * self.next_run, self.limit)
+            else:
+                self.next_run = 1
+        self.drafter.accept(num_kept, taps)
+
+

@@ -1,0 +1,115 @@
+"""The target's side of a cycle: prefill, then verify a proposal in one pass and accept.
+
+Every emitted token is a sample of the target under the caller's sampler (its argmax when
+greedy): one-hot proposals keep the drafts that the target's own samples match, sampled
+ones pass the speculative-sampling test (``dflash_mlx.sampling``).
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import target as tgt
+from .backend import CpuSpeedups
+from .cache import DFlashCache
+from .proposer import Proposal
+from .sampling import accept_one_hot, speculative_accept
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass
+class Verdict:
+    """The target's answer to one proposal.
+
+    Args:
+        num_accepted: How many leading drafts the target kept (0..n).
+        tokens: The kept drafts and then the target's own token after them (the bonus).
+        taps: ``(1, n + 1, n_taps * H)`` taps of the verified block ``[last, drafts...]``,
+          or None when no proposer needs them.
+    """
+
+    num_accepted: int
+    tokens: list[int]
+    taps: mx.array | None
+
+
+class Verifier:
+    """Runs the target for one generation: the prompt, then one pass per proposal.
+
+    Args:
+        model: The target.
+        cache: The pair's cache; its target part grows by every pass, the loop rewinds it.
+        sampler: ``logprobs -> ids`` (its ``probs`` too, for sampled proposals), or None
+          for greedy.
+        logits_processors: mlx-lm logits processors, applied at every verified position
+          with that position's preceding tokens.
+        tap_ids: Target layers whose taps the proposer needs.
+        speedups: The CPU speedups, or None.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cache: DFlashCache,
+        *,
+        sampler,
+        logits_processors: list[LogitsProcessor] | None,
+        tap_ids: list[int],
+        speedups: CpuSpeedups | None,
+    ):
+        self.model, self.cache, self.tap_ids, self.speedups = model, cache, tap_ids, speedups
+        self.greedy = sampler is None
+        self.sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
+        self.logits_processors = logits_processors or []
+
+    def _logprobs(self, logits: mx.array, block: mx.array | None = None) -> mx.array:
+        # Row i of a verified block sees the cached tokens plus block[: i + 1].
+        if self.logits_processors:
+            seen = mx.array(self.cache.tokens, dtype=mx.uint32)
+            rows = []
+            for i in range(logits.shape[0]):
+                tokens = seen if block is None else mx.concatenate([seen, block[0, : i + 1]])
+                row = logits[i : i + 1]
+                for processor in self.logits_processors:
+                    row = processor(tokens, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        if self.greedy:
+            # The argmax of the logprobs without computing them: normalising 16 rows costs
+            # a verify pass about a millisecond on MLX's CPU backend, whose exp is slow.
+            return logits
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def prefill(self, tokens: list[int], step_size: int) -> int:
+        """Feed ``tokens`` in chunks of ``step_size``; returns the target's next token."""
+        cache = self.cache
+        for i in range(0, len(tokens), step_size):
+            chunk = tokens[i : i + step_size]
+            logits, taps = tgt.forward_with_taps(
+                self.model, mx.array(chunk)[None], cache.target, self.tap_ids, self.speedups
+            )
+            cache.append_pending(taps)
+            cache.tokens.extend(chunk)
+            mx.eval(logits, cache.pending, [c.state for c in cache.target])
+        return self.sampler(self._logprobs(logits[0, -1:])).item()
+
+    def verify(self, last: int, proposal: Proposal) -> Verdict:
+        """One target pass over ``[last, drafts...]``, then the acceptance test."""
+        block = mx.concatenate([mx.array([last], dtype=mx.uint32), proposal.tokens])[None]
+        logits, taps = tgt.forward_with_taps(self.model, block, self.cache.target, self.tap_ids, self.speedups)
+        logprobs = self._logprobs(logits[0], block)
+        if proposal.q is None:
+            target_tokens = self.sampler(logprobs)  # (n + 1,)
+            passed = accept_one_hot(block[0, 1:], target_tokens)
+        else:
+            passed, target_tokens = speculative_accept(block[0, 1:], proposal.q, self.sampler.probs(logprobs))
+        # The one host synchronisation of the cycle.
+        mx.eval(block, passed, target_tokens)
+        drafted, passed, posterior = block.tolist()[0][1:], passed.tolist(), target_tokens.tolist()
+        n = 0
+        while n < len(drafted) and passed[n]:
+            n += 1
+        return Verdict(n, drafted[:n] + [posterior[n]], taps)

@@ -1,0 +1,100 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dflash_mlx import blas
+from dflash_mlx.blas import core_type_for, cpu_flags, find_openblas, openblas_core, preload_env
+
+DEBIAN = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+LDCONFIG = """\
+1234 libs found in cache `/etc/ld.so.cache'
+\tlibopenblaso.so.0 (libc6,x86-64) => /opt/ob/lib64/libopenblaso.so.0
+\tlibopenblasp.so.0 (libc6) => /opt/ob/lib/libopenblasp.so.0
+\tlibopenblasp.so.0 (libc6,x86-64) => /opt/ob/lib64/libopenblasp.so.0
+\tlibopenblas.so.0 (libc6,x86-64) => /opt/ob/lib64/libopenblas.so.0
+\tlibblas.so.3 (libc6,x86-64) => /lib/x86_64-linux-gnu/libblas.so.3
+"""
+EPYC = (
+    "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n"
+    "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl\n"
+)
+HASWELL = "processor\t: 0\nflags\t\t: fpu sse2 sse4_2 avx avx2 fma\n"
+KNL = "processor\t: 0\nflags\t\t: fpu avx avx2 fma avx512f avx512cd avx512er\n"  # no BW/DQ/VL
+OLD = "processor\t: 0\nflags\t\t: fpu sse2 sse4_2 avx\n"
+ARM = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics\n"
+
+
+def _find(files, ldconfig="", found=None, machine="x86_64"):
+    return find_openblas(ldconfig=ldconfig, exists=set(files).__contains__, find_library=lambda name: found,
+                         machine=machine)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "files, machine, expected",
+    [
+        # Debian/Ubuntu: the pthread variant's folder before the alternatives link.
+        ([DEBIAN, "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"], "x86_64", DEBIAN),
+        (["/usr/lib/x86_64-linux-gnu/libopenblas.so.0"], "x86_64", "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"),
+        (["/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0", DEBIAN], "aarch64",
+         "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0"),
+        # Fedora: the pthreads build, not the serial one.
+        (["/usr/lib64/libopenblas.so.0", "/usr/lib64/libopenblasp.so.0"], "x86_64", "/usr/lib64/libopenblasp.so.0"),
+        (["/usr/lib64/libopenblas.so.0"], "x86_64", "/usr/lib64/libopenblas.so.0"),
+    ],
+)
+def test_finds_openblas_in_known_locations(files, machine, expected):
+    assert _find(files, machine=machine) == expected
+
+
+def test_finds_openblas_through_ldconfig_then_the_linker():
+    everything = ["/opt/ob/lib64/libopenblaso.so.0", "/opt/ob/lib/libopenblasp.so.0",
+                  "/opt/ob/lib64/libopenblasp.so.0", "/opt/ob/lib64/libopenblas.so.0"]  # fmt: skip
+    # This machine's pthreads build; the 32-bit one is skipped.
+    assert _find(everything, LDCONFIG) == "/opt/ob/lib64/libopenblasp.so.0"
+    assert _find(everything[:1], LDCONFIG) == "/opt/ob/lib64/libopenblaso.so.0"
+    # ldconfig's cache names a file that is gone: the linker's own search is the last resort.
+    assert _find([], LDCONFIG, found="libopenblas.so.0") == "libopenblas.so.0"
+    assert _find([], LDCONFIG) is None and _find([], "") is None
+
+
+@pytest.mark.parametrize(
+    "cpuinfo, core", [(EPYC, "SkylakeX"), (HASWELL, "Haswell"), (KNL, "Haswell"), (OLD, None), (ARM, None), ("", None)]
+)
+def test_core_type_from_cpu_flags(cpuinfo, core):
+    assert core_type_for(cpu_flags(cpuinfo)) == core
+
+
+def test_preload_env_names_the_core_only_when_openblas_would_pick_a_slower_one():
+    env = {"PATH": "/bin", "LD_PRELOAD": "libfoo.so"}
+    out = preload_env(env, DEBIAN, cpu_flags(EPYC), "Prescott")
+    assert out["LD_PRELOAD"] == f"{DEBIAN}:libfoo.so" and out["OPENBLAS_CORETYPE"] == "SkylakeX"
+    assert out["PATH"] == "/bin" and "OPENBLAS_CORETYPE" not in env
+    assert preload_env({}, DEBIAN, cpu_flags(EPYC), "Haswell")["OPENBLAS_CORETYPE"] == "SkylakeX"
+    assert preload_env({}, DEBIAN, cpu_flags(HASWELL), None)["OPENBLAS_CORETYPE"] == "Haswell"
+    # Already AVX-512 (or AVX2) kernels, no AVX2 at all, or the user's own choice: left alone.
+    for flags, detected in ((EPYC, "Cooperlake"), (EPYC, "SkylakeX"), (HASWELL, "Zen"), (OLD, "Prescott")):
+        assert "OPENBLAS_CORETYPE" not in preload_env({}, DEBIAN, cpu_flags(flags), detected)
+    mine = preload_env({"OPENBLAS_CORETYPE": "Zen"}, DEBIAN, cpu_flags(EPYC), "Prescott")
+    assert mine["OPENBLAS_CORETYPE"] == "Zen" and mine["LD_PRELOAD"] == DEBIAN
+
+
+def test_blas_in_use_names_the_core_openblas_runs():
+    """What dflash-bench's stamp and header print, in a process started with OpenBLAS preloaded."""
+    library = find_openblas()
+    if library is None or openblas_core(library) is None:
+        pytest.skip("OpenBLAS is not installed")
+    # blas.py alone (not the package, whose imports take seconds) next to MLX's CPU backend.
+    code = (
+        "import importlib.util, sys, mlx.core; spec = importlib.util.spec_from_file_location('b', sys.argv[1]); "
+        "b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b); print(b.blas_in_use())"
+    )
+    code = [sys.executable, "-c", code, blas.__file__]
+    env = {**os.environ, "LD_PRELOAD": library, "OPENBLAS_CORETYPE": "Haswell"}
+    out = subprocess.run(code, env=env, capture_output=True, text=True, check=True).stdout
+    version = openblas_core(library)[0]
+    assert out.strip() == f"OpenBLAS {version} (preloaded), core Haswell (OPENBLAS_CORETYPE=Haswell)"
+    env.pop("LD_PRELOAD")
+    out = subprocess.run(code, env=env, capture_output=True, text=True, check=True).stdout
+    assert "OpenBLAS" not in out

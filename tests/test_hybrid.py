@@ -1,0 +1,301 @@
+"""MoE (qwen3_moe) and hybrid (qwen3_5, qwen3_5_moe) targets, written by transformers' own
+classes: mlx-lm against transformers, our taps against HF's hidden states, and DFlash
+against mlx-lm's greedy decoding, through every rollback length of the recurrent state."""
+
+import mlx.core as mx
+import pytest
+from checkpoints import VOCAB, write_draft
+from hf_checkpoints import HF_KINDS, write_hf_target
+from mlx_lm.generate import generate_step
+from oracles import AcceptExactlyDraft, ScriptedDraft
+
+from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache
+from dflash_mlx import target as tgt
+from dflash_mlx.hybrid import RecurrentCache
+
+torch = pytest.importorskip("torch")
+
+HYBRID = [k for k in HF_KINDS if k != "qwen3_moe"]
+MAX_REF = 64
+
+
+@pytest.fixture(scope="session")
+def hf_targets(tmp_path_factory):
+    """{kind: (folder, transformers model)} and the drafter folder under "draft"."""
+    root = tmp_path_factory.mktemp("hf-targets")
+    out = {kind: (root / kind, write_hf_target(root / kind, kind)) for kind in HF_KINDS}
+    write_draft(root / "draft")
+    out["draft"] = (root / "draft", None)
+    return out
+
+
+@pytest.fixture(scope="session")
+def pairs(hf_targets):
+    return {kind: load(hf_targets[kind][0], hf_targets["draft"][0]) for kind in HF_KINDS}
+
+
+def _prompt(length: int, seed: int = 3) -> list[int]:
+    return mx.random.randint(0, VOCAB - 4, (length,), key=mx.random.key(seed)).tolist()
+
+
+def reference(model, prompt, max_tokens=MAX_REF):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+def run(model, draft, prompt, **kwargs):
+    out, cycles = [], []
+    for step in dflash_generate_step(prompt, model, draft, **kwargs):
+        out.extend(step.tokens)
+        cycles.append(step)
+    return out, cycles
+
+
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_mlx_lm_greedy_matches_transformers(hf_targets, pairs, kind):
+    hf, model = hf_targets[kind][1], pairs[kind][0]
+    prompt = _prompt(30, seed=5)
+    with torch.no_grad():
+        ids = torch.tensor([prompt])  # an explicit mask: token 0 is also the pad token
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert reference(model, prompt, 24) == out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_taps_match_transformers_hidden_states(hf_targets, pairs, kind):
+    hf, model = hf_targets[kind][1], pairs[kind][0]
+    prompt = _prompt(23)
+    with torch.no_grad():
+        hidden = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    tap_ids = [0, 1, 2, 3]
+    logits, taps = tgt.forward_with_taps(model, mx.array([prompt]), make_cache(model).target, tap_ids)
+    assert mx.allclose(logits, model(mx.array([prompt])), atol=1e-5).item()
+    H = tgt.hidden_size(model)
+    for n, layer_id in enumerate(tap_ids):
+        # HF's hidden_states[0] is the embedding output: layer i's output is [i + 1].
+        expected = mx.array(hidden[layer_id + 1].numpy())
+        err = mx.abs(taps[..., n * H : (n + 1) * H] - expected).max() / mx.abs(expected).max()
+        assert err.item() < 1e-5, layer_id
+
+
+@pytest.mark.parametrize("kind", HYBRID)
+def test_recurrent_trim_equals_a_shorter_pass(pairs, kind):
+    """After a pass of B tokens, trim(n) leaves the state a pass of B - n tokens leaves."""
+    model = pairs[kind][0]
+    prompt, block = _prompt(11), _prompt(16, seed=7)
+    for n in range(0, 17):
+        cache = make_cache(model).target
+        tgt.forward_with_taps(model, mx.array([prompt]), cache, [])
+        tgt.forward_with_taps(model, mx.array([block]), cache, [])
+        for c in cache:
+            c.trim(n)
+        straight = make_cache(model).target
+        tgt.forward_with_taps(model, mx.array([prompt]), straight, [])
+        if n < 16:
+            tgt.forward_with_taps(model, mx.array([block[: 16 - n]]), straight, [])
+        for c, s in zip(cache, straight):
+            assert c.offset == s.offset == len(prompt) + 16 - n
+            if isinstance(c, RecurrentCache):
+                assert all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(c.cache, s.cache)), n
+        # And the next pass continues exactly.
+        nxt = mx.array([[5, 6, 7]])
+        a, _ = tgt.forward_with_taps(model, nxt, cache, [])
+        b, _ = tgt.forward_with_taps(model, nxt, straight, [])
+        assert mx.allclose(a, b, atol=1e-4).item(), n
+
+
+def test_recurrent_trim_past_the_last_pass_is_refused(pairs):
+    model = pairs["qwen3_5"][0]
+    cache = make_cache(model).target
+    tgt.forward_with_taps(model, mx.array([_prompt(5)]), cache, [])
+    tgt.forward_with_taps(model, mx.array([_prompt(3)]), cache, [])
+    with pytest.raises(DFlashError, match="cannot drop 4 tokens: only the last pass \\(3 tokens\\)"):
+        cache[0].trim(4)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 7, 130])
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_lossless_random_drafter(pairs, kind, block_size, prompt_len):
+    model, draft, _ = pairs[kind]
+    prompt = _prompt(prompt_len)
+    ref = reference(model, prompt)
+    for max_tokens in (1, block_size + 1, MAX_REF):
+        out, _ = run(model, draft, prompt, block_size=block_size, max_tokens=max_tokens)
+        assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 16])
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_every_acceptance_length(pairs, kind, block_size):
+    """A drafter right for exactly k drafts, k = 0..B-1 in turn: the target keeps exactly k."""
+    model, draft, _ = pairs[kind]
+    prompt = _prompt(7)
+    ref = reference(model, prompt, 200)
+    schedule = list(range(block_size))
+    oracle = AcceptExactlyDraft(draft, prompt + ref, VOCAB, schedule)
+    out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=200)
+    assert out == ref
+    drafted = [s for s in cycles[1:] if s.num_draft == block_size - 1]
+    assert [s.num_accepted for s in drafted][: 2 * block_size] == (schedule * 2)[: len(drafted[: 2 * block_size])]
+    assert len(drafted) >= block_size
+
+
+@pytest.mark.parametrize("kind", HYBRID)
+def test_stop_tokens_mid_block_then_continue(pairs, kind):
+    model, draft, _ = pairs[kind]
+    # A prompt whose continuation has a new token past the first few, to stop on.
+    for seed in range(3, 40):
+        prompt = _prompt(7, seed=seed)
+        ref = reference(model, prompt)
+        stop_index = next((i for i in range(5, 30) if ref[i] not in ref[:i]), None)
+        if stop_index is not None:
+            break
+    stop = {ref[stop_index]}
+    oracle = ScriptedDraft(draft, prompt + ref, VOCAB)
+    for block_size in (4, 16):
+        for drafter in (oracle, draft):
+            cache = make_cache(model, drafter)
+            out, _ = run(model, drafter, prompt, block_size=block_size, max_tokens=MAX_REF, stop_tokens=stop,
+                         prompt_cache=cache)  # fmt: skip
+            assert out == ref[: stop_index + 1]
+            assert cache.offset == len(cache.tokens) == len(prompt) + stop_index
+            follow = prompt + out + _prompt(4, seed=9)
+            again, _ = run(model, drafter, follow, block_size=block_size, max_tokens=30, prompt_cache=cache)
+            assert again == reference(model, follow, 30)
+
+
+@pytest.mark.parametrize("kind", HYBRID)
+def test_min_confidence_and_lookup_fallback(pairs, kind):
+    model, draft, _ = pairs[kind]
+    for prompt_len in (1, 40):
+        prompt = _prompt(prompt_len)
+        ref = reference(model, prompt)
+        mixed = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=3, unsure_every=4)
+        for drafter, cutoff, fallback in ((draft, 0.5, 8), (mixed, 0.5, 0), (mixed, 0.0, 8)):
+            out, _ = run(model, drafter, prompt, block_size=8, max_tokens=MAX_REF,
+                         lookup_fallback=fallback, min_confidence=cutoff)  # fmt: skip
+            assert out == ref, (prompt_len, cutoff, fallback)
+
+
+@pytest.mark.parametrize("kind", HYBRID)
+def test_multi_turn_reuse_equals_a_fresh_run(pairs, kind):
+    model, draft, _ = pairs[kind]
+    oracle = ScriptedDraft(draft, [], VOCAB, wrong_every=3)  # its script is set per turn
+    prompt = _prompt(20)
+    cache = make_cache(model, oracle)
+    oracle.sequence = prompt + reference(model, prompt)
+    first, _ = run(model, oracle, prompt, max_tokens=30, prompt_cache=cache)
+    # The next turn extends the conversation: everything cached is reused.
+    follow = prompt + first + _prompt(5, seed=9)
+    assert cache.reusable_prefix(follow) == len(prompt) + len(first) - 1 and cache.reuse_note is None
+    oracle.sequence = follow + reference(model, follow, 40)
+    second, _ = run(model, oracle, follow, max_tokens=40, prompt_cache=cache)
+    assert second == reference(model, follow, 40)
+    # A turn that rewrites the previous answer (as chat templates that drop old reasoning
+    # do) returns to the state saved at the end of that turn's prompt.
+    edited = follow + second[:3] + [1, 2] + _prompt(4, seed=11)
+    edited_again = follow + second[:3] + [7, 7] + _prompt(4, seed=12)
+    run(model, oracle, edited, max_tokens=20, prompt_cache=cache)
+    reuse = cache.reusable_prefix(edited_again)
+    assert reuse == len(follow) and "recurrent state was saved" in cache.reuse_note
+    third, _ = run(model, oracle, edited_again, max_tokens=30, prompt_cache=cache)
+    assert third == reference(model, edited_again, 30)
+    # A prompt that leaves the conversation early: nothing saved before it, prefilled whole.
+    other = prompt[:5] + _prompt(9, seed=13)
+    assert cache.reusable_prefix(other) == 0 and "reused 0 of 5" in cache.reuse_note
+    fourth, _ = run(model, draft, other, max_tokens=30, prompt_cache=cache)
+    assert fourth == reference(model, other, 30)
+
+
+def test_generation_left_early_then_continue(pairs):
+    model, draft, _ = pairs["qwen3_5"]
+    prompt = _prompt(20)
+    cache = make_cache(model, draft)
+    steps = dflash_generate_step(prompt, model, draft, max_tokens=60, prompt_cache=cache, lookup_fallback=4)
+    taken = [t for _, step in zip(range(4), steps) for t in step.tokens]
+    steps.close()
+    assert cache.tokens == (prompt + taken)[:-1] and cache.offset == len(cache.tokens)
+    follow = prompt + taken + _prompt(5, seed=9)
+    again, _ = run(model, draft, follow, max_tokens=40, prompt_cache=cache)
+    assert again == reference(model, follow, 40)
+
+
+@pytest.fixture(scope="module")
+def hybrid_marginals(pairs):
+    """The qwen3_5 pair and the exact marginals of its first sampled tokens."""
+    from test_sampling import _exact_marginals
+
+    exact = _exact_marginals(pairs["qwen3_5"][0])
+    assert all(p.max() < 0.5 for p in exact)  # no near-certain token: the check has teeth
+    return pairs["qwen3_5"], exact
+
+
+@pytest.mark.parametrize("proposal", ["greedy", "sample"])
+def test_sampling_keeps_the_hybrid_targets_distribution(hybrid_marginals, proposal):
+    from test_sampling import _excess
+
+    pair, exact = hybrid_marginals
+    excess = _excess(pair, exact, proposal)
+    assert max(excess) < 0, excess
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5"])
+def test_convert_load_generate_chat(hf_targets, kind, tmp_path, capsys):
+    """dflash-convert -> load -> dflash-generate -> the chat engine's turns, for an MoE and a
+    hybrid pair; the chat's second turn (reusing the cache) equals a fresh run of it."""
+    from dflash_mlx.convert import convert
+    from dflash_mlx.generate import main as generate_main
+    from dflash_mlx.tui.commands import Settings
+    from dflash_mlx.tui.engine import MLXEngine
+
+    pair = tmp_path / "pair"
+    result = convert(str(hf_targets[kind][0]), str(pair), draft_hf_path=str(hf_targets["draft"][0]),
+                     dtype="float32", check_tokens=16, verbose=False)  # fmt: skip
+    assert result.check.tokens_match
+    model, draft, _ = load(pair)
+    prompt = _prompt(9)
+    assert run(model, draft, prompt, max_tokens=24)[0] == reference(model, prompt, 24)
+    generate_main(["--model", str(pair), "--prompt", "t1 t2 t3", "--max-tokens", "8"])
+    assert "Acceptance length" in capsys.readouterr().out
+
+    def reply(engine, messages):
+        return "".join(r.text for r in engine(messages, Settings(max_tokens=10)))
+
+    chat = MLXEngine(str(pair))
+    chat.load()
+    turns = [{"role": "user", "content": "t1 t2 t3"}]
+    turns.append({"role": "assistant", "content": reply(chat, turns)})
+    turns.append({"role": "user", "content": "t4 t5"})
+    second = reply(chat, turns)
+    fresh = MLXEngine(str(pair))
+    fresh.load()
+    assert second == reply(fresh, turns)
+    chat.close()
+    fresh.close()
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_pytorch_reference_agrees_on_the_moe_target(hf_targets, pairs, block_size):
+    """The PyTorch reference (transformers target, PyTorch drafter) and ours, on qwen3_moe."""
+    from dflash_mlx.reference import load_reference, reference_generate
+
+    model, draft, _ = pairs["qwen3_moe"]
+    target, ref_draft, _ = load_reference(hf_targets["qwen3_moe"][0], hf_targets["draft"][0], device="cpu")
+    prompt = _prompt(9)
+    ours, _ = run(model, draft, prompt, block_size=block_size, max_tokens=24)
+    theirs = reference_generate(prompt, target, ref_draft, block_size=block_size, max_tokens=24)
+    assert ours == theirs.tokens == reference(model, prompt, 24)
+
+
+def test_a_layer_layout_mlx_lm_would_not_build_is_refused(hf_targets, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "target"
+    shutil.copytree(hf_targets["qwen3_5"][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["layer_types"] = ["linear_attention", "full_attention"] * 2
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashError, match=r"layer_types \['linear_attention', 'full_attention', .* differ from"):
+        load(folder)

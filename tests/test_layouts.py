@@ -1,0 +1,191 @@
+"""Newer drafter configs, and unsupported targets refused before anything is downloaded."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from checkpoints import VOCAB, draft_config, write_draft, write_target
+from mlx_lm.generate import generate_step
+
+from dflash_mlx import DFlashError, dflash_generate_step, load
+from dflash_mlx import loading, registry
+from dflash_mlx.drafter import DraftModel, ModelArgs
+
+
+def test_rope_parameters_many_taps_and_layers(tmp_path):
+    """A Qwen3.5-style drafter config: rope_parameters, full_attention layer_types, 7 taps,
+    6 layers; it loads with those settings and stays lossless."""
+    write_target(tmp_path / "target", layers=8)
+    config = draft_config(num_target_layers=8, layers=6, target_layer_ids=(0, 1, 2, 3, 4, 5, 7), nested=True)
+    del config["rope_theta"]
+    config["rope_parameters"] = {"rope_theta": 5000.0, "rope_type": "default"}
+    config["layer_types"] = ["full_attention"] * 6
+    config["use_sliding_window"] = False
+    config["sliding_window"] = None
+    (tmp_path / "draft").mkdir()
+    write_draft(tmp_path / "draft", num_target_layers=8, layers=6, target_layer_ids=(0, 1, 2, 3, 4, 5, 7))
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
+    model, draft, _ = load(tmp_path / "target", tmp_path / "draft")
+    assert len(draft.layers) == 6 and draft.target_layer_ids == [0, 1, 2, 3, 4, 5, 7]
+    assert draft.fc.weight.shape == (64, 7 * 64) and draft.args.rope_theta == 5000.0
+    prompt = [5, 9, 2, 77, 31]
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=40)]
+    out = [t for s in dflash_generate_step(prompt, model, draft, max_tokens=40) for t in s.tokens]
+    assert out == ref
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"layer_types": ["linear_attention", "full_attention"]},
+         r"Unsupported drafter layer_types \['linear_attention'\]"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention layers but sliding_window=None"),
+        ({"layer_types": ["full_attention"]}, "layer_types has 1 entries for 2 layers"),
+        ({"is_causal": "yes"}, "Unsupported drafter is_causal='yes'"),
+        ({"architectures": ["DFlash2DraftModel"]}, "Unsupported drafter architecture 'DFlash2DraftModel'"),
+        ({"selector_rank": 256}, r"Unsupported drafter fields \['selector_rank'\]"),
+        ({"input_embedding_scale": 0.5}, "Unsupported drafter input_embedding_scale=0.5"),
+    ],
+)  # fmt: skip
+def test_fields_we_cannot_honour_are_refused(tmp_path, pair_dirs, change, message):
+    config = draft_config()
+    if "selector_rank" in change or "input_embedding_scale" in change:
+        config["dflash_config"].update(change)  # where DFlash2 checkpoints keep them
+    else:
+        config.update(change)
+    with pytest.raises(DFlashError, match=message):
+        ModelArgs.from_dict(config)
+    write_draft(tmp_path / "draft")
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashError, match=message):
+        load(pair_dirs["qwen3-tied"], tmp_path / "draft")
+
+
+def _no_downloads(monkeypatch, configs: dict):
+    """The hub client: config.json from ``configs``; any snapshot download fails the test."""
+    import huggingface_hub
+
+    fetched = []
+
+    def hf_hub_download(repo_id, filename, revision=None, **kwargs):
+        assert filename == "config.json"
+        fetched.append(repo_id)
+        path = configs["dir"] / repo_id.replace("/", "--")
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(configs[repo_id]))
+        return str(path / "config.json")
+
+    def snapshot_download(*args, **kwargs):
+        raise AssertionError(f"snapshot_download{args} was called")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return fetched
+
+
+def test_unsupported_hub_target_is_refused_before_download(tmp_path, monkeypatch):
+    fetched = _no_downloads(monkeypatch, {"dir": tmp_path, "someone/mamba-1b": {"model_type": "mamba"}})
+    message = r"model_type='mamba' for someone/mamba-1b \(from its config.json\).*No weights"
+    with pytest.raises(DFlashError, match=message):
+        load("someone/mamba-1b")
+    assert fetched == ["someone/mamba-1b"]
+
+
+def test_registry_types_are_refused_without_any_request(monkeypatch, tmp_path):
+    fetched = _no_downloads(monkeypatch, {"dir": tmp_path})
+    pair = registry.KnownPair("Org/Strange-7B", "z-lab/Strange-7B-DFlash", "strange")
+    monkeypatch.setattr(registry, "KNOWN_PAIRS", (pair,))
+    with pytest.raises(DFlashError, match=r"model_type='strange' for Org/Strange-7B \(from the registry"):
+        load("Org/Strange-7B", "auto")
+    assert fetched == []
+
+
+def test_every_known_pair_is_supported():
+    from dflash_mlx import target as tgt
+
+    assert {p.model_type for p in registry.KNOWN_PAIRS} <= set(tgt.SUPPORTED_MODEL_TYPES)
+    for kind in ("qwen3_moe", "qwen3_5", "qwen3_5_moe"):
+        assert any(p.model_type == kind for p in registry.KNOWN_PAIRS)
+
+
+def test_supported_hub_target_goes_on_to_download(tmp_path, monkeypatch):
+    fetched = _no_downloads(monkeypatch, {"dir": tmp_path, "someone/qwen35-tiny": {"model_type": "qwen3_5"}})
+    with pytest.raises(DFlashError, match=r"Could not get the target 'someone/qwen35-tiny' .*\(AssertionError\)"):
+        loading.load("someone/qwen35-tiny")  # the snapshot download was reached
+    assert fetched == ["someone/qwen35-tiny"]
+
+
+def test_block_mask_follows_the_published_rule():
+    """z-lab's rule, written out: query at position p sees key j if (not causal or j <= p)
+    and (no window or p - j < w) and (causal or no window or j - p < w)."""
+    from dflash_mlx.drafter import block_mask
+
+    assert block_mask(5, 3, causal=False, window=None) is None
+    for causal in (False, True):
+        for window in (None, 1, 3, 100):
+            if not causal and window is None:
+                continue
+            got = block_mask(6, 4, causal, window).tolist()
+            for i in range(4):
+                p = 6 + i
+                want = [
+                    (not causal or j <= p) and (window is None or p - j < window)
+                    and (causal or window is None or j - p < window)
+                    for j in range(10)
+                ]  # fmt: skip
+                assert got[i] == want, (causal, window, i)
+
+
+def _sliding_draft(window, layer_types=("sliding_attention", "sliding_attention"), is_causal=None):
+    config = draft_config(block_size=8)
+    config.update(layer_types=list(layer_types), sliding_window=window, is_causal=is_causal)
+    mx.random.seed(1)
+    return DraftModel(ModelArgs.from_dict(config))
+
+
+def test_sliding_layers_see_only_their_window():
+    from dflash_mlx.cache import make_draft_cache
+
+    draft = _sliding_draft(window=4)
+    ctx = mx.random.normal((1, 20, 2 * 64))
+    noise = mx.random.normal((1, 8, 64))
+
+    def run(ctx, noise):
+        cache = make_draft_cache(draft)
+        draft(noise, ctx[:, :12], cache)  # part of the context cached first
+        return draft(noise, ctx[:, 12:], cache)
+
+    out = run(ctx, noise)
+    # Context older than the window of every query (positions < 20 - 3) changes nothing.
+    far = mx.concatenate([ctx[:, :16] * 5.0 + 1.0, ctx[:, 16:]], axis=1)
+    assert mx.allclose(run(far, noise), out, atol=1e-5).item()
+    near = mx.concatenate([ctx[:, :17], ctx[:, 17:18] + 1.0, ctx[:, 18:]], axis=1)
+    assert not mx.allclose(run(near, noise), out, atol=1e-3).item()
+    # Causal: a later block position never changes an earlier one's output.
+    later = mx.concatenate([noise[:, :5], noise[:, 5:] + 1.0], axis=1)
+    changed = run(ctx, later)
+    assert mx.allclose(changed[:, :5], out[:, :5], atol=1e-5).item()
+    assert not mx.allclose(changed[:, 5:], out[:, 5:], atol=1e-3).item()
+
+
+def test_wide_bidirectional_window_equals_full_attention():
+    full = _sliding_draft(None, layer_types=("full_attention", "full_attention"))
+    wide = _sliding_draft(1000, is_causal=False)
+    wide.update(full.parameters())
+    ctx, noise = mx.random.normal((1, 9, 2 * 64)), mx.random.normal((1, 8, 64))
+    assert mx.allclose(wide(noise, ctx), full(noise, ctx), atol=1e-5).item()
+    with pytest.raises(DFlashError, match="Training or batching a drafter with causal or sliding"):
+        wide(noise, ctx, mask=mx.ones((8, 17), dtype=mx.bool_))
+
+
+def test_sliding_drafter_is_lossless(tmp_path, pair_dirs):
+    config = draft_config()
+    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    write_draft(tmp_path / "draft")
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
+    model, draft, _ = load(pair_dirs["qwen3-tied"], tmp_path / "draft")
+    assert [layer.self_attn.window for layer in draft.layers] == [6, None]
+    prompt = [5, 9, 2, 77, 31, 8, 1, 2, 3, 4, 5, 6, 7]
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=50)]
+    out = [t for s in dflash_generate_step(prompt, model, draft, max_tokens=50) for t in s.tokens]
+    assert out == ref

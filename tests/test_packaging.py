@@ -1,0 +1,66 @@
+"""The wheel: built from the source tree, installed in a fresh venv, its tools run on the embedded pair."""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# Build outputs and local environments are not part of the source.
+SKIP = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+                              "runs", "bench_out*")  # fmt: skip
+
+
+def _run(args, cwd, timeout=120):
+    out = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"{args[0]} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory):
+    """A fresh venv holding the built wheel; its dependencies come from this interpreter's site-packages."""
+    if not (REPO / "pyproject.toml").is_file():
+        pytest.skip("needs the source tree")
+    pytest.importorskip("setuptools")
+    root = tmp_path_factory.mktemp("wheel")
+    src = root / "src"
+    # A copy, so the build leaves no build/ or egg-info folders in the checkout.
+    shutil.copytree(REPO, src, ignore=SKIP)
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(root), "."], src)
+    (wheel,) = root.glob("mlx_dflash-*.whl")
+    env = root / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(env)], root)
+    bin_dir = env / ("Scripts" if os.name == "nt" else "bin")
+    python = bin_dir / "python"
+    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], root).strip())
+    # Plain path lines: the .pth files there (this checkout's editable install among them) are not run.
+    parents = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    parents.append(sysconfig.get_paths()["purelib"])
+    (site / "zz_parent_packages.pth").write_text("\n".join(dict.fromkeys(parents)) + "\n")
+    # --ignore-installed: the checkout's own editable install, visible through the .pth, stays untouched.
+    _run([str(python), "-m", "pip", "install", "--no-deps", "--ignore-installed", "-q", str(wheel)], root)
+    return bin_dir, site
+
+
+def test_installed_package_is_imported_not_the_source(venv, tmp_path):
+    bin_dir, site = venv
+    where = _run([str(bin_dir / "python"), "-c", "import dflash_mlx; print(dflash_mlx.__file__)"], tmp_path)
+    assert Path(where.strip()).is_relative_to(site) and not Path(where.strip()).is_relative_to(REPO)
+    # dflash-bench's default prompts ship with the embedded pair.
+    assert (site / "dflash_mlx" / "assets" / "dflash-tiny" / "prompts.jsonl").is_file()
+
+
+def test_tools_run_from_the_wheel(venv, tmp_path):
+    bin_dir, _ = venv
+    out = _run([str(bin_dir / "dflash-generate"), "--max-tokens", "4"], tmp_path)
+    assert "Generation:" in out
+    assert "usage: dflash-bench" in _run([str(bin_dir / "dflash-bench"), "--help"], tmp_path)
+    # The default prompts load from the installed package (this failed without *.jsonl in the package data).
+    code = "from dflash_mlx.benchmark import load_prompts; from dflash_mlx.loading import default_pair_path; " \
+           "print(len(load_prompts(default_pair_path() / 'prompts.jsonl')))"  # fmt: skip
+    assert int(_run([str(bin_dir / "python"), "-c", code], tmp_path)) > 0
