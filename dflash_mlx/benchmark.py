@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from . import __version__
 from . import target as tgt
 from .backend import cpu_speedups
 from .blas import blas_in_use, cpu_flags, find_openblas, openblas_core, preload_env, read_cpuinfo
 from .chat_template import has_chat_template, render_chat
+from .cli import DTYPE_CHOICES, ArgumentParser, InRange, block_size_problem
 from .errors import DFlashError
 from .generate import stream_generate
 from .lookup import PromptLookup
@@ -351,12 +353,22 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(rows: list[dict], out: Path) -> list[Path]:
-    """Speedup and acceptance against block size, and the acceptance histogram, as PNG files."""
+def plot_caption(meta: dict) -> str:
+    """What a plot measured: the model, the drafter and the prompt set."""
+    return (f"target {meta.get('model')} · drafter {meta.get('draft')} · prompts {meta.get('prompt_set')} "
+            f"({meta.get('prompts')}) · {meta.get('dtype')}")
+
+
+def plots(rows: list[dict], out: Path, meta: dict | None = None) -> list[Path]:
+    """Speedup and acceptance against block size, and the acceptance histogram, as PNG files,
+    captioned with ``meta``'s model, drafter and prompt set."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    caption = plot_caption(meta) if meta else None
 
     out.mkdir(parents=True, exist_ok=True)
     dflash = [r for r in rows if r["method"] == "dflash"]
@@ -384,6 +396,10 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         ax[0].text(0.5, 0.5, "no baseline run", ha="center", va="center", transform=ax[0].transAxes)
     ax[1].legend(fontsize=7)
     ax[1].set(xlabel="block size", ylabel="mean acceptance length", title="Acceptance")
+    for a in ax:  # block sizes are whole numbers
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if caption:
+        fig.suptitle(caption, fontsize=7)
     fig.tight_layout()
     paths = [out / "speedup.png"]
     fig.savefig(paths[0], dpi=100)
@@ -393,12 +409,52 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         hist = best["histogram"]
         ax.bar(list(hist), list(hist.values()))
-        ax.set(xlabel="acceptance length", ylabel="cycles", title=f"DFlash B={best['block_size']}")
+        ax.set(xlabel="acceptance length (tokens per cycle)", ylabel="cycles", title=f"DFlash B={best['block_size']}")
+        # Both axes count things: whole tokens and whole cycles.
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        if caption:
+            fig.suptitle(caption, fontsize=7)
         fig.tight_layout()
         paths.append(out / "acceptance_histogram.png")
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
     return paths
+
+
+def estimate_seconds(num_prompts: int, num_settings: int, runs: int, max_tokens: int, step: float) -> float:
+    """A rough run time before starting: every run of every setting on every prompt (and its warm-up)
+    making all ``max_tokens`` at one plain decoding step each. Drafting methods run faster and early
+    stops end sooner, so it errs long."""
+    return num_prompts * num_settings * (runs + 1) * max_tokens * step
+
+
+def _load_ar_draft(path: str | None, *, given: bool, dtype: str | None) -> nn.Module:
+    """mlx-spec's small autoregressive draft, with one line for what it cannot use."""
+    from mlx_lm.utils import load_model
+
+    from .loading import is_drafter_config, read_config
+
+    if path is None:
+        raise DFlashError("The mlx-spec method needs a small autoregressive draft: pass --ar-draft FOLDER.")
+    if not Path(path).is_dir():
+        what = f"--ar-draft {path} is not a folder" if given else f"The embedded pair has no ar-draft folder ({path})"
+        raise DFlashError(f"{what}: pass a small mlx-lm model's folder, or leave out the mlx-spec method.")
+    config = read_config(Path(path), "--ar-draft model")
+    if is_drafter_config(config):
+        raise DFlashError(
+            f"--ar-draft {path} is a DFlash drafter; mlx-spec needs a small autoregressive model with the "
+            "target's tokenizer (the DFlash drafter goes to --draft)."
+        )
+    try:
+        ar, _ = load_model(Path(path))
+    except Exception as e:  # mlx-lm raises many types for a folder that is not a model it knows
+        raise DFlashError(
+            f"--ar-draft {path} is not a model mlx-lm can load ({type(e).__name__}: {str(e).splitlines()[0]})."
+        ) from e
+    if dtype:
+        ar.set_dtype(getattr(mx, dtype))
+    return ar
 
 
 def run_benchmark(
@@ -418,7 +474,7 @@ def run_benchmark(
     progress: bool = True,
 ) -> dict:
     """Run the methods on the prompts and return ``{"meta", "times", "rows", "runs"}``."""
-    from .loading import default_pair_path, load
+    from .loading import DEFAULT_PAIR, default_pair_path, load
 
     bad = [m for m in methods if m not in METHODS]
     if bad:
@@ -434,20 +490,13 @@ def run_benchmark(
     target, drafter, tokenizer = load(model, draft, dtype=dtype)
     if any(m in DFLASH_METHODS for m in methods) and drafter is None:
         raise DFlashError("The dflash method needs a drafter: pass --draft.")
-    bad_b = [b for b in block_sizes if drafter is not None and not 1 <= b <= drafter.block_size]
-    if bad_b:
-        raise DFlashError(f"Block size {bad_b[0]} is outside 1..{drafter.block_size}, the drafter's trained size.")
+    if drafter is not None:
+        for b in block_sizes:
+            if problem := block_size_problem(b, drafter.block_size, flag="--block-sizes"):
+                raise DFlashError(problem)
     pair = default_pair_path()
     ar_path = ar_draft or (str(pair / "ar-draft") if model is None else None)
-    ar = None
-    if "mlx-spec" in methods:
-        if ar_path is None or not Path(ar_path).is_dir():
-            raise DFlashError("The mlx-spec method needs a small autoregressive draft: pass --ar-draft FOLDER.")
-        from mlx_lm.utils import load_model
-
-        ar, _ = load_model(Path(ar_path))
-        if dtype:
-            ar.set_dtype(getattr(mx, dtype))
+    ar = _load_ar_draft(ar_path, given=ar_draft is not None, dtype=dtype) if "mlx-spec" in methods else None
     rows_in = _prompt_rows(prompts or str(pair / "prompts.jsonl"), num_prompts)
     # Attention grows with the context, and more for a B-token verify than for one token: time
     # the components at the mean context of a generated token (prompt + half the new tokens).
@@ -455,6 +504,12 @@ def run_benchmark(
     context = max(1, round(statistics.mean(len(encode(tokenizer, row)) for row in rows_in) + max_tokens / 2))
     first_times = component_times(target, drafter, list(block_sizes), context=context) if drafter is not None else {}
     plan = [(m, b) for m in methods for b in (block_sizes if m in (*DFLASH_METHODS, "lookup") else (1,))]
+    if progress:
+        step = first_times.get("ar") or component_times(target, None, [1], context=context, repeats=3)["ar"]
+        seconds = estimate_seconds(len(rows_in), len(plan), runs, max_tokens, step)
+        print(f"Estimated run time: about {seconds:.0f} s ({len(rows_in)} prompts x {len(plan)} method/block "
+              f"settings x ({runs} runs + a warm-up) x up to {max_tokens} tokens at a measured "
+              f"{1e3 * step:.1f} ms plain step)", file=sys.stderr)
     runners = {
         (m, b): make_runner(m, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
                             min_confidence, lookup_fallback)
@@ -497,6 +552,9 @@ def run_benchmark(
     by_category = {c: summarize([r for r in results if r.category == c], times) for c in categories}
     return {
         "meta": {**stamp(), "max_tokens": max_tokens, "runs": runs, "prompts": len(rows_in), "dtype": dtype,
+                 "model": model or f"{DEFAULT_PAIR} (embedded)", "draft": draft or (f"{DEFAULT_PAIR} drafter (embedded)" if model is None else None),
+                 "ar_draft": ar_path if "mlx-spec" in methods else None,
+                 "prompt_set": prompts or f"{DEFAULT_PAIR} held-out prompts (embedded)",
                  "min_confidence": min_confidence, "lookup_fallback": lookup_fallback},
         "times": times,
         "rows": summarize(results, times),
@@ -507,7 +565,7 @@ def run_benchmark(
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-bench", description="Benchmark DFlash against its alternatives.")
+    p = ArgumentParser(prog="dflash-bench", description="Benchmark DFlash against its alternatives.")
     p.add_argument("--model", default=None, help="Target (default: the embedded pair).")
     p.add_argument("--draft", default=None, help="DFlash drafter (default: the embedded pair's).")
     p.add_argument("--ar-draft", default=None, help="Small autoregressive draft for mlx-lm speculative decoding.")
@@ -518,16 +576,22 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "(comma-separated). Default: the embedded pair's held-out prompts.",
     )
     p.add_argument("--num-prompts", type=int, default=None, help="Use only the first N prompts.")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--max-tokens", type=int, action=InRange, low=1, default=128,
+                   help="Most tokens per prompt and run (default: 128).")
+    p.add_argument("--block-sizes", type=int, nargs="+", action=InRange, low=1, default=[4, 8, 16],
+                   help="Block sizes for the DFlash and lookup methods, each 1 to the drafter's (default: 4 8 16).")
     p.add_argument("--num-draft-tokens", type=int, default=3, help="Draft tokens for mlx-lm speculative decoding.")
     p.add_argument("--runs", type=int, default=3, help="Timed runs per measurement (median).")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
+                   help=f"Methods to run, of {', '.join(METHODS)} (default: all).")
     p.add_argument("--min-confidence", type=float, default=DEFAULT_MIN_CONFIDENCE,
                    help="dflash-cut: verify only the drafts the drafter gives at least this probability.")
     p.add_argument("--lookup-fallback", type=int, default=DEFAULT_LOOKUP_FALLBACK,
                    help="dflash-fallback: the most prompt-lookup cycles after the drafter misses its first draft.")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
+                   help="Compute dtype of the models (default: float32, in which greedy output is the same for "
+                   "every method, as the benchmark checks; generate and chat default to the checkpoint's dtype on "
+                   "a GPU).")
     p.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto",
                    help="Linux CPU: preload OpenBLAS when installed (auto), require it, or keep MLX's own.")
     p.add_argument("--scaling", nargs="+", default=None, metavar="SHAPE",
@@ -628,7 +692,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         _write_text(args.json, json.dumps(result, indent=1))
     if args.plots:
-        for path in plots(result["rows"], Path(args.plots)):
+        for path in plots(result["rows"], Path(args.plots), result["meta"]):
             print(f"wrote {path}")
 
 

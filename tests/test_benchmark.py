@@ -157,7 +157,7 @@ def test_runs_are_round_robin(pair_dirs, prompts, monkeypatch):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--methods", "dflash", "--block-sizes", "40"], "Block size 40 is outside 1..16"),
+        (["--methods", "dflash", "--block-sizes", "40"], "--block-sizes must be from 1 to the drafter's block size 16 (got 40)."),
         (["--methods", "mlx-spec"], "needs a small autoregressive draft"),
         (["--methods", "dflash-cut", "--min-confidence", "0"], "--min-confidence must be in (0, 1] (got 0.0)"),
         (["--methods", "dflash-fallback", "--lookup-fallback", "0"], "--lookup-fallback must be at least 1 (got 0)"),
@@ -311,3 +311,43 @@ def test_bad_outputs_and_values_fail_before_loading(no_loading, tmp_path, capsys
     assert e.value.code == 1 and err.startswith(f"dflash-bench: error: {message.format(tmp=tmp_path)}")
     assert "\n" not in err
     assert (tmp_path / "file.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("kind", ["missing", "not-a-model", "dflash-drafter"])
+def test_a_bad_ar_draft_is_one_line(pair_dirs, prompts, tmp_path, capsys, kind):
+    path = {"missing": tmp_path / "nope", "not-a-model": tmp_path, "dflash-drafter": pair_dirs["draft"]}[kind]
+    if kind == "not-a-model":
+        (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--prompts", str(prompts),
+              "--methods", "mlx-spec", "--ar-draft", str(path)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1 and err.startswith(f"dflash-bench: error: --ar-draft {path} ")
+    assert "pass --ar-draft FOLDER" not in err
+    expected = {"missing": "is not a folder", "not-a-model": "is not a model mlx-lm can load",
+                "dflash-drafter": "is a DFlash drafter; mlx-spec needs a small autoregressive model"}[kind]  # fmt: skip
+    assert expected in err
+
+
+def test_results_name_the_model_drafter_and_prompts_and_the_run_time_is_estimated(pair_dirs, prompts, tmp_path, capsys):
+    from dflash_mlx.benchmark import estimate_seconds, plot_caption
+
+    main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--prompts", str(prompts),
+          "--methods", "baseline", "dflash", "--block-sizes", "4", "--runs", "1", "--max-tokens", "8",
+          "--json", str(tmp_path / "r.json")])  # fmt: skip
+    meta = json.loads((tmp_path / "r.json").read_text())["meta"]
+    assert meta["model"] == str(pair_dirs["qwen3-tied"]) and meta["draft"] == str(pair_dirs["draft"])
+    assert meta["prompt_set"] == str(prompts) and meta["prompts"] == 2
+    assert str(prompts) in plot_caption(meta) and str(pair_dirs["draft"]) in plot_caption(meta)
+    assert "Estimated run time: about" in capsys.readouterr().err
+    # 2 prompts x 2 settings x (1 run + warm-up) x 8 tokens at 10 ms.
+    assert estimate_seconds(2, 2, 1, 8, 0.01) == pytest.approx(0.64)
+
+
+def test_help_shows_the_defaults():
+    from dflash_mlx.benchmark import setup_arg_parser
+
+    text = " ".join(setup_arg_parser().format_help().split())
+    for default in ("Most tokens per prompt and run (default: 128)", "(default: 4 8 16)", "(default: all)",
+                    "(default: float32"):  # fmt: skip
+        assert default in text
