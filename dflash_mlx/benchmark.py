@@ -424,8 +424,8 @@ def plots(rows: list[dict], out: Path, meta: dict | None = None) -> list[Path]:
 
 def estimate_seconds(num_prompts: int, num_settings: int, runs: int, max_tokens: int, step: float) -> float:
     """A rough run time before starting: every run of every setting on every prompt (and its warm-up)
-    making all ``max_tokens`` at one plain decoding step each. Drafting methods run faster and early
-    stops end sooner, so it errs long."""
+    making all ``max_tokens`` at one plain decoding step each. Rough: drafting methods and early stops
+    take less, while warm-ups, prefills and loading take more than it counts."""
     return num_prompts * num_settings * (runs + 1) * max_tokens * step
 
 
@@ -502,14 +502,16 @@ def run_benchmark(
     # the components at the mean context of a generated token (prompt + half the new tokens).
     # They are timed before and after the runs; the faster of the two is kept.
     context = max(1, round(statistics.mean(len(encode(tokenizer, row)) for row in rows_in) + max_tokens / 2))
+    tic = time.perf_counter()
     first_times = component_times(target, drafter, list(block_sizes), context=context) if drafter is not None else {}
+    timing_seconds = time.perf_counter() - tic  # the component times are taken again at the end
     plan = [(m, b) for m in methods for b in (block_sizes if m in (*DFLASH_METHODS, "lookup") else (1,))]
     if progress:
         step = first_times.get("ar") or component_times(target, None, [1], context=context, repeats=3)["ar"]
-        seconds = estimate_seconds(len(rows_in), len(plan), runs, max_tokens, step)
+        seconds = estimate_seconds(len(rows_in), len(plan), runs, max_tokens, step) + timing_seconds
         print(f"Estimated run time: about {seconds:.0f} s ({len(rows_in)} prompts x {len(plan)} method/block "
               f"settings x ({runs} runs + a warm-up) x up to {max_tokens} tokens at a measured "
-              f"{1e3 * step:.1f} ms plain step)", file=sys.stderr)
+              f"{1e3 * step:.1f} ms plain step, and {timing_seconds:.0f} s of component timing)", file=sys.stderr)
     runners = {
         (m, b): make_runner(m, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
                             min_confidence, lookup_fallback)
