@@ -172,6 +172,23 @@ def test_distribution_matches_target_with_lookup_fallback(pair, exact, monkeypat
     assert len(proposed) > RUNS // 2 and accepted > 0
 
 
+def test_distribution_matches_target_with_adaptive(pair, exact):
+    """The adaptive policy's plain cycles (no drafts; the drafter's taps left pending) after a
+    sampled drafting cycle keep the distribution: its first cycle drafts, the next ones probe
+    plain decoding's speed."""
+    model, draft, _ = pair
+    counts, sampler, kinds = np.zeros((DEPTH, VOCAB)), make_sampler(TEMP), set()
+    for seed in range(RUNS):
+        steps = list(dflash_generate_step(PROMPT, model, draft, sampler=sampler, seed=seed, block_size=DEPTH,
+                                          max_tokens=DEPTH + 1, adaptive=True))  # fmt: skip
+        kinds.update((i, s.num_draft > 0) for i, s in enumerate(steps[1:3]))
+        for pos, tok in enumerate([t for s in steps for t in s.tokens][:DEPTH]):
+            counts[pos, tok] += 1
+    excess = [_tv(counts[p], exact[p]) - _tv_bound(exact[p], RUNS) for p in range(DEPTH)]
+    assert max(excess) < 0, excess
+    assert kinds == {(0, True), (1, False)}
+
+
 @pytest.mark.parametrize("proposal", ["greedy", "sample"])
 def test_broken_acceptance_rule_fails_the_same_check(pair, exact, proposal, monkeypatch):
     """Negative control: with an always-accept rule the check above must fail."""
