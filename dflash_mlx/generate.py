@@ -269,7 +269,8 @@ class GenerationResponse:
         tokens: This cycle's new token ids (a stop token is not included).
         acceptance_length: Tokens this cycle's target pass produced (``num_accepted + 1``).
         num_draft: Tokens drafted this cycle (the target verified ``num_draft + 1``).
-        mean_acceptance_length: The running mean over the cycles so far (the paper's tau).
+        mean_acceptance_length: The running mean over the cycles so far that drafted (the
+          paper's tau; 1.0 before any).
         cycle: 0 for the prefill's first token, then 1, 2, ... per draft/verify cycle.
         prompt_tokens: Prompt tokens prefilled (after any cache reuse).
         prompt_tps: Prompt tokens per second (prefill up to the first token).
@@ -383,7 +384,7 @@ def stream_generate(
         cpu_speedups=cpu_speedups,
     )
     tic = time.perf_counter()
-    prompt_tps, generated, cycles, acceptance_sum = 0.0, 0, 0, 0
+    prompt_tps, generated, cycles, drafting, acceptance_sum = 0.0, 0, 0, 0, 0
     for step in steps:
         now = time.perf_counter()
         if generated == 0:
@@ -391,7 +392,9 @@ def stream_generate(
             tic = now
         else:
             cycles += 1
-            acceptance_sum += step.num_accepted + 1
+            if step.num_draft:  # plain cycles (adaptive's, or the last with no room) are not drafting
+                drafting += 1
+                acceptance_sum += step.num_accepted + 1
         generated += len(step.tokens)
         finish = None
         tokens = list(step.tokens)
@@ -409,7 +412,7 @@ def stream_generate(
             text=detokenizer.last_segment,
             tokens=tokens,
             acceptance_length=step.num_accepted + 1,
-            mean_acceptance_length=acceptance_sum / cycles if cycles else 1.0,
+            mean_acceptance_length=acceptance_sum / drafting if drafting else 1.0,
             cycle=cycles,
             prompt_tokens=len(ids) - reused,
             prompt_tps=prompt_tps,
@@ -439,15 +442,17 @@ def generate(
         The generated text. With ``verbose`` it is also printed as it streams, followed
         by prompt/generation speed, mean acceptance length and peak memory.
     """
-    text, response, histogram = "", None, {}
+    text, response, histogram, plain = "", None, {}, 0
     if verbose:
         print("=" * 10)
     for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         text += response.text
         if verbose:
             print(response.text, end="", flush=True)
-        if response.cycle > 0:
+        if response.cycle > 0 and response.num_draft:
             histogram[response.acceptance_length] = histogram.get(response.acceptance_length, 0) + 1
+        elif response.cycle > 0:
+            plain += 1
     if verbose and response is not None:
         print()
         print("=" * 10)
@@ -459,8 +464,11 @@ def generate(
         hist = " ".join(f"{k}:{v}" for k, v in sorted(histogram.items()))
         print(f"Acceptance length: {response.mean_acceptance_length:.2f} mean [{hist}]")
         if response.plain_tps is not None and response.draft_tps is not None:
-            verdict = "slower than plain decoding" if response.drafting_slower else "faster than plain decoding"
-            print(f"Drafting: {response.draft_tps:.1f} tokens-per-sec, {verdict} ({response.plain_tps:.1f} measured)")
+            verdict = "slower" if response.drafting_slower else "faster"
+            print(
+                f"Drafting: {response.draft_tps:.3f} tokens-per-sec, {verdict} than plain decoding "
+                f"({response.plain_tps:.3f} measured; {plain} cycles decoded plainly)"
+            )
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
 

@@ -46,12 +46,12 @@ def _drive(policy, clock, cycles, plain_seconds, draft_seconds, kept):
     return drafted
 
 
-def _expected_losing(cycles, window, probe, max_run):
-    # Warm-up, the probe, then windows of drafting (the first cycle after plain ones untimed)
-    # each followed by a plain run that doubles up to max_run.
+def _expected_losing(cycles, judged, probe, window, max_run):
+    # Warm-up, the probe, then ``judged`` timed drafting cycles (after one untimed: it takes in
+    # the plain cycles' taps), each time followed by a plain run: one window, doubling up to max_run.
     expected, run = [True] + [False] * probe, window
     while len(expected) < cycles:
-        expected += [True] * (window + 1) + [False] * run
+        expected += [True] * (judged + 1) + [False] * run
         run = min(2 * run, max_run)
     return expected[:cycles]
 
@@ -62,10 +62,19 @@ def test_losing_drafter_backs_off_exponentially():
     policy = AdaptiveProposer(inner, window=4, probe=2, max_run=16, clock=clock)
     # A plain step takes 1 s; a drafting cycle 3 s for 2 tokens: 1.5 s a token.
     drafted = _drive(policy, clock, 120, 1.0, lambda i: 3.0, lambda i: 2)
-    assert drafted == _expected_losing(120, window=4, probe=2, max_run=16)
+    assert drafted == _expected_losing(120, judged=4, probe=2, window=4, max_run=16)
     assert policy.plain_tps == pytest.approx(1.0) and policy.draft_tps == pytest.approx(1 / 1.5)
     # Every cycle reached the drafter's accept, plain ones too (their taps stay pending).
     assert len(inner.kept) == 120 and len(inner.proposed) == drafted.count(True)
+
+
+def test_badly_losing_drafter_is_judged_after_two_cycles():
+    clock = Clock()
+    policy = AdaptiveProposer(FakeDrafter(), window=8, probe=1, max_run=16, clock=clock)
+    # 3 s a token against 1 s: two timed drafting cycles settle it.
+    drafted = _drive(policy, clock, 60, 1.0, lambda i: 3.0, lambda i: 1)
+    assert drafted == _expected_losing(60, judged=2, probe=1, window=8, max_run=16)
+    assert policy.run == 16
 
 
 def test_winning_drafter_keeps_drafting_with_rare_plain_refreshes():
