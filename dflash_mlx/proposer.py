@@ -156,7 +156,7 @@ class AdaptiveProposer:
     cycle's tokens included, as plain decoding would pay it too): a cycle of no drafts is
     exactly a plain decoding step, so the policy compares measured seconds per token. It runs
     ``probe`` plain cycles early on and one every ``refresh`` drafting cycles to know the
-    plain step's cost. When a window of ``window`` drafting cycles (or two, at half plain
+    plain step's cost. When a window of ``window`` drafting cycles (or three, at half plain
     decoding's speed or less) gives tokens more slowly than that, it decodes plainly for a run of cycles, then drafts again; each further
     losing window doubles the run, up to ``max_run``, and a winning one resets it to one
     ``window``. The drafter's taps stay pending during plain cycles, so it resumes where the
@@ -230,20 +230,18 @@ class AdaptiveProposer:
         self.plain_time = seconds if self.plain_time is None else 0.75 * self.plain_time + 0.25 * seconds
         self.plain_left = max(self.plain_left - 1, 0)
         self.since_plain = 0
-        # The first drafting cycle after plain ones takes in all their taps: not timed.
-        self.window_seconds, self.window_tokens, self.window_cycles = 0.0, 0, -1
+        # A new window; its first cycle takes in the plain cycles' taps, a cost of resuming.
+        self.window_seconds, self.window_tokens, self.window_cycles = 0.0, 0, 0
 
     def _drafting_cycle(self, seconds: float, num_kept: int) -> None:
         self.since_plain += 1
         self.window_cycles += 1
-        if self.window_cycles <= 0:
-            return
         self.window_seconds += seconds
         self.window_tokens += num_kept
         per_token = self.window_seconds / self.window_tokens
-        # Judge a full window, or two cycles already twice as slow: a probe of a drafter
+        # Judge a full window, or three cycles already twice as slow: a probe of a drafter
         # that loses badly (sampling at block 16) need not cost a whole window.
-        clear_loss = self.plain_time is not None and self.window_cycles >= 2 and per_token > 2 * self.plain_time
+        clear_loss = self.plain_time is not None and self.window_cycles >= 3 and per_token > 2 * self.plain_time
         if self.window_cycles < self.window and not clear_loss:
             return
         self.draft_time = per_token
