@@ -110,7 +110,8 @@ def _make_proposer(model, draft, cache, *, sampler, proposal, min_confidence, lo
         model, draft, cache, sampler=sampler if sample else None, min_confidence=min_confidence, speedups=speedups
     )
     if lookup_fallback:
-        drafter = FallbackProposer(drafter, LookupProposer(PromptLookup(draft.block_size), cache.tokens), lookup_fallback)
+        lookup = LookupProposer(PromptLookup(draft.block_size), cache.tokens)
+        drafter = FallbackProposer(drafter, lookup, lookup_fallback)
     return AdaptiveProposer(drafter) if adaptive else drafter
 
 

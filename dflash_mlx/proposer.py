@@ -156,10 +156,10 @@ class AdaptiveProposer:
     cycle's tokens included, as plain decoding would pay it too): a cycle of no drafts is
     exactly a plain decoding step, so the policy compares measured seconds per token. It runs
     ``probe`` plain cycles early on and one every ``refresh`` drafting cycles to know the
-    plain step's cost. When a window of ``window`` drafting cycles (or three, at half plain
-    decoding's speed or less) gives tokens more slowly than that, it decodes plainly for a run of cycles, then drafts again; each further
-    losing window doubles the run, up to ``max_run``, and a winning one resets it to one
-    ``window``. The drafter's taps stay pending during plain cycles, so it resumes where the
+    plain step's cost. When a window of ``window`` drafting cycles (after a loss, three at
+    half plain decoding's speed or less) gives tokens more slowly than that, it decodes plainly for a
+    run of cycles, then drafts again; each further losing window doubles the run, up to
+    ``max_run``, and a winning one resets it to one ``window``. The drafter's taps stay pending during plain cycles, so it resumes where the
     text is. Either way every token is the target's own sample: only the speed changes.
 
     Args:
@@ -239,9 +239,12 @@ class AdaptiveProposer:
         self.window_seconds += seconds
         self.window_tokens += num_kept
         per_token = self.window_seconds / self.window_tokens
-        # Judge a full window, or three cycles already twice as slow: a probe of a drafter
-        # that loses badly (sampling at block 16) need not cost a whole window.
-        clear_loss = self.plain_time is not None and self.window_cycles >= 3 and per_token > 2 * self.plain_time
+        # Judge a full window; once drafting has lost, three cycles already twice as slow
+        # settle it too: a probe of a drafter that loses badly (sampling at block 16) need
+        # not cost a whole window. (Not before: a few hard cycles in a row are common where
+        # drafting wins overall.)
+        lost_before = self.run > self.window
+        clear_loss = lost_before and self.window_cycles >= 3 and per_token > 2 * self.plain_time
         if self.window_cycles < self.window and not clear_loss:
             return
         self.draft_time = per_token

@@ -47,12 +47,12 @@ def _drive(policy, clock, cycles, plain_seconds, draft_seconds, kept):
 
 
 def _expected_losing(cycles, judged, probe, window, max_run):
-    # Warm-up, the probe, then ``judged`` drafting cycles, each time followed by a plain run:
-    # one window, doubling up to max_run.
-    expected, run = [True] + [False] * probe, window
+    # Warm-up, the probe, a window of drafting cycles, then ``judged`` ones each time, each
+    # followed by a plain run: one window, doubling up to max_run.
+    expected, run, drafting = [True] + [False] * probe, window, window
     while len(expected) < cycles:
-        expected += [True] * judged + [False] * run
-        run = min(2 * run, max_run)
+        expected += [True] * drafting + [False] * run
+        run, drafting = min(2 * run, max_run), judged
     return expected[:cycles]
 
 
@@ -68,10 +68,10 @@ def test_losing_drafter_backs_off_exponentially():
     assert len(inner.kept) == 120 and len(inner.proposed) == drafted.count(True)
 
 
-def test_badly_losing_drafter_is_judged_after_three_cycles():
+def test_badly_losing_drafter_is_judged_after_three_cycles_once_it_lost():
     clock = Clock()
     policy = AdaptiveProposer(FakeDrafter(), window=8, probe=1, max_run=16, clock=clock)
-    # 3 s a token against 1 s: three drafting cycles settle it.
+    # 3 s a token against 1 s: after the first full window, three drafting cycles settle it.
     drafted = _drive(policy, clock, 60, 1.0, lambda i: 3.0, lambda i: 1)
     assert drafted == _expected_losing(60, judged=3, probe=1, window=8, max_run=16)
     assert policy.run == 16

@@ -20,9 +20,10 @@ def test_generates_with_a_pair(pair_dirs, capsys):
     assert "Generation:" in out and "Acceptance length:" in out
 
 
-@pytest.mark.parametrize(
-    "option", [["--min-confidence", "0.05"], ["--lookup-fallback", "4"], ["--adaptive", "false"], ["--adaptive", "True"]]
-)
+OPTIONS = [["--min-confidence", "0.05"], ["--lookup-fallback", "4"], ["--adaptive", "false"], ["--adaptive", "True"]]
+
+
+@pytest.mark.parametrize("option", OPTIONS)
 def test_cycle_options_same_text(pair_dirs, capsys, option):
     base = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
             "--prompt", "t1 t2 t3", "--max-tokens", "20", "--verbose", "false"]  # fmt: skip
