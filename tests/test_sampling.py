@@ -11,7 +11,7 @@ from oracles import ScriptedDraft
 
 from dflash_mlx import DFlashError, dflash_generate_step, load
 from dflash_mlx.lookup import PromptLookup
-from dflash_mlx.sampling import make_sampler, speculative_accept, top_probability
+from dflash_mlx.sampling import make_sampler, sample_rows, speculative_accept, top_probability
 
 from dflash_mlx import verify
 
@@ -318,3 +318,17 @@ def test_bad_proposal(pair):
     model, draft, _ = pair
     with pytest.raises(DFlashError, match="proposal must be one of greedy, sample"):
         _tokens(model, draft, proposal="beam")
+
+
+def test_sample_rows_draws_in_proportion_and_never_a_zero_weight():
+    """Inverse-CDF draws from unnormalised weights, zeros anywhere (first, last, between)."""
+    weights = mx.array([[0.0, 2.0, 0.0, 5.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1e-3]])
+    mx.random.seed(0)
+    n = 4000
+    counts = np.zeros((2, 6))
+    for _ in range(n):
+        counts[np.arange(2), np.array(sample_rows(weights))] += 1
+    probs = np.array(weights).astype(np.float64)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    assert counts[probs == 0].sum() == 0
+    assert _tv(counts[0], probs[0]) < _tv_bound(probs[0], n)
