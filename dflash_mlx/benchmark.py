@@ -192,7 +192,7 @@ def make_runner(
     return lambda ids: _time_stream(
         stream_generate(
             model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=block_size, min_confidence=cutoff,
-            lookup_fallback=fallback,
+            lookup_fallback=fallback, adaptive=False,  # each method as published: a draft every cycle
         ),
         lambda r: r.tokens,
     )

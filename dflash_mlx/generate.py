@@ -32,7 +32,7 @@ from .cli import (
 from .drafter import DraftModel
 from .errors import DFlashError
 from .lookup import LookupProposer, PromptLookup
-from .proposer import DFlashProposer, FallbackProposer, Proposal
+from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, Proposal
 from .sampling import can_sample_proposals, check_proposal, make_sampler
 from .verify import Verifier
 
@@ -52,12 +52,16 @@ class StepOutput(NamedTuple):
 
     ``tokens`` are the new tokens (accepted drafts then the bonus token), ``num_accepted``
     how many of the ``num_draft`` drafted tokens the target agreed with. The prefill's
-    first token comes alone with ``num_draft == 0``.
+    first token comes alone with ``num_draft == 0``. With ``adaptive``, ``plain_tps`` and
+    ``draft_tps`` are the measured tokens per second of plain decoding and of drafting
+    (None until measured).
     """
 
     tokens: list[int]
     num_accepted: int
     num_draft: int
+    plain_tps: float | None = None
+    draft_tps: float | None = None
 
 
 def resolve_block_size(draft: nn.Module | None, block_size: int | None) -> int:
@@ -104,8 +108,9 @@ def _check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallbac
         raise DFlashError(f"lookup_fallback must be a non-negative integer of cycles (got {lookup_fallback!r}).")
 
 
-def _make_proposer(model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, speedups):
-    # None for plain decoding; prompt lookup alone; the drafter, with the lookup fallback.
+def _make_proposer(model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, adaptive, speedups):
+    # None for plain decoding; prompt lookup alone; the drafter, with the lookup fallback,
+    # paused while it loses to plain decoding.
     if draft is None:
         return None
     if isinstance(draft, PromptLookup):
@@ -114,9 +119,10 @@ def _make_proposer(model, draft, cache, *, sampler, proposal, min_confidence, lo
     drafter = DFlashProposer(
         model, draft, cache, sampler=sampler if sample else None, min_confidence=min_confidence, speedups=speedups
     )
-    if not lookup_fallback:
-        return drafter
-    return FallbackProposer(drafter, LookupProposer(PromptLookup(draft.block_size), cache.tokens), lookup_fallback)
+    if lookup_fallback:
+        lookup = LookupProposer(PromptLookup(draft.block_size), cache.tokens)
+        drafter = FallbackProposer(drafter, lookup, lookup_fallback)
+    return AdaptiveProposer(drafter) if adaptive else drafter
 
 
 def dflash_generate_step(
@@ -131,6 +137,7 @@ def dflash_generate_step(
     proposal: str = "sample",
     min_confidence: float = 0.0,
     lookup_fallback: int = 0,
+    adaptive: bool | None = None,
     seed: int | None = None,
     stop_tokens: set[int] | frozenset[int] = frozenset(),
     prompt_cache: DFlashCache | None = None,
@@ -169,6 +176,14 @@ def dflash_generate_step(
           drafts every cycle with the drafter, as in the paper. The output is the same
           either way; the fallback pays where a drafter pass is a sizeable part of a cycle
           and the drafter is often wrong from the first token (fresh text, small targets).
+        adaptive: Time drafting cycles against plain decoding steps (cycles of no drafts,
+          a few early on and one every 64 drafting cycles), decode plainly while drafting
+          gives tokens more slowly, and try drafting again after a run of plain cycles that
+          doubles with each further loss (:class:`dflash_mlx.proposer.AdaptiveProposer`).
+          Every token is still the target's own sample, but which cycles draft depends on
+          timings, and so, when sampling, do the random draws: None (default) turns it on
+          unless ``seed`` asks for reproducible output; False drafts every cycle, as in
+          the paper.
         seed: Seed MLX's random generator first: the same seed gives the same output.
         stop_tokens: Generation ends right after the first of these, even mid-block.
         prompt_cache: A ``DFlashCache`` to continue from; its common prefix with
@@ -196,10 +211,12 @@ def dflash_generate_step(
             "The prompt cache was made without a drafter; make it with make_cache(model, draft)."
         )
     speedups = resolve_speedups(tgt.compute_dtype(model), cpu_speedups)
+    adaptive = seed is None if adaptive is None else adaptive
     proposer = _make_proposer(
         model, draft, cache, sampler=sampler, proposal=proposal, min_confidence=min_confidence,
-        lookup_fallback=lookup_fallback, speedups=speedups,
+        lookup_fallback=lookup_fallback, adaptive=adaptive, speedups=speedups,
     )
+    timed = proposer if isinstance(proposer, AdaptiveProposer) else None
     tap_ids = proposer.tap_ids if proposer is not None else []
     verifier = Verifier(
         model, cache, sampler=sampler, logits_processors=logits_processors, tap_ids=tap_ids, speedups=speedups
@@ -246,7 +263,8 @@ def dflash_generate_step(
                 # The next drafter pass starts before this cycle's tokens are handed out, so it
                 # runs while the caller decodes and shows them.
                 drafts = propose()
-                yield StepOutput(emitted, verdict.num_accepted, num_draft)
+                rates = (timed.plain_tps, timed.draft_tps) if timed else (None, None)
+                yield StepOutput(emitted, verdict.num_accepted, num_draft, *rates)
         finally:
             # A cycle cut short (an exception) leaves unverified entries: drop them.
             if cache.offset != len(cache.tokens):
@@ -262,7 +280,8 @@ class GenerationResponse:
         tokens: This cycle's new token ids (a stop token is not included).
         acceptance_length: Tokens this cycle's target pass produced (``num_accepted + 1``).
         num_draft: Tokens drafted this cycle (the target verified ``num_draft + 1``).
-        mean_acceptance_length: The running mean over the cycles so far (the paper's tau).
+        mean_acceptance_length: The running mean over the cycles so far that drafted (the
+          paper's tau; 1.0 before any).
         cycle: 0 for the prefill's first token, then 1, 2, ... per draft/verify cycle.
         prompt_tokens: Prompt tokens prefilled (after any cache reuse).
         prompt_tps: Prompt tokens per second (prefill up to the first token).
@@ -270,6 +289,12 @@ class GenerationResponse:
         generation_tps: Generated tokens per second since the first token.
         peak_memory: Peak memory so far, in GB.
         finish_reason: ``"stop"``, ``"length"`` or None while generating.
+        num_draft: Tokens drafted this cycle (0: a plain decoding step).
+        plain_tps: Plain decoding's tokens per second, as measured by ``adaptive``'s plain
+          cycles (None: not measured yet, or ``adaptive=False``).
+        draft_tps: Drafting cycles' tokens per second over their latest window (None likewise).
+          Below ``plain_tps``, DFlash is losing to plain decoding; ``adaptive`` then decodes
+          plainly until drafting pays again.
     """
 
     text: str
@@ -284,6 +309,13 @@ class GenerationResponse:
     peak_memory: float
     finish_reason: str | None = None
     num_draft: int = 0
+    plain_tps: float | None = None
+    draft_tps: float | None = None
+
+    @property
+    def drafting_slower(self) -> bool:
+        """True when drafting measured slower than plain decoding."""
+        return self.plain_tps is not None and self.draft_tps is not None and self.draft_tps < self.plain_tps
 
 
 def stream_generate(
@@ -299,6 +331,7 @@ def stream_generate(
     proposal: str = "sample",
     min_confidence: float = 0.0,
     lookup_fallback: int = 0,
+    adaptive: bool | None = None,
     seed: int | None = None,
     prompt_cache: DFlashCache | None = None,
     prefill_step_size: int = 512,
@@ -320,6 +353,8 @@ def stream_generate(
           block); see :func:`dflash_generate_step`.
         lookup_fallback: Draft by prompt lookup for up to this many cycles after the
           drafter misses its first draft (0: never); see :func:`dflash_generate_step`.
+        adaptive: Decode plainly while drafting is measured slower than plain decoding
+          (None: unless ``seed`` is given); see :func:`dflash_generate_step`.
         seed: Seed for sampling; the same seed gives the same output.
         prompt_cache: A ``DFlashCache`` to reuse across calls (multi-turn chat).
         prefill_step_size: Prompt tokens per prefill chunk.
@@ -352,6 +387,7 @@ def stream_generate(
         proposal=proposal,
         min_confidence=min_confidence,
         lookup_fallback=lookup_fallback,
+        adaptive=adaptive,
         seed=seed,
         stop_tokens=stop_tokens,
         prompt_cache=prompt_cache,
@@ -359,7 +395,7 @@ def stream_generate(
         cpu_speedups=cpu_speedups,
     )
     tic = time.perf_counter()
-    prompt_tps, generated, cycles, acceptance_sum = 0.0, 0, 0, 0
+    prompt_tps, generated, cycles, drafting, acceptance_sum = 0.0, 0, 0, 0, 0
     for step in steps:
         now = time.perf_counter()
         if generated == 0:
@@ -367,7 +403,9 @@ def stream_generate(
             tic = now
         else:
             cycles += 1
-            acceptance_sum += step.num_accepted + 1
+            if step.num_draft:  # plain cycles (adaptive's, or the last with no room) are not drafting
+                drafting += 1
+                acceptance_sum += step.num_accepted + 1
         generated += len(step.tokens)
         finish = None
         tokens = list(step.tokens)
@@ -385,7 +423,7 @@ def stream_generate(
             text=detokenizer.last_segment,
             tokens=tokens,
             acceptance_length=step.num_accepted + 1,
-            mean_acceptance_length=acceptance_sum / cycles if cycles else 1.0,
+            mean_acceptance_length=acceptance_sum / drafting if drafting else 1.0,
             cycle=cycles,
             prompt_tokens=len(ids) - reused,
             prompt_tps=prompt_tps,
@@ -394,6 +432,8 @@ def stream_generate(
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish,
             num_draft=step.num_draft,
+            plain_tps=step.plain_tps,
+            draft_tps=step.draft_tps,
         )
         if finish:
             break
@@ -413,15 +453,17 @@ def generate(
         The generated text. With ``verbose`` it is also printed as it streams, followed
         by prompt/generation speed, mean acceptance length and peak memory.
     """
-    text, response, histogram = "", None, {}
+    text, response, histogram, plain = "", None, {}, 0
     if verbose:
         print("=" * 10)
     for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         text += response.text
         if verbose:
             print(response.text, end="", flush=True)
-        if response.cycle > 0:
+        if response.cycle > 0 and response.num_draft:
             histogram[response.acceptance_length] = histogram.get(response.acceptance_length, 0) + 1
+        elif response.cycle > 0:
+            plain += 1
     if verbose and response is not None:
         print()
         print("=" * 10)
@@ -432,8 +474,20 @@ def generate(
         )
         hist = " ".join(f"{k}:{v}" for k, v in sorted(histogram.items()))
         print(f"Acceptance length: {response.mean_acceptance_length:.2f} mean [{hist}]")
+        if response.plain_tps is not None and response.draft_tps is not None:
+            verdict = "slower" if response.drafting_slower else "faster"
+            print(
+                f"Drafting: {response.draft_tps:.3f} tokens-per-sec, {verdict} than plain decoding "
+                f"({response.plain_tps:.3f} measured; {plain} cycles decoded plainly)"
+            )
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
+
+
+def _on_off(value: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false (got {value!r})")
+    return value.lower() == "true"
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -461,6 +515,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--proposal", choices=["greedy", "sample"], default="sample",
         help="How the drafter proposes when sampling (default: sample).",
     )  # fmt: skip
+    parser.add_argument(
+        "--adaptive",
+        type=_on_off,
+        default=None,
+        metavar="{true,false}",
+        help="Decode plainly while drafting is measured slower than plain decoding, drafting again later "
+        "(same distribution; default: true, false with --seed, whose output would depend on timings).",
+    )
     parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling (default: none).")
     parser.add_argument(
         "--ignore-chat-template", action="store_true", help="Use the prompt as is, without the chat template."
@@ -554,6 +616,7 @@ def main(argv: list[str] | None = None) -> None:
             proposal=args.proposal,
             min_confidence=args.min_confidence,
             lookup_fallback=args.lookup_fallback,
+            adaptive=args.adaptive,
             seed=args.seed,
             prompt_cache=cache,
         )

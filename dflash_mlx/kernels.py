@@ -160,3 +160,21 @@ def attention(
     # Normalising after the value product divides L x D numbers instead of L x S.
     out = (weights @ mx.expand_dims(values, 2)) / mx.sum(weights, axis=-1, keepdims=True)
     return out.reshape(b, n_heads, length, dim)
+
+
+@partial(mx.compile, shapeless=True)
+def _softmax_forward(x: mx.array) -> mx.array:
+    weights = _exp_nonpositive(x - mx.max(x, axis=-1, keepdims=True))
+    return weights / mx.sum(weights, axis=-1, keepdims=True)
+
+
+def softmax(x: mx.array, use_kernel: bool = False) -> mx.array:
+    """``mx.softmax`` over the last axis; the kernel (the fused exp) only for float32 inputs.
+
+    A sampled cycle normalises a few rows of the whole vocabulary on each side (the drafter's
+    and the target's), which on MLX's CPU backend is mostly exp. Weights below e^-43 of the
+    largest come out as 0, as in the attention's softmax here.
+    """
+    if not use_kernel or x.dtype != mx.float32:
+        return mx.softmax(x, axis=-1)
+    return _softmax_forward(x)

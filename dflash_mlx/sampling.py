@@ -11,12 +11,14 @@ Two ways to propose a block:
 """
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, categorical_sampling
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 
+from . import kernels
 from .errors import DFlashError
 
 PROPOSALS = ("greedy", "sample")
@@ -56,7 +58,7 @@ class Sampler:
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         if self.xtc_probability > 0 and not self.greedy:
-            return mx.random.categorical(mx.log(self.probs(logprobs)))
+            return sample_rows(self.probs(logprobs))
         return self._sample(logprobs)
 
     def filtered(self, logprobs: mx.array, xtc: bool = False) -> mx.array:
@@ -80,12 +82,22 @@ class Sampler:
             cut[..., list(self.xtc_special_tokens)] = False
         return mx.where(cut, -mx.inf, logprobs)
 
-    def probs(self, logprobs: mx.array) -> mx.array:
-        """The distribution ``__call__`` samples from, ``(..., vocab)``."""
-        probs = mx.softmax(self.filtered(logprobs) * (1.0 / self.temp), axis=-1)
+    def probs(self, logits: mx.array, use_kernel: bool = False) -> mx.array:
+        """The distribution ``__call__`` samples from, ``(..., vocab)``.
+
+        ``logits`` may be the logprobs or the raw logits: every filter and the softmax give
+        the same answer for any shift of a row, so no logsumexp is needed (on MLX's CPU
+        backend each pass over the vocabulary is mostly exp). ``use_kernel`` (the CPU
+        speedups) takes the softmax's exp as the fused polynomial.
+        """
+        logits = logits.astype(mx.float32)
+        if 0 < self.top_p < 1.0:
+            # mlx-lm's top-p exponentiates its input: keep it at most 0.
+            logits = logits - mx.max(logits, axis=-1, keepdims=True)
+        probs = kernels.softmax(self.filtered(logits) * (1.0 / self.temp), use_kernel)
         if self.xtc_probability <= 0:
             return probs
-        cut = mx.softmax(self.filtered(logprobs, xtc=True) * (1.0 / self.temp), axis=-1)
+        cut = kernels.softmax(self.filtered(logits, xtc=True) * (1.0 / self.temp), use_kernel)
         return (1 - self.xtc_probability) * probs + self.xtc_probability * cut
 
 
@@ -124,6 +136,21 @@ def can_sample_proposals(sampler) -> bool:
     return isinstance(sampler, Sampler) and not sampler.greedy
 
 
+@partial(mx.compile, inputs=mx.random.state, outputs=mx.random.state)
+def sample_rows(weights: mx.array) -> mx.array:
+    """One draw per row of ``(..., vocab)`` non-negative weights (not necessarily normalised).
+
+    By the inverse CDF: one uniform per row against the running sum, no log or exp over the
+    vocabulary (a Gumbel draw costs two logs an element). A token of weight 0 is never drawn.
+    """
+    cdf = mx.cumsum(weights.astype(mx.float32), axis=-1)
+    total = cdf[..., -1:]
+    u = mx.random.uniform(shape=total.shape) * total
+    # The first index whose running sum passes u; ``cdf < total`` keeps a u rounded up to
+    # the total on the last token of positive weight.
+    return mx.sum((cdf <= u) & (cdf < total), axis=-1).astype(mx.uint32)
+
+
 def accept_one_hot(draft_tokens: mx.array, target_tokens: mx.array) -> mx.array:
     """The acceptance test for one-hot (greedy) proposals: the target's own sample must match.
 
@@ -155,12 +182,9 @@ def speculative_accept(
     # Accept with probability min(1, p/q): u < p/q, written without dividing by q.
     accepted = mx.random.uniform(shape=(k,)) * q_d < p_d
     residual = mx.maximum(p[:k] - q, 0.0)
-    total = residual.sum(axis=-1, keepdims=True)
-    # p == q leaves no residual; then p itself is the right fallback.
-    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[:k])
-    dist = mx.concatenate([residual, p[k:]], axis=0)
-    replacement = categorical_sampling(mx.log(dist), 1.0)
-    return accepted, replacement
+    # p == q leaves no residual; then p itself is the right fallback. The draw normalises.
+    residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p[:k])
+    return accepted, sample_rows(mx.concatenate([residual, p[k:]], axis=0))
 
 
 _LOG2_E = 1.4426950408889634

@@ -6,6 +6,7 @@ ones pass the speculative-sampling test (``dflash_mlx.sampling``).
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import mlx.core as mx
@@ -15,7 +16,7 @@ from . import target as tgt
 from .backend import CpuSpeedups
 from .cache import DFlashCache
 from .proposer import Proposal
-from .sampling import accept_one_hot, speculative_accept
+from .sampling import Sampler, accept_one_hot, sample_rows, speculative_accept
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -42,8 +43,8 @@ class Verifier:
     Args:
         model: The target.
         cache: The pair's cache; its target part grows by every pass, the loop rewinds it.
-        sampler: ``logprobs -> ids`` (its ``probs`` too, for sampled proposals), or None
-          for greedy.
+        sampler: ``logprobs -> ids``, or None for greedy. A :class:`Sampler`'s draws come
+          from its ``probs`` (which sampled proposals need).
         logits_processors: mlx-lm logits processors, applied at every verified position
           with that position's preceding tokens.
         tap_ids: Target layers whose taps the proposer needs.
@@ -61,27 +62,34 @@ class Verifier:
         speedups: CpuSpeedups | None,
     ):
         self.model, self.cache, self.tap_ids, self.speedups = model, cache, tap_ids, speedups
-        self.greedy = sampler is None
-        self.sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
+        self.greedy, self.sampler = sampler is None, sampler
+        use_kernel = speedups is not None and speedups.kernels
+        self.probs = partial(sampler.probs, use_kernel=use_kernel) if isinstance(sampler, Sampler) else None
         self.logits_processors = logits_processors or []
 
-    def _logprobs(self, logits: mx.array, block: mx.array | None = None) -> mx.array:
+    def _logits(self, logits: mx.array, block: mx.array | None = None) -> mx.array:
         # Row i of a verified block sees the cached tokens plus block[: i + 1].
-        if self.logits_processors:
-            seen = mx.array(self.cache.tokens, dtype=mx.uint32)
-            rows = []
-            for i in range(logits.shape[0]):
-                tokens = seen if block is None else mx.concatenate([seen, block[0, : i + 1]])
-                row = logits[i : i + 1]
-                for processor in self.logits_processors:
-                    row = processor(tokens, row)
-                rows.append(row)
-            logits = mx.concatenate(rows, axis=0)
-        if self.greedy:
-            # The argmax of the logprobs without computing them: normalising 16 rows costs
-            # a verify pass about a millisecond on MLX's CPU backend, whose exp is slow.
+        if not self.logits_processors:
             return logits
-        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        seen = mx.array(self.cache.tokens, dtype=mx.uint32)
+        rows = []
+        for i in range(logits.shape[0]):
+            tokens = seen if block is None else mx.concatenate([seen, block[0, : i + 1]])
+            row = logits[i : i + 1]
+            for processor in self.logits_processors:
+                row = processor(tokens, row)
+            rows.append(row)
+        return mx.concatenate(rows, axis=0)
+
+    def _sample(self, logits: mx.array) -> mx.array:
+        # The target's own draw at each row. Greedy takes the argmax of the logits: normalising
+        # 16 rows would cost a verify pass about a millisecond on MLX's CPU backend, whose exp
+        # is slow. A Sampler draws from its distribution, computed once from the logits.
+        if self.greedy:
+            return mx.argmax(logits, axis=-1)
+        if self.probs is not None:
+            return sample_rows(self.probs(logits))
+        return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     def prefill(self, tokens: list[int], step_size: int) -> int:
         """Feed ``tokens`` in chunks of ``step_size``; returns the target's next token."""
@@ -94,18 +102,18 @@ class Verifier:
             cache.append_pending(taps)
             cache.tokens.extend(chunk)
             mx.eval(logits, cache.pending, [c.state for c in cache.target])
-        return self.sampler(self._logprobs(logits[0, -1:])).item()
+        return self._sample(self._logits(logits[0, -1:])).item()
 
     def verify(self, last: int, proposal: Proposal) -> Verdict:
         """One target pass over ``[last, drafts...]``, then the acceptance test."""
         block = mx.concatenate([mx.array([last], dtype=mx.uint32), proposal.tokens])[None]
         logits, taps = tgt.forward_with_taps(self.model, block, self.cache.target, self.tap_ids, self.speedups)
-        logprobs = self._logprobs(logits[0], block)
+        logits = self._logits(logits[0], block)
         if proposal.q is None:
-            target_tokens = self.sampler(logprobs)  # (n + 1,)
+            target_tokens = self._sample(logits)  # (n + 1,)
             passed = accept_one_hot(block[0, 1:], target_tokens)
         else:
-            passed, target_tokens = speculative_accept(block[0, 1:], proposal.q, self.sampler.probs(logprobs))
+            passed, target_tokens = speculative_accept(block[0, 1:], proposal.q, self.probs(logits))
         # The one host synchronisation of the cycle.
         mx.eval(block, passed, target_tokens)
         drafted, passed, posterior = block.tolist()[0][1:], passed.tolist(), target_tokens.tolist()

@@ -20,7 +20,10 @@ def test_generates_with_a_pair(pair_dirs, capsys):
     assert "Generation:" in out and "Acceptance length:" in out
 
 
-@pytest.mark.parametrize("option", [["--min-confidence", "0.05"], ["--lookup-fallback", "4"]])
+OPTIONS = [["--min-confidence", "0.05"], ["--lookup-fallback", "4"], ["--adaptive", "false"], ["--adaptive", "True"]]
+
+
+@pytest.mark.parametrize("option", OPTIONS)
 def test_cycle_options_same_text(pair_dirs, capsys, option):
     base = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
             "--prompt", "t1 t2 t3", "--max-tokens", "20", "--verbose", "false"]  # fmt: skip
@@ -35,6 +38,12 @@ def test_bad_lookup_fallback_is_one_line(pair_dirs, capsys):
         main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--lookup-fallback", "-1"])
     err = capsys.readouterr().err.strip()
     assert err == "dflash-generate: error: --lookup-fallback must be at least 0 (got -1)."
+
+
+def test_bad_adaptive_value_is_refused(pair_dirs, capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", str(pair_dirs["qwen3-tied"]), "--adaptive", "maybe"])
+    assert "--adaptive: expected true or false (got 'maybe')" in capsys.readouterr().err
 
 
 def test_bad_min_confidence_is_one_line(pair_dirs, capsys):

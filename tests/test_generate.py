@@ -95,8 +95,11 @@ def test_min_confidence_verifies_the_confident_prefix(qwen3_pair, block_size, pr
     prompt = _prompt(prompt_len)
     ref = reference(model, prompt)
     oracle = ScriptedDraft(draft, prompt + ref, VOCAB, unsure_every=5)
-    full, full_cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=MAX_REF)
-    cut, cut_cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=MAX_REF, min_confidence=0.5)
+    # adaptive=False: every cycle drafts, so that each one's block can be checked.
+    full, full_cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=MAX_REF, adaptive=False)
+    cut, cut_cycles = run(
+        model, oracle, prompt, block_size=block_size, max_tokens=MAX_REF, min_confidence=0.5, adaptive=False
+    )
     assert full == cut == ref
     generated = 1  # the prefill's token
     for step in cut_cycles[1:]:
@@ -109,7 +112,8 @@ def test_min_confidence_verifies_the_confident_prefix(qwen3_pair, block_size, pr
     assert sum(s.num_draft for s in cut_cycles) < sum(s.num_draft for s in full_cycles)
     # Nothing confident: one draft is still verified per cycle.
     unsure = ScriptedDraft(draft, prompt + ref, VOCAB, unsure_every=1)
-    out, cycles = run(model, unsure, prompt, block_size=block_size, max_tokens=MAX_REF, min_confidence=0.5)
+    out, cycles = run(model, unsure, prompt, block_size=block_size, max_tokens=MAX_REF, min_confidence=0.5,
+                      adaptive=False)  # fmt: skip
     assert out == ref and {s.num_draft for s in cycles[1:-1]} == {1}
 
 
@@ -150,7 +154,10 @@ def test_lookup_fallback_schedule(qwen3_pair, block_size):
     cap = 4
     wrong = CountingDraft(draft, prompt + ref, VOCAB, wrong_every=1)
     out, ran = [], []
-    for step in dflash_generate_step(prompt, model, wrong, block_size=block_size, max_tokens=60, lookup_fallback=cap):
+    steps = dflash_generate_step(
+        prompt, model, wrong, block_size=block_size, max_tokens=60, lookup_fallback=cap, adaptive=False
+    )
+    for step in steps:
         # Whether the drafter drafted this cycle: a cycle starts with len(prompt) + len(out) - 1
         # tokens cached (the newest one is not yet through the target).
         ran.append(len(prompt) + len(out) - 1 in wrong.drafted_at)
@@ -165,7 +172,7 @@ def test_lookup_fallback_schedule(qwen3_pair, block_size):
     assert ran[1:-1].count(True) < len(ran) // 3
     # A drafter that is never wrong never gives way.
     oracle = CountingDraft(draft, prompt + ref, VOCAB)
-    out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=60, lookup_fallback=cap)
+    out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=60, lookup_fallback=cap, adaptive=False)
     assert out == ref[:60] and oracle.passes == len(cycles) - 1 - (cycles[-1].num_draft == 0)
 
 

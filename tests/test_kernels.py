@@ -177,3 +177,15 @@ def test_a_pass_started_layer_by_layer_equals_a_lazy_one(qwen3_pair):
         outs.append(tgt.forward_with_taps(model, block, cache, draft.target_layer_ids, speedups))
     for logits, taps in outs[1:]:
         assert mx.array_equal(logits, outs[0][0]).item() and mx.array_equal(taps, outs[0][1]).item()
+
+
+def test_softmax_kernel_matches_mlx():
+    """The sampling softmax with the fused exp: as mx.softmax, filtered (-inf) tokens exactly 0."""
+    rng = np.random.default_rng(0)
+    rows = np.stack([rng.normal(0, scale, 4096) for scale in (0.1, 1.0, 5.0, 30.0)]).astype(np.float32)
+    rows[1, :100] = -np.inf
+    x = mx.array(rows)
+    ours, ref = kernels.softmax(x, use_kernel=True), mx.softmax(x, axis=-1)
+    assert mx.allclose(ours, ref, rtol=1e-5, atol=1e-9).item()
+    assert mx.all(ours[1, :100] == 0).item()
+    assert mx.array_equal(kernels.softmax(x), ref).item()  # the portable path is MLX's own

@@ -11,7 +11,7 @@ from oracles import ScriptedDraft
 
 from dflash_mlx import DFlashError, dflash_generate_step, load
 from dflash_mlx.lookup import PromptLookup
-from dflash_mlx.sampling import make_sampler, speculative_accept, top_probability
+from dflash_mlx.sampling import make_sampler, sample_rows, speculative_accept, top_probability
 
 from dflash_mlx import verify
 
@@ -172,6 +172,23 @@ def test_distribution_matches_target_with_lookup_fallback(pair, exact, monkeypat
     assert len(proposed) > RUNS // 2 and accepted > 0
 
 
+def test_distribution_matches_target_with_adaptive(pair, exact):
+    """The adaptive policy's plain cycles (no drafts; the drafter's taps left pending) after a
+    sampled drafting cycle keep the distribution: its first cycle drafts, the next ones probe
+    plain decoding's speed."""
+    model, draft, _ = pair
+    counts, sampler, kinds = np.zeros((DEPTH, VOCAB)), make_sampler(TEMP), set()
+    for seed in range(RUNS):
+        steps = list(dflash_generate_step(PROMPT, model, draft, sampler=sampler, seed=seed, block_size=DEPTH,
+                                          max_tokens=DEPTH + 1, adaptive=True))  # fmt: skip
+        kinds.update((i, s.num_draft > 0) for i, s in enumerate(steps[1:3]))
+        for pos, tok in enumerate([t for s in steps for t in s.tokens][:DEPTH]):
+            counts[pos, tok] += 1
+    excess = [_tv(counts[p], exact[p]) - _tv_bound(exact[p], RUNS) for p in range(DEPTH)]
+    assert max(excess) < 0, excess
+    assert kinds == {(0, True), (1, False)}
+
+
 @pytest.mark.parametrize("proposal", ["greedy", "sample"])
 def test_broken_acceptance_rule_fails_the_same_check(pair, exact, proposal, monkeypatch):
     """Negative control: with an always-accept rule the check above must fail."""
@@ -301,3 +318,17 @@ def test_bad_proposal(pair):
     model, draft, _ = pair
     with pytest.raises(DFlashError, match="proposal must be one of greedy, sample"):
         _tokens(model, draft, proposal="beam")
+
+
+def test_sample_rows_draws_in_proportion_and_never_a_zero_weight():
+    """Inverse-CDF draws from unnormalised weights, zeros anywhere (first, last, between)."""
+    weights = mx.array([[0.0, 2.0, 0.0, 5.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 1e-3]])
+    mx.random.seed(0)
+    n = 4000
+    counts = np.zeros((2, 6))
+    for _ in range(n):
+        counts[np.arange(2), np.array(sample_rows(weights))] += 1
+    probs = np.array(weights).astype(np.float64)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    assert counts[probs == 0].sum() == 0
+    assert _tv(counts[0], probs[0]) < _tv_bound(probs[0], n)

@@ -74,7 +74,26 @@ async def test_reply_streams_into_transcript_with_stats():
         assert f"accept now  {ACCEPTANCE[cycles - 1]:>6}" in live
         assert f"accept mean {mean:>6.2f}" in live
         assert "TTFT          0.12 s" in live and "peak mem      1.25 GB" in live
+        assert "tok/s plain" not in live  # no rates measured
         assert app.query_one(PromptInput).text == ""
+
+
+class SlowDraftStream(FakeStream):
+    """Responses that say drafting measured slower than plain decoding (the adaptive policy's rates)."""
+
+    def _play(self):
+        for response in super()._play():
+            response.plain_tps, response.draft_tps = 60.0, 40.0
+            yield response
+
+
+async def test_stats_panel_says_when_plain_decoding_is_faster():
+    app = ChatApp(SlowDraftStream())
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press(*"hello", "enter")
+        await finish(pilot)
+        assert "tok/s plain   60.0 faster" in panel(app)
 
 
 async def test_stats_update_while_streaming():

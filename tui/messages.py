@@ -45,6 +45,8 @@ class Delta(Message):
     generation_tps: float
     peak_memory: float
     finish_reason: str | None = None
+    plain_tps: float | None = None
+    draft_tps: float | None = None
 
     @classmethod
     def from_response(cls, response: Any) -> "Delta":
@@ -61,6 +63,8 @@ class Delta(Message):
             generation_tps=float(response.generation_tps),
             peak_memory=float(response.peak_memory),
             finish_reason=response.finish_reason,
+            plain_tps=response.plain_tps,
+            draft_tps=response.draft_tps,
         )
 
 
@@ -93,6 +97,8 @@ class ReplyStats:
     context_tokens: int | None = None
     dflash: bool = True
     block_size: int | None = None
+    plain_tps: float | None = None
+    draft_tps: float | None = None
     _window: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW + 1), repr=False)
 
     def add(self, d: Delta) -> None:
@@ -103,6 +109,7 @@ class ReplyStats:
             self.mean_acceptance_length = d.mean_acceptance_length
             self.cycles = d.cycle
         self.tokens, self.tps = d.generation_tokens, d.generation_tps
+        self.plain_tps, self.draft_tps = d.plain_tps, d.draft_tps
         self.peak_memory = max(self.peak_memory, d.peak_memory)
         self.finish_reason = d.finish_reason or self.finish_reason
         # Seconds since the first token, as stream_generate measured them.

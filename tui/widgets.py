@@ -206,6 +206,8 @@ class StatsPanel(VerticalScroll):
             f"TTFT        {r.ttft:>6.2f} s",
             f"peak mem    {r.peak_memory:>6.2f} GB",
         ]
+        if r.plain_tps and r.draft_tps:  # measured by the adaptive policy; "faster": DFlash loses
+            lines.insert(4, f"tok/s plain {r.plain_tps:>6.1f}" + (" faster" if r.plain_tps > r.draft_tps else ""))
         self.query_one("#live", Static).update(Text("\n".join(lines)))
         mean = f"{conversation.mean:.2f}" if conversation.lengths else "-"
         self.query_one("#caption", Static).update(Text(f"acceptance (mean {mean})"))
