@@ -219,7 +219,7 @@ def check_converted(path: Path, prompt: str = CHECK_PROMPT, max_tokens: int = 32
     target_seconds = time.perf_counter() - tic
     tic = time.perf_counter()
     tokens, acceptance = [], []
-    for step in dflash_generate_step(ids, model, draft, max_tokens=max_tokens):
+    for step in dflash_generate_step(ids, model, draft, max_tokens=max_tokens, adaptive=False):
         tokens.extend(step.tokens)
         if step.num_draft:
             acceptance.append(step.num_accepted + 1)

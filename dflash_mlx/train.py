@@ -273,7 +273,8 @@ def evaluate_acceptance(
     hist = Counter()
     for ids in prompts:
         steps = dflash_generate_step(
-            ids, target, draft, max_tokens=max_tokens, stop_tokens=stop_tokens, block_size=block_size
+            ids, target, draft, max_tokens=max_tokens, stop_tokens=stop_tokens, block_size=block_size,
+            adaptive=False,  # the drafter's own acceptance, every cycle drafted
         )
         for step in steps:
             if step.num_draft:

@@ -82,7 +82,10 @@ def test_convert_fp32_matches_hf_folders(hf, tmp_path):
 
 def test_convert_bf16_matches_hf_folders_cast(hf, tmp_path):
     _convert(hf, tmp_path / "pair", dtype="bfloat16", check=False)
-    model, draft, _ = load(tmp_path / "pair")
+    # Stored in bf16; load() would compute in float32 on a CPU by default, so ask for the stored dtype.
+    model, draft, _ = load(tmp_path / "pair", dtype="bfloat16")
+    stored = mx.load(str(tmp_path / "pair" / "target" / "model.safetensors"))
+    assert all(v.dtype == mx.bfloat16 for k, v in stored.items() if k.endswith("weight"))
     assert model.model.embed_tokens.weight.dtype == mx.bfloat16
     assert draft.fc.weight.dtype == mx.bfloat16
     config = json.loads((tmp_path / "pair" / "draft" / "config.json").read_text())

@@ -131,11 +131,12 @@ def _hf_greedy(target, prompt: list[int], max_tokens: int, stop: int | None = No
 
 
 def _mlx_steps(prompt, model, draft, **kwargs) -> list[tuple]:
-    return [tuple(step) for step in dflash_generate_step(prompt, model, draft, **kwargs)]
+    # Every cycle drafted, as in the reference loop; the steps' first three fields are compared.
+    return [tuple(step)[:3] for step in dflash_generate_step(prompt, model, draft, adaptive=False, **kwargs)]
 
 
 def _ref_steps(prompt, target, draft, **kwargs) -> list[tuple]:
-    return [tuple(step) for step in reference_generate(prompt, target, draft, **kwargs).steps]
+    return [tuple(step)[:3] for step in reference_generate(prompt, target, draft, **kwargs).steps]
 
 
 # --- drafter and target parity ---------------------------------------------------------------

@@ -565,10 +565,17 @@ async def test_real_base_model_is_a_completion_pad(tmp_path):
         assert app.reply_stats.context_tokens == engine.cache.offset
 
 
-async def test_real_pair_oracle_drafter_shows_full_acceptance(pair):
+async def test_real_pair_oracle_drafter_shows_full_acceptance(pair, monkeypatch):
     from checkpoints import VOCAB
     from oracles import ScriptedDraft
 
+    import functools
+    import importlib
+
+    gen_module = importlib.import_module("dflash_mlx.generate")  # the package's `generate` hides the module
+
+    # Every cycle drafted (no plain probe cycles of the adaptive policy), so the counts are exact.
+    monkeypatch.setattr(gen_module, "stream_generate", functools.partial(gen_module.stream_generate, adaptive=False))
     engine = MLXEngine(*pair)
     app = ChatApp(engine, settings=Settings(max_tokens=40, dflash=False))
     async with app.run_test(size=SIZE) as pilot:
