@@ -43,10 +43,6 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 generation_stream = mx.new_thread_local_stream(mx.default_device())
 
 
-def _greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
-
-
 class StepOutput(NamedTuple):
     """One cycle of ``dflash_generate_step``.
 
@@ -95,7 +91,7 @@ def _prompt_ids(prompt) -> list[int]:
 
 def is_greedy(sampler: Sampler | None) -> bool:
     """True for samplers that take the argmax: None, ours at temperature 0, mlx-lm's own."""
-    return sampler is None or sampler is _greedy or sampler is greedy_sampler or getattr(sampler, "greedy", False) is True
+    return sampler is None or sampler is greedy_sampler or getattr(sampler, "greedy", False) is True
 
 
 def _check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallback: int, proposal: str) -> None:
