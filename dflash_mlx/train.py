@@ -126,6 +126,12 @@ class TrainingArgs:
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
     grad_clip: float = field(default=1.0, metadata={"help": "Gradient norm clip (0: off)."})
     loss_decay: float = field(default=7.0, metadata={"help": "Block position weight exp(-(k-1)/d); 0: flat."})
+    loss_positions: int | None = field(
+        default=None,
+        metadata={"help": "Train on the first N drafted positions of each block only (default: all B-1). The "
+                          "LM head's cost is per position; a drafter accepted a few tokens a cycle rarely "
+                          "reaches the last ones."},
+    )
     val_examples: int = field(default=16, metadata={"help": "Examples held out for the validation loss."})
     eval_every: int = field(default=200, metadata={"help": "Steps between evaluations (0: only at the end)."})
     eval_prompts: int = field(default=8, metadata={"help": "Held-out prompts per acceptance evaluation."})
@@ -170,6 +176,11 @@ def _check_args(args: TrainingArgs) -> None:
         )
     if args.max_seq_len < args.block_size:
         raise DFlashError(f"max_seq_len={args.max_seq_len} must be at least block_size={args.block_size}.")
+    if args.loss_positions is not None and not 1 <= args.loss_positions <= args.block_size - 1:
+        raise DFlashError(
+            f"--loss-positions must be between 1 and block_size - 1 = {args.block_size - 1} "
+            f"(got {args.loss_positions}); leave it out to train on every position."
+        )
     if args.learning_rate <= 0 or args.loss_decay < 0:
         raise DFlashError("learning_rate must be > 0 and loss_decay >= 0.")
     if args.responses not in ("generate", "dataset"):
@@ -240,21 +251,27 @@ def block_mask(anchors: mx.array, starts: mx.array, context_len: int, block_size
     return mx.broadcast_to(mask[:, None, None, :], (nb, 1, block_size, context_len + block_size))
 
 
-def block_logits(draft, target, taps, blocks, anchors, starts, speedups=None) -> mx.array:
-    """Draft logits ``(nb, B - 1, vocab)`` of many blocks over one packed context ``taps``.
+def block_logits(draft, target, taps, blocks, anchors, starts, speedups=None, positions=None) -> mx.array:
+    """Draft logits ``(nb, positions, vocab)`` of many blocks over one packed context ``taps``:
+    the first ``positions`` drafted positions (None: all ``B - 1``).
 
-    Each block row gets its own RoPE position (its anchor), as in inference.
+    Each block row gets its own RoPE position (its anchor), as in inference. The whole block
+    goes through the drafter either way, so every position sees the block it sees at inference.
     """
     mask = block_mask(anchors, starts, taps.shape[1], blocks.shape[1])
     h = draft(tgt.embed(target, blocks), taps, mask=mask, block_offset=anchors, speedups=speedups)
-    return tgt.lm_head(target, h[:, 1:])
+    end = blocks.shape[1] if positions is None else 1 + positions
+    return tgt.lm_head(target, h[:, 1:end])
 
 
-def block_loss(draft, target, taps, blocks, anchors, starts, labels, weights, speedups=None) -> mx.array:
-    """Weighted cross-entropy on the masked block positions."""
-    logits = block_logits(draft, target, taps, blocks, anchors, starts, speedups).astype(mx.float32)
-    ce = nn.losses.cross_entropy(logits, labels, reduction="none")
-    return (ce * weights).sum() / weights.sum()
+def block_loss(
+    draft, target, taps, blocks, anchors, starts, labels, weights, speedups=None, positions=None
+) -> mx.array:
+    """Weighted cross-entropy on the masked block positions (the first ``positions`` of them)."""
+    logits = block_logits(draft, target, taps, blocks, anchors, starts, speedups, positions).astype(mx.float32)
+    n = logits.shape[1]
+    ce = nn.losses.cross_entropy(logits, labels[:, :n], reduction="none")
+    return (ce * weights[:, :n]).sum() / weights[:, :n].sum()
 
 
 def _to_mx(batch: dict) -> dict:
@@ -438,7 +455,8 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
         return mx.concatenate(parts, axis=1)
 
     # The CPU kernels have exact gradients (custom VJPs), so training uses them too.
-    loss_fn = partial(block_loss, draft, target, speedups=cpu_speedups(DTYPES[args.dtype]))
+    loss_fn = partial(block_loss, draft, target, speedups=cpu_speedups(DTYPES[args.dtype]),
+                      positions=args.loss_positions)  # fmt: skip
     loss_and_grad = nn.value_and_grad(draft, loss_fn)
     state = [draft.state, optimizer.state]
 

@@ -4,6 +4,7 @@ import shutil
 import signal
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from checkpoints import MASK_ID, VOCAB, write_draft, write_target
@@ -15,7 +16,7 @@ from dflash_mlx import DFlashError, dflash_generate_step, load
 from dflash_mlx import target as tgt
 from dflash_mlx.cache import make_draft_cache
 from dflash_mlx import train as train_mod
-from dflash_mlx.train import TrainingArgs, block_logits, block_mask, get_lr, main, train
+from dflash_mlx.train import TrainingArgs, block_logits, block_loss, block_mask, get_lr, main, train
 from dflash_mlx.train_checkpoint import check_out, latest_checkpoint
 from dflash_mlx.train_data import (
     dataset_examples,
@@ -178,6 +179,22 @@ def test_training_layout_matches_inference(qwen3_pair):
     train_logits = block_logits(draft, model, packed, block, mx.array([L + a]), mx.array([L]))
     infer_logits = draft.propose(model, block, taps[:, :a], make_draft_cache(draft))
     assert mx.allclose(train_logits, infer_logits, atol=1e-4)
+
+
+def test_loss_positions_trains_on_the_leading_positions_of_the_whole_block(qwen3_pair):
+    model, draft, _ = qwen3_pair
+    B, W = draft.block_size, len(draft.target_layer_ids) * 64
+    taps, anchors, starts = mx.random.normal((1, 48, W)), mx.array([10, 30]), mx.array([0, 0])
+    blocks = mx.random.randint(0, VOCAB, (2, B))
+    full = block_logits(draft, model, taps, blocks, anchors, starts)
+    lead = block_logits(draft, model, taps, blocks, anchors, starts, positions=3)
+    assert lead.shape[1] == 3 and mx.allclose(lead, full[:, :3], atol=1e-5)
+    labels = mx.random.randint(0, VOCAB, (2, B - 1))
+    weights = mx.ones((2, B - 1)).at[:, 3:].multiply(5.0)  # heavy weights past position 3 are left out
+    loss = block_loss(draft, model, taps, blocks, anchors, starts, labels, weights, positions=3)
+    ce = nn.losses.cross_entropy(full[:, :3].astype(mx.float32), labels[:, :3], reduction="none")
+    assert abs(loss.item() - ce.mean().item()) < 1e-4
+    assert abs(block_loss(draft, model, taps, blocks, anchors, starts, labels, weights).item() - loss.item()) > 1e-3
 
 
 def test_no_target_features_ablation(setup, tmp_path):
@@ -433,6 +450,7 @@ def test_get_lr_schedule():
         (["--data", "missing.jsonl"], "does not exist"),
         (["--iters", "0"], "iters must be at least 1"),
         (["--max-seq-len", "4"], "max_seq_len=4 must be at least block_size=16"),
+        (["--loss-positions", "16"], "--loss-positions must be between 1 and block_size - 1 = 15 (got 16)"),
     ],
 )
 def test_bad_arguments_one_line_errors(setup, tmp_path, capsys, extra, message):
