@@ -309,7 +309,9 @@ def _maybe_reexec_with_openblas(choice: str) -> None:
     # Ask the library which kernels it picks by itself, to name better ones for this CPU if needed.
     detected = openblas_core(library) if "OPENBLAS_CORETYPE" not in os.environ else None
     env = preload_env(dict(os.environ), library, cpu_flags(read_cpuinfo()), detected and detected[1])
-    os.execve(sys.executable, [sys.executable, "-m", "dflash_mlx.benchmark", *sys.argv[1:]], env)
+    # Through the entry point, so a Ctrl+C while the new process imports is one line there too.
+    rerun = "from dflash_mlx.entry import bench_main; bench_main()"
+    os.execve(sys.executable, [sys.executable, "-c", rerun, *sys.argv[1:]], env)
 
 
 def main(argv: list[str] | None = None) -> None:
