@@ -8,106 +8,32 @@ the benchmark checks that too.
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import __version__
-from . import target as tgt
-from .backend import cpu_speedups
-from .blas import blas_in_use, cpu_flags, find_openblas, openblas_core, preload_env, read_cpuinfo
+from .bench_report import markdown, plots, stamp
+from .bench_stats import summarize
+from .bench_timing import (
+    DEFAULT_LOOKUP_FALLBACK,
+    DEFAULT_MIN_CONFIDENCE,
+    DFLASH_METHODS,
+    METHODS,
+    RunResult,
+    component_times,
+    fastest_times,
+    make_runner,
+    median_run,
+)
+from .blas import cpu_flags, find_openblas, openblas_core, preload_env, read_cpuinfo
 from .chat_template import has_chat_template, render_chat
 from .cli import DTYPE_CHOICES, ArgumentParser, InRange, block_size_problem
 from .errors import DFlashError
-from .generate import stream_generate
-from .lookup import PromptLookup
-
-METHODS = ("baseline", "mlx-spec", "lookup", "dflash", "dflash-cut", "dflash-fallback")
-# DFlash methods: the paper's fixed block, the block cut at the drafter's first unsure draft, and
-# the fixed block with prompt-lookup cycles after the drafter's first-draft misses.
-DFLASH_METHODS = ("dflash", "dflash-cut", "dflash-fallback")
-# Those whose every cycle is one drafter pass and one verify, so the physical limit applies.
-LIMIT_METHODS = ("dflash", "dflash-cut")
-DEFAULT_MIN_CONFIDENCE = 0.5  # dflash-cut's cutoff
-DEFAULT_LOOKUP_FALLBACK = 4  # dflash-fallback's most lookup cycles in a row
-
-
-@dataclass
-class RunResult:
-    """One method on one prompt: medians over runs."""
-
-    method: str
-    block_size: int
-    prompt: int
-    category: str
-    tokens: int
-    generation_tps: float
-    prompt_tps: float
-    acceptance_lengths: list[int] = field(default_factory=list)
-    peak_memory_gb: float = 0.0
-    output_ids: list[int] = field(default_factory=list)
-    verify_sizes: list[int] = field(default_factory=list)
-
-
-def physical_limit(tau: float, t_ar: float, t_draft: float, t_verify: float) -> float:
-    """The best speedup a loop can reach: tau tokens per (draft + verify) against one AR step each."""
-    return tau * t_ar / (t_draft + t_verify)
-
-
-def efficiency(speedup: float, limit: float) -> float:
-    """The measured speedup over the baseline against the physical limit."""
-    return speedup / limit if limit > 0 else 0.0
-
-
-def loop_efficiency(tps: float, tau: float, t_draft: float, t_verify: float) -> float:
-    """Measured tok/s over the loop's ideal, ``tau / (t_draft + t_verify)``: the loop against its own
-    passes timed alone. It differs from :func:`efficiency` by the baseline's real step against a
-    lone AR pass (mlx-lm builds its next step's graph while the current one runs)."""
-    return tps * (t_draft + t_verify) / tau if tau > 0 else 0.0
-
-
-def git_commit(path: str | Path) -> str:
-    """The short commit of the checkout holding ``path``, "+changes" when tracked files differ from it.
-
-    Returns "" outside a git checkout (an installed wheel) or without git.
-    """
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=path
-        ).stdout.strip()
-        if commit and subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=path
-        ).stdout.strip():
-            # A result measured on edited files (say, new weights) must not pass for the commit's.
-            commit += "+changes"
-    except OSError:
-        commit = ""
-    return commit
-
-
-def stamp() -> dict:
-    """Machine, versions, commit and BLAS: every result carries them."""
-    import mlx_lm
-
-    commit = git_commit(Path(__file__).parent)
-    return {
-        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
-        "device": str(mx.default_device()),
-        "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
-        "dflash_mlx": __version__,
-        "commit": commit or "unknown",
-        "blas": blas_in_use(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
 
 
 def load_prompts(path: Path, limit: int | None = None) -> list[dict]:
@@ -145,281 +71,6 @@ def encode(tokenizer, row: dict) -> list[int]:
     if has_chat_template(tokenizer) and not row.get("raw", False):
         return render_chat(tokenizer, messages)
     return tokenizer.encode(row.get("prompt") or messages[-1]["content"])
-
-
-def _time_stream(responses: Iterator, get_tokens: Callable) -> tuple[list[int], float, float, list[int], list[int]]:
-    """Drain a stream: (ids, seconds after the first token, seconds to the first token, acceptances,
-    tokens verified per cycle)."""
-    ids, accept, first, tic, drafted, sizes = [], [], None, time.perf_counter(), 0, []
-    for r in responses:
-        if first is None:
-            first = time.perf_counter()
-        elif hasattr(r, "from_draft"):
-            # mlx-lm marks drafted tokens; the target's own token closes each cycle.
-            if r.from_draft:
-                drafted += 1
-            else:
-                accept.append(drafted + 1)
-                drafted = 0
-        ids.extend(get_tokens(r))
-        if getattr(r, "cycle", 0) > 0:
-            accept.append(r.acceptance_length)
-            sizes.append(r.num_draft + 1)
-    end = time.perf_counter()
-    if drafted:
-        accept.append(drafted)
-    return ids, end - (first or end), (first or end) - tic, accept, sizes
-
-
-def make_runner(
-    method: str, model, draft, ar_draft, tokenizer, block_size: int, num_draft: int, max_tokens: int,
-    min_confidence: float = DEFAULT_MIN_CONFIDENCE,
-    lookup_fallback: int = DEFAULT_LOOKUP_FALLBACK,
-):
-    """A function ``prompt ids -> (ids, gen seconds, prompt seconds, acceptances)`` for one method."""
-    if method in ("baseline", "mlx-spec"):
-        from mlx_lm.generate import stream_generate as mlx_lm_stream
-
-        kwargs = {"draft_model": ar_draft, "num_draft_tokens": num_draft} if method == "mlx-spec" else {}
-        # mlx-lm's last response carries the stop token; ours leave it out of the text and tokens.
-        return lambda ids: _time_stream(
-            mlx_lm_stream(model, tokenizer, ids, max_tokens=max_tokens, **kwargs),
-            lambda r: [] if r.finish_reason == "stop" else [r.token],
-        )
-    proposer = PromptLookup(block_size) if method == "lookup" else draft
-    cutoff = min_confidence if method == "dflash-cut" else 0.0
-    fallback = lookup_fallback if method == "dflash-fallback" else 0
-    return lambda ids: _time_stream(
-        stream_generate(
-            model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=block_size, min_confidence=cutoff,
-            lookup_fallback=fallback, adaptive=False,  # each method as published: a draft every cycle
-        ),
-        lambda r: r.tokens,
-    )
-
-
-def median_run(results: list[tuple]) -> tuple[list[int], float, float, list[int], list[int]]:
-    """Several runs of one method on one prompt: the first run's tokens and counts, median times."""
-    out, _, _, accept, sizes = results[0]
-    gen = statistics.median(r[1] for r in results)
-    first = statistics.median(r[2] for r in results)
-    return out, gen, first, accept, sizes
-
-
-def component_times(model, draft, block_sizes: list[int], context: int = 64, repeats: int = 10) -> dict:
-    """Seconds of one AR step, one verify pass of B tokens and one draft pass, at ``context``, and
-    (``verify_by_size``) of a verify pass of every size up to the largest B: the fastest of
-    ``repeats``, since other work on the machine only ever slows a pass down."""
-    from .cache import make_cache
-
-    def timed(fn) -> float:
-        fn()
-        samples = []
-        for _ in range(repeats):
-            tic = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - tic)
-        return min(samples)
-
-    cache = make_cache(model, draft)
-    prompt = mx.array([[1] * context])
-    taps_ids = draft.target_layer_ids if draft is not None else []
-    # The passes as the loop runs them, with the same CPU speedups.
-    speedups = cpu_speedups(tgt.compute_dtype(model))
-    _, taps = tgt.forward_with_taps(model, prompt, cache.target, taps_ids, speedups)
-    mx.eval(taps, [c.state for c in cache.target])
-
-    def target_pass(n):
-        def run():
-            out, t = tgt.forward_with_taps(model, mx.array([[1] * n]), cache.target, taps_ids, speedups)
-            mx.eval(out, t)
-            for c in cache.target:
-                c.trim(n)
-
-        return run
-
-    times = {"context": context, "ar": timed(target_pass(1)), "verify": {}, "draft": {}}
-    if draft is not None:
-        for c in cache.draft:
-            c.update_and_fetch(*[mx.zeros((1, draft.args.num_key_value_heads, context, draft.args.head_dim))] * 2)
-    times["verify_by_size"] = {1: times["ar"]}
-    for k in range(2, max(block_sizes) + 1):
-        times["verify_by_size"][k] = timed(target_pass(k))
-    for b in block_sizes:
-        times["verify"][b] = times["verify_by_size"][b]
-        if draft is not None:
-            block = mx.array([[1] * draft.block_size])
-            times["draft"][b] = timed(lambda: mx.eval(draft.propose(model, block, None, cache.draft, speedups)))
-    return times
-
-
-def fastest_times(a: dict, b: dict) -> dict:
-    """Two component timings merged entry by entry, keeping the faster of each."""
-    if not a or not b:
-        return a or b
-    out = {"context": a["context"], "ar": min(a["ar"], b["ar"])}
-    for key in ("verify", "draft", "verify_by_size"):
-        out[key] = {k: min(a[key][k], b[key][k]) for k in a.get(key, {})}
-    return out
-
-
-def summarize(results: list[RunResult], times: dict, baseline: str = "baseline") -> list[dict]:
-    """Per method and block size: tok/s, speedup, tau, histogram, limit and efficiency."""
-    rows = []
-    def pooled_tps(group: list[RunResult]) -> float:
-        # Tokens over time summed across prompts, the same pooling as tau's mean over all cycles.
-        tokens = sum(max(r.tokens - 1, 0) for r in group)
-        seconds = sum(max(r.tokens - 1, 0) / r.generation_tps for r in group if r.generation_tps > 0)
-        return tokens / seconds if seconds > 0 else 0.0
-
-    base = [r for r in results if r.method == baseline]
-    base_tps = pooled_tps(base) if base else 0.0
-    keys = sorted({(r.method, r.block_size) for r in results}, key=lambda k: (METHODS.index(k[0]), k[1]))
-    for method, b in keys:
-        group = [r for r in results if (r.method, r.block_size) == (method, b)]
-        tps = pooled_tps(group)
-        accept = [a for r in group for a in r.acceptance_lengths]
-        tau = statistics.mean(accept) if accept else 1.0
-        row = {
-            "method": method,
-            "block_size": b,
-            "generation_tps": tps,
-            "prompt_tps": statistics.mean(r.prompt_tps for r in group),
-            # None without a baseline run (--methods without "baseline"): nothing to compare to.
-            "speedup": tps / base_tps if base_tps else None,
-            "tau": tau,
-            "histogram": {k: accept.count(k) for k in sorted(set(accept))},
-            "peak_memory_gb": max(r.peak_memory_gb for r in group),
-        }
-        sizes = [k for r in group for k in r.verify_sizes]
-        if method in DFLASH_METHODS and sizes:
-            row["verify_size"] = statistics.mean(sizes)
-        if method in LIMIT_METHODS and b in times.get("draft", {}):
-            # Each cycle's verify at the size it had (B, or less when cut or at the end).
-            by_size = {int(k): v for k, v in times.get("verify_by_size", {}).items()}
-            if not (by_size and sizes):
-                sizes, by_size = [b], {b: times["verify"][b]}
-            t_draft, t_verify = times["draft"][b], statistics.mean(by_size[k] for k in sizes)
-            limit = physical_limit(tau, times["ar"], t_draft, t_verify)
-            row.update(
-                verify_size=statistics.mean(sizes),
-                limit=limit,
-                # None without a baseline run, like the speedup it divides.
-                efficiency=efficiency(row["speedup"], limit) if row["speedup"] is not None else None,
-                loop_efficiency=loop_efficiency(tps, tau, t_draft, t_verify),
-            )
-        rows.append(row)
-    return rows
-
-
-def markdown(rows: list[dict], meta: dict, times: dict) -> str:
-    lines = [
-        f"Machine: {meta['machine']} ({meta['device']}); BLAS: {meta['blas']}; mlx {meta['mlx']}, "
-        f"mlx-lm {meta['mlx_lm']}; commit {meta['commit']}; {meta['date']}",
-        "",
-        "| method | block | gen tok/s | speedup | tau | verified | prompt tok/s | limit | efficiency | loop eff. "
-        "| peak GB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        limit = f"{r['limit']:.2f}x" if "limit" in r else ""
-        eff = f"{100 * r['efficiency']:.0f}%" if r.get("efficiency") is not None else ""
-        loop = f"{100 * r['loop_efficiency']:.0f}%" if "loop_efficiency" in r else ""
-        verified = f"{r['verify_size']:.2f}" if "verify_size" in r else ""
-        speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else ""
-        lines.append(
-            f"| {r['method']} | {r['block_size']} | {r['generation_tps']:.1f} | {speedup} | "
-            f"{r['tau']:.2f} | {verified} | {r['prompt_tps']:.0f} | {limit} | {eff} | {loop} | "
-            f"{r['peak_memory_gb']:.2f} |"
-        )
-    lines += [
-        "",
-        "speedup: generation tok/s over the baseline's. tau: mean acceptance length. verified: tokens the "
-        "target checked per cycle (dflash-cut stops at the drafter's first draft under --min-confidence). "
-        "limit: tau x t_AR / (t_draft + t_verify), with each cycle's verify at its size, the best speedup "
-        "over a bare AR step. efficiency: speedup / limit. loop eff.: measured tok/s over the ideal "
-        "tau / (t_draft + t_verify), the loop against its own passes timed alone; it differs from efficiency "
-        "by the baseline's real step against a lone AR pass (below). "
-        "dflash-fallback has no limit: its prompt-lookup cycles run no drafter pass.",
-    ]
-    if times.get("verify"):
-        at = f" at a {times['context']}-token context" if "context" in times else ""
-        base = next((r for r in rows if r["method"] == "baseline" and r["generation_tps"] > 0), None)
-        own = f" (the baseline's own step: {1e3 / base['generation_tps']:.2f})" if base else ""
-        lines += ["", f"Component times (ms){at}: AR step {1e3 * times['ar']:.2f}{own}"]
-        for b in sorted(times["verify"]):
-            d = times["draft"].get(b)
-            lines.append(f"- B={b}: verify {1e3 * times['verify'][b]:.2f}" + (f", draft {1e3 * d:.2f}" if d else ""))
-    return "\n".join(lines) + "\n"
-
-
-def plot_caption(meta: dict) -> str:
-    """What a plot measured: the model, the drafter and the prompt set."""
-    return (f"target {meta.get('model')} · drafter {meta.get('draft')} · prompts {meta.get('prompt_set')} "
-            f"({meta.get('prompts')}) · {meta.get('dtype')}")
-
-
-def plots(rows: list[dict], out: Path, meta: dict | None = None) -> list[Path]:
-    """Speedup and acceptance against block size, and the acceptance histogram, as PNG files,
-    captioned with ``meta``'s model, drafter and prompt set."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    caption = plot_caption(meta) if meta else None
-
-    out.mkdir(parents=True, exist_ok=True)
-    dflash = [r for r in rows if r["method"] == "dflash"]
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
-    lines = (
-        ("dflash", "DFlash"),
-        ("dflash-cut", "DFlash, cut block"),
-        ("dflash-fallback", "DFlash, lookup fallback"),
-        ("lookup", "prompt lookup"),
-    )
-    for i, (method, label) in enumerate(lines):
-        mine = [r for r in rows if r["method"] == method]
-        if mine:
-            style = dict(color=f"C{i}", label=label, ls="-" if method in DFLASH_METHODS else ":")
-            if mine[0]["speedup"] is not None:
-                ax[0].plot([r["block_size"] for r in mine], [r["speedup"] for r in mine], "o", **style)
-            ax[1].plot([r["block_size"] for r in mine], [r["tau"] for r in mine], "o", **style)
-    refs = (r for r in rows if r["method"] in ("baseline", "mlx-spec") and r["speedup"] is not None)
-    for i, r in enumerate(refs):
-        ax[0].axhline(r["speedup"], ls="--", lw=1, color=f"C{len(lines) + i}", label=r["method"])
-    ax[0].set(xlabel="block size", ylabel="speedup vs baseline", title="Speedup")
-    if ax[0].get_legend_handles_labels()[0]:
-        ax[0].legend(fontsize=7)
-    else:
-        ax[0].text(0.5, 0.5, "no baseline run", ha="center", va="center", transform=ax[0].transAxes)
-    ax[1].legend(fontsize=7)
-    ax[1].set(xlabel="block size", ylabel="mean acceptance length", title="Acceptance")
-    for a in ax:  # block sizes are whole numbers
-        a.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if caption:
-        fig.suptitle(caption, fontsize=7)
-    fig.tight_layout()
-    paths = [out / "speedup.png"]
-    fig.savefig(paths[0], dpi=100)
-    plt.close(fig)
-    if dflash:
-        best = max(dflash, key=lambda r: r["block_size"])
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        hist = best["histogram"]
-        ax.bar(list(hist), list(hist.values()))
-        ax.set(xlabel="acceptance length (tokens per cycle)", ylabel="cycles", title=f"DFlash B={best['block_size']}")
-        # Both axes count things: whole tokens and whole cycles.
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        if caption:
-            fig.suptitle(caption, fontsize=7)
-        fig.tight_layout()
-        paths.append(out / "acceptance_histogram.png")
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
-    return paths
 
 
 def estimate_seconds(num_prompts: int, num_settings: int, runs: int, max_tokens: int, step: float) -> float:
@@ -658,7 +309,9 @@ def _maybe_reexec_with_openblas(choice: str) -> None:
     # Ask the library which kernels it picks by itself, to name better ones for this CPU if needed.
     detected = openblas_core(library) if "OPENBLAS_CORETYPE" not in os.environ else None
     env = preload_env(dict(os.environ), library, cpu_flags(read_cpuinfo()), detected and detected[1])
-    os.execve(sys.executable, [sys.executable, "-m", "dflash_mlx.benchmark", *sys.argv[1:]], env)
+    # Through the entry point, so a Ctrl+C while the new process imports is one line there too.
+    rerun = "from dflash_mlx.entry import bench_main; bench_main()"
+    os.execve(sys.executable, [sys.executable, "-c", rerun, *sys.argv[1:]], env)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,7 @@ and before anything loads or prints. Flag names and meanings follow ``mlx_lm gen
 import argparse
 import json
 import math
-from typing import Any
+from typing import Any, Callable
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 DTYPE_HELP = (
@@ -60,18 +60,26 @@ class InRange(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def str2bool(text: str) -> bool:
-    """``--verbose`` as mlx-lm documents it: ``True``/``T`` or ``False``/``F``, in any case.
+def boolean_words(true: tuple[str, ...], false: tuple[str, ...]) -> Callable[[str], bool]:
+    """An argparse type for a yes/no flag that takes exactly these words, in any case.
 
-    mlx-lm reads every other word as true (``--verbose 0`` is verbose there); here it is an
-    error, since a word that reads as "no" must not silently mean yes.
+    Any other word is an error listing them (``expected True/T or False/F (got 'yes')``): mlx-lm
+    reads every word but its false ones as true (``--verbose 0`` is verbose there), and a word that
+    reads as "no" must not silently mean yes.
     """
-    word = text.strip().lower()
-    if word in ("true", "t"):
-        return True
-    if word in ("false", "f"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected True/T or False/F (got {text!r})")
+    answers = {**{w.lower(): True for w in true}, **{w.lower(): False for w in false}}
+
+    def parse(text: str) -> bool:
+        answer = answers.get(text.strip().lower())
+        if answer is None:
+            raise argparse.ArgumentTypeError(f"expected {'/'.join(true)} or {'/'.join(false)} (got {text!r})")
+        return answer
+
+    return parse
+
+
+# ``--verbose`` as mlx-lm documents it.
+str2bool = boolean_words(("True", "T"), ("False", "F"))
 
 
 def json_object(text: str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from .cli import (
     add_model_arguments,
     add_stop_tokens,
     block_size_problem,
+    boolean_words,
     str2bool,
 )
 from .drafter import DraftModel
@@ -480,12 +481,6 @@ def generate(
     return text
 
 
-def _on_off(value: str) -> bool:
-    if value.lower() not in ("true", "false"):
-        raise argparse.ArgumentTypeError(f"expected true or false (got {value!r})")
-    return value.lower() == "true"
-
-
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="dflash-generate", description="Generate text with DFlash speculative decoding.")
     add_model_arguments(parser)
@@ -513,7 +508,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--adaptive",
-        type=_on_off,
+        type=boolean_words(("true",), ("false",)),
         default=None,
         metavar="{true,false}",
         help="Decode plainly while drafting is measured slower than plain decoding, drafting again later "

@@ -5,9 +5,9 @@ import pytest
 from checkpoints import write_target
 
 from dflash_mlx import DFlashError, benchmark
-from dflash_mlx.benchmark import (
-    efficiency, fastest_times, load_prompts, loop_efficiency, main, physical_limit, run_benchmark, summarize, RunResult,
-)
+from dflash_mlx.bench_stats import efficiency, loop_efficiency, physical_limit, summarize
+from dflash_mlx.bench_timing import RunResult, fastest_times
+from dflash_mlx.benchmark import load_prompts, main
 
 
 def test_physical_limit_and_efficiency():
@@ -52,7 +52,7 @@ def test_efficiency_is_speedup_over_limit_when_the_baseline_beats_a_lone_ar_pass
 
 def test_without_a_baseline_there_is_no_speedup(tmp_path):
     """--methods without "baseline": the speedup column stays empty rather than reading 0.00x."""
-    from dflash_mlx.benchmark import markdown, plots
+    from dflash_mlx.bench_report import markdown, plots
 
     results = [RunResult("dflash", 16, 0, "code", 10, 250.0, 500.0, [4, 6])]
     times = {"ar": 0.01, "verify": {16: 0.015}, "draft": {16: 0.005}, "context": 20}
@@ -248,7 +248,7 @@ def test_a_stop_token_does_not_count_as_a_mismatch(pair_dirs, tmp_path):
     ids = tokenizer.encode("t1 t2 t3")
     first = int(next(iter(generate_step(mx.array(ids), model, max_tokens=1)))[0])
     tokenizer.eos_token_ids = {first}  # the very first generated token stops generation
-    from dflash_mlx.benchmark import make_runner
+    from dflash_mlx.bench_timing import make_runner
 
     outs = [make_runner(m, model, None, None, tokenizer, 1, 2, 8)(ids)[0] for m in ("baseline", "lookup")]
     assert outs[0] == outs[1] == []
@@ -258,7 +258,7 @@ def test_git_commit_says_when_tracked_files_changed(tmp_path):
     import shutil
     import subprocess
 
-    from dflash_mlx.benchmark import git_commit
+    from dflash_mlx.bench_report import git_commit
 
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
@@ -330,7 +330,8 @@ def test_a_bad_ar_draft_is_one_line(pair_dirs, prompts, tmp_path, capsys, kind):
 
 
 def test_results_name_the_model_drafter_and_prompts_and_the_run_time_is_estimated(pair_dirs, prompts, tmp_path, capsys):
-    from dflash_mlx.benchmark import estimate_seconds, plot_caption
+    from dflash_mlx.bench_report import plot_caption
+    from dflash_mlx.benchmark import estimate_seconds
 
     main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--prompts", str(prompts),
           "--methods", "baseline", "dflash", "--block-sizes", "4", "--runs", "1", "--max-tokens", "8",

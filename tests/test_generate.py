@@ -1,6 +1,7 @@
 import mlx.core as mx
 import pytest
 from checkpoints import VOCAB
+from decoding import run
 from mlx_lm.generate import generate_step
 from oracles import ScriptedDraft
 
@@ -17,14 +18,6 @@ def reference(model, prompt: list[int], max_tokens: int = MAX_REF) -> list[int]:
     """mlx-lm's own greedy decoding of the target."""
     steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens)
     return [int(tok) for tok, _ in steps]
-
-
-def run(model, draft, prompt, **kwargs):
-    out, cycles = [], []
-    for step in dflash_generate_step(prompt, model, draft, **kwargs):
-        out.extend(step.tokens)
-        cycles.append(step)
-    return out, cycles
 
 
 def _truncate_at_stop(tokens, stop):

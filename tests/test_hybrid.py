@@ -5,6 +5,7 @@ against mlx-lm's greedy decoding, through every rollback length of the recurrent
 import mlx.core as mx
 import pytest
 from checkpoints import VOCAB, write_draft
+from decoding import run
 from hf_checkpoints import HF_KINDS, write_hf_target
 from mlx_lm.generate import generate_step
 from oracles import AcceptExactlyDraft, ScriptedDraft
@@ -40,14 +41,6 @@ def _prompt(length: int, seed: int = 3) -> list[int]:
 
 def reference(model, prompt, max_tokens=MAX_REF):
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
-
-
-def run(model, draft, prompt, **kwargs):
-    out, cycles = [], []
-    for step in dflash_generate_step(prompt, model, draft, **kwargs):
-        out.extend(step.tokens)
-        cycles.append(step)
-    return out, cycles
 
 
 @pytest.mark.parametrize("kind", HF_KINDS)

@@ -15,7 +15,7 @@ and the default.
 import argparse
 
 from dflash_mlx.backend import CPU_SPEEDUPS, CpuSpeedups
-from dflash_mlx.benchmark import _time_stream
+from dflash_mlx.bench_timing import _time_stream
 from dflash_mlx.generate import stream_generate
 
 # assets/recipe/interleaved.py, beside this script

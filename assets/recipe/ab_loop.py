@@ -14,7 +14,7 @@ lookup_fallback=4, each with the pass left lazy until the end (0) and started ev
 import argparse
 
 from dflash_mlx.backend import CpuSpeedups
-from dflash_mlx.benchmark import _time_stream
+from dflash_mlx.bench_timing import _time_stream
 from dflash_mlx.generate import stream_generate
 
 # assets/recipe/interleaved.py, beside this script

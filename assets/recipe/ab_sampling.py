@@ -18,7 +18,7 @@ import inspect
 
 import mlx.nn as nn
 
-from dflash_mlx.benchmark import _time_stream
+from dflash_mlx.bench_timing import _time_stream
 from dflash_mlx.generate import stream_generate
 from dflash_mlx.sampling import make_sampler
 
