@@ -118,18 +118,19 @@ def run_benchmark(
     block_sizes: tuple[int, ...] = (4, 8, 16),
     num_draft_tokens: int = 3,
     runs: int = 3,
-    methods: tuple[str, ...] = METHODS,
+    methods: tuple[str, ...] | None = None,
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
     lookup_fallback: int = DEFAULT_LOOKUP_FALLBACK,
     dtype: str | None = "float32",
     progress: bool = True,
 ) -> dict:
-    """Run the methods on the prompts and return ``{"meta", "times", "rows", "runs"}``."""
-    from .loading import DEFAULT_PAIR, default_pair_path, load
+    """Run the methods on the prompts and return ``{"meta", "times", "rows", "runs"}``.
 
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise DFlashError(f"Unknown method {bad[0]!r}; choose from {', '.join(METHODS)}.")
+    ``methods=None`` runs every method that applies: mlx-spec only with an AR draft to use
+    (``ar_draft``, or the embedded pair's own).
+    """
+    from .loading import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair, load
+
     if runs < 1 or max_tokens < 1:
         raise DFlashError(f"--runs and --max-tokens must be at least 1 (got {runs} and {max_tokens}).")
     if num_prompts is not None and num_prompts < 1:
@@ -138,6 +139,18 @@ def run_benchmark(
         raise DFlashError(f"--min-confidence must be in (0, 1] (got {min_confidence}).")
     if lookup_fallback < 1:
         raise DFlashError(f"--lookup-fallback must be at least 1 (got {lookup_fallback}).")
+    pair_name = (model or DEFAULT_PAIR) if is_embedded_pair(model) else None
+    pair = embedded_pair_path(pair_name or DEFAULT_PAIR)
+    ar_path = ar_draft or (str(pair / "ar-draft") if pair_name else None)
+    if methods is None:
+        has_ar = ar_draft is not None or (ar_path is not None and Path(ar_path).is_dir())
+        methods = tuple(m for m in METHODS if m != "mlx-spec" or has_ar)
+        if not has_ar and progress:
+            print("dflash-bench: mlx-spec left out: no small autoregressive draft for this target "
+                  "(pass --ar-draft FOLDER to include it)", file=sys.stderr)  # fmt: skip
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise DFlashError(f"Unknown method {bad[0]!r}; choose from {', '.join(METHODS)}.")
     target, drafter, tokenizer = load(model, draft, dtype=dtype)
     if any(m in DFLASH_METHODS for m in methods) and drafter is None:
         raise DFlashError("The dflash method needs a drafter: pass --draft.")
@@ -145,8 +158,6 @@ def run_benchmark(
         for b in block_sizes:
             if problem := block_size_problem(b, drafter.block_size, flag="--block-sizes"):
                 raise DFlashError(problem)
-    pair = default_pair_path()
-    ar_path = ar_draft or (str(pair / "ar-draft") if model is None else None)
     ar = _load_ar_draft(ar_path, given=ar_draft is not None, dtype=dtype) if "mlx-spec" in methods else None
     rows_in = _prompt_rows(prompts or str(pair / "prompts.jsonl"), num_prompts)
     # Attention grows with the context, and more for a B-token verify than for one token: time
@@ -205,9 +216,10 @@ def run_benchmark(
     by_category = {c: summarize([r for r in results if r.category == c], times) for c in categories}
     return {
         "meta": {**stamp(), "max_tokens": max_tokens, "runs": runs, "prompts": len(rows_in), "dtype": dtype,
-                 "model": model or f"{DEFAULT_PAIR} (embedded)", "draft": draft or (f"{DEFAULT_PAIR} drafter (embedded)" if model is None else None),
+                 "model": f"{pair_name} (embedded)" if pair_name else model,
+                 "draft": draft or (f"{pair_name} drafter (embedded)" if pair_name else None),
                  "ar_draft": ar_path if "mlx-spec" in methods else None,
-                 "prompt_set": prompts or f"{DEFAULT_PAIR} held-out prompts (embedded)",
+                 "prompt_set": prompts or f"{pair_name or DEFAULT_PAIR} held-out prompts (embedded)",
                  "min_confidence": min_confidence, "lookup_fallback": lookup_fallback},
         "times": times,
         "rows": summarize(results, times),
@@ -235,8 +247,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="Block sizes for the DFlash and lookup methods, each 1 to the drafter's (default: 4 8 16).")
     p.add_argument("--num-draft-tokens", type=int, default=3, help="Draft tokens for mlx-lm speculative decoding.")
     p.add_argument("--runs", type=int, default=3, help="Timed runs per measurement (median).")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), metavar="METHOD",
-                   help=f"Methods to run, of {', '.join(METHODS)} (default: all).")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
+                   help=f"Methods to run, of {', '.join(METHODS)} (default: all; mlx-spec only with an AR "
+                        "draft: --ar-draft, or the embedded pair's).")
     p.add_argument("--min-confidence", type=float, default=DEFAULT_MIN_CONFIDENCE,
                    help="dflash-cut: verify only the drafts the drafter gives at least this probability.")
     p.add_argument("--lookup-fallback", type=int, default=DEFAULT_LOOKUP_FALLBACK,
@@ -330,7 +343,8 @@ def main(argv: list[str] | None = None) -> None:
         result = run_benchmark(
             model=args.model, draft=args.draft, ar_draft=args.ar_draft, prompts=args.prompts,
             num_prompts=args.num_prompts, max_tokens=args.max_tokens, block_sizes=tuple(args.block_sizes),
-            num_draft_tokens=args.num_draft_tokens, runs=args.runs, methods=tuple(args.methods),
+            num_draft_tokens=args.num_draft_tokens, runs=args.runs,
+            methods=tuple(args.methods) if args.methods else None,
             min_confidence=args.min_confidence, lookup_fallback=args.lookup_fallback, dtype=args.dtype,
         )
     except DFlashError as e:

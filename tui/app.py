@@ -352,6 +352,22 @@ def make_app(
     return ChatApp(engine, settings=settings)
 
 
+def _prepare_embedded_pair(model: str | None) -> None:
+    """Convert the default pair's target now, on the plain terminal where its one-time
+    progress line shows, rather than inside the app, which hides stderr."""
+    from ..loading import is_embedded_pair
+
+    if not is_embedded_pair(model):
+        return
+    from ..loading import DEFAULT_PAIR, embedded_pair
+
+    try:
+        embedded_pair(model or DEFAULT_PAIR)
+    except DFlashError as e:
+        print(f"dflash-chat: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -361,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
             "--draft, --no-draft, --dtype, --extra-eos-token and --chat-template-config apply to local models; "
             "with --base-url the server has its own."
         )
+    if not args.base_url:
+        _prepare_embedded_pair(args.model)
     app = make_app(**vars(args))
     try:
         app.run()

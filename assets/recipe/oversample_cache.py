@@ -14,7 +14,7 @@ from pathlib import Path
 
 from mlx_lm.utils import load_tokenizer
 
-from dflash_mlx.loading import default_pair_path
+from dflash_mlx.loading import TINY_PAIR, embedded_pair_path
 from dflash_mlx.train_data import read_cache
 
 
@@ -23,7 +23,7 @@ def main() -> None:
     parser.add_argument("--cache", required=True, help="Response cache JSONL written by dflash-train.")
     parser.add_argument("--out", required=True, help="Where to write the weighted copy.")
     parser.add_argument("--times", type=int, default=3, help="Copies of each completion example in all.")
-    parser.add_argument("--model", default=str(default_pair_path() / "target"), help="The target (its tokenizer).")
+    parser.add_argument("--model", default=str(embedded_pair_path(TINY_PAIR) / "target"), help="The target (its tokenizer).")
     args = parser.parse_args()
     if Path(args.out).resolve() == Path(args.cache).resolve():
         raise SystemExit("--out must differ from --cache: the cache is the record of the data step.")
