@@ -40,6 +40,7 @@ from .progress import Progress
 from .loading import (
     DTYPES,
     MASK_TOKENS,
+    check_pair,
     embedded_pair,
     is_drafter_config,
     load_draft,
@@ -51,6 +52,7 @@ from .train_checkpoint import (
     TrainingInterrupted,
     check_out,
     check_resume,
+    drafter_mismatch,
     interrupt_after_step,
     latest_checkpoint,
     load_state,
@@ -144,6 +146,11 @@ class TrainingArgs:
         default=None, metadata={"help": "Stop after this step, to resume later (default: run all --iters)."}
     )
     resume: bool = field(default=False, metadata={"help": "Continue from the checkpoint in --out."})
+    init_draft: str | None = field(
+        default=None,
+        metadata={"help": "Start from this drafter's weights (folder or hub id; its settings must match this "
+                          "run's) with a fresh optimizer, e.g. to train a shipped drafter further on new data."},
+    )
     cache_taps: bool = field(default=True, metadata={"help": "Keep each example's taps in memory."})
     compile: bool = field(default=True, metadata={"help": "Compile the training step with mx.compile."})
     seed: int = field(default=0, metadata={"help": "Seed for the drafter init and the data sampling."})
@@ -191,6 +198,8 @@ def _check_args(args: TrainingArgs) -> None:
         raise DFlashError(f"dtype={args.dtype!r} is not one of {', '.join(DTYPES)}.")
     if args.data is None:
         raise DFlashError("No training prompts: pass a JSONL file with --data.")
+    if args.resume and args.init_draft is not None:
+        raise DFlashError("--resume continues the run in --out; --init-draft starts a new one. Pass one of them.")
 
 
 def draft_config(target: nn.Module, tokenizer, args: TrainingArgs) -> dict:
@@ -317,13 +326,23 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
     # Built before the data step, so that bad drafter settings fail before it runs.
     config = None if args.data_only else draft_config(target, tokenizer, args)
     target_info = target_record(target_path)
+    init = None
     if checkpoint is not None:
         saved_state = json.loads((checkpoint[0] / "state.json").read_text())
         saved_config = read_config(checkpoint[1], "drafter")
         check_resume(out, saved_config, config, saved_state.get("target"), target_info)
         config = saved_config
-
-    return target, tokenizer, config, target_info
+    elif args.init_draft is not None and config is not None:
+        init_path = resolve(args.init_draft, what="drafter")
+        init = load_draft(init_path, num_target_layers=tgt.num_layers(target), dtype=args.dtype)
+        check_pair(target, init, tokenizer)
+        if (mismatch := drafter_mismatch(read_config(init_path, "drafter"), config)) is not None:
+            raise DFlashError(
+                f"--init-draft {args.init_draft} was trained with {mismatch[0]}, but this run asks for "
+                f"{mismatch[1]}. Pass {mismatch[0]} to start from it."
+            )
+        config = read_config(init_path, "drafter")
+    return target, tokenizer, config, target_info, init
 
 
 @dataclass
@@ -388,13 +407,16 @@ def _training_data(args: TrainingArgs, target: nn.Module, tokenizer, out: Path) 
     return _Data(train_ex, val_ex, eval_prompts)
 
 
-def _drafter_and_optimizer(args: TrainingArgs, config: dict, checkpoint) -> tuple:
-    """A fresh drafter from ``config``, or the checkpoint's with its optimizer state, step and
-    data RNG."""
+def _drafter_and_optimizer(args: TrainingArgs, config: dict, checkpoint, init: DraftModel | None) -> tuple:
+    """A fresh drafter from ``config`` (or ``init``, the --init-draft weights), or the
+    checkpoint's with its optimizer state, step and data RNG."""
     mx.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
     if checkpoint is not None:
         draft = load_draft(checkpoint[1], dtype=args.dtype)
+    elif init is not None:
+        draft = init
+        print(f"starting from the drafter {args.init_draft}", flush=True)
     else:
         draft = DraftModel(ModelArgs.from_dict(config))
         draft.set_dtype(DTYPES[args.dtype])
@@ -543,11 +565,11 @@ def train(args: TrainingArgs) -> DraftModel | None:
     _check_args(args)
     out = Path(args.out)
     checkpoint = check_out(out, args.resume, args.data_only)
-    target, tokenizer, config, target_info = _target_and_config(args, out, checkpoint)
+    target, tokenizer, config, target_info, init = _target_and_config(args, out, checkpoint)
     data = _training_data(args, target, tokenizer, out)
     if data is None:
         return None
-    draft, optimizer, start, rng = _drafter_and_optimizer(args, config, checkpoint)
+    draft, optimizer, start, rng = _drafter_and_optimizer(args, config, checkpoint, init)
     return _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data, config, target_info)
 
 

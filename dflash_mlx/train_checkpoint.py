@@ -134,9 +134,8 @@ def target_record(path: Path) -> dict:
     return {"path": str(path.resolve()), "config": read_config(path, "target")}
 
 
-def check_resume(out: Path, saved: dict, fresh: dict, saved_target: dict | None, target: dict) -> None:
-    """Refuse to resume with drafter settings or a target other than the checkpoint's."""
-    new_run = "to resume it, or start a new run with another --out"
+def drafter_mismatch(saved: dict, fresh: dict) -> tuple[str, str] | None:
+    """The first drafter setting (as flags: saved, asked for) in which two drafter configs differ."""
 
     def flags(name: str, value) -> str:
         if name == "--target-layer-ids":
@@ -158,10 +157,18 @@ def check_resume(out: Path, saved: dict, fresh: dict, saved_target: dict | None,
     ]
     for name, old, new in settings:
         if old is not None and old != new:
-            raise DFlashError(
-                f"The checkpoint in {out} was trained with {flags(name, old)}, but this run asks for "
-                f"{flags(name, new)}. Pass {flags(name, old)} {new_run}."
-            )
+            return flags(name, old), flags(name, new)
+    return None
+
+
+def check_resume(out: Path, saved: dict, fresh: dict, saved_target: dict | None, target: dict) -> None:
+    """Refuse to resume with drafter settings or a target other than the checkpoint's."""
+    new_run = "to resume it, or start a new run with another --out"
+    if (mismatch := drafter_mismatch(saved, fresh)) is not None:
+        old, new = mismatch
+        raise DFlashError(
+            f"The checkpoint in {out} was trained with {old}, but this run asks for {new}. Pass {old} {new_run}."
+        )
     if saved_target is None:
         return
     # A target folder moved since (another machine) is the same target if its config is.

@@ -506,3 +506,24 @@ def test_no_prompts_and_help(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "--blocks-per-seq" in capsys.readouterr().out
+
+
+def test_init_draft_starts_from_a_drafter_with_a_fresh_optimizer(setup, tmp_path):
+    root = setup[0]
+    first = train(_args(setup, tmp_path / "first", iters=6))
+    # A learning rate so small that the new run's weights stay the init's; a fresh init would not match.
+    again = train(_args(setup, tmp_path / "again", iters=1, warmup=1, learning_rate=1e-9,
+                        init_draft=str(tmp_path / "first")))  # fmt: skip
+    fresh = train(_args(setup, tmp_path / "fresh", iters=1, warmup=1, learning_rate=1e-9))
+    w = dict(tree_flatten(first.parameters()))
+    for name, value in tree_flatten(again.parameters()):
+        assert mx.allclose(value, w[name], atol=1e-6), name
+    assert not mx.allclose(dict(tree_flatten(fresh.parameters()))["fc.weight"], w["fc.weight"], atol=1e-3)
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["num_hidden_layers"] == 1
+    # Another shape, or both ways of starting at once: one line, before any training.
+    with pytest.raises(DFlashError, match=r"--init-draft .* was trained with --num-layers 1, but this run asks "
+                                          r"for --num-layers 2\. Pass --num-layers 1 to start from it\."):  # fmt: skip
+        train(_args(setup, tmp_path / "other", num_layers=2, init_draft=str(tmp_path / "first")))
+    with pytest.raises(DFlashError, match="Pass one of them"):
+        train(_args(setup, tmp_path / "first", resume=True, init_draft=str(tmp_path / "first")))
+    assert (root / "target").is_dir()
