@@ -506,3 +506,17 @@ def test_no_prompts_and_help(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0 and "--blocks-per-seq" in capsys.readouterr().out
+
+
+def test_preconditioned_fc_is_saved_folded_as_a_plain_drafter(setup, tmp_path):
+    out = tmp_path / "pre"
+    trained = train(_args(setup, out, iters=3, save_every=2))
+    saved = mx.load(str(out / "model.safetensors"))
+    assert "fc.scale" not in saved and type(trained.fc) is nn.Linear
+    assert mx.allclose(saved["fc.weight"], trained.fc.weight, atol=1e-6)
+    # The training-time form is kept for --resume, next to the optimizer state.
+    extra = mx.load(str(latest_checkpoint(out)[0] / "training_arrays.safetensors"))
+    assert mx.allclose(extra["fc.weight"] * extra["fc.scale"], saved["fc.weight"], atol=1e-6)
+    plain = train(_args(setup, tmp_path / "plain", iters=3, precondition_fc=False))
+    assert not (latest_checkpoint(tmp_path / "plain")[0] / "training_arrays.safetensors").exists()
+    assert type(plain.fc) is nn.Linear
