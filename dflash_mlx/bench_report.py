@@ -86,7 +86,18 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         lines += ["", f"Component times (ms){at}: AR step {1e3 * times['ar']:.2f}{own}"]
         for b in sorted(times["verify"]):
             d = times["draft"].get(b)
-            lines.append(f"- B={b}: verify {1e3 * times['verify'][b]:.2f}" + (f", draft {1e3 * d:.2f}" if d else ""))
+            line = f"- B={b}: verify {1e3 * times['verify'][b]:.2f}" + (f", draft {1e3 * d:.2f}" if d else "")
+            if b in times.get("rollback", {}):
+                by_k = sorted(times["rollback"][b].items())
+                line += (f", rollback {' / '.join(f'{1e3 * t:.2f}' for _, t in by_k)} "
+                         f"at k = {' / '.join(str(k) for k, _ in by_k)} accepted")  # fmt: skip
+            lines.append(line)
+        if times.get("rollback"):
+            lines += [
+                "",
+                "rollback: rewinding the target's recurrent state after a verify that accepted k drafts (a hybrid "
+                "target). The limit and loop eff. add each cycle's rollback, at the k it had, to t_draft + t_verify.",
+            ]
     return "\n".join(lines) + "\n"
 
 

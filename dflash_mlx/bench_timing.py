@@ -8,6 +8,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
+from . import hybrid
 from . import target as tgt
 from .backend import cpu_speedups
 from .generate import stream_generate
@@ -100,13 +101,22 @@ def median_run(results: list[tuple]) -> tuple[list[int], float, float, list[int]
 def component_times(model, draft, block_sizes: list[int], context: int = 64, repeats: int = 10) -> dict:
     """Seconds of one AR step, one verify pass of B tokens and one draft pass, at ``context``, and
     (``verify_by_size``) of a verify pass of every size up to the largest B: the fastest of
-    ``repeats``, since other work on the machine only ever slows a pass down."""
+    ``repeats``, since other work on the machine only ever slows a pass down.
+
+    On a hybrid target, also ``rollback[B][k]``: the rewind after a B-token verify pass that
+    accepted ``k`` drafts, at ``k`` in :func:`rollback_points`. The loop rewinds an attention
+    layer by lowering an offset, which costs nothing, so other targets have no ``rollback``.
+    """
     from .cache import make_cache
 
-    def timed(fn) -> float:
+    def timed(fn, setup=None) -> float:
+        if setup:
+            setup()
         fn()
         samples = []
         for _ in range(repeats):
+            if setup:
+                setup()
             tic = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - tic)
@@ -141,7 +151,38 @@ def component_times(model, draft, block_sizes: list[int], context: int = 64, rep
         if draft is not None:
             block = mx.array([[1] * draft.block_size])
             times["draft"][b] = timed(lambda: mx.eval(draft.propose(model, block, None, cache.draft, speedups)))
+    recurrent = [c for c in cache.target if isinstance(c, hybrid.RecurrentCache)]
+    if recurrent:
+
+        def rollback(b, k):
+            def verify():
+                # Back to `context` (through its checkpoint), then the pass the rewind undoes.
+                hybrid.trim_to(cache.target, context)
+                out, t = tgt.forward_with_taps(model, mx.array([[1] * b]), cache.target, taps_ids, speedups)
+                mx.eval(out, t, [c.state for c in cache.target])
+
+            def rewind():
+                # The loop's own rewind. It runs lazily inside the next pass there; evaluating the
+                # recurrent states alone here (not the K/V caches' views) times just its work.
+                cache.trim_target(b - 1 - k)
+                mx.eval([c.state for c in recurrent])
+
+            return rewind, verify
+
+        times["rollback"] = {b: {k: timed(*rollback(b, k)) for k in rollback_points(b)} for b in block_sizes}
     return times
+
+
+def rollback_points(block_size: int) -> list[int]:
+    """The accepted-draft counts ``k`` whose rollback :func:`component_times` measures.
+
+    A rollback restores the state from before the pass, then replays the ``k + 1`` kept tokens
+    through each linear attention layer (``RecurrentCache.trim``): its cost grows with ``k``,
+    and a cycle that keeps its whole block (``k = B - 1``) replays nothing. So: both ends of the
+    replay (0 and ``B - 2``), its middle, and the free case; ``bench_stats.mean_rollback``
+    interpolates between them for every cycle a run made.
+    """
+    return sorted({0, block_size // 2, max(block_size - 2, 0), block_size - 1})
 
 
 def fastest_times(a: dict, b: dict) -> dict:
@@ -151,4 +192,8 @@ def fastest_times(a: dict, b: dict) -> dict:
     out = {"context": a["context"], "ar": min(a["ar"], b["ar"])}
     for key in ("verify", "draft", "verify_by_size"):
         out[key] = {k: min(a[key][k], b[key][k]) for k in a.get(key, {})}
+    if "rollback" in a:
+        out["rollback"] = {
+            n: {k: min(t, b["rollback"][n][k]) for k, t in by_k.items()} for n, by_k in a["rollback"].items()
+        }
     return out

@@ -35,6 +35,7 @@ from . import target as tgt
 from .backend import cpu_speedups
 from .drafter import DraftModel, ModelArgs, default_target_layer_ids
 from .errors import DFlashError
+from .fc_scale import ScaledLinear, feature_scale, folded_fc
 from .generate import dflash_generate_step
 from .progress import Progress
 from .loading import (
@@ -55,6 +56,7 @@ from .train_checkpoint import (
     drafter_mismatch,
     interrupt_after_step,
     latest_checkpoint,
+    load_extra,
     load_state,
     save_checkpoint,
     target_record,
@@ -152,6 +154,11 @@ class TrainingArgs:
                           "run's) with a fresh optimizer, e.g. to train a shipped drafter further on new data."},
     )
     cache_taps: bool = field(default=True, metadata={"help": "Keep each example's taps in memory."})
+    precondition_fc: bool = field(
+        default=True,
+        metadata={"help": "Scale fc's outsized input features down while training (saved folded into fc, so the "
+                          "drafter is a plain one); speeds up learning on targets with massive activations."},
+    )
     compile: bool = field(default=True, metadata={"help": "Compile the training step with mx.compile."})
     seed: int = field(default=0, metadata={"help": "Seed for the drafter init and the data sampling."})
 
@@ -441,7 +448,8 @@ def _drafter_and_optimizer(args: TrainingArgs, config: dict, checkpoint, init: D
     return draft, optimizer, start, rng
 
 
-def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data, config, target_info):
+def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data, config, target_info,
+                resumed_from: Path | None = None):  # fmt: skip
     """The optimizer steps, with progress lines, evaluations and checkpoints."""
     B, mask_id, tap_ids = draft.block_size, draft.mask_token_id, draft.target_layer_ids
     train_ex, val_ex, eval_prompts = data.train, data.val, data.eval_prompts
@@ -477,6 +485,21 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
                     tap_cache[key] = taps
             parts.append(mx.pad(taps, [(0, 0), (0, L - taps.shape[1]), (0, 0)]))
         return mx.concatenate(parts, axis=1)
+
+    if args.precondition_fc:
+        saved = load_extra(resumed_from) if resumed_from is not None else {}
+        if "fc.weight" in saved:
+            draft.fc = ScaledLinear(saved["fc.weight"], saved["fc.scale"])
+        else:
+            # The scale comes from a few examples' taps: the outsized features are the target's own.
+            seqs = [(ex["prompt_ids"] + ex["response_ids"])[: args.max_seq_len] for ex in train_ex[:8]]
+            probe = [tgt.forward_with_taps(target, mx.array([ids]), [None] * n_layers, tap_ids)[1] for ids in seqs]
+            draft.fc = ScaledLinear.from_linear(draft.fc, feature_scale(probe))
+        mx.eval(draft.fc.parameters())
+
+    def training_arrays() -> dict:
+        fc = draft.fc
+        return {"fc.weight": fc.weight, "fc.scale": fc.scale} if isinstance(fc, ScaledLinear) else {}
 
     # The CPU kernels have exact gradients (custom VJPs), so training uses them too.
     loss_fn = partial(block_loss, draft, target, speedups=cpu_speedups(DTYPES[args.dtype]),
@@ -515,7 +538,11 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
     # ---- the loop ----
     out.mkdir(parents=True, exist_ok=True)
     tic, tokens_done, losses = time.perf_counter(), 0, []
-    save = partial(save_checkpoint, out, draft, config, optimizer, rng=rng, args=args, target=target_info)
+
+    def save(step: int) -> None:
+        extra = training_arrays()
+        with folded_fc(draft):
+            save_checkpoint(out, draft, config, optimizer, step, rng, args, target_info, extra=extra)
     last = min(args.iters, args.stop_at or args.iters)
     bar = Progress(args.iters, width=20, stream=sys.stdout)
     with open(out / "metrics.jsonl", "a") as metrics, interrupt_after_step() as interrupted:
@@ -544,6 +571,8 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
             if interrupted and step < last:
                 raise TrainingInterrupted(step, out)
     bar.close()
+    if isinstance(draft.fc, ScaledLinear):
+        draft.fc = draft.fc.folded()
     draft.eval()
     return draft
 
@@ -570,7 +599,9 @@ def train(args: TrainingArgs) -> DraftModel | None:
     if data is None:
         return None
     draft, optimizer, start, rng = _drafter_and_optimizer(args, config, checkpoint, init)
-    return _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data, config, target_info)
+    resumed_from = checkpoint[0] if checkpoint is not None else None
+    return _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data, config, target_info,
+                       resumed_from)  # fmt: skip
 
 
 _KEYS = ("blocks", "anchors", "starts", "labels", "weights")

@@ -49,13 +49,20 @@ def latest_checkpoint(out: Path) -> tuple[Path, Path] | None:
     return None
 
 
-def save_checkpoint(out, draft, config, optimizer, step, rng, args, target: dict | None = None) -> None:
+EXTRA_FILE = "training_arrays.safetensors"
+
+
+def save_checkpoint(
+    out, draft, config, optimizer, step, rng, args, target: dict | None = None, extra: dict | None = None
+) -> None:
     """The drafter plus what resuming needs: optimizer state, step and the data RNG.
 
     MLX's RNG only draws the initial weights, which the checkpoint holds; every later
     random choice (examples, anchors) comes from the saved numpy generator. The checkpoint
     is complete in a temporary folder before one rename makes it ``training_state/step-N``;
     then the drafter at the top of ``out`` is swapped for its own, and older checkpoints go.
+    ``extra`` arrays (the training-time form of weights the drafter holds folded) are kept
+    with it, for :func:`load_extra`.
     """
     states = out / STATE_DIR
     final = states / f"step-{step:08d}"
@@ -65,6 +72,8 @@ def save_checkpoint(out, draft, config, optimizer, step, rng, args, target: dict
         try:
             save_draft(draft, config, tmp / "draft")
             mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+            if extra:
+                mx.save_safetensors(str(tmp / EXTRA_FILE), extra)
             state = {"step": step, "numpy_rng": rng.bit_generator.state, "args": dataclasses.asdict(args)}
             (tmp / "state.json").write_text(json.dumps({**state, "target": target}))
             os.replace(tmp, final)
@@ -98,6 +107,12 @@ def load_state(state_dir: Path, optimizer) -> tuple[int, dict]:
     optimizer.state = tree_unflatten(list(arrays.items()))
     state = json.loads((state_dir / "state.json").read_text())
     return state["step"], state["numpy_rng"]
+
+
+def load_extra(state_dir: Path) -> dict:
+    """The ``extra`` arrays a checkpoint was saved with (empty if none)."""
+    file = state_dir / EXTRA_FILE
+    return mx.load(str(file)) if file.is_file() else {}
 
 
 def check_out(out: Path, resume: bool, data_only: bool = False) -> tuple[Path, Path] | None:

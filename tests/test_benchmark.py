@@ -83,6 +83,34 @@ def test_limit_uses_each_cycles_verify_size():
     assert row["efficiency"] == pytest.approx(0.9818, abs=1e-4)
 
 
+def test_limit_adds_each_cycles_rollback_on_a_hybrid_target():
+    from dflash_mlx.bench_report import markdown
+
+    results = [
+        RunResult("baseline", 1, 0, "code", 10, 100.0, 500.0, [1] * 9),
+        RunResult("dflash", 4, 0, "code", 10, 120.0, 500.0, [1, 2, 4, 3], verify_sizes=[4, 4, 4, 3]),
+    ]
+    # A rollback after a 4-token verify, timed at k = 0, 2 and 3 accepted drafts (3: nothing to trim).
+    times = {"ar": 0.01, "verify": {4: 0.012}, "draft": {4: 0.004}, "context": 20,
+             "verify_by_size": {1: 0.01, 2: 0.011, 3: 0.011, 4: 0.012},
+             "rollback": {4: {0: 0.001, 2: 0.002, 3: 0.0}}}  # fmt: skip
+    row = summarize(results, times)[1]
+    # By hand: the cycles' rollbacks are 1 ms (k = 0), 1.5 ms (k = 1, halfway to k = 2), 0 (all 4 kept)
+    # and 0 (all 3 of a shorter verify kept): 0.625 ms a cycle.
+    assert row["rollback"] == pytest.approx(0.000625)
+    # tau = 2.5 per 4 ms draft + 11.75 ms verify + 0.625 ms rollback, against 10 ms a token: 1.5267x
+    # (1.5873x if the rollback were left out).
+    assert row["limit"] == pytest.approx(1.5267, abs=1e-4)
+    assert row["loop_efficiency"] == pytest.approx(120.0 * 0.016375 / 2.5)
+    meta = {"machine": "m", "device": "d", "blas": "b", "mlx": "1", "mlx_lm": "1", "commit": "c", "date": "now"}
+    table = markdown([row], meta, times)
+    assert "- B=4: verify 12.00, draft 4.00, rollback 1.00 / 2.00 / 0.00 at k = 0 / 2 / 3 accepted" in table
+    # A dense target's times have no rollback: neither have its rows and its report.
+    del times["rollback"]
+    rows = summarize(results, times)
+    assert "rollback" not in rows[1] and "rollback" not in markdown(rows, meta, times)
+
+
 def test_fastest_times_keeps_the_faster_of_each_entry():
     a = {"context": 40, "ar": 0.010, "verify": {4: 0.02}, "draft": {4: 0.004}, "verify_by_size": {1: 0.010, 4: 0.02}}
     b = {"context": 40, "ar": 0.008, "verify": {4: 0.03}, "draft": {4: 0.003}, "verify_by_size": {1: 0.008, 4: 0.03}}
@@ -90,6 +118,8 @@ def test_fastest_times_keeps_the_faster_of_each_entry():
         "context": 40, "ar": 0.008, "verify": {4: 0.02}, "draft": {4: 0.003}, "verify_by_size": {1: 0.008, 4: 0.02}
     }
     assert fastest_times({}, {}) == {}
+    a["rollback"], b["rollback"] = {4: {0: 0.002, 2: 0.001}}, {4: {0: 0.001, 2: 0.003}}
+    assert fastest_times(a, b)["rollback"] == {4: {0: 0.001, 2: 0.001}}
 
 
 @pytest.fixture()

@@ -268,17 +268,25 @@ def test_convert_load_generate_chat(hf_targets, kind, tmp_path, capsys):
     fresh.close()
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_pytorch_reference_agrees_on_the_moe_target(hf_targets, pairs, block_size):
-    """The PyTorch reference (transformers target, PyTorch drafter) and ours, on qwen3_moe."""
-    from dflash_mlx.reference import load_reference, reference_generate
+def test_component_times_include_the_rollback(pairs):
+    """dflash-bench times the loop's own rewind of a hybrid target per block size, and its limit
+    counts it; a MoE target (attention only) has none to time."""
+    from dflash_mlx.bench_report import markdown
+    from dflash_mlx.bench_stats import physical_limit, summarize
+    from dflash_mlx.bench_timing import RunResult, component_times
 
-    model, draft, _ = pairs["qwen3_moe"]
-    target, ref_draft, _ = load_reference(hf_targets["qwen3_moe"][0], hf_targets["draft"][0], device="cpu")
-    prompt = _prompt(9)
-    ours, _ = run(model, draft, prompt, block_size=block_size, max_tokens=24)
-    theirs = reference_generate(prompt, target, ref_draft, block_size=block_size, max_tokens=24)
-    assert ours == theirs.tokens == reference(model, prompt, 24)
+    model, draft, _ = pairs["qwen3_5"]
+    times = component_times(model, draft, [4, 8], context=12, repeats=2)
+    assert {b: sorted(by_k) for b, by_k in times["rollback"].items()} == {4: [0, 2, 3], 8: [0, 4, 6, 7]}
+    assert all(t > 0 for by_k in times["rollback"].values() for t in by_k.values())
+    row = summarize([RunResult("dflash", 8, 0, "code", 10, 100.0, 500.0, [1, 8], verify_sizes=[8, 8])], times)[0]
+    t_rollback = (times["rollback"][8][0] + times["rollback"][8][7]) / 2
+    assert row["rollback"] == pytest.approx(t_rollback)
+    limit = physical_limit(4.5, times["ar"], times["draft"][8], times["verify"][8], t_rollback)
+    assert row["limit"] == pytest.approx(limit)
+    assert ", rollback " in markdown([row], {"machine": "m", "device": "d", "blas": "b", "mlx": "1", "mlx_lm": "1",
+                                             "commit": "c", "date": "now"}, times)  # fmt: skip
+    assert "rollback" not in component_times(*pairs["qwen3_moe"][:2], [4], context=12, repeats=1)
 
 
 def test_a_layer_layout_mlx_lm_would_not_build_is_refused(hf_targets, tmp_path):

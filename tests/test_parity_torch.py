@@ -1,6 +1,7 @@
 """Parity of the MLX port with the PyTorch reference and with transformers, in fp32.
 
-Both sides load the same checkpoint folders (tests/checkpoints.py). The reference runs on CUDA
+Both sides load the same checkpoint folders (tests/checkpoints.py; the MoE and hybrid targets
+from tests/hf_checkpoints.py, written by transformers' own classes). The reference runs on CUDA
 when available, else on CPU; MLX runs on its default device.
 """
 
@@ -17,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 import mlx.core as mx  # noqa: E402
 from checkpoints import HIDDEN, MASK_ID, VOCAB, write_draft  # noqa: E402
+from hf_checkpoints import write_hf_target  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from oracles import ScriptedDraft  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
@@ -36,7 +38,9 @@ from dflash_mlx.reference import (  # noqa: E402
 
 DEVICE = default_device()
 ATOL = 1e-4
-KINDS = ["qwen3-tied", "qwen3-untied", "llama"]
+DENSE = ["qwen3-tied", "qwen3-untied", "llama"]
+# A MoE target, and a hybrid one whose recurrent state the reference loop rolls back its own way.
+KINDS = DENSE + ["qwen3_moe", "qwen3_5"]
 MAX_TOKENS = 48
 
 
@@ -56,7 +60,10 @@ def dirs(pair_dirs, tmp_path_factory):
     """conftest's folders, plus a drafter made for blocks of 4 and drafters fitted to each target."""
     root = tmp_path_factory.mktemp("parity")
     write_draft(root / "draft4", block_size=4)
-    return {**pair_dirs, "draft16": pair_dirs["draft"], "draft4": root / "draft4", "root": root}
+    for kind in ("qwen3_moe", "qwen3_5"):
+        write_hf_target(root / kind, kind)
+    hf = {kind: root / kind for kind in ("qwen3_moe", "qwen3_5")}
+    return {**pair_dirs, **hf, "draft16": pair_dirs["draft"], "draft4": root / "draft4", "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +120,12 @@ def _max_diff(a, b) -> float:
     return float(np.abs(_numpy(a) - _numpy(b)).max())
 
 
+def _scaled_diff(a, b) -> float:
+    # Relative to b's largest entry where that exceeds 1: the MoE and hybrid targets' hidden
+    # states reach tens (their weights are scaled up so that greedy text varies).
+    return _max_diff(a, b) / max(1.0, float(np.abs(_numpy(b)).max()))
+
+
 def _tensor(x) -> torch.Tensor:
     return torch.as_tensor(np.asarray(x), device=DEVICE)
 
@@ -122,7 +135,8 @@ def _hf_greedy(target, prompt: list[int], max_tokens: int, stop: int | None = No
     config = GenerationConfig(
         do_sample=False,
         max_new_tokens=max_tokens,
-        eos_token_id=stop,
+        # [] stops on nothing; None would stop on the model's own EOS (the HF targets have one).
+        eos_token_id=[] if stop is None else stop,
         pad_token_id=0,
         **kwargs.pop("config", {}),
     )
@@ -142,7 +156,7 @@ def _ref_steps(prompt, target, draft, **kwargs) -> list[tuple]:
 # --- drafter and target parity ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", DENSE)  # the target lends the drafter only its embedding and head
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_drafter_logits_match(pairs, kind, block_size, record_property):
     model, draft, target, ref = pairs(kind, f"draft{block_size}")
@@ -188,17 +202,17 @@ def test_taps_match_hidden_states(pairs, kind, record_property):
         out = target(_tensor([prompt + more]), output_hidden_states=True)
 
     # Every tap, the last one included (transformers norms it, and so does forward_with_taps).
-    diffs = [_max_diff(taps[:, :, i], out.hidden_states[i + 1]) for i in range(n)]
-    diffs.append(_max_diff(logits, out.logits))
+    diffs = [_scaled_diff(taps[:, :, i], out.hidden_states[i + 1]) for i in range(n)]
+    diffs.append(_scaled_diff(logits, out.logits))
     assert max(diffs) <= ATOL, diffs
 
     # The reference's own taps, also in two calls with a cache, for the drafter's tap ids.
     ids = draft.target_layer_ids
-    pt_cache = DynamicCache()
+    pt_cache = DynamicCache(config=target.config)
     pt = [forward_with_taps(target, _tensor([c]), pt_cache, ids)[1] for c in (prompt, more)]
     mx_cache = make_prompt_cache(model)
     ml = [tgt.forward_with_taps(model, mx.array([c]), mx_cache, ids)[1] for c in (prompt, more)]
-    diffs += [_max_diff(a, b) for a, b in zip(ml, pt)]
+    diffs += [_scaled_diff(a, b) for a, b in zip(ml, pt)]
     assert max(diffs) <= ATOL, diffs
     record_property("max_abs_diff", max(diffs))
 
@@ -352,6 +366,12 @@ def test_transformers_dflash_matches(trained, kind, record_property):
         theirs = _hf_greedy(
             target, prompt, MAX_TOKENS, config={"speculation_type": "dflash"}, assistant_model=assistant
         )
+    except ValueError as e:
+        # Its loop crops the target's cache, which a recurrent state cannot do; the day it can,
+        # this test compares its tokens to ours.
+        if "stateful" not in str(e):
+            raise
+        pytest.skip(f"transformers {transformers.__version__} runs no DFlash on a hybrid target: {e}")
     finally:
         handle.remove()
     result = reference_generate(prompt, target, ref, max_tokens=MAX_TOKENS)

@@ -527,3 +527,17 @@ def test_init_draft_starts_from_a_drafter_with_a_fresh_optimizer(setup, tmp_path
     with pytest.raises(DFlashError, match="Pass one of them"):
         train(_args(setup, tmp_path / "first", resume=True, init_draft=str(tmp_path / "first")))
     assert (root / "target").is_dir()
+
+
+def test_preconditioned_fc_is_saved_folded_as_a_plain_drafter(setup, tmp_path):
+    out = tmp_path / "pre"
+    trained = train(_args(setup, out, iters=3, save_every=2))
+    saved = mx.load(str(out / "model.safetensors"))
+    assert "fc.scale" not in saved and type(trained.fc) is nn.Linear
+    assert mx.allclose(saved["fc.weight"], trained.fc.weight, atol=1e-6)
+    # The training-time form is kept for --resume, next to the optimizer state.
+    extra = mx.load(str(latest_checkpoint(out)[0] / "training_arrays.safetensors"))
+    assert mx.allclose(extra["fc.weight"] * extra["fc.scale"], saved["fc.weight"], atol=1e-6)
+    plain = train(_args(setup, tmp_path / "plain", iters=3, precondition_fc=False))
+    assert not (latest_checkpoint(tmp_path / "plain")[0] / "training_arrays.safetensors").exists()
+    assert type(plain.fc) is nn.Linear

@@ -42,7 +42,7 @@ def train_agreeing_draft(
     B, mask_id = draft.block_size, draft.mask_token_id
     with torch.no_grad():
         _, taps = forward_with_taps(
-            target, torch.tensor([sequence], device=device), DynamicCache(), draft.target_layer_ids
+            target, torch.tensor([sequence], device=device), DynamicCache(config=target.config), draft.target_layer_ids
         )
         embed = target.get_input_embeddings()
         head_weight = target.get_output_embeddings().weight.detach()

@@ -3,8 +3,14 @@
 Greedy only: it mirrors ``dflash_mlx.generate.dflash_generate_step`` step for step (same
 acceptance rule, same rollback, same handling of ``max_tokens`` and stop tokens), so the two
 can be compared token for token and cycle for cycle.
+
+A hybrid target (Qwen3.5: linear attention layers with a recurrent state) cannot crop its
+cache. There the loop copies the cache before each verify pass and, after a rejection, goes
+back to the copy and runs the target again over the kept tokens: slower than the MLX side's
+replay of the linear attention alone, and independent of it.
 """
 
+import copy
 from dataclasses import dataclass, field
 from typing import Generator, NamedTuple
 
@@ -110,7 +116,8 @@ def reference_generate_step(
             "load both with load_reference(..., device=...)."
         )
     tap_ids = draft.target_layer_ids if draft is not None else []
-    cache = DynamicCache()
+    # The config gives a hybrid target its linear attention layers' caches.
+    cache = DynamicCache(config=target.config)
     draft_cache = draft.make_cache() if draft is not None else None
 
     def _verify(tokens: list[int]) -> tuple[list[int], torch.Tensor | None]:
@@ -119,6 +126,8 @@ def reference_generate_step(
 
     # Taps of committed positions that the drafter has not seen yet.
     posterior, pending = _verify(ids)
+    # Known once the layers hold state: False when one of them is recurrent.
+    croppable = cache.is_croppable
     last = posterior[-1]
     yield ReferenceStep([last], 0, 0)
     generated, stopped = 1, last in stop_tokens
@@ -132,6 +141,7 @@ def reference_generate_step(
             block = [last] + [draft.mask_token_id] * (draft.block_size - 1)
             logits = draft.propose(target, torch.tensor([block], device=device), pending, draft_cache)
             drafted, pending = logits[0, :num_draft].argmax(dim=-1).tolist(), None
+        before = None if croppable else copy.deepcopy(cache)
         posterior, taps = _verify([last] + drafted)
 
         n = 0
@@ -142,9 +152,13 @@ def reference_generate_step(
             if tok in stop_tokens:
                 emitted, stopped = emitted[: j + 1], True
                 break
-        # Rollback: keep the target's K/V of [last, d1..d_(k-1)] for the k emitted tokens.
+        # Rollback: keep the target's state after [last, d1..d_(k-1)] for the k emitted tokens.
         if verify_size > len(emitted):
-            cache.crop(-(verify_size - len(emitted)))
+            if croppable:
+                cache.crop(-(verify_size - len(emitted)))
+            else:  # a recurrent state: the one from before the pass, then the kept tokens again
+                cache = before
+                _verify(([last] + drafted)[: len(emitted)])
         if taps is not None:
             kept = taps[:, : len(emitted)]
             pending = kept if pending is None else torch.cat([pending, kept], dim=1)

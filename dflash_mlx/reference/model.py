@@ -369,11 +369,13 @@ def load_reference(
     if draft is None:
         return target, None, tokenizer
     ref = load_draft(draft, device=device, dtype=dtype)
-    n_layers, a = config["num_hidden_layers"], ref.args
-    if a.hidden_size != config["hidden_size"]:
+    # Qwen3.5's checkpoints nest the language model's fields under text_config.
+    text = config.get("text_config") or config
+    n_layers, a = text["num_hidden_layers"], ref.args
+    if a.hidden_size != text["hidden_size"]:
         raise DFlashError(
             f"The drafter has hidden_size={a.hidden_size}, but the target has "
-            f"hidden_size={config['hidden_size']}. Pass the drafter trained for this target."
+            f"hidden_size={text['hidden_size']}. Pass the drafter trained for this target."
         )
     if not a.target_layer_ids or not all(0 <= i < n_layers for i in a.target_layer_ids):
         raise DFlashError(
