@@ -17,7 +17,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def embedded_pair_and_prompts(num_prompts: int) -> tuple:
-    """The embedded pair in fp32 and the first ``num_prompts`` of its held-out prompts."""
+    """The default pair in fp32 and the first ``num_prompts`` of its held-out prompts."""
     model, draft, tokenizer = load(dtype="float32")
     return model, draft, tokenizer, _prompt_rows(str(default_pair_path() / "prompts.jsonl"), num_prompts)
 
