@@ -68,7 +68,6 @@ from .train_data import (
     position_weights,
     read_prompts,
     render_prompt,
-    sequence_length,
     usable,
 )
 
@@ -343,12 +342,13 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
         init_path = resolve(args.init_draft, what="drafter")
         init = load_draft(init_path, num_target_layers=tgt.num_layers(target), dtype=args.dtype)
         check_pair(target, init, tokenizer)
-        if (mismatch := drafter_mismatch(read_config(init_path, "drafter"), config)) is not None:
+        init_config = read_config(init_path, "drafter")
+        if (mismatch := drafter_mismatch(init_config, config)) is not None:
             raise DFlashError(
                 f"--init-draft {args.init_draft} was trained with {mismatch[0]}, but this run asks for "
                 f"{mismatch[1]}. Pass {mismatch[0]} to start from it."
             )
-        config = read_config(init_path, "drafter")
+        config = init_config
     return target, tokenizer, config, target_info, init
 
 
@@ -468,23 +468,24 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
 
     n_layers, tap_cache = tgt.num_layers(target), {}
 
+    def example_taps(example: dict) -> mx.array:
+        """The taps ``(1, L, n_taps * H)`` of one example's (cut) sequence."""
+        taps = tap_cache.get(example["key"])
+        if taps is None:
+            # The frozen target runs once per example; its taps are constants here.
+            ids = (example["prompt_ids"] + example["response_ids"])[: args.max_seq_len]
+            _, taps = tgt.forward_with_taps(target, mx.array([ids]), [None] * n_layers, tap_ids)
+            taps = mx.stop_gradient(taps)
+            mx.eval(taps)
+            if args.cache_taps:
+                tap_cache[example["key"]] = taps
+        return taps
+
     def taps_for(batch: dict, examples: list[dict]) -> mx.array:
         """The packed taps ``(1, S * L, n_taps * H)`` of a batch, each sequence in its slot."""
-        S, L = batch["tokens"].shape
-        parts = []
-        for s, i in enumerate(batch["index"].tolist()):
-            key = examples[i]["key"]
-            taps = tap_cache.get(key)
-            if taps is None:
-                # The frozen target runs once per example; its taps are constants here.
-                ids = batch["tokens"][s : s + 1, : min(args.max_seq_len, sequence_length(examples[i]))]
-                _, taps = tgt.forward_with_taps(target, ids, [None] * n_layers, tap_ids)
-                taps = mx.stop_gradient(taps)
-                mx.eval(taps)
-                if args.cache_taps:
-                    tap_cache[key] = taps
-            parts.append(mx.pad(taps, [(0, 0), (0, L - taps.shape[1]), (0, 0)]))
-        return mx.concatenate(parts, axis=1)
+        L = batch["tokens"].shape[1]
+        parts = [example_taps(examples[i]) for i in batch["index"].tolist()]
+        return mx.concatenate([mx.pad(t, [(0, 0), (0, L - t.shape[1]), (0, 0)]) for t in parts], axis=1)
 
     if args.precondition_fc:
         saved = load_extra(resumed_from) if resumed_from is not None else {}
@@ -492,9 +493,7 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
             draft.fc = ScaledLinear(saved["fc.weight"], saved["fc.scale"])
         else:
             # The scale comes from a few examples' taps: the outsized features are the target's own.
-            seqs = [(ex["prompt_ids"] + ex["response_ids"])[: args.max_seq_len] for ex in train_ex[:8]]
-            probe = [tgt.forward_with_taps(target, mx.array([ids]), [None] * n_layers, tap_ids)[1] for ids in seqs]
-            draft.fc = ScaledLinear.from_linear(draft.fc, feature_scale(probe))
+            draft.fc = ScaledLinear.from_linear(draft.fc, feature_scale([example_taps(ex) for ex in train_ex[:8]]))
         mx.eval(draft.fc.parameters())
 
     def training_arrays() -> dict:
