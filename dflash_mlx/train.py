@@ -70,6 +70,7 @@ from .train_data import (
     render_prompt,
     usable,
 )
+from .train_taps import TapStore
 
 
 @dataclass
@@ -153,6 +154,18 @@ class TrainingArgs:
                           "run's) with a fresh optimizer, e.g. to train a shipped drafter further on new data."},
     )
     cache_taps: bool = field(default=True, metadata={"help": "Keep each example's taps in memory."})
+    tap_cache: str | None = field(
+        default=None,
+        metadata={"help": "Folder keeping each example's target features on disk (bfloat16), computed up front "
+                          "and reused by later runs on the same data and target (default: memory only)."},
+    )
+    logit_mse: float = field(
+        default=0.0,
+        metadata={"help": "Weight of a distillation term at every drafted position: the mean squared difference "
+                          "of the drafter's and the target's centred logits over the whole vocabulary, computed "
+                          "exactly in the hidden size (through the LM head's Gram matrix), so it costs almost "
+                          "nothing; with it a small --loss-positions is enough (0: off)."},
+    )
     precondition_fc: bool = field(
         default=True,
         metadata={"help": "Scale fc's outsized input features down while training (saved folded into fc, so the "
@@ -268,27 +281,70 @@ def block_mask(anchors: mx.array, starts: mx.array, context_len: int, block_size
     return mx.broadcast_to(mask[:, None, None, :], (nb, 1, block_size, context_len + block_size))
 
 
+def block_hidden(draft, target, taps, blocks, anchors, starts, speedups=None) -> mx.array:
+    """The drafter's last hidden states ``(nb, B, H)`` for many blocks over one packed context
+    ``taps``; each block row gets its own RoPE position (its anchor), as in inference."""
+    mask = block_mask(anchors, starts, taps.shape[1], blocks.shape[1])
+    return draft(tgt.embed(target, blocks), taps, mask=mask, block_offset=anchors, speedups=speedups)
+
+
 def block_logits(draft, target, taps, blocks, anchors, starts, speedups=None, positions=None) -> mx.array:
     """Draft logits ``(nb, positions, vocab)`` of many blocks over one packed context ``taps``:
     the first ``positions`` drafted positions (None: all ``B - 1``).
 
-    Each block row gets its own RoPE position (its anchor), as in inference. The whole block
-    goes through the drafter either way, so every position sees the block it sees at inference.
+    The whole block goes through the drafter either way, so every position sees the block
+    it sees at inference.
     """
-    mask = block_mask(anchors, starts, taps.shape[1], blocks.shape[1])
-    h = draft(tgt.embed(target, blocks), taps, mask=mask, block_offset=anchors, speedups=speedups)
+    h = block_hidden(draft, target, taps, blocks, anchors, starts, speedups)
     end = blocks.shape[1] if positions is None else 1 + positions
     return tgt.lm_head(target, h[:, 1:end])
 
 
 def block_loss(
-    draft, target, taps, blocks, anchors, starts, labels, weights, speedups=None, positions=None
-) -> mx.array:
-    """Weighted cross-entropy on the masked block positions (the first ``positions`` of them)."""
-    logits = block_logits(draft, target, taps, blocks, anchors, starts, speedups, positions).astype(mx.float32)
+    draft, target, taps, blocks, anchors, starts, labels, weights, speedups=None, positions=None,
+    last=None, gram=None, logit_mse=0.0,
+) -> mx.array:  # fmt: skip
+    """Weighted cross-entropy on the masked block positions (the first ``positions`` of them),
+    plus ``logit_mse`` times :func:`logit_error` at every position when it is positive
+    (``last``: the target's packed last hidden states, ``gram``: :func:`head_gram`)."""
+    h = block_hidden(draft, target, taps, blocks, anchors, starts, speedups)
+    end = blocks.shape[1] if positions is None else 1 + positions
+    logits = tgt.lm_head(target, h[:, 1:end]).astype(mx.float32)
     n = logits.shape[1]
     ce = nn.losses.cross_entropy(logits, labels[:, :n], reduction="none")
-    return (ce * weights[:, :n]).sum() / weights[:, :n].sum()
+    loss = (ce * weights[:, :n]).sum() / weights[:, :n].sum()
+    if logit_mse > 0:
+        loss = loss + logit_mse * logit_error(h[:, 1:], last, anchors, gram, weights)
+    return loss
+
+
+def head_gram(target: nn.Module) -> mx.array:
+    """``G = Wc^T Wc / V`` for the LM head ``W (V, H)`` with its mean row removed.
+
+    For hidden states ``h`` and ``h*``, ``(h - h*)^T G (h - h*)`` is the mean squared
+    difference of their logits over the vocabulary, each set shifted to mean zero (a shift
+    does not change the softmax): logit matching at the cost of an ``H x H`` product.
+    """
+    eye = mx.eye(tgt.hidden_size(target), dtype=mx.float32)
+    # The head applied to the identity is W^T, whatever form (tied, quantized) it has.
+    w = tgt.lm_head(target, eye.astype(tgt.compute_dtype(target))).astype(mx.float32)  # (H, V)
+    w = w - w.mean(axis=1, keepdims=True)
+    return mx.stop_gradient((w @ w.T) / w.shape[1])
+
+
+def logit_error(h: mx.array, last: mx.array, anchors: mx.array, gram: mx.array, weights: mx.array) -> mx.array:
+    """Weighted mean over the drafted positions of the centred logits' squared error
+    against the target's (see :func:`head_gram`).
+
+    Block position ``k`` drafts the token at ``anchor + k``, which the target predicted
+    from its last hidden state at ``anchor + k - 1``: row ``k - 1`` of ``h``. Positions past
+    a sequence's end have weight 0 (their index is clamped).
+    """
+    n = h.shape[1]
+    idx = mx.minimum(anchors[:, None] + mx.arange(n)[None], last.shape[1] - 1)
+    d = h.astype(mx.float32) - last[0][idx].astype(mx.float32)
+    err = ((d @ gram) * d).sum(axis=-1)
+    return (err * weights[:, :n]).sum() / weights[:, :n].sum()
 
 
 def _to_mx(batch: dict) -> dict:
@@ -466,26 +522,21 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
     val_rng = np.random.default_rng(args.seed + 1)
     val_batches = [make_batch(val_ex, val_rng, **batch_kwargs) for _ in range(2)] if val_ex else []
 
-    n_layers, tap_cache = tgt.num_layers(target), {}
+    store = TapStore(target, tap_ids, args.max_seq_len, folder=args.tap_cache, identity=target_info,
+                     keep=args.cache_taps)  # fmt: skip
+    if args.tap_cache is not None:
+        store.fill(train_ex + val_ex, stream=sys.stdout)
 
-    def example_taps(example: dict) -> mx.array:
-        """The taps ``(1, L, n_taps * H)`` of one example's (cut) sequence."""
-        taps = tap_cache.get(example["key"])
-        if taps is None:
-            # The frozen target runs once per example; its taps are constants here.
-            ids = (example["prompt_ids"] + example["response_ids"])[: args.max_seq_len]
-            _, taps = tgt.forward_with_taps(target, mx.array([ids]), [None] * n_layers, tap_ids)
-            taps = mx.stop_gradient(taps)
-            mx.eval(taps)
-            if args.cache_taps:
-                tap_cache[example["key"]] = taps
-        return taps
-
-    def taps_for(batch: dict, examples: list[dict]) -> mx.array:
-        """The packed taps ``(1, S * L, n_taps * H)`` of a batch, each sequence in its slot."""
+    def taps_for(batch: dict, examples: list[dict]) -> tuple[mx.array, mx.array]:
+        """The packed taps ``(1, S * L, n_taps * H)`` and last hidden states ``(1, S * L, H)``
+        of a batch, each sequence in its slot."""
         L = batch["tokens"].shape[1]
-        parts = [example_taps(examples[i]) for i in batch["index"].tolist()]
-        return mx.concatenate([mx.pad(t, [(0, 0), (0, L - t.shape[1]), (0, 0)]) for t in parts], axis=1)
+        parts = [store.get(examples[i]) for i in batch["index"].tolist()]
+
+        def packed(arrays):
+            return mx.concatenate([mx.pad(t, [(0, 0), (0, L - t.shape[1]), (0, 0)]) for t in arrays], axis=1)
+
+        return packed([t for t, _ in parts]), packed([h for _, h in parts])
 
     if args.precondition_fc:
         saved = load_extra(resumed_from) if resumed_from is not None else {}
@@ -493,7 +544,7 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
             draft.fc = ScaledLinear(saved["fc.weight"], saved["fc.scale"])
         else:
             # The scale comes from a few examples' taps: the outsized features are the target's own.
-            draft.fc = ScaledLinear.from_linear(draft.fc, feature_scale([example_taps(ex) for ex in train_ex[:8]]))
+            draft.fc = ScaledLinear.from_linear(draft.fc, feature_scale([store.get(ex)[0] for ex in train_ex[:8]]))
         mx.eval(draft.fc.parameters())
 
     def training_arrays() -> dict:
@@ -501,13 +552,14 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
         return {"fc.weight": fc.weight, "fc.scale": fc.scale} if isinstance(fc, ScaledLinear) else {}
 
     # The CPU kernels have exact gradients (custom VJPs), so training uses them too.
+    gram = head_gram(target) if args.logit_mse > 0 else None
     loss_fn = partial(block_loss, draft, target, speedups=cpu_speedups(DTYPES[args.dtype]),
-                      positions=args.loss_positions)  # fmt: skip
+                      positions=args.loss_positions, gram=gram, logit_mse=args.logit_mse)  # fmt: skip
     loss_and_grad = nn.value_and_grad(draft, loss_fn)
     state = [draft.state, optimizer.state]
 
-    def step_fn(taps, blocks, anchors, starts, labels, weights):
-        loss, grads = loss_and_grad(taps, blocks, anchors, starts, labels, weights)
+    def step_fn(taps, last, blocks, anchors, starts, labels, weights):
+        loss, grads = loss_and_grad(taps, blocks, anchors, starts, labels, weights, last=last)
         if args.grad_clip > 0:
             grads, _ = optim.clip_grad_norm(grads, args.grad_clip)
         optimizer.update(draft, grads)
@@ -518,10 +570,10 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
 
     def run_eval(step: int) -> dict:
         draft.eval()
-        val = [
-            loss_fn(taps_for(b, val_ex), *[b[k] for k in _KEYS]).item()
-            for b in map(_to_mx, val_batches)
-        ]
+        val = []
+        for b in map(_to_mx, val_batches):
+            taps, last = taps_for(b, val_ex)
+            val.append(loss_fn(taps, *[b[k] for k in _KEYS], last=last).item())
         mean, hist = evaluate_acceptance(target, draft, eval_prompts, args.eval_max_tokens, stop_tokens)
         draft.train()
         record = {
@@ -548,8 +600,8 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
         for it in range(start, last):
             optimizer.learning_rate = get_lr(it, args)
             batch = _to_mx(make_batch(train_ex, rng, **batch_kwargs))
-            taps = taps_for(batch, train_ex)
-            loss = step_fn(taps, *[batch[k] for k in _KEYS])
+            taps, last_hidden = taps_for(batch, train_ex)
+            loss = step_fn(taps, last_hidden, *[batch[k] for k in _KEYS])
             mx.eval(loss, state)
             losses.append(loss.item())
             tokens_done += int(batch["weights"].size)
