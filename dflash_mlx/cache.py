@@ -17,8 +17,72 @@ from .drafter import DraftModel
 from .errors import DFlashError
 
 
-def make_draft_cache(draft: nn.Module) -> list[KVCache]:
-    return [KVCache() for _ in draft.layers]
+class WindowedKVCache:
+    """A drafter context cache that keeps the first ``sinks`` positions and the latest
+    ``window`` ones, so a draft pass costs the same however long the conversation is.
+
+    The stored keys are positions ``[0, a) + [b, offset)``; ``offset`` counts every position
+    ever added (the RoPE position of the next one, as for mlx-lm's ``KVCache``). The
+    context only shapes the drafts, which the target verifies, so what the window drops
+    never changes the output.
+    """
+
+    def __init__(self, window: int, sinks: int = 4):
+        self.window, self.sinks = window, sinks
+        self.keys = self.values = None
+        self.offset = 0
+        self.a = self.b = 0  # stored: positions [0, a) and [b, offset)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.offset += keys.shape[2]
+        if self.keys is not None:
+            keys = mx.concatenate([self.keys, keys], axis=2)
+            values = mx.concatenate([self.values, values], axis=2)
+        # Stored contiguously from position 0 (b == a), the first entries are the sinks;
+        # else the first a are, and the gap after them is already gone.
+        lead = self.sinks if self.b == self.a else self.a
+        if keys.shape[2] > lead + self.window:
+            keys = mx.concatenate([keys[..., :lead, :], keys[..., -self.window :, :]], axis=2)
+            values = mx.concatenate([values[..., :lead, :], values[..., -self.window :, :]], axis=2)
+            self.a, self.b = lead, self.offset - self.window
+        self.keys, self.values = keys, values
+        return keys, values
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        return self.keys, self.values
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Forget the latest ``n`` positions (of those outside the window, nothing is left)."""
+        n = min(n, self.offset)
+        new = self.offset - n
+        if self.keys is not None:
+            if new >= self.b:
+                kept = self.keys.shape[2] - n
+            else:
+                kept = min(self.a, new)
+                self.a, self.b = kept, new
+            self.keys, self.values = self.keys[..., :kept, :], self.values[..., :kept, :]
+        self.offset = new
+        return n
+
+    @property
+    def stored(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def make_draft_cache(draft: nn.Module, window: int | None = None, sinks: int = 4) -> list:
+    """The drafter's per-layer context caches: all of the context, or with ``window``, the
+    first ``sinks`` positions and the latest ``window`` (:class:`WindowedKVCache`)."""
+    if window is None:
+        return [KVCache() for _ in draft.layers]
+    return [WindowedKVCache(window, sinks) for _ in draft.layers]
 
 
 @dataclass
@@ -102,15 +166,20 @@ class DFlashCache:
         return taps
 
 
-def make_cache(target: nn.Module, draft: nn.Module | None = None) -> DFlashCache:
+def make_cache(
+    target: nn.Module, draft: nn.Module | None = None, *, draft_window: int | None = None, draft_sinks: int = 4
+) -> DFlashCache:
     """A fresh cache for ``target`` (and ``draft`` if given).
 
     ``draft`` may also be any other proposer (prompt lookup): only a DFlash drafter keeps
-    a context cache of its own.
+    a context cache of its own: all of the target's taps, or with ``draft_window``, those of
+    the first ``draft_sinks`` positions and the latest ``draft_window`` ones.
 
     Raises:
-        DFlashError: If the target's cache cannot be rolled back (e.g. a rotating window).
+        DFlashError: If the target's cache cannot be rolled back (e.g. a rotating window),
+          or on a bad window.
     """
+    check_draft_window(draft_window, draft_sinks)
     if getattr(target, "model_type", None) in hybrid.HYBRID_MODEL_TYPES:
         target_cache = hybrid.make_cache(target)
     else:
@@ -121,4 +190,17 @@ def make_cache(target: nn.Module, draft: nn.Module | None = None) -> DFlashCache
             f"DFlash needs a trimmable target cache (got {sorted(types)}). "
             "Use a target with full attention layers."
         )
-    return DFlashCache(target_cache, make_draft_cache(draft) if isinstance(draft, DraftModel) else None)
+    if not isinstance(draft, DraftModel):
+        return DFlashCache(target_cache, None)
+    if draft_window is not None and any(layer.self_attn.window is not None for layer in draft.layers):
+        raise DFlashError(
+            "This drafter has sliding_attention layers with a window of their own; leave draft_window out."
+        )
+    return DFlashCache(target_cache, make_draft_cache(draft, draft_window, draft_sinks))
+
+
+def check_draft_window(window: int | None, sinks: int) -> None:
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise DFlashError(f"draft_window must be a positive number of positions, or None for all (got {window!r}).")
+    if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
+        raise DFlashError(f"draft_sinks must be a non-negative number of positions (got {sinks!r}).")

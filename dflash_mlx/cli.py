@@ -164,6 +164,19 @@ def add_cycle_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_window_arguments(parser: argparse.ArgumentParser) -> None:
+    """The drafter's context window (dflash-generate, dflash-bench)."""
+    parser.add_argument(
+        "--draft-window", type=int, action=InRange, low=1, default=None, metavar="N",
+        help="Let the drafter see the target's features of the latest N positions only (plus --draft-sinks), "
+        "so a draft pass costs the same at any context length; the output is the same (default: all).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--draft-sinks", type=int, action=InRange, low=0, default=4, metavar="N",
+        help="The leading positions --draft-window always keeps (default: 4).",
+    )  # fmt: skip
+
+
 def add_stop_tokens(tokenizer, tokens: list[str]) -> None:
     """Make each of ``tokens`` (a token's text or id) end generation, as mlx-lm's ``--extra-eos-token``.
 

@@ -18,7 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import target as tgt
 from .backend import CpuSpeedups
 from .backend import cpu_speedups as resolve_speedups
-from .cache import DFlashCache, make_cache
+from .cache import DFlashCache, check_draft_window, make_cache
 from .cli import (
     ArgumentParser,
     InRange,
@@ -26,6 +26,7 @@ from .cli import (
     add_decoding_arguments,
     add_model_arguments,
     add_stop_tokens,
+    add_window_arguments,
     block_size_problem,
     boolean_words,
     str2bool,
@@ -135,6 +136,8 @@ def dflash_generate_step(
     min_confidence: float = 0.0,
     lookup_fallback: int = 0,
     adaptive: bool | None = None,
+    draft_window: int | None = None,
+    draft_sinks: int = 4,
     seed: int | None = None,
     stop_tokens: set[int] | frozenset[int] = frozenset(),
     prompt_cache: DFlashCache | None = None,
@@ -181,6 +184,13 @@ def dflash_generate_step(
           timings, and so, when sampling, do the random draws: None (default) turns it on
           unless ``seed`` asks for reproducible output; False drafts every cycle, as in
           the paper.
+        draft_window: Let the drafter see the target's taps of only the first
+          ``draft_sinks`` positions and the latest ``draft_window`` ones, so that a draft pass
+          and the drafter's cache stay the same size however long the context grows. None
+          (default): all of them, as in the paper. The output is the same either way; the
+          drafts may differ. Ignored with a ``prompt_cache``, which keeps the window it was
+          made with (:func:`dflash_mlx.cache.make_cache`).
+        draft_sinks: The leading positions a ``draft_window`` always keeps.
         seed: Seed MLX's random generator first: the same seed gives the same output.
         stop_tokens: Generation ends right after the first of these, even mid-block.
         prompt_cache: A ``DFlashCache`` to continue from; its common prefix with
@@ -202,7 +212,11 @@ def dflash_generate_step(
     _check_cycle_settings(max_tokens, min_confidence, lookup_fallback, proposal)
     block_size = resolve_block_size(draft, block_size)
     sampler = None if is_greedy(sampler) else sampler
-    cache = prompt_cache if prompt_cache is not None else make_cache(model, draft)
+    if prompt_cache is None:
+        cache = make_cache(model, draft, draft_window=draft_window, draft_sinks=draft_sinks)
+    else:
+        check_draft_window(draft_window, draft_sinks)
+        cache = prompt_cache
     if isinstance(draft, DraftModel) and cache.draft is None:
         raise DFlashError(
             "The prompt cache was made without a drafter; make it with make_cache(model, draft)."
@@ -329,6 +343,8 @@ def stream_generate(
     min_confidence: float = 0.0,
     lookup_fallback: int = 0,
     adaptive: bool | None = None,
+    draft_window: int | None = None,
+    draft_sinks: int = 4,
     seed: int | None = None,
     prompt_cache: DFlashCache | None = None,
     prefill_step_size: int = 512,
@@ -352,6 +368,9 @@ def stream_generate(
           drafter misses its first draft (0: never); see :func:`dflash_generate_step`.
         adaptive: Decode plainly while drafting is measured slower than plain decoding
           (None: unless ``seed`` is given); see :func:`dflash_generate_step`.
+        draft_window: The drafter sees the taps of the first ``draft_sinks`` and the latest
+          ``draft_window`` positions only (None: all); see :func:`dflash_generate_step`.
+        draft_sinks: The leading positions a ``draft_window`` keeps.
         seed: Seed for sampling; the same seed gives the same output.
         prompt_cache: A ``DFlashCache`` to reuse across calls (multi-turn chat).
         prefill_step_size: Prompt tokens per prefill chunk.
@@ -385,6 +404,8 @@ def stream_generate(
         min_confidence=min_confidence,
         lookup_fallback=lookup_fallback,
         adaptive=adaptive,
+        draft_window=draft_window,
+        draft_sinks=draft_sinks,
         seed=seed,
         stop_tokens=stop_tokens,
         prompt_cache=prompt_cache,
@@ -486,6 +507,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     parser.add_argument("--prompt", "-p", default="Hello", help="The prompt ('-' reads stdin; default: 'Hello').")
     add_decoding_arguments(parser, max_tokens=256)
+    add_window_arguments(parser)
     parser.add_argument(
         "--top-p", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
         help="Nucleus sampling threshold (default: 0, off).",
@@ -608,6 +630,8 @@ def main(argv: list[str] | None = None) -> None:
             min_confidence=args.min_confidence,
             lookup_fallback=args.lookup_fallback,
             adaptive=args.adaptive,
+            draft_window=args.draft_window,
+            draft_sinks=args.draft_sinks,
             seed=args.seed,
             prompt_cache=cache,
         )
