@@ -67,8 +67,11 @@ def make_runner(
     method: str, model, draft, ar_draft, tokenizer, block_size: int, num_draft: int, max_tokens: int,
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
     lookup_fallback: int = DEFAULT_LOOKUP_FALLBACK,
+    draft_window: int | None = None,
+    draft_sinks: int = 4,
 ):
-    """A function ``prompt ids -> (ids, gen seconds, prompt seconds, acceptances)`` for one method."""
+    """A function ``prompt ids -> (ids, gen seconds, prompt seconds, acceptances)`` for one method;
+    the DFlash methods' drafter sees ``draft_window`` positions (None: all)."""
     if method in ("baseline", "mlx-spec"):
         from mlx_lm.generate import stream_generate as mlx_lm_stream
 
@@ -85,6 +88,7 @@ def make_runner(
         stream_generate(
             model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=block_size, min_confidence=cutoff,
             lookup_fallback=fallback, adaptive=False,  # each method as published: a draft every cycle
+            draft_window=draft_window if method != "lookup" else None, draft_sinks=draft_sinks,
         ),
         lambda r: r.tokens,
     )
@@ -98,7 +102,10 @@ def median_run(results: list[tuple]) -> tuple[list[int], float, float, list[int]
     return out, gen, first, accept, sizes
 
 
-def component_times(model, draft, block_sizes: list[int], context: int = 64, repeats: int = 10) -> dict:
+def component_times(
+    model, draft, block_sizes: list[int], context: int = 64, repeats: int = 10,
+    draft_window: int | None = None, draft_sinks: int = 4,
+) -> dict:  # fmt: skip
     """Seconds of one AR step, one verify pass of B tokens and one draft pass, at ``context``, and
     (``verify_by_size``) of a verify pass of every size up to the largest B: the fastest of
     ``repeats``, since other work on the machine only ever slows a pass down.
@@ -122,7 +129,7 @@ def component_times(model, draft, block_sizes: list[int], context: int = 64, rep
             samples.append(time.perf_counter() - tic)
         return min(samples)
 
-    cache = make_cache(model, draft)
+    cache = make_cache(model, draft, draft_window=draft_window, draft_sinks=draft_sinks)
     prompt = mx.array([[1] * context])
     taps_ids = draft.target_layer_ids if draft is not None else []
     # The passes as the loop runs them, with the same CPU speedups.

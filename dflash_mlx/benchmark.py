@@ -32,7 +32,8 @@ from .bench_timing import (
 )
 from .blas import cpu_flags, find_openblas, openblas_core, preload_env, read_cpuinfo
 from .chat_template import has_chat_template, render_chat
-from .cli import DTYPE_CHOICES, ArgumentParser, InRange, block_size_problem
+from .bench_context import parse_lengths
+from .cli import DTYPE_CHOICES, ArgumentParser, InRange, add_window_arguments, block_size_problem
 from .errors import DFlashError
 
 
@@ -67,6 +68,8 @@ def _prompt_rows(prompts: str, limit: int | None) -> list[dict]:
 
 
 def encode(tokenizer, row: dict) -> list[int]:
+    if "ids" in row:  # long-context rows come encoded (bench_context)
+        return row["ids"]
     messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
     if has_chat_template(tokenizer) and not row.get("raw", False):
         return render_chat(tokenizer, messages)
@@ -122,13 +125,22 @@ def run_benchmark(
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
     lookup_fallback: int = DEFAULT_LOOKUP_FALLBACK,
     dtype: str | None = "float32",
+    context: list[int] | None = None,
+    documents: str | None = None,
+    draft_window: int | None = None,
+    draft_sinks: int = 4,
     progress: bool = True,
 ) -> dict:
     """Run the methods on the prompts and return ``{"meta", "times", "rows", "runs"}``.
 
     ``methods=None`` runs every method that applies: mlx-spec only with an AR draft to use
-    (``ar_draft``, or the embedded pair's own).
+    (``ar_draft``, or the embedded pair's own). With ``context`` (prompt lengths in tokens),
+    the prompts are ``documents`` cut to each length (:mod:`dflash_mlx.bench_context`), each
+    length a category of its own with its own component times (``times_by_category``).
+    ``draft_window`` / ``draft_sinks``: the drafter's context window of the DFlash methods.
     """
+    from .bench_context import context_rows, label, load_documents
+    from .cache import check_draft_window
     from .loading import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair, load
 
     if runs < 1 or max_tokens < 1:
@@ -139,6 +151,7 @@ def run_benchmark(
         raise DFlashError(f"--min-confidence must be in (0, 1] (got {min_confidence}).")
     if lookup_fallback < 1:
         raise DFlashError(f"--lookup-fallback must be at least 1 (got {lookup_fallback}).")
+    check_draft_window(draft_window, draft_sinks)
     pair_name = (model or DEFAULT_PAIR) if is_embedded_pair(model) else None
     pair = embedded_pair_path(pair_name or DEFAULT_PAIR)
     ar_path = ar_draft or (str(pair / "ar-draft") if pair_name else None)
@@ -159,13 +172,33 @@ def run_benchmark(
             if problem := block_size_problem(b, drafter.block_size, flag="--block-sizes"):
                 raise DFlashError(problem)
     ar = _load_ar_draft(ar_path, given=ar_draft is not None, dtype=dtype) if "mlx-spec" in methods else None
-    rows_in = _prompt_rows(prompts or str(pair / "prompts.jsonl"), num_prompts)
+    window = {"draft_window": draft_window, "draft_sinks": draft_sinks}
+    if context:
+        limit = getattr(target.args, "max_position_embeddings", None)
+        if limit and max(context) + max_tokens > limit:
+            raise DFlashError(
+                f"--context {label(max(context))} plus --max-tokens {max_tokens} is more than the target's "
+                f"{limit}-token context; pass shorter lengths or fewer tokens."
+            )
+        docs = load_documents(Path(documents) if documents else pair / "long_context.jsonl")
+        rows_in = context_rows(tokenizer, docs[:num_prompts] if num_prompts else docs, list(context))
+    else:
+        rows_in = _prompt_rows(prompts or str(pair / "prompts.jsonl"), num_prompts)
     # Attention grows with the context, and more for a B-token verify than for one token: time
     # the components at the mean context of a generated token (prompt + half the new tokens).
     # They are timed before and after the runs; the faster of the two is kept.
-    context = max(1, round(statistics.mean(len(encode(tokenizer, row)) for row in rows_in) + max_tokens / 2))
+    mean_context = max(1, round(statistics.mean(len(encode(tokenizer, row)) for row in rows_in) + max_tokens / 2))
     tic = time.perf_counter()
-    first_times = component_times(target, drafter, list(block_sizes), context=context) if drafter is not None else {}
+    first_times = (
+        component_times(target, drafter, list(block_sizes), context=mean_context, **window)
+        if drafter is not None else {}
+    )  # fmt: skip
+    # Each context length's own passes, once (a pass at 7k tokens is slow enough to time few times).
+    times_by_category = {
+        label(n): component_times(target, drafter, list(block_sizes), context=n + max_tokens // 2, repeats=3,
+                                  **window)  # fmt: skip
+        for n in (context or []) if drafter is not None
+    }
     timing_seconds = time.perf_counter() - tic  # the component times are taken again at the end
     plan = [(m, b) for m in methods for b in (block_sizes if m in (*DFLASH_METHODS, "lookup") else (1,))]
     if progress:
@@ -176,7 +209,7 @@ def run_benchmark(
               f"{1e3 * step:.1f} ms plain step, and {timing_seconds:.0f} s of component timing)", file=sys.stderr)
     runners = {
         (m, b): make_runner(m, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
-                            min_confidence, lookup_fallback)
+                            min_confidence, lookup_fallback, **window)
         for m, b in plan
     }  # fmt: skip
     results, total, done, start = [], len(plan) * len(rows_in) * runs, 0, time.perf_counter()
@@ -210,23 +243,38 @@ def run_benchmark(
             )
     if progress:
         print(file=sys.stderr)
-    times = component_times(target, drafter, list(block_sizes), context=context) if drafter is not None else {}
+    times = (
+        component_times(target, drafter, list(block_sizes), context=mean_context, **window)
+        if drafter is not None else {}
+    )  # fmt: skip
     times = fastest_times(first_times, times)
-    categories = sorted({r.category for r in results})
-    by_category = {c: summarize([r for r in results if r.category == c], times) for c in categories}
+    categories = list(dict.fromkeys(r.category for r in results)) if context else sorted({r.category for r in results})
+    by_category = {
+        c: summarize([r for r in results if r.category == c], times_by_category.get(c, times)) for c in categories
+    }
     return {
         "meta": {**stamp(), "max_tokens": max_tokens, "runs": runs, "prompts": len(rows_in), "dtype": dtype,
                  "model": f"{pair_name} (embedded)" if pair_name else model,
                  "draft": draft or (f"{pair_name} drafter (embedded)" if pair_name else None),
                  "ar_draft": ar_path if "mlx-spec" in methods else None,
-                 "prompt_set": prompts or f"{pair_name or DEFAULT_PAIR} held-out prompts (embedded)",
-                 "min_confidence": min_confidence, "lookup_fallback": lookup_fallback},
+                 "prompt_set": (documents or f"{pair_name or DEFAULT_PAIR} long-context documents (embedded)")
+                 if context else prompts or f"{pair_name or DEFAULT_PAIR} held-out prompts (embedded)",
+                 "min_confidence": min_confidence, "lookup_fallback": lookup_fallback,
+                 "context": [label(n) for n in context] if context else None, **window},
         "times": times,
+        "times_by_category": times_by_category,
         "rows": summarize(results, times),
         "mismatches": mismatches,
         "by_category": by_category if len(categories) > 1 else {},
         "runs": [asdict(r) for r in results],
     }
+
+
+def _lengths(spec: str) -> list[int]:
+    try:
+        return parse_lengths(spec)
+    except DFlashError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -240,7 +288,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="JSONL prompts, or prompt sets from the hub: gsm8k, math500, humaneval, mbpp, mt-bench "
         "(comma-separated). Default: the embedded pair's held-out prompts.",
     )
-    p.add_argument("--num-prompts", type=int, default=None, help="Use only the first N prompts.")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="Use only the first N prompts (with --context: the first N documents).")
+    p.add_argument("--context", type=_lengths, default=None, metavar="LENGTHS",
+                   help="Long-context mode: prompts of these lengths in tokens (e.g. 1k,2k,4k,7k; k = 1024), each a "
+                   "document cut to fit and a question after it, with tau, speedup, prefill tok/s, peak memory and "
+                   "the passes' times per length.")
+    p.add_argument("--documents", default=None,
+                   help="JSONL documents for --context ('document', 'question'; default: the embedded pair's).")
+    add_window_arguments(p)
     p.add_argument("--max-tokens", type=int, action=InRange, low=1, default=128,
                    help="Most tokens per prompt and run (default: 128).")
     p.add_argument("--block-sizes", type=int, nargs="+", action=InRange, low=1, default=[4, 8, 16],
@@ -346,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
             num_draft_tokens=args.num_draft_tokens, runs=args.runs,
             methods=tuple(args.methods) if args.methods else None,
             min_confidence=args.min_confidence, lookup_fallback=args.lookup_fallback, dtype=args.dtype,
+            context=args.context, documents=args.documents, draft_window=args.draft_window,
+            draft_sinks=args.draft_sinks,
         )
     except DFlashError as e:
         print(f"dflash-bench: error: {e}", file=sys.stderr)
@@ -354,7 +412,8 @@ def main(argv: list[str] | None = None) -> None:
     if result["mismatches"]:
         table += "\nOutputs that differ from the first method's (not lossless): " + ", ".join(result["mismatches"]) + "\n"
     for category, rows in result["by_category"].items():
-        table += f"\n### {category}\n\n" + "\n".join(markdown(rows, result["meta"], {}).splitlines()[2:]) + "\n"
+        own = result["times_by_category"].get(category, {})
+        table += f"\n### {category}\n\n" + "\n".join(markdown(rows, result["meta"], own).splitlines()[2:]) + "\n"
     print(table)
     if args.markdown:
         _write_text(args.markdown, table)
