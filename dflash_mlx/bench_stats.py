@@ -6,7 +6,7 @@ import statistics
 from .bench_timing import DFLASH_METHODS, METHODS, RunResult
 
 # Those whose every cycle is one drafter pass and one verify, so the physical limit applies.
-LIMIT_METHODS = ("dflash", "dflash-cut")
+LIMIT_METHODS = ("dflash", "dflash-cut", "dflash-auto")
 
 
 def physical_limit(tau: float, t_ar: float, t_draft: float, t_verify: float, t_rollback: float = 0.0) -> float:

@@ -14,10 +14,11 @@ from .backend import cpu_speedups
 from .generate import stream_generate
 from .lookup import PromptLookup
 
-METHODS = ("baseline", "mlx-spec", "lookup", "dflash", "dflash-cut", "dflash-fallback")
-# DFlash methods: the paper's fixed block, the block cut at the drafter's first unsure draft, and
-# the fixed block with prompt-lookup cycles after the drafter's first-draft misses.
-DFLASH_METHODS = ("dflash", "dflash-cut", "dflash-fallback")
+METHODS = ("baseline", "mlx-spec", "lookup", "dflash", "dflash-cut", "dflash-fallback", "dflash-auto")
+# DFlash methods: the paper's fixed block, the block cut at the drafter's first unsure draft,
+# the fixed block with prompt-lookup cycles after the drafter's first-draft misses, and
+# block_size="auto" (up to the largest block size: each cycle's width chosen from the passes' costs).
+DFLASH_METHODS = ("dflash", "dflash-cut", "dflash-fallback", "dflash-auto")
 DEFAULT_MIN_CONFIDENCE = 0.5  # dflash-cut's cutoff
 DEFAULT_LOOKUP_FALLBACK = 4  # dflash-fallback's most lookup cycles in a row
 
@@ -84,9 +85,10 @@ def make_runner(
     proposer = PromptLookup(block_size) if method == "lookup" else draft
     cutoff = min_confidence if method == "dflash-cut" else 0.0
     fallback = lookup_fallback if method == "dflash-fallback" else 0
+    width = "auto" if method == "dflash-auto" else block_size
     return lambda ids: _time_stream(
         stream_generate(
-            model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=block_size, min_confidence=cutoff,
+            model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=width, min_confidence=cutoff,
             lookup_fallback=fallback, adaptive=False,  # each method as published: a draft every cycle
             draft_window=draft_window if method != "lookup" else None, draft_sinks=draft_sinks,
         ),

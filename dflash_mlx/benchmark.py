@@ -141,6 +141,7 @@ def run_benchmark(
     """
     from .bench_context import context_rows, label, load_documents
     from .cache import check_draft_window
+    from .hybrid import HYBRID_MODEL_TYPES
     from .loading import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair, load
 
     if runs < 1 or max_tokens < 1:
@@ -155,6 +156,7 @@ def run_benchmark(
     pair_name = (model or DEFAULT_PAIR) if is_embedded_pair(model) else None
     pair = embedded_pair_path(pair_name or DEFAULT_PAIR)
     ar_path = ar_draft or (str(pair / "ar-draft") if pair_name else None)
+    defaults = methods is None
     if methods is None:
         has_ar = ar_draft is not None or (ar_path is not None and Path(ar_path).is_dir())
         methods = tuple(m for m in METHODS if m != "mlx-spec" or has_ar)
@@ -172,6 +174,10 @@ def run_benchmark(
             if problem := block_size_problem(b, drafter.block_size, flag="--block-sizes"):
                 raise DFlashError(problem)
     ar = _load_ar_draft(ar_path, given=ar_draft is not None, dtype=dtype) if "mlx-spec" in methods else None
+    if defaults and getattr(target, "model_type", None) in HYBRID_MODEL_TYPES:
+        methods = tuple(m for m in methods if m != "dflash-auto")  # auto times passes it cannot trim cheaply
+    # The verify passes of every width a method may run: dflash-auto's go up to the drafter's block size.
+    timed_sizes = sorted(set(block_sizes) | ({drafter.block_size} if drafter and "dflash-auto" in methods else set()))
     window = {"draft_window": draft_window, "draft_sinks": draft_sinks}
     if context:
         limit = getattr(target.args, "max_position_embeddings", None)
@@ -190,17 +196,23 @@ def run_benchmark(
     mean_context = max(1, round(statistics.mean(len(encode(tokenizer, row)) for row in rows_in) + max_tokens / 2))
     tic = time.perf_counter()
     first_times = (
-        component_times(target, drafter, list(block_sizes), context=mean_context, **window)
+        component_times(target, drafter, timed_sizes, context=mean_context, **window)
         if drafter is not None else {}
     )  # fmt: skip
     # Each context length's own passes, once (a pass at 7k tokens is slow enough to time few times).
     times_by_category = {
-        label(n): component_times(target, drafter, list(block_sizes), context=n + max_tokens // 2, repeats=3,
+        label(n): component_times(target, drafter, timed_sizes, context=n + max_tokens // 2, repeats=3,
                                   **window)  # fmt: skip
         for n in (context or []) if drafter is not None
     }
     timing_seconds = time.perf_counter() - tic  # the component times are taken again at the end
-    plan = [(m, b) for m in methods for b in (block_sizes if m in (*DFLASH_METHODS, "lookup") else (1,))]
+    def sizes(m: str) -> tuple[int, ...]:
+        # dflash-auto picks each cycle's width up to the drafter's block size.
+        if m == "dflash-auto":
+            return (drafter.block_size,)
+        return block_sizes if m in (*DFLASH_METHODS, "lookup") else (1,)
+
+    plan = [(m, b) for m in methods for b in sizes(m)]
     if progress:
         step = first_times.get("ar") or component_times(target, None, [1], context=context, repeats=3)["ar"]
         seconds = estimate_seconds(len(rows_in), len(plan), runs, max_tokens, step) + timing_seconds
@@ -244,7 +256,7 @@ def run_benchmark(
     if progress:
         print(file=sys.stderr)
     times = (
-        component_times(target, drafter, list(block_sizes), context=mean_context, **window)
+        component_times(target, drafter, timed_sizes, context=mean_context, **window)
         if drafter is not None else {}
     )  # fmt: skip
     times = fastest_times(first_times, times)

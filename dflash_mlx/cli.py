@@ -46,6 +46,8 @@ class InRange(argparse.Action):
         return f"at most {self.high:g}"
 
     def ok(self, value) -> bool:
+        if isinstance(value, str):  # a word the flag's type lets through ("auto")
+            return True
         if isinstance(value, float) and math.isnan(value):
             return False
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
@@ -93,11 +95,26 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def block_size_problem(block_size: int | None, trained: int | None, flag: str = "--block-size") -> str | None:
+def block_size_arg(text: str) -> int | str:
+    """A block size on the command line: an integer, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a block size: pass an integer or 'auto'.") from None
+
+
+def block_size_problem(block_size: int | str | None, trained: int | None, flag: str = "--block-size") -> str | None:
     """Why ``block_size`` does not suit the loaded drafter (``trained`` is its block size, None
     without a drafter), or None if it does. Checked after loading, since only the drafter knows."""
     if block_size is None:
         return None
+    if block_size == "auto":
+        return None if trained is not None else (
+            f"{flag} auto chooses how many drafts to verify, but no drafter is loaded. Pass --draft, or a "
+            "fixed block size."
+        )
     if trained is None:
         if block_size == 1:
             return None
@@ -132,8 +149,10 @@ def add_decoding_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
         help=f"Most tokens to generate (default: {max_tokens}).",
     )  # fmt: skip
     parser.add_argument(
-        "--block-size", type=int, action=InRange, low=1, default=None,
-        help="Tokens verified per cycle, 1 to the drafter's block size (default: the drafter's).",
+        "--block-size", type=block_size_arg, action=InRange, low=1, default=None,
+        help="Tokens verified per cycle, 1 to the drafter's block size (default: the drafter's), or 'auto': "
+        "each cycle the number of drafts that gives the most tokens per second, from verify costs measured "
+        "once per machine, model and context length and the drafter's confidences.",
     )  # fmt: skip
     parser.add_argument(
         "--temp", type=float, action=InRange, low=0.0, high=MAX_TEMP, default=0.0,

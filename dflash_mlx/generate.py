@@ -18,6 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import target as tgt
 from .backend import CpuSpeedups
 from .backend import cpu_speedups as resolve_speedups
+from .auto_block import AutoWidth
 from .cache import DFlashCache, check_draft_window, make_cache
 from .cli import (
     ArgumentParser,
@@ -62,8 +63,14 @@ class StepOutput(NamedTuple):
     draft_tps: float | None = None
 
 
-def resolve_block_size(draft: nn.Module | None, block_size: int | None) -> int:
-    """Check ``block_size`` against the drafter; None means the drafter's trained size."""
+def resolve_block_size(draft: nn.Module | None, block_size: int | str | None) -> int:
+    """Check ``block_size`` against the drafter; None and ``"auto"`` mean the drafter's trained
+    size (``"auto"`` verifies a chosen prefix of it each cycle)."""
+    if block_size == "auto":
+        if not isinstance(draft, DraftModel):
+            raise DFlashError("block_size='auto' chooses how many of a DFlash drafter's drafts to verify: "
+                              "pass a DFlash drafter, or a fixed block size.")  # fmt: skip
+        return draft.block_size
     if draft is None:
         if block_size not in (None, 1):
             raise DFlashError(
@@ -106,7 +113,9 @@ def _check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallbac
         raise DFlashError(f"lookup_fallback must be a non-negative integer of cycles (got {lookup_fallback!r}).")
 
 
-def _make_proposer(model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, adaptive, speedups):
+def _make_proposer(
+    model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, adaptive, speedups, auto=False
+):  # fmt: skip
     # None for plain decoding; prompt lookup alone; the drafter, with the lookup fallback,
     # paused while it loses to plain decoding.
     if draft is None:
@@ -114,8 +123,10 @@ def _make_proposer(model, draft, cache, *, sampler, proposal, min_confidence, lo
     if isinstance(draft, PromptLookup):
         return LookupProposer(draft, cache.tokens)
     sample = proposal == "sample" and can_sample_proposals(sampler)
+    width = AutoWidth(model, draft, cache, speedups) if auto else None
     drafter = DFlashProposer(
-        model, draft, cache, sampler=sampler if sample else None, min_confidence=min_confidence, speedups=speedups
+        model, draft, cache, sampler=sampler if sample else None, min_confidence=min_confidence, speedups=speedups,
+        width=width,
     )
     if lookup_fallback:
         lookup = LookupProposer(PromptLookup(draft.block_size), cache.tokens)
@@ -128,7 +139,7 @@ def dflash_generate_step(
     model: nn.Module,
     draft: DraftModel | PromptLookup | None,
     *,
-    block_size: int | None = None,
+    block_size: int | str | None = None,
     max_tokens: int = 256,
     sampler: Sampler | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
@@ -155,7 +166,11 @@ def dflash_generate_step(
         model: The target, an mlx-lm model.
         draft: The DFlash drafter; a :class:`dflash_mlx.lookup.PromptLookup` to draft by
           prompt lookup alone; or None for plain decoding.
-        block_size: Tokens verified per cycle, 1..drafter's trained size (default).
+        block_size: Tokens verified per cycle, 1..drafter's trained size (default), or
+          ``"auto"``: each cycle, the number of drafts that gives the most tokens per second,
+          from the measured cost of verify passes of each width at this context (kept on disk,
+          :mod:`dflash_mlx.auto_block`) and the drafter's confidences, scaled by how often they
+          were right so far. Same output either way.
         max_tokens: The most tokens to generate.
         sampler: ``logprobs -> token ids``: :func:`dflash_mlx.sampling.make_sampler` or any
           mlx-lm sampler. Greedy when None.
@@ -210,6 +225,9 @@ def dflash_generate_step(
     """
     ids = _prompt_ids(prompt)
     _check_cycle_settings(max_tokens, min_confidence, lookup_fallback, proposal)
+    auto = block_size == "auto"
+    if auto and min_confidence > 0:
+        raise DFlashError("block_size='auto' chooses each cycle's drafts itself; leave min_confidence at 0.")
     block_size = resolve_block_size(draft, block_size)
     sampler = None if is_greedy(sampler) else sampler
     if prompt_cache is None:
@@ -225,7 +243,7 @@ def dflash_generate_step(
     adaptive = seed is None if adaptive is None else adaptive
     proposer = _make_proposer(
         model, draft, cache, sampler=sampler, proposal=proposal, min_confidence=min_confidence,
-        lookup_fallback=lookup_fallback, adaptive=adaptive, speedups=speedups,
+        lookup_fallback=lookup_fallback, adaptive=adaptive, speedups=speedups, auto=auto,
     )
     timed = proposer if isinstance(proposer, AdaptiveProposer) else None
     tap_ids = proposer.tap_ids if proposer is not None else []
@@ -336,7 +354,7 @@ def stream_generate(
     prompt: str | list[int] | mx.array,
     *,
     max_tokens: int = 256,
-    block_size: int | None = None,
+    block_size: int | str | None = None,
     sampler: Sampler | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
     proposal: str = "sample",
@@ -358,7 +376,8 @@ def stream_generate(
         tokenizer: The target's tokenizer (an mlx-lm ``TokenizerWrapper``).
         prompt: Text (encoded as is: apply the chat template first) or token ids.
         max_tokens: The most tokens to generate.
-        block_size: Tokens verified per cycle; defaults to the drafter's block size.
+        block_size: Tokens verified per cycle; defaults to the drafter's block size; ``"auto"``
+          chooses each cycle's (see :func:`dflash_generate_step`).
         sampler: ``logprobs -> ids``; greedy when None.
         logits_processors: mlx-lm logits processors applied to the target's logits.
         proposal: ``"greedy"`` or ``"sample"`` drafts; see :func:`dflash_generate_step`.

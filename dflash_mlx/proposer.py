@@ -66,6 +66,8 @@ class DFlashProposer:
           probability (at least one). The cut depends on the drafter alone, so verifying the
           shorter block is still exact.
         speedups: The CPU speedups, or None.
+        width: Choose each cycle's number of drafts (``block_size="auto"``,
+          :class:`dflash_mlx.auto_block.AutoWidth`); told of each cycle's acceptance.
     """
 
     def __init__(
@@ -77,14 +79,17 @@ class DFlashProposer:
         sampler: Sampler | None = None,
         min_confidence: float = 0.0,
         speedups: CpuSpeedups | None = None,
+        width=None,
     ):
         self.model, self.draft, self.cache = model, draft, cache
-        self.sampler, self.min_confidence, self.speedups = sampler, min_confidence, speedups
+        self.sampler, self.min_confidence, self.speedups, self.width = sampler, min_confidence, speedups, width
         self.tap_ids = draft.target_layer_ids
 
     def propose(self, last: int, n: int) -> Proposal:
         # The drafter always sees its trained block, whatever n is.
         block = mx.array([[last] + [self.draft.mask_token_id] * (self.draft.block_size - 1)], dtype=mx.uint32)
+        if self.width is not None:
+            self.width.costs()  # measured before this pass's taps leave pending, if the bucket is new
         taps = self.cache.take_pending()
         logits = self.draft.propose(self.model, block, taps, self.cache.draft, speedups=self.speedups)[0, :n]
         if self.sampler is None:
@@ -92,24 +97,31 @@ class DFlashProposer:
         else:
             q = self.sampler.probs(logits, use_kernel=self.speedups is not None and self.speedups.kernels)
             drafts = sample_rows(q)  # (n,), (n, V)
-        if self.min_confidence > 0 and n > 1:
+        if self.width is not None and n > 1:
+            k = self.width.choose(self._confidences(logits, drafts, q).tolist())
+            drafts, q = drafts[:k], None if q is None else q[:k]
+        elif self.min_confidence > 0 and n > 1:
             drafts, q = self._confident_prefix(logits, drafts, q)
         # Start drafting now, so that the verify graph is built while the pass runs.
         mx.async_eval(drafts)
         return Proposal(drafts, q)
 
-    def _confident_prefix(self, logits, drafts, q):
+    def _confidences(self, logits, drafts, q) -> mx.array:
+        """The probability the drafter gave each draft."""
         if q is None:  # greedy drafts are the argmax, so their probability is the top one
-            conf = top_probability(logits, use_kernel=self.speedups is not None and self.speedups.kernels)
-        else:
-            conf = mx.take_along_axis(q, drafts[:, None].astype(mx.int32), axis=-1)[:, 0]
-        confident = (conf >= self.min_confidence).tolist()
+            return top_probability(logits, use_kernel=self.speedups is not None and self.speedups.kernels)
+        return mx.take_along_axis(q, drafts[:, None].astype(mx.int32), axis=-1)[:, 0]
+
+    def _confident_prefix(self, logits, drafts, q):
+        confident = (self._confidences(logits, drafts, q) >= self.min_confidence).tolist()
         k = 1
         while k < len(confident) and confident[k - 1] and confident[k]:
             k += 1
         return drafts[:k], None if q is None else q[:k]
 
     def accept(self, num_kept: int, taps: mx.array | None) -> None:
+        if self.width is not None:
+            self.width.update(num_kept - 1)
         if taps is not None:
             self.cache.append_pending(taps[:, :num_kept])
 

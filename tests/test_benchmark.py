@@ -135,7 +135,8 @@ def test_without_an_ar_draft_the_default_methods_leave_out_mlx_spec(pair_dirs, p
         model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts), max_tokens=4,
         block_sizes=(4,), runs=1,
     )
-    assert {r["method"] for r in result["rows"]} == {"baseline", "lookup", "dflash", "dflash-cut", "dflash-fallback"}
+    assert {r["method"] for r in result["rows"]} == {"baseline", "lookup", "dflash", "dflash-cut", "dflash-fallback",
+                                                     "dflash-auto"}  # fmt: skip
     assert "mlx-spec left out" in capsys.readouterr().err
     assert result["meta"]["model"] == str(pair_dirs["qwen3-tied"]) and result["meta"]["ar_draft"] is None
 
@@ -151,7 +152,8 @@ def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, 
     result = json.loads((tmp_path / "r.json").read_text())
     methods = {(r["method"], r["block_size"]) for r in result["rows"]}
     assert methods == {("baseline", 1), ("mlx-spec", 1), ("lookup", 4), ("lookup", 8), ("dflash", 4), ("dflash", 8),
-                       ("dflash-cut", 4), ("dflash-cut", 8), ("dflash-fallback", 4), ("dflash-fallback", 8)}  # fmt: skip
+                       ("dflash-cut", 4), ("dflash-cut", 8), ("dflash-fallback", 4), ("dflash-fallback", 8),
+                       ("dflash-auto", 16)}  # fmt: skip
     for r in result["rows"]:
         if r["method"].startswith("dflash"):
             assert 1 <= r["verify_size"] <= r["block_size"]

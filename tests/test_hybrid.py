@@ -171,6 +171,12 @@ def test_min_confidence_and_lookup_fallback(pairs, kind):
             assert out == ref, (prompt_len, cutoff, fallback)
 
 
+def test_block_size_auto_is_refused_in_one_line(pairs):
+    model, draft, _ = pairs[HYBRID[0]]
+    with pytest.raises(DFlashError, match="hybrid target's recurrent state"):
+        next(dflash_generate_step([1, 2, 3], model, draft, block_size="auto"))
+
+
 @pytest.mark.parametrize("kind", HYBRID)
 def test_multi_turn_reuse_equals_a_fresh_run(pairs, kind):
     model, draft, _ = pairs[kind]

@@ -156,6 +156,8 @@ def test_sampling_parameters_stop_and_seed(server):
     cut = _post(server.url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 16, "stop": [word]})[1]
     assert cut["choices"][0]["text"] == text[: text.index(word)]
     assert cut["choices"][0]["finish_reason"] == "stop"
+    auto = _post(server.url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 16, "block_size": "auto"})[1]
+    assert auto["choices"][0]["text"] == text  # greedy: the same tokens, whatever widths auto chose
     streamed = _stream(server.url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 16, "stop": word})
     assert _stream_text(streamed, chat=False) == text[: text.index(word)]
 
@@ -185,6 +187,7 @@ BAD = [
     ("/v1/completions", {"prompt": "t1", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "t1", "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "t1", "block_size": 99}, 400, "block_size"),
+    ("/v1/completions", {"prompt": "t1", "block_size": "big"}, 400, "block_size"),
     ("/v1/completions", {"prompt": "t1", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "t1", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", {"prompt": "t1", "n": 2}, 400, "n"),

@@ -175,6 +175,7 @@ async def test_ctrl_j_adds_a_newline_and_up_recalls_history():
     "line, field, value",
     [
         ("/block 4", "block_size", 4),
+        ("/block auto", "block_size", "auto"),
         ("/temp 0.7", "temp", 0.7),
         ("/max 64", "max_tokens", 64),
         ("/dflash off", "dflash", False),
@@ -201,7 +202,7 @@ async def test_setting_commands_apply_to_the_next_reply(line, field, value):
 @pytest.mark.parametrize(
     "line, expected",
     [
-        ("/block 0", "integer from 1 to 16"),
+        ("/block 0", "integer from 1 to 16, or auto"),
         ("/block 17", "integer from 1 to 16"),
         ("/block x", "got 'x'"),
         ("/temp -1", "number from 0"),

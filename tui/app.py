@@ -192,7 +192,7 @@ class ChatApp(App):
         await transcript.mount_all([UserMessage(text), self._reply])
         self._stream = Markdown.get_stream(self._reply.body)
         s = self.settings
-        block = (s.block_size or self.info.max_block_size) if s.dflash else 1
+        block = (_block(s.block_size) or self.info.max_block_size) if s.dflash else 1
         self.reply_stats = ReplyStats(dflash=s.dflash, block_size=block)
         self.generating = True
         self._refresh()
@@ -276,8 +276,13 @@ class ChatApp(App):
             state = "generating…" if self.generating else "ready"
             state += " · DFlash " + ("on" if self.settings.dflash else "off")
         # The scale stays the drafter's block size with DFlash off, so the history keeps its look.
-        block = self.settings.block_size or max_block
+        block = _block(self.settings.block_size) or max_block
         self.query_one(StatsPanel).show(state, self.reply_stats, self.conversation, block)
+
+
+def _block(block_size: int | str | None) -> int | None:
+    # "auto" verifies up to the drafter's block size, whose scale the panels keep.
+    return None if block_size == "auto" else block_size
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,8 @@ HELP = """\
 `Ctrl+L` clear · `Ctrl+Q` quit
 
 **Commands**
-- `/block N`: tokens verified per cycle (1 to the drafter's block size)
+- `/block N`: tokens verified per cycle (1 to the drafter's block size), or `/block auto`: each cycle the
+  number of drafts that pays best (from measured pass costs and the drafter's confidences)
 - `/temp T`: sampling temperature (0 = greedy, output identical to the target alone)
 - `/max N`: most tokens per reply
 - `/dflash on|off`: speculative decoding on, or plain decoding with the same model
@@ -53,7 +54,7 @@ class Settings:
         system_prompt: The system message put first in the chat template, if any.
     """
 
-    block_size: int | None = None
+    block_size: int | str | None = None
     temp: float = 0.0
     max_tokens: int = 512
     dflash: bool = True
@@ -152,8 +153,11 @@ def parse_command(
         n, top = _int(arg), max_block_size or 16
         if not has_draft:
             return error("/block needs a drafter, but none is loaded. Restart with --draft.")
+        if arg.strip().lower() == "auto":
+            return Command("set", replace(settings, block_size="auto"), "Block size auto: each cycle verifies "
+                           "the drafts that pay best.")  # fmt: skip
         if n is None or not 1 <= n <= top:
-            return usage_error(f"an integer from 1 to {top}", "/block 8")
+            return usage_error(f"an integer from 1 to {top}, or auto", "/block 8")
         return Command("set", replace(settings, block_size=n), f"Block size {n}.")
     if name == "/temp":
         t = _float(arg)

@@ -61,7 +61,7 @@ class CompletionRequest:
     repetition_penalty: float | None = None
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
-    block_size: int | None = None
+    block_size: int | str | None = None  # or "auto"
     min_confidence: float = 0.0
     lookup_fallback: int = 0
     id: str = ""
@@ -158,7 +158,10 @@ def parse_request(body: Any, kind: str, defaults: Defaults = Defaults()) -> Comp
     penalty = _number(body, "repetition_penalty", None, lo=0, hi=10, optional=True)
     req.repetition_penalty = None if penalty in (None, 1, 1.0) else float(penalty)
     req.seed = _number(body, "seed", None, integer=True, optional=True)
-    req.block_size = _number(body, "block_size", None, lo=1, integer=True, optional=True)
+    if body.get("block_size") == "auto":
+        req.block_size = "auto"
+    else:
+        req.block_size = _number(body, "block_size", None, lo=1, integer=True, optional=True)
     req.min_confidence = float(_number(body, "min_confidence", defaults.min_confidence, lo=0, hi=1))
     req.lookup_fallback = _number(body, "lookup_fallback", defaults.lookup_fallback, lo=0, hi=1024, integer=True)
     stop = body.get("stop") or []

@@ -109,7 +109,10 @@ class Worker:
 
     def prompt_ids(self, req: CompletionRequest) -> list[int]:
         """Tokenize and check a request (on the caller's thread). Raises ``APIError``."""
-        if req.block_size is not None and req.block_size > self.max_block_size:
+        if req.block_size == "auto" and self.draft is None:
+            raise APIError(400, "'block_size' auto chooses how many drafts to verify, but the server has no "
+                           "drafter.", param="block_size")  # fmt: skip
+        if isinstance(req.block_size, int) and req.block_size > self.max_block_size:
             raise APIError(400, f"'block_size' must be from 1 to the drafter's block size {self.max_block_size} "
                            f"(got {req.block_size}).", param="block_size")
         with self._tokenizer_lock:
@@ -203,7 +206,8 @@ class Worker:
     def _run(self, job: Job) -> None:
         req, ids = job.request, job.ids
         block_size = req.block_size if self.draft is not None else None
-        stats = SpecStats(num_spec_tokens=(block_size or self.max_block_size) - 1)
+        # "auto" verifies up to the drafter's block size.
+        stats = SpecStats(num_spec_tokens=(block_size if isinstance(block_size, int) else self.max_block_size) - 1)
         stop = StopMatcher(req.stop)
         processors = (make_logits_processors(repetition_penalty=req.repetition_penalty)
                       if req.repetition_penalty else None)
