@@ -488,6 +488,28 @@ async def test_real_pair_escape_keeps_partial_and_cache_in_sync(pair):
         assert engine.cache.offset == len(engine.cache.tokens) == stats.context_tokens
 
 
+async def test_real_pair_warns_near_and_past_the_context_limit(pair):
+    engine = MLXEngine(*pair)
+    app = ChatApp(engine, settings=Settings(max_tokens=8))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert app.info.context_limit == engine.model.args.max_position_embeddings > 0
+        await send(pilot, "t1")
+        await finish(pilot)
+        assert not [n for n in notes(app) if "context" in n]  # far from the limit: nothing said
+        used = app.reply_stats.context_tokens
+        app.info.context_limit = used + 5  # the next reply (up to 8 tokens) may run past it
+        app._warn_context(used)
+        await pilot.pause()
+        warning = notes(app)[-1]
+        assert f"holds {used} of the model's {used + 5} tokens of context" in warning and "/clear" in warning
+        # At the end of each reply.
+        app.info.context_limit = 10
+        await send(pilot, "t4 t5 t6 t7")
+        await finish(pilot)
+        assert "is past the model's 10-token context" in notes(app)[-1]
+
+
 async def test_real_pair_without_drafter_decodes_plainly(pair):
     app = ChatApp(MLXEngine(*pair, no_draft=True), settings=Settings(max_tokens=8))
     async with app.run_test(size=SIZE) as pilot:

@@ -146,6 +146,7 @@ class ChatApp(App):
         self._reply.set_stats(summary)
         if message.error:
             self._note(message.error, error=True)
+        self._warn_context(message.context_tokens)
         if message.error and not self._reply_text:
             # Nothing came back: drop the turn and give the user their text back.
             await self._reply.remove()
@@ -234,6 +235,19 @@ class ChatApp(App):
             self._note(command.message, error=not command.ok)
         self._refresh()
         self.query_one(Transcript).scroll_end(animate=False)
+
+    def _warn_context(self, used: int | None) -> None:
+        """Say when the next reply may run past the target's trained context, and what then."""
+        limit = self.info.context_limit if self.info else None
+        if not used or not limit or used + self.settings.max_tokens <= limit:
+            return
+        if used >= limit:
+            what = f"This conversation ({used:,} tokens) is past the model's {limit:,}-token context"
+        else:
+            what = (f"This conversation holds {used:,} of the model's {limit:,} tokens of context; the next reply "
+                    f"(up to {self.settings.max_tokens:,} tokens) may run past it")  # fmt: skip
+        self._note(f"{what}. Past it the model works on positions it was not trained for and its answers degrade "
+                   "(DFlash stays exact to it). /clear starts a new conversation.")  # fmt: skip
 
     def _note(self, text: str, error: bool = False) -> None:
         self.query_one(Transcript).mount(Note(text, error=error))

@@ -117,6 +117,7 @@ class MLXEngine:
             "has_draft": self.draft is not None,
             "max_block_size": self.draft.block_size if self.draft is not None else None,
             "chat_template": getattr(self.tokenizer, "chat_template", None) is not None,
+            "context_limit": getattr(self.model.args, "max_position_embeddings", None),
         }
 
     def reset(self) -> None:

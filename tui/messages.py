@@ -21,6 +21,7 @@ class ModelReady(Message):
     has_draft: bool
     max_block_size: int | None
     chat_template: bool
+    context_limit: int | None = None  # the target's trained context, in tokens (None: unknown)
 
 
 @dataclass
