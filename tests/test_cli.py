@@ -58,7 +58,7 @@ def test_bad_min_confidence_is_one_line(pair_dirs, capsys):
     [
         (["--max-tokens", "0"], "--max-tokens must be at least 1 (got 0)"),
         (["--temp", "-1"], "--temp must be from 0 to 10 (got -1)"),
-        (["--block-size", "x"], "invalid int value"),
+        (["--block-size", "x"], "'x' is not a block size: pass an integer or 'auto'"),
     ],
 )
 def test_bad_flags(argv, message, capsys):
