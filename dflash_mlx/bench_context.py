@@ -6,12 +6,12 @@ the chat-templated user turn ``document[:n tokens] + question``, with ``n`` chos
 whole prompt is the bucket's length; the bucket's label (``2k``) is its category.
 """
 
-import json
 import re
 from pathlib import Path
 
 from .chat_template import has_chat_template, render_chat
 from .errors import DFlashError
+from .jsonl import read_objects
 
 
 def parse_lengths(spec: str) -> list[int]:
@@ -30,21 +30,11 @@ def label(length: int) -> str:
 
 
 def load_documents(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise DFlashError(f"No documents file at {path}; pass a JSONL file of documents with --documents.")
     docs = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DFlashError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object.")
-        if not isinstance(row, dict) or not isinstance(row.get("document"), str) or not row.get("question"):
+    for n, row in read_objects(path, "--documents", "documents"):
+        if not isinstance(row.get("document"), str) or not row.get("question"):
             raise DFlashError(f"{path}:{n} needs a 'document' text and a 'question'.")
         docs.append(row)
-    if not docs:
-        raise DFlashError(f"{path} holds no documents.")
     return docs
 
 

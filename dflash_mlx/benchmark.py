@@ -35,25 +35,16 @@ from .chat_template import has_chat_template, render_chat
 from .bench_context import parse_lengths
 from .cli import DTYPE_CHOICES, ArgumentParser, InRange, add_window_arguments, block_size_problem
 from .errors import DFlashError
+from .jsonl import read_objects
 
 
 def load_prompts(path: Path, limit: int | None = None) -> list[dict]:
     """Prompts from JSONL: each line has ``prompt`` (text) or ``messages``, and optional ``category``."""
-    if not path.is_file():
-        raise DFlashError(f"No prompts file at {path}; pass a JSONL file with --prompts.")
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DFlashError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object.")
-        if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
+    for n, row in read_objects(path, "--prompts", "prompts"):
+        if not ("prompt" in row or "messages" in row):
             raise DFlashError(f"{path}:{n} has neither 'prompt' nor 'messages'; add one of them.")
         prompts.append(row)
-    if not prompts:
-        raise DFlashError(f"{path} holds no prompts.")
     return prompts[:limit] if limit else prompts
 
 

@@ -555,7 +555,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="Decode plainly while drafting is measured slower than plain decoding, drafting again later "
         "(same distribution; default: true, false with --seed, whose output would depend on timings).",
     )
-    parser.add_argument("--seed", type=int, default=None, help="Random seed for sampling (default: none).")
+    parser.add_argument("--seed", type=int, action=InRange, low=0, default=None,
+                        help="Random seed for sampling (default: none).")  # fmt: skip
     parser.add_argument(
         "--ignore-chat-template", action="store_true", help="Use the prompt as is, without the chat template."
     )

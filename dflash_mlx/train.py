@@ -197,20 +197,26 @@ def _check_args(args: TrainingArgs) -> None:
     ]
     for name in positive:
         if getattr(args, name) < 1:
-            raise DFlashError(f"{name} must be at least 1 (got {getattr(args, name)}).")
+            raise DFlashError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)}).")
     if args.block_size < 2:
         raise DFlashError(
-            f"block_size must be at least 2: one clean token and one to draft (got {args.block_size})."
+            f"--block-size must be at least 2: one clean token and one to draft (got {args.block_size})."
         )
     if args.max_seq_len < args.block_size:
-        raise DFlashError(f"max_seq_len={args.max_seq_len} must be at least block_size={args.block_size}.")
+        raise DFlashError(
+            f"--max-seq-len {args.max_seq_len} must be at least --block-size {args.block_size}."
+        )
     if args.loss_positions is not None and not 1 <= args.loss_positions <= args.block_size - 1:
         raise DFlashError(
             f"--loss-positions must be between 1 and block_size - 1 = {args.block_size - 1} "
             f"(got {args.loss_positions}); leave it out to train on every position."
         )
-    if args.learning_rate <= 0 or args.loss_decay < 0:
-        raise DFlashError("learning_rate must be > 0 and loss_decay >= 0.")
+    if args.learning_rate <= 0:
+        raise DFlashError(f"--learning-rate must be greater than 0 (got {args.learning_rate:g}).")
+    if args.loss_decay < 0:
+        raise DFlashError(f"--loss-decay must be at least 0, 0 for flat weights (got {args.loss_decay:g}).")
+    if args.seed < 0:
+        raise DFlashError(f"--seed must be at least 0 (got {args.seed}).")
     if args.responses not in ("generate", "dataset"):
         raise DFlashError(f"responses must be 'generate' or 'dataset' (got {args.responses!r}).")
     if args.dtype not in DTYPES:
@@ -227,7 +233,7 @@ def draft_config(target: nn.Module, tokenizer, args: TrainingArgs) -> dict:
     ids = args.target_layer_ids or default_target_layer_ids(n_layers, args.num_taps)
     if not all(0 <= i < n_layers for i in ids) or len(set(ids)) != len(ids):
         raise DFlashError(
-            f"target_layer_ids={ids} must be distinct layers of the target (0..{n_layers - 1}); "
+            f"--target-layer-ids {' '.join(map(str, ids))} must be distinct layers of the target (0..{n_layers - 1}); "
             f"pass fewer --num-taps or valid --target-layer-ids."
         )
     mask_id = args.mask_token_id
@@ -380,7 +386,8 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
     if is_drafter_config(read_config(target_path, "target")):
         raise DFlashError(
             f"{target_path} holds a DFlash drafter, not a target model. Pass the target it drafts for with "
-            "--model; to continue training this drafter, pass its folder with --out and --resume."
+            "--model; to train this drafter further, pass it with --init-draft (a new run in a new --out), or "
+            "its run folder with --out and --resume if it holds a training_state."
         )
     target, tokenizer = load_target(target_path, dtype=args.dtype)
     tgt.check_supported(target)

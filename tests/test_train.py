@@ -341,7 +341,7 @@ def test_out_is_never_spoiled(setup, tmp_path, capsys):
     write_draft(drafter)
     err = _one_line_error(_argv(_args(setup, tmp_path / "new", model=str(drafter))), capsys)
     assert "holds a DFlash drafter, not a target model. Pass the target it drafts for with --model" in err
-    assert "--draft" not in err and not (tmp_path / "new").exists()
+    assert "--draft" not in err and "--init-draft" in err and not (tmp_path / "new").exists()
     # The response cache of a --data-only run is no reason to refuse.
     (tmp_path / "cached").mkdir()
     (tmp_path / "cached" / "data.jsonl").write_text("")
@@ -445,11 +445,15 @@ def test_get_lr_schedule():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--block-size", "1"], "block_size must be at least 2"),
-        (["--target-layer-ids", "1", "7"], "target_layer_ids=[1, 7] must be distinct layers"),
+        (["--block-size", "1"], "--block-size must be at least 2"),
+        (["--target-layer-ids", "1", "7"], "--target-layer-ids 1 7 must be distinct layers"),
         (["--data", "missing.jsonl"], "does not exist"),
-        (["--iters", "0"], "iters must be at least 1"),
-        (["--max-seq-len", "4"], "max_seq_len=4 must be at least block_size=16"),
+        (["--iters", "0"], "--iters must be at least 1 (got 0)"),
+        (["--batch-size", "0"], "--batch-size must be at least 1 (got 0)"),
+        (["--max-seq-len", "4"], "--max-seq-len 4 must be at least --block-size 16"),
+        (["--learning-rate", "0"], "--learning-rate must be greater than 0 (got 0)"),
+        (["--loss-decay", "-1"], "--loss-decay must be at least 0"),
+        (["--seed", "-1"], "--seed must be at least 0 (got -1)"),
         (["--loss-positions", "16"], "--loss-positions must be between 1 and block_size - 1 = 15 (got 16)"),
     ],
 )
