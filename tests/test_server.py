@@ -119,10 +119,12 @@ def test_chat_and_completions_match_generate_streamed_or_not(server, qwen3_pair)
 def test_usage_and_speculative_statistics_agree_with_stream_generate(server, qwen3_pair):
     model, draft, tokenizer = qwen3_pair
     ids = _chat_ids(tokenizer, PROMPTS[2])
-    responses = list(stream_generate(model, draft, tokenizer, ids, max_tokens=MAX_TOKENS))
+    # A seed turns the adaptive policy off on both sides: its plain cycles follow timings, so without
+    # it the two runs may draft in different cycles (greedy output is the same either way).
+    responses = list(stream_generate(model, draft, tokenizer, ids, max_tokens=MAX_TOKENS, seed=0))
     cycles = [r for r in responses if r.cycle > 0 and r.num_draft > 0]
     status, full, _ = _post(server.url, "/v1/chat/completions",
-                            {"messages": [{"role": "user", "content": PROMPTS[2]}]})
+                            {"messages": [{"role": "user", "content": PROMPTS[2]}], "seed": 0})
     assert status == 200
     usage, spec = full["usage"], full["metrics"]["speculative_decoding"]
     assert usage["prompt_tokens"] == len(ids)
