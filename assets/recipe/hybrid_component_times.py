@@ -19,7 +19,7 @@ does), and ``bench_stats.physical_limit`` at tau = min(--tau, B) without a rollb
 that mean rollback. The default tau 6.49 is the paper's Qwen3-8B mean at B = 16; min(tau, B)
 is only an upper bound for B < 16 (B = 4 then assumes every block kept whole).
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 OPENBLAS_NUM_THREADS=1 \\
+    LD_PRELOAD=<libopenblas.so.0> OPENBLAS_NUM_THREADS=1 \\
         python assets/recipe/hybrid_component_times.py --json hybrid_times.json
 """
 

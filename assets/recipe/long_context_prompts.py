@@ -40,7 +40,8 @@ def main() -> None:
     args = parser.parse_args()
     lines = []
     for category, source, text, question in DOCUMENTS:
-        document = text()[:MAX_CHARS]
+        # pydoc ends with the module's FILE path on this machine: not part of the document.
+        document = re.sub(r"\nFILE\n    \S+\n*$", "\n", text())[:MAX_CHARS]
         lines.append(json.dumps({"category": category, "source": source, "document": document, "question": question}))
     Path(args.out).write_text("".join(line + "\n" for line in lines))
     print(f"wrote {len(lines)} documents to {args.out} (Python {sys.version.split()[0]})")
