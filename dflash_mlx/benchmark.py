@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .bench_report import markdown, plots, stamp
 from .bench_stats import summarize
@@ -74,32 +75,68 @@ def estimate_seconds(num_prompts: int, num_settings: int, runs: int, max_tokens:
     return num_prompts * num_settings * (runs + 1) * max_tokens * step
 
 
-def _load_ar_draft(path: str | None, *, given: bool, dtype: str | None) -> nn.Module:
+def _load_ar_draft(path: str | None, target: nn.Module, *, given: bool, dtype: str | None) -> nn.Module:
     """mlx-spec's small autoregressive draft, with one line for what it cannot use."""
     from mlx_lm.utils import load_model
 
-    from .loading import is_drafter_config, read_config
+    from .loading import is_drafter_config, read_config, resolve
 
     if path is None:
         raise DFlashError("The mlx-spec method needs a small autoregressive draft: pass --ar-draft FOLDER.")
-    if not Path(path).is_dir():
+    if given and not path.strip():
+        raise DFlashError("--ar-draft is empty: pass a small mlx-lm model's folder or Hugging Face id.")
+    folder = Path(path).expanduser()
+    if given and not folder.exists() and not path.startswith((".", "/", "~")) and path.count("/") == 1:
+        folder = resolve(path, what="--ar-draft model")  # a Hugging Face id like Qwen/Qwen3-0.6B
+    if not folder.is_dir():
         what = f"--ar-draft {path} is not a folder" if given else f"The embedded pair has no ar-draft folder ({path})"
-        raise DFlashError(f"{what}: pass a small mlx-lm model's folder, or leave out the mlx-spec method.")
-    config = read_config(Path(path), "--ar-draft model")
+        raise DFlashError(
+            f"{what}: pass a small mlx-lm model's folder or Hugging Face id, or leave out the mlx-spec method."
+        )
+    config = read_config(folder, "--ar-draft model")
     if is_drafter_config(config):
         raise DFlashError(
             f"--ar-draft {path} is a DFlash drafter; mlx-spec needs a small autoregressive model with the "
             "target's tokenizer (the DFlash drafter goes to --draft)."
         )
+    borrowed = config.get("dflash_borrowed", [])
     try:
-        ar, _ = load_model(Path(path))
+        ar, _ = load_model(folder, strict=not borrowed)
     except Exception as e:  # mlx-lm raises many types for a folder that is not a model it knows
         raise DFlashError(
             f"--ar-draft {path} is not a model mlx-lm can load ({type(e).__name__}: {str(e).splitlines()[0]})."
         ) from e
     if dtype:
         ar.set_dtype(getattr(mx, dtype))
+    for name in borrowed:
+        _borrow(ar, target, name, path)
     return ar
+
+
+def _borrow(ar: nn.Module, target: nn.Module, name: str, path: str) -> None:
+    """Share the target's module ``name`` (say ``model.embed_tokens``) with the AR draft.
+
+    A draft cut from the target and fine-tuned in its layers only leaves the embedding and final
+    norm as the target's; its folder names them in ``dflash_borrowed`` instead of storing a copy.
+    """
+    *parents, leaf = name.split(".")
+    src, dst = target, ar
+    try:
+        for part in parents:
+            src, dst = getattr(src, part), getattr(dst, part)
+        module, mine = getattr(src, leaf), getattr(dst, leaf)
+    except AttributeError:
+        raise DFlashError(
+            f"--ar-draft {path} borrows {name} from the target, which has no such module; "
+            "pass the target it was cut from."
+        ) from None
+    shapes = [v.shape for _, v in tree_flatten(module.parameters())]
+    if shapes != [v.shape for _, v in tree_flatten(mine.parameters())]:
+        raise DFlashError(
+            f"--ar-draft {path} borrows {name} from the target, but the target's has other shapes; "
+            "pass the target it was cut from."
+        )
+    setattr(dst, leaf, module)
 
 
 def run_benchmark(
@@ -139,14 +176,17 @@ def run_benchmark(
         raise DFlashError(f"--runs and --max-tokens must be at least 1 (got {runs} and {max_tokens}).")
     if num_prompts is not None and num_prompts < 1:
         raise DFlashError(f"--num-prompts must be at least 1 (got {num_prompts}); leave it out to use every prompt.")
-    if not 0.0 < min_confidence <= 1.0:
-        raise DFlashError(f"--min-confidence must be in (0, 1] (got {min_confidence}).")
-    if lookup_fallback < 1:
-        raise DFlashError(f"--lookup-fallback must be at least 1 (got {lookup_fallback}).")
+    # The same limits as dflash-generate's: 0 turns the cut (or the fallback) off.
+    if not 0.0 <= min_confidence <= 1.0:
+        raise DFlashError(f"--min-confidence must be from 0 to 1 (got {min_confidence}).")
+    if lookup_fallback < 0:
+        raise DFlashError(f"--lookup-fallback must be at least 0 (got {lookup_fallback}).")
+    if num_draft_tokens < 1:
+        raise DFlashError(f"--num-draft-tokens must be at least 1 (got {num_draft_tokens}).")
     check_draft_window(draft_window, draft_sinks)
     pair_name = (model or DEFAULT_PAIR) if is_embedded_pair(model) else None
     pair = embedded_pair_path(pair_name or DEFAULT_PAIR)
-    ar_path = ar_draft or (str(pair / "ar-draft") if pair_name else None)
+    ar_path = ar_draft if ar_draft is not None else (str(pair / "ar-draft") if pair_name else None)
     defaults = methods is None
     if methods is None:
         has_ar = ar_draft is not None or (ar_path is not None and Path(ar_path).is_dir())
@@ -164,11 +204,13 @@ def run_benchmark(
         for b in block_sizes:
             if problem := block_size_problem(b, drafter.block_size, flag="--block-sizes"):
                 raise DFlashError(problem)
-    ar = _load_ar_draft(ar_path, given=ar_draft is not None, dtype=dtype) if "mlx-spec" in methods else None
+    ar = _load_ar_draft(ar_path, target, given=ar_draft is not None, dtype=dtype) if "mlx-spec" in methods else None
     if defaults and getattr(target, "model_type", None) in HYBRID_MODEL_TYPES:
         methods = tuple(m for m in methods if m != "dflash-auto")  # auto times passes it cannot trim cheaply
     # The verify passes of every width a method may run: dflash-auto's go up to the drafter's block size.
     timed_sizes = sorted(set(block_sizes) | ({drafter.block_size} if drafter and "dflash-auto" in methods else set()))
+    # The DFlash passes are timed only for a DFlash method's limit and efficiency.
+    timed_drafter = drafter if any(m in DFLASH_METHODS for m in methods) else None
     window = {"draft_window": draft_window, "draft_sinks": draft_sinks}
     if context:
         limit = getattr(target.args, "max_position_embeddings", None)
@@ -188,13 +230,13 @@ def run_benchmark(
     tic = time.perf_counter()
     first_times = (
         component_times(target, drafter, timed_sizes, context=mean_context, **window)
-        if drafter is not None else {}
+        if timed_drafter is not None else {}
     )  # fmt: skip
     # Each context length's own passes, once (a pass at 7k tokens is slow enough to time few times).
     times_by_category = {
         label(n): component_times(target, drafter, timed_sizes, context=n + max_tokens // 2, repeats=3,
                                   **window)  # fmt: skip
-        for n in (context or []) if drafter is not None
+        for n in (context or []) if timed_drafter is not None
     }
     timing_seconds = time.perf_counter() - tic  # the component times are taken again at the end
     def sizes(m: str) -> tuple[int, ...]:
@@ -205,7 +247,7 @@ def run_benchmark(
 
     plan = [(m, b) for m in methods for b in sizes(m)]
     if progress:
-        step = first_times.get("ar") or component_times(target, None, [1], context=context, repeats=3)["ar"]
+        step = first_times.get("ar") or component_times(target, None, [1], context=mean_context, repeats=3)["ar"]
         seconds = estimate_seconds(len(rows_in), len(plan), runs, max_tokens, step) + timing_seconds
         print(f"Estimated run time: about {seconds:.0f} s ({len(rows_in)} prompts x {len(plan)} method/block "
               f"settings x ({runs} runs + a warm-up) x up to {max_tokens} tokens at a measured "
@@ -248,7 +290,7 @@ def run_benchmark(
         print(file=sys.stderr)
     times = (
         component_times(target, drafter, timed_sizes, context=mean_context, **window)
-        if drafter is not None else {}
+        if timed_drafter is not None else {}
     )  # fmt: skip
     times = fastest_times(first_times, times)
     categories = list(dict.fromkeys(r.category for r in results)) if context else sorted({r.category for r in results})
@@ -282,9 +324,13 @@ def _lengths(spec: str) -> list[int]:
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="dflash-bench", description="Benchmark DFlash against its alternatives.")
-    p.add_argument("--model", default=None, help="Target (default: the embedded pair).")
-    p.add_argument("--draft", default=None, help="DFlash drafter (default: the embedded pair's).")
-    p.add_argument("--ar-draft", default=None, help="Small autoregressive draft for mlx-lm speculative decoding.")
+    p.add_argument("--model", default=None,
+                   help="Target: a local folder, or dflash-tiny for the toy pair (default: the default pair, "
+                   "SmolLM2-135M-Instruct).")
+    p.add_argument("--draft", default=None, help="DFlash drafter (default: the pair's own).")
+    p.add_argument("--ar-draft", default=None,
+                   help="Folder of a small autoregressive mlx-lm model with the target's tokenizer, for mlx-lm "
+                   "speculative decoding (default: the embedded pair's ar-draft).")
     p.add_argument(
         "--prompts",
         default=None,
@@ -304,15 +350,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="Most tokens per prompt and run (default: 128).")
     p.add_argument("--block-sizes", type=int, nargs="+", action=InRange, low=1, default=[4, 8, 16],
                    help="Block sizes for the DFlash and lookup methods, each 1 to the drafter's (default: 4 8 16).")
-    p.add_argument("--num-draft-tokens", type=int, default=3, help="Draft tokens for mlx-lm speculative decoding.")
-    p.add_argument("--runs", type=int, default=3, help="Timed runs per measurement (median).")
+    p.add_argument("--num-draft-tokens", type=int, action=InRange, low=1, default=3,
+                   help="Draft tokens per cycle for mlx-lm speculative decoding (default: 3).")
+    p.add_argument("--runs", type=int, action=InRange, low=1, default=3,
+                   help="Timed runs per measurement, after one warm-up; the median is reported (default: 3).")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
                    help=f"Methods to run, of {', '.join(METHODS)} (default: all; mlx-spec only with an AR "
                         "draft: --ar-draft, or the embedded pair's).")
-    p.add_argument("--min-confidence", type=float, default=DEFAULT_MIN_CONFIDENCE,
-                   help="dflash-cut: verify only the drafts the drafter gives at least this probability.")
-    p.add_argument("--lookup-fallback", type=int, default=DEFAULT_LOOKUP_FALLBACK,
-                   help="dflash-fallback: the most prompt-lookup cycles after the drafter misses its first draft.")
+    p.add_argument("--min-confidence", type=float, action=InRange, low=0.0, high=1.0, default=DEFAULT_MIN_CONFIDENCE,
+                   help="dflash-cut: verify only the drafts the drafter gives at least this probability "
+                   f"(default: {DEFAULT_MIN_CONFIDENCE:g}; 0 cuts nothing).")
+    p.add_argument("--lookup-fallback", type=int, action=InRange, low=0, default=DEFAULT_LOOKUP_FALLBACK,
+                   help="dflash-fallback: the most prompt-lookup cycles after the drafter misses its first draft "
+                   f"(default: {DEFAULT_LOOKUP_FALLBACK}; 0 never falls back).")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
                    help="Compute dtype of the models (default: float32, in which greedy output is the same for "
                    "every method, as the benchmark checks; generate and chat default to the checkpoint's dtype on "
@@ -326,8 +376,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="Measure an OpenAI-compatible server instead (dflash-serve, vLLM, SGLang), e.g. "
                    "http://host:8000/v1: requests/min, tok/s and tau per --concurrency; --model names its model.")
     p.add_argument("--api-key", default=None, help="The server's API key (with --base-url).")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8],
-                   help="With --base-url: clients sending at once, one level after another.")
+    p.add_argument("--concurrency", type=int, nargs="+", action=InRange, low=1, default=[1, 4, 8],
+                   help="With --base-url: clients sending at once, one level after another (default: 1 4 8).")
     p.add_argument("--json", default=None, help="Write the results as JSON here.")
     p.add_argument("--markdown", default=None, help="Write the Markdown table here.")
     p.add_argument("--plots", default=None, help="Write PNG plots into this folder.")

@@ -35,6 +35,7 @@ from .cli import (
 from .drafter import DraftModel
 from .errors import DFlashError
 from .lookup import LookupProposer, PromptLookup
+from .plain_probe import plain_tokens_per_second
 from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, Proposal
 from .sampling import can_sample_proposals, check_proposal, make_sampler
 from .verify import Verifier
@@ -491,6 +492,10 @@ def generate(
         by prompt/generation speed, mean acceptance length and peak memory.
     """
     text, response, histogram, plain = "", None, {}, 0
+    if verbose and kwargs.get("prompt_cache") is None:
+        # Kept, so that a run that never decoded plainly can time plain decoding afterwards.
+        window = {k: kwargs.pop(k) for k in ("draft_window", "draft_sinks") if k in kwargs}
+        kwargs["prompt_cache"] = make_cache(model, draft, **window)
     if verbose:
         print("=" * 10)
     for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
@@ -517,6 +522,14 @@ def generate(
                 f"Drafting: {response.draft_tps:.3f} tokens-per-sec, {verdict} than plain decoding "
                 f"({response.plain_tps:.3f} measured; {plain} cycles decoded plainly)"
             )
+        elif histogram and response.generation_tokens > 1:  # no plain cycle measured plain decoding
+            rate = plain_tokens_per_second(model, kwargs["prompt_cache"], sampler=kwargs.get("sampler"))
+            if rate is not None:
+                verdict = "slower" if response.generation_tps < rate else "faster"
+                print(
+                    f"Drafting: {response.generation_tps:.3f} tokens-per-sec, {verdict} than plain decoding "
+                    f"({rate:.3f} in plain steps timed after the run; --no-draft decodes plainly)"
+                )
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
 

@@ -216,7 +216,7 @@ def _no_tokenizer(path: Path) -> DFlashError:
     )
 
 
-def _check_tokenizer_files(path: Path) -> None:
+def check_tokenizer_files(path: Path) -> None:
     if not any((path / f).is_file() for f in TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
         raise _no_tokenizer(path)
 
@@ -265,7 +265,7 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
     if config.get("model_type") in hybrid.HYBRID_MODEL_TYPES:
         hybrid.check_layout(config)
     _read_weights(path, "target")  # a clear message for missing or corrupt files
-    _check_tokenizer_files(path)
+    check_tokenizer_files(path)
     model, config = load_target_model(path)
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))

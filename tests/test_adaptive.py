@@ -150,3 +150,35 @@ def test_adaptive_default_and_stats(qwen3_pair, monkeypatch):
     last = list(stream_generate(model, draft, tokenizer, prompt, block_size=4, max_tokens=60))[-1]
     assert last.plain_tps > 0 and last.draft_tps > 0
     assert last.drafting_slower == (last.draft_tps < last.plain_tps)
+
+
+def test_plain_probe_leaves_the_cache_as_it_was(qwen3_pair):
+    """The plain steps timed after a run are trimmed away: the cache continues exactly."""
+    from dflash_mlx.cache import make_cache
+    from dflash_mlx.plain_probe import plain_tokens_per_second
+
+    model, draft, tokenizer = qwen3_pair
+    cache = make_cache(model, draft)
+    first = list(stream_generate(model, draft, tokenizer, _prompt(7), block_size=4, max_tokens=20, prompt_cache=cache))
+    offset, tokens = cache.offset, list(cache.tokens)
+    assert plain_tokens_per_second(model, cache) > 0
+    assert cache.offset == offset and cache.tokens == tokens
+    assert plain_tokens_per_second(model, make_cache(model, draft)) is None  # nothing to time it on
+    # The next turn reuses the cache as if nothing had run in between.
+    ids = _prompt(7) + [t for r in first for t in r.tokens] + [5, 6]
+    again = [t for r in stream_generate(model, draft, tokenizer, ids, block_size=4, max_tokens=12, prompt_cache=cache) for t in r.tokens]
+    fresh = [t for r in stream_generate(model, draft, tokenizer, ids, block_size=4, max_tokens=12) for t in r.tokens]
+    assert again == fresh
+
+
+@pytest.mark.parametrize("settings", [{"adaptive": False}, {"seed": 3}])
+def test_verbose_says_when_drafting_loses_with_the_policy_off(qwen3_pair, capsys, settings):
+    """With no plain cycles to compare against, plain steps timed after the run still give the verdict."""
+    from dflash_mlx import generate
+
+    model, draft, tokenizer = qwen3_pair
+    generate(model, draft, tokenizer, _prompt(7), verbose=True, block_size=4, max_tokens=24, **settings)
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("Drafting:")]
+    assert len(line) == 1 and "than plain decoding" in line[0] and "timed after the run" in line[0]
+    generate(model, None, tokenizer, _prompt(7), verbose=True, max_tokens=8, **settings)
+    assert "Drafting:" not in capsys.readouterr().out  # nothing drafted, nothing to compare

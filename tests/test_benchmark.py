@@ -1,4 +1,5 @@
 import json
+import shutil
 import types
 
 import pytest
@@ -201,8 +202,6 @@ def test_runs_are_round_robin(pair_dirs, prompts, monkeypatch):
     [
         (["--methods", "dflash", "--block-sizes", "40"], "--block-sizes must be from 1 to the drafter's block size 16 (got 40)."),
         (["--methods", "mlx-spec"], "needs a small autoregressive draft"),
-        (["--methods", "dflash-cut", "--min-confidence", "0"], "--min-confidence must be in (0, 1] (got 0.0)"),
-        (["--methods", "dflash-fallback", "--lookup-fallback", "0"], "--lookup-fallback must be at least 1 (got 0)"),
     ],
 )
 def test_bad_arguments(pair_dirs, prompts, argv, message, capsys):
@@ -338,8 +337,6 @@ def no_loading(monkeypatch):
         (["--plots", "{tmp}/file.txt/plots"], "--plots {tmp}/file.txt/plots: {tmp}/file.txt is a file, not a folder"),
         (["--plots", "{tmp}/file.txt"], "--plots {tmp}/file.txt is a file; pass a folder."),
         (["--num-prompts", "0"], "--num-prompts must be at least 1 (got 0)"),
-        (["--min-confidence", "1.5"], "--min-confidence must be in (0, 1] (got 1.5)"),
-        (["--lookup-fallback", "0"], "--lookup-fallback must be at least 1 (got 0)"),
         # Against a server too: checked before the first request (nothing listens on port 9).
         (["--base-url", "http://127.0.0.1:9", "--num-prompts", "0"], "--num-prompts must be at least 1 (got 0)"),
         (["--base-url", "http://127.0.0.1:9", "--json", "{tmp}/nodir/r.json"], "--json {tmp}/nodir/r.json: the folder"),
@@ -394,3 +391,101 @@ def test_help_shows_the_defaults():
     for default in ("Most tokens per prompt and run (default: 128)", "(default: 4 8 16)", "(default: all; mlx-spec only with an AR draft",
                     "(default: float32"):  # fmt: skip
         assert default in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # The same limits as dflash-generate's, on the same flags: 0 is "off" there and here.
+        (["--min-confidence", "1.5"], "--min-confidence must be from 0 to 1 (got 1.5)."),
+        (["--min-confidence", "-0.1"], "--min-confidence must be from 0 to 1 (got -0.1)."),
+        (["--lookup-fallback", "-1"], "--lookup-fallback must be at least 0 (got -1)."),
+        (["--num-draft-tokens", "0"], "--num-draft-tokens must be at least 1 (got 0)."),
+        (["--runs", "0"], "--runs must be at least 1 (got 0)."),
+        (["--concurrency", "4", "0"], "--concurrency must be at least 1 (got 0)."),
+    ],
+)
+def test_out_of_range_flags_are_one_line(no_loading, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == f"dflash-bench: error: {message}"
+
+
+def test_zero_cut_and_fallback_are_accepted_as_off(pair_dirs, prompts):
+    """dflash-generate takes --min-confidence 0 and --lookup-fallback 0 as off; so does the benchmark."""
+    result = benchmark.run_benchmark(
+        model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts), num_prompts=1,
+        max_tokens=6, block_sizes=(4,), runs=1, methods=("dflash", "dflash-cut", "dflash-fallback"),
+        min_confidence=0.0, lookup_fallback=0, progress=False,
+    )
+    rows = {r["method"]: r for r in result["rows"]}
+    assert not result["mismatches"] and rows["dflash-cut"]["tau"] == rows["dflash"]["tau"]
+    assert rows["dflash-fallback"]["tau"] == rows["dflash"]["tau"]
+
+
+def test_no_dflash_method_times_no_dflash_pass(pair_dirs, prompts, monkeypatch):
+    timed = []
+    real = benchmark.component_times
+    monkeypatch.setattr(benchmark, "component_times", lambda target, drafter, *a, **k: timed.append(drafter) or real(target, drafter, *a, **k))
+    result = benchmark.run_benchmark(
+        model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts), num_prompts=1,
+        max_tokens=4, block_sizes=(4,), runs=1, methods=("baseline", "lookup"), progress=False,
+    )
+    assert all(d is None for d in timed) and result["times"] == {}
+
+
+def test_ar_draft_by_hub_id_and_empty(pair_dirs, prompts, tmp_path, capsys, monkeypatch):
+    """--ar-draft takes a Hugging Face id as the README shows (here from an offline cache); '' is refused."""
+    import huggingface_hub.constants
+
+    def run(ar):
+        main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--prompts", str(prompts),
+              "--num-prompts", "1", "--methods", "baseline", "mlx-spec", "--max-tokens", "4", "--runs", "1",
+              "--ar-draft", ar])  # fmt: skip
+
+    with pytest.raises(SystemExit) as e:
+        run("org/small-draft")
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "Could not get the --ar-draft model 'org/small-draft' from the Hugging Face hub" in err
+    with pytest.raises(SystemExit) as e:
+        run("")
+    assert e.value.code == 1 and "--ar-draft is empty" in capsys.readouterr().err
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--small-draft"
+    shutil.copytree(pair_dirs["qwen3-tied"], repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    run("org/small-draft")
+    assert "mlx-spec" in capsys.readouterr().out
+
+
+def test_ar_draft_that_borrows_the_targets_embedding(pair_dirs, prompts, tmp_path):
+    """A draft folder holding only its layers takes the embedding and final norm from the target, shared."""
+    import mlx.core as mx
+
+    from dflash_mlx import load
+    from dflash_mlx.benchmark import _load_ar_draft
+
+    src = pair_dirs["qwen3-tied"]
+    config = json.loads((src / "config.json").read_text())
+    config.update(num_hidden_layers=1, dflash_borrowed=["model.embed_tokens", "model.norm"])
+    folder = tmp_path / "ar"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = {}
+    for f in src.glob("*.safetensors"):
+        weights.update({k: v for k, v in mx.load(str(f)).items() if k.startswith("model.layers.0.")})
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    target, _, _ = load(src)
+    ar = _load_ar_draft(str(folder), target, given=True, dtype="float32")
+    assert ar.model.embed_tokens is target.model.embed_tokens and ar.model.norm is target.model.norm
+    result = benchmark.run_benchmark(
+        model=str(src), draft=str(pair_dirs["draft"]), ar_draft=str(folder), prompts=str(prompts), num_prompts=1,
+        max_tokens=8, block_sizes=(4,), runs=1, methods=("baseline", "mlx-spec"), progress=False,
+    )
+    assert not result["mismatches"]  # lossless against plain decoding
+    config["dflash_borrowed"] = ["model.nowhere"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashError, match="borrows model.nowhere from the target, which has no such module"):
+        _load_ar_draft(str(folder), target, given=True, dtype="float32")

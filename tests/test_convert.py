@@ -1,3 +1,4 @@
+import dataclasses
 import importlib
 import json
 import re
@@ -511,6 +512,7 @@ def _bad_inputs(hf, tmp_path):
         "group-size": (dict(quantize=True, q_group_size=48), r"Unsupported quantization group size 48"),
         "draft-bits": (dict(draft_q_bits=3), r"Unsupported drafter quantization bits=3; use one of 4, 8"),
         "bits-without-q": (dict(q_bits=4), r"--q-bits/--q-group-size were given without -q/--quantize"),
+        "check-tokens": (dict(check_tokens=0), r"--check-tokens must be a positive integer \(got 0\)"),
     }
 
 
@@ -529,6 +531,7 @@ def _bad_inputs(hf, tmp_path):
         "group-size",
         "draft-bits",
         "bits-without-q",
+        "check-tokens",
     ],
 )
 def test_bad_input_messages(hf, tmp_path, case):
@@ -595,3 +598,38 @@ def test_pair_folder_permissions_follow_umask(hf, tmp_path):
     probe = tmp_path / "probe"
     probe.mkdir()
     assert (tmp_path / "pair").stat().st_mode == probe.stat().st_mode
+
+
+def test_target_without_tokenizer_is_refused_before_converting(hf, tmp_path):
+    """The error names the user's folder (not a temporary one) and comes before any conversion."""
+    bare = tmp_path / "bare"
+    shutil.copytree(hf / "target", bare)
+    for f in bare.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            f.unlink()
+    with pytest.raises(DFlashError, match=f"No usable tokenizer files in {re.escape(str(bare))} ") as e:
+        convert(str(bare), str(tmp_path / "out"), draft_hf_path=str(hf / "draft"), verbose=False)
+    assert ".partial" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare"]
+
+
+def test_cli_prints_both_speeds_and_warns_when_dflash_is_slower(hf, tmp_path, capsys, monkeypatch):
+    module = importlib.import_module("dflash_mlx.convert.convert")
+
+    real = module.check_converted
+
+    def slower(*args, **kwargs):
+        return dataclasses.replace(real(*args, **kwargs), target_seconds=1.0, dflash_seconds=2.0)
+
+    monkeypatch.setattr(module, "check_converted", slower)
+    main(["--hf-path", str(hf / "target"), "--draft", str(hf / "draft"), "--mlx-path", str(tmp_path / "pair"),
+          "--check-tokens", "8"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert "Speed in the check: target-only 8.0 tokens-per-sec, DFlash 4.0 tokens-per-sec (0.50x)" in out
+    assert "warning: DFlash was slower than the target alone" in err
+    monkeypatch.setattr(module, "check_converted", real)
+    main(["--hf-path", str(hf / "target"), "--draft", str(hf / "draft"), "--mlx-path", str(tmp_path / "pair2"),
+          "--check-tokens", "8"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert "Speed in the check: target-only" in out
+    assert ("warning: DFlash was slower" in err) == ("(0." in out.split("Speed in the check")[1].splitlines()[0])

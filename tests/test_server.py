@@ -373,6 +373,30 @@ def test_cli_help_and_bad_flags(capsys):
     assert e.value.code == 2 and "--queue-size must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # What dflash-generate says of the same value, before anything loads (not a 400 on every request).
+        (["--temp", "11"], "--temp must be from 0 to 10 (got 11)."),
+        (["--top-p", "1.5"], "--top-p must be from 0 to 1 (got 1.5)."),
+        (["--min-p", "-1"], "--min-p must be from 0 to 1 (got -1)."),
+        (["--top-k", "-2"], "--top-k must be at least 0 (got -2)."),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1 (got 0)."),
+        (["--port", "70000"], "--port must be from 0 to 65535 (got 70000)."),
+        (["--max-context", "0"], "--max-context must be at least 1 (got 0)."),
+        (["--prefill-step-size", "0"], "--prefill-step-size must be at least 1 (got 0)."),
+        (["--min-confidence", "2"], "--min-confidence must be from 0 to 1 (got 2)."),
+    ],
+)
+def test_out_of_range_defaults_are_refused_at_start(capsys, monkeypatch, argv, message):
+    import dflash_mlx.loading
+
+    monkeypatch.setattr(dflash_mlx.loading, "load", lambda *a, **k: pytest.fail("loaded before checking"))
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == f"dflash-serve: error: {message}"
+
+
 def test_cli_serves_and_exits_cleanly_on_sigterm(pair_dirs, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
@@ -386,7 +410,8 @@ def test_cli_serves_and_exits_cleanly_on_sigterm(pair_dirs, tmp_path):
         assert _post(url, "/v1/completions", {"prompt": "t1", "max_tokens": 3})[0] == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
-        assert "stopping" in proc.stderr.read()
+        err = proc.stderr.read()
+        assert "stopping" in err and "running request is cut" not in err  # nothing was running
     finally:
         proc.kill()
 

@@ -16,6 +16,7 @@ import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
+from ..cli import MAX_TEMP, ArgumentParser, InRange
 from ..errors import DFlashError
 from ..generate import add_cycle_arguments
 from .handler import APIHandler
@@ -88,35 +89,44 @@ class DFlashServer:
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-serve",
+    p = ArgumentParser(prog="dflash-serve",
                                 description="An OpenAI-compatible server for DFlash speculative decoding.")
     p.add_argument("--model", default=None,
-                   help="Target: local folder or Hugging Face id (default: the embedded pair).")
+                   help="Target: local folder, pair folder or Hugging Face id (default: the default pair, "
+                   "SmolLM2-135M-Instruct; dflash-tiny: the toy pair).")
     p.add_argument("--draft", default=None,
                    help="DFlash drafter: local folder or Hugging Face id (default: the pair folder's or the known "
                    "drafter of the target; plain decoding if none).")
     p.add_argument("--no-draft", action="store_true", help="Plain decoding, without the drafter.")
     p.add_argument("--served-model-name", default=None, help="The model id clients use (default: --model as given).")
     p.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1, this machine only).")
-    p.add_argument("--port", type=int, default=8080, help="Port (default: 8080).")
+    p.add_argument("--port", type=int, action=InRange, low=0, high=65535, default=8080,
+                   help="Port (default: 8080; 0 picks a free one).")
     p.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.")
-    p.add_argument("--temp", type=float, default=0.0, help="Default sampling temperature (default: 0.0).")
-    p.add_argument("--top-p", type=float, default=1.0, help="Default nucleus sampling top-p (default: 1.0).")
-    p.add_argument("--top-k", type=int, default=0, help="Default top-k sampling (default: 0, off).")
-    p.add_argument("--min-p", type=float, default=0.0, help="Default min-p sampling (default: 0.0, off).")
-    p.add_argument("--max-tokens", type=int, default=512, help="Default most tokens per reply (default: 512).")
+    # The same limits a request's own values get (and dflash-generate's flags).
+    p.add_argument("--temp", type=float, action=InRange, low=0.0, high=MAX_TEMP, default=0.0,
+                   help=f"Default sampling temperature, 0 to {MAX_TEMP:g} (default: 0.0).")
+    p.add_argument("--top-p", type=float, action=InRange, low=0.0, high=1.0, default=1.0,
+                   help="Default nucleus sampling top-p (default: 1.0).")
+    p.add_argument("--top-k", type=int, action=InRange, low=0, default=0, help="Default top-k sampling (default: 0, off).")
+    p.add_argument("--min-p", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
+                   help="Default min-p sampling (default: 0.0, off).")
+    p.add_argument("--max-tokens", type=int, action=InRange, low=1, default=512,
+                   help="Default most tokens per reply (default: 512).")
     add_cycle_arguments(p)
-    p.add_argument("--queue-size", type=int, default=16,
+    p.add_argument("--queue-size", type=int, action=InRange, low=1, default=16,
                    help="Requests that may wait behind the running one; more get 429 (default: 16).")
-    p.add_argument("--prompt-cache-size", type=int, default=4,
+    p.add_argument("--prompt-cache-size", type=int, action=InRange, low=1, default=4,
                    help="Conversation caches kept for prefix reuse (default: 4).")
-    p.add_argument("--max-context", type=int, default=None,
+    p.add_argument("--max-context", type=int, action=InRange, low=1, default=None,
                    help="Most tokens of prompt plus reply (default: the target's max_position_embeddings).")
-    p.add_argument("--prefill-step-size", type=int, default=512, help="Prompt tokens per prefill chunk.")
+    p.add_argument("--prefill-step-size", type=int, action=InRange, low=1, default=512,
+                   help="Prompt tokens per prefill chunk (default: 512).")
     p.add_argument("--chat-template-args", default="{}",
                    help="""JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'.""")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="Cast both models to this dtype.")
+                   help="Cast both models to this dtype (default: float32 on a CPU when it fits, else the "
+                   "checkpoint's).")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -140,10 +150,6 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    for flag, value, lo in (("--max-tokens", args.max_tokens, 1), ("--queue-size", args.queue_size, 1),
-                            ("--prompt-cache-size", args.prompt_cache_size, 1), ("--port", args.port, 0)):
-        if value < lo:
-            parser.error(f"{flag} must be at least {lo} (got {value}).")
     try:
         template_args = json.loads(args.chat_template_args)
     except json.JSONDecodeError as e:
@@ -182,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     print(line, file=sys.stderr, flush=True)
     while not stop.wait(0.5):
         pass
-    print("dflash-serve: stopping (the running request is cut after its cycle)", file=sys.stderr, flush=True)
+    cut = " (the running request is cut after its cycle)" if server.worker.running is not None else ""
+    print(f"dflash-serve: stopping{cut}", file=sys.stderr, flush=True)
     server.close()
 
 
