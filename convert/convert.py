@@ -267,12 +267,37 @@ def _check_destination(dest: Path, force: bool) -> bool:
             f"--mlx-path {dest} already exists and is {what}; it is never replaced, --force or not. "
             "Pass a new folder with --mlx-path."
         )
+    foreign = _foreign_entry(dest)
+    if foreign is not None:
+        raise DFlashError(
+            f"--mlx-path {dest} already exists and {foreign}, so it is not a pair folder as dflash-convert writes "
+            "it; it is never replaced, --force or not. Pass a new folder with --mlx-path."
+        )
     if not force:
         raise DFlashError(
             f"{dest} already exists. Choose another --mlx-path, or pass --force to replace it "
             "(the old pair is kept until the new one is complete and has passed its check)."
         )
     return True
+
+
+def _foreign_entry(folder: Path) -> str | None:
+    """What in ``folder`` dflash-convert would not have written, said as a phrase; None if nothing.
+
+    Replacing deletes the whole folder, so a manifest alone is not enough: it must be ours
+    (its ``format``), and the folder must hold nothing beside it and the two subfolders it names.
+    """
+    try:
+        manifest = json.loads((folder / PAIR_MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return f"its {PAIR_MANIFEST} is not valid JSON"
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return f"its {PAIR_MANIFEST} is not one dflash-convert wrote (no \"format\": \"{MANIFEST_FORMAT}\")"
+    ours = {PAIR_MANIFEST, manifest.get("target"), manifest.get("draft")}
+    for entry in sorted(folder.iterdir()):
+        if entry.name not in ours:
+            return f"holds {entry.name}, which dflash-convert did not write"
+    return None
 
 
 @contextlib.contextmanager

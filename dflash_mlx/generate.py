@@ -320,6 +320,7 @@ class GenerationResponse:
         peak_memory: Peak memory so far, in GB.
         finish_reason: ``"stop"``, ``"length"`` or None while generating.
         num_draft: Tokens drafted this cycle (0: a plain decoding step).
+        prompt_cached: Prompt tokens taken from ``prompt_cache`` instead of prefilled.
         plain_tps: Plain decoding's tokens per second, as measured by ``adaptive``'s plain
           cycles (None: not measured yet, or ``adaptive=False``).
         draft_tps: Drafting cycles' tokens per second over their latest window (None likewise).
@@ -339,6 +340,7 @@ class GenerationResponse:
     peak_memory: float
     finish_reason: str | None = None
     num_draft: int = 0
+    prompt_cached: int = 0
     plain_tps: float | None = None
     draft_tps: float | None = None
 
@@ -470,6 +472,7 @@ def stream_generate(
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish,
             num_draft=step.num_draft,
+            prompt_cached=reused,
             plain_tps=step.plain_tps,
             draft_tps=step.draft_tps,
         )
@@ -509,7 +512,11 @@ def generate(
     if verbose and response is not None:
         print()
         print("=" * 10)
-        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+        cached = f" ({response.prompt_cached} of them reused from the prompt cache)" if response.prompt_cached else ""
+        print(
+            f"Prompt: {response.prompt_tokens + response.prompt_cached} tokens{cached}, "
+            f"{response.prompt_tps:.3f} tokens-per-sec"
+        )
         print(
             f"Generation: {response.generation_tokens} tokens, "
             f"{response.generation_tps:.3f} tokens-per-sec"

@@ -53,6 +53,7 @@ from .train_checkpoint import (
     TrainingInterrupted,
     check_out,
     check_resume,
+    resumed_settings,
     drafter_mismatch,
     interrupt_after_step,
     latest_checkpoint,
@@ -501,6 +502,12 @@ def _drafter_and_optimizer(args: TrainingArgs, config: dict, checkpoint, init: D
         optimizer.init(draft.trainable_parameters())
         rng.bit_generator.state = rng_state
         print(f"resumed from {checkpoint[0]} at step {start}", flush=True)
+        saved_args = json.loads((checkpoint[0] / "state.json").read_text()).get("args", {})
+        now, changed = resumed_settings(saved_args, dataclasses.asdict(args))
+        print(f"run settings: {now}", flush=True)
+        if changed:
+            print(f"dflash-train: note: resuming with {'; '.join(changed)}: the run goes on with these, so it no "
+                  "longer repeats an uninterrupted run of the checkpoint's settings.", file=sys.stderr, flush=True)
     n_params = sum(v.size for _, v in tree_flatten(draft.trainable_parameters()))
     print(
         f"drafter: {draft.args.num_hidden_layers} layers, block size {draft.block_size}, "

@@ -137,11 +137,35 @@ def check_out(out: Path, resume: bool, data_only: bool = False) -> tuple[Path, P
     # The response cache of an earlier --data-only run is what a new run starts from.
     used = sorted(p.name for p in out.iterdir() if p.name != RESPONSE_CACHE and not p.name.startswith("."))
     if used:
+        files = f"{', '.join(used[:3])}{', ...' if len(used) > 3 else ''}"
+        if checkpoint is None:  # not a run dflash-train can continue: --resume would be refused
+            raise DFlashError(
+                f"--out {out} already holds files ({files}) and no saved training state. Pass a new folder "
+                "with --out (with --init-draft FOLDER to start from a drafter's weights)."
+            )
         raise DFlashError(
-            f"--out {out} already holds files ({', '.join(used[:3])}{', ...' if len(used) > 3 else ''}). "
-            "Pass --resume to continue its training, or a new folder with --out."
+            f"--out {out} already holds files ({files}). Pass --resume to continue its training, or a new "
+            "folder with --out."
         )
     return None
+
+
+# The settings a resumed run may change (dflash-train's documented way to move the schedule's end
+# is --resume with a new --iters), but then it no longer repeats an uninterrupted run.
+RUN_SETTINGS = ("iters", "learning_rate", "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "batch_size",
+                "blocks_per_seq", "max_seq_len", "loss_decay", "loss_positions", "logit_mse", "seed")
+
+
+def resumed_settings(saved: dict, args: dict) -> tuple[str, list[str]]:
+    """The run settings a resume goes on with, and those changed from the checkpoint's, as flags."""
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    now = ", ".join(f"{flag(k)} {args[k]}" for k in RUN_SETTINGS if k in args)
+    changed = [f"{flag(k)} {args[k]} (was {saved[k]})" for k in RUN_SETTINGS if k in saved and k in args
+               and saved[k] != args[k]]  # fmt: skip
+    return now, changed
 
 
 def target_record(path: Path) -> dict:

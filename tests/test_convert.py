@@ -311,14 +311,24 @@ def _no_conversion(*args, **kwargs):
     raise AssertionError("converted before checking --mlx-path")
 
 
-@pytest.mark.parametrize("kind", ["folder-of-files", "file", "current-folder", "parent-is-a-file"])
+@pytest.mark.parametrize("kind", ["folder-of-files", "file", "current-folder", "parent-is-a-file", "stub-manifest",
+                                  "pair-with-notes"])
 def test_force_only_replaces_a_pair_folder(hf, tmp_path, monkeypatch, capsys, kind):
     """--force never deletes what dflash-convert did not write, and says so before converting."""
     docs = tmp_path / "mydocs"
     docs.mkdir()
     (docs / "notes.txt").write_text("mine")
+    if kind == "stub-manifest":  # a dflash_pair.json that dflash-convert did not write
+        (docs / PAIR_MANIFEST).write_text("{}")
+    if kind == "pair-with-notes":  # a real pair, with the user's own file put in it
+        old = _old_pair(hf, tmp_path / "old")
+        for name in ("target", "draft"):
+            shutil.copytree(old / name, docs / name)
+        shutil.copy(tmp_path / "old" / PAIR_MANIFEST, docs / PAIR_MANIFEST)
+        shutil.rmtree(tmp_path / "old")
+    before = sorted(p.name for p in docs.iterdir())
     paths = {"folder-of-files": docs, "file": docs / "notes.txt", "current-folder": Path("."),
-             "parent-is-a-file": docs / "notes.txt" / "pair"}  # fmt: skip
+             "parent-is-a-file": docs / "notes.txt" / "pair", "stub-manifest": docs, "pair-with-notes": docs}  # fmt: skip
     monkeypatch.chdir(docs)
     monkeypatch.setattr(convert_mod, "mlx_lm_convert", _no_conversion)
     with pytest.raises(SystemExit) as e:
@@ -327,7 +337,7 @@ def test_force_only_replaces_a_pair_folder(hf, tmp_path, monkeypatch, capsys, ki
     err = capsys.readouterr().err.strip()
     assert e.value.code == 1 and err.startswith("dflash-convert: error: ") and "--mlx-path" in err and "\n" not in err
     assert "never replaced" in err or "current folder" in err or "is not a folder" in err
-    assert sorted(p.name for p in docs.iterdir()) == ["notes.txt"] and (docs / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in docs.iterdir()) == before and (docs / "notes.txt").read_text() == "mine"
     assert _leftovers(tmp_path) == []
 
 

@@ -330,7 +330,9 @@ def test_out_is_never_spoiled(setup, tmp_path, capsys):
     (docs / "notes.txt").write_text("mine")
     base = _argv(_args(setup, docs))
     err = _one_line_error(base, capsys)
-    assert f"--out {docs} already holds files (notes.txt). Pass --resume to continue its training, or a new " in err
+    # No saved state there, so --resume is not what to suggest (it would be refused next).
+    assert f"--out {docs} already holds files (notes.txt) and no saved training state. Pass a new folder" in err
+    assert "Pass --resume" not in err and "--init-draft" in err
     err = _one_line_error([*base, "--resume"], capsys)
     assert f"--resume: there is no saved training state in {docs}" in err
     err = _one_line_error(_argv(_args(setup, docs / "notes.txt")), capsys)
@@ -367,11 +369,20 @@ def test_resume_refuses_other_settings_and_logs_the_loaded_ones(setup, tmp_path,
     for change, message in cases:
         err = _one_line_error(_argv(_args(setup, out, iters=4, resume=True, **change)), capsys)
         assert message in err and "to resume it, or start a new run with another --out" in err
+    err = _one_line_error(_argv(_args(setup, out)), capsys)  # a run folder without --resume
+    assert "already holds files" in err and "Pass --resume to continue its training" in err
     main(_argv(_args(setup, out, iters=4, resume=True)))
-    log = capsys.readouterr().out
+    captured = capsys.readouterr()
+    log = captured.out
     assert f"resumed from {out / STATE / 'step-00000002'} at step 2" in log
+    assert "run settings: --iters 4, --learning-rate" in log and "note: resuming with" not in captured.err
     assert "drafter: 1 layers, block size 4," in log and "taps [1, 2]" in log
     assert json.loads((latest_checkpoint(out)[0] / "state.json").read_text())["step"] == 4
+    # Other run settings are taken (a new --iters moves the schedule's end) but said.
+    main(_argv(_args(setup, out, iters=6, resume=True, learning_rate=0.01)))
+    err = capsys.readouterr().err
+    assert "note: resuming with --iters 6 (was 4); --learning-rate 0.01 (was " in err
+    assert "no longer repeats an uninterrupted run" in err
 
 
 def test_checkpoint_is_one_rename(setup, tmp_path, monkeypatch):
