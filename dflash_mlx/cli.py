@@ -18,6 +18,7 @@ DTYPE_HELP = (
 )
 # The largest sampling temperature any tool takes (dflash-chat's /temp too).
 MAX_TEMP = 10.0
+MAX_SEED = 2**64 - 1  # what mx.random.seed takes
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -37,13 +38,12 @@ class InRange(argparse.Action):
         self.low, self.high, self.low_open = low, high, low_open
 
     def describe(self) -> str:
+        low, high = (f"{v:g}" if isinstance(v, float) else str(v) for v in (self.low, self.high))
         if self.low is not None and self.high is not None:
-            return f"greater than {self.low:g} and at most {self.high:g}" if self.low_open else (
-                f"from {self.low:g} to {self.high:g}"
-            )
+            return f"greater than {low} and at most {high}" if self.low_open else f"from {low} to {high}"
         if self.low is not None:
-            return f"greater than {self.low:g}" if self.low_open else f"at least {self.low:g}"
-        return f"at most {self.high:g}"
+            return f"greater than {low}" if self.low_open else f"at least {low}"
+        return f"at most {high}"
 
     def ok(self, value) -> bool:
         if isinstance(value, str):  # a word the flag's type lets through ("auto")

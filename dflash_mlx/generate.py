@@ -21,6 +21,7 @@ from .backend import cpu_speedups as resolve_speedups
 from .auto_block import AutoWidth
 from .cache import DFlashCache, check_draft_window, make_cache
 from .cli import (
+    MAX_SEED,
     ArgumentParser,
     InRange,
     add_cycle_arguments,  # noqa: F401 (dflash-serve imports it from here)
@@ -226,6 +227,8 @@ def dflash_generate_step(
     """
     ids = _prompt_ids(prompt)
     _check_cycle_settings(max_tokens, min_confidence, lookup_fallback, proposal)
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
+        raise DFlashError(f"seed must be an integer from 0 to {MAX_SEED} (got {seed!r}).")
     auto = block_size == "auto"
     if auto and min_confidence > 0:
         raise DFlashError("block_size='auto' chooses each cycle's drafts itself; leave min_confidence at 0.")
@@ -575,7 +578,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="Decode plainly while drafting is measured slower than plain decoding, drafting again later "
         "(same distribution; default: true, false with --seed, whose output would depend on timings).",
     )
-    parser.add_argument("--seed", type=int, action=InRange, low=0, default=None,
+    parser.add_argument("--seed", type=int, action=InRange, low=0, high=MAX_SEED, default=None,
                         help="Random seed for sampling (default: none).")  # fmt: skip
     parser.add_argument(
         "--ignore-chat-template", action="store_true", help="Use the prompt as is, without the chat template."

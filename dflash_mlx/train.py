@@ -33,6 +33,7 @@ from mlx.utils import tree_flatten
 
 from . import target as tgt
 from .backend import cpu_speedups
+from .cli import MAX_SEED
 from .drafter import DraftModel, ModelArgs, default_target_layer_ids
 from .errors import DFlashError
 from .fc_scale import ScaledLinear, feature_scale, folded_fc
@@ -216,8 +217,8 @@ def _check_args(args: TrainingArgs) -> None:
         raise DFlashError(f"--learning-rate must be greater than 0 (got {args.learning_rate:g}).")
     if args.loss_decay < 0:
         raise DFlashError(f"--loss-decay must be at least 0, 0 for flat weights (got {args.loss_decay:g}).")
-    if args.seed < 0:
-        raise DFlashError(f"--seed must be at least 0 (got {args.seed}).")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise DFlashError(f"--seed must be from 0 to {MAX_SEED} (got {args.seed}).")
     if args.responses not in ("generate", "dataset"):
         raise DFlashError(f"responses must be 'generate' or 'dataset' (got {args.responses!r}).")
     if args.dtype not in DTYPES:

@@ -59,7 +59,8 @@ def test_bad_min_confidence_is_one_line(pair_dirs, capsys):
         (["--max-tokens", "0"], "--max-tokens must be at least 1 (got 0)"),
         (["--temp", "-1"], "--temp must be from 0 to 10 (got -1)"),
         (["--block-size", "x"], "'x' is not a block size: pass an integer or 'auto'"),
-        (["--seed", "-1"], "--seed must be at least 0 (got -1)"),
+        (["--seed", "-1"], "--seed must be from 0 to 18446744073709551615 (got -1)"),
+        (["--seed", str(2**64)], f"--seed must be from 0 to 18446744073709551615 (got {2**64})"),
     ],
 )
 def test_bad_flags(argv, message, capsys):

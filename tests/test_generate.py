@@ -5,7 +5,7 @@ from decoding import run
 from mlx_lm.generate import generate_step
 from oracles import ScriptedDraft
 
-from dflash_mlx import DFlashError, dflash_generate_step, make_cache
+from dflash_mlx import DFlashError, dflash_generate_step, make_cache, stream_generate
 
 MAX_REF = 200
 
@@ -317,3 +317,10 @@ def test_runs_on_another_thread(qwen3_pair):
     thread.start()
     thread.join()
     assert result["out"] == reference(model, prompt, 40)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5])
+def test_a_seed_mlx_cannot_take_is_one_line(qwen3_pair, seed):
+    model, draft, tokenizer = qwen3_pair
+    with pytest.raises(DFlashError, match=r"seed must be an integer from 0 to 18446744073709551615"):
+        list(stream_generate(model, draft, tokenizer, [1, 2, 3], max_tokens=2, seed=seed))

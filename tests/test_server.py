@@ -186,6 +186,8 @@ BAD = [
     ("/v1/completions", {"prompt": "t1", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "t1", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "t1", "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "t1", "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "t1", "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"prompt": "t1", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "t1", "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "t1", "block_size": 99}, 400, "block_size"),

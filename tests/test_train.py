@@ -464,7 +464,8 @@ def test_get_lr_schedule():
         (["--max-seq-len", "4"], "--max-seq-len 4 must be at least --block-size 16"),
         (["--learning-rate", "0"], "--learning-rate must be greater than 0 (got 0)"),
         (["--loss-decay", "-1"], "--loss-decay must be at least 0"),
-        (["--seed", "-1"], "--seed must be at least 0 (got -1)"),
+        (["--seed", "-1"], "--seed must be from 0 to 18446744073709551615 (got -1)"),
+        (["--seed", str(2**64)], f"--seed must be from 0 to 18446744073709551615 (got {2**64})"),
         (["--loss-positions", "16"], "--loss-positions must be between 1 and block_size - 1 = 15 (got 16)"),
     ],
 )

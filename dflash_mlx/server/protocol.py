@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cli import MAX_SEED
+
 CHAT, TEXT = "chat", "text"
 ROLES = ("system", "user", "assistant", "developer", "tool")
 # OpenAI's own limit on stop sequences.
@@ -157,7 +159,7 @@ def parse_request(body: Any, kind: str, defaults: Defaults = Defaults()) -> Comp
     req.min_p = float(_number(body, "min_p", defaults.min_p, lo=0, hi=1))
     penalty = _number(body, "repetition_penalty", None, lo=0, hi=10, optional=True)
     req.repetition_penalty = None if penalty in (None, 1, 1.0) else float(penalty)
-    req.seed = _number(body, "seed", None, integer=True, optional=True)
+    req.seed = _number(body, "seed", None, lo=0, hi=MAX_SEED, integer=True, optional=True)
     if body.get("block_size") == "auto":
         req.block_size = "auto"
     else:
