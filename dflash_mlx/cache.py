@@ -79,10 +79,20 @@ class WindowedKVCache:
 
 def make_draft_cache(draft: nn.Module, window: int | None = None, sinks: int = 4) -> list:
     """The drafter's per-layer context caches: all of the context, or with ``window``, the
-    first ``sinks`` positions and the latest ``window`` (:class:`WindowedKVCache`)."""
-    if window is None:
-        return [KVCache() for _ in draft.layers]
-    return [WindowedKVCache(window, sinks) for _ in draft.layers]
+    first ``sinks`` positions and the latest ``window`` (:class:`WindowedKVCache`).
+
+    A ``sliding_attention`` layer (a drafter config's ``layer_types``) keeps only the latest
+    ``sliding_window`` positions whatever ``window`` is: no block query sees further back, so its
+    draft pass and cache stay the same size at any context length.
+    """
+    caches = []
+    for layer in draft.layers:
+        own = layer.self_attn.window
+        if own is not None:
+            caches.append(WindowedKVCache(own, sinks=0))
+        else:
+            caches.append(KVCache() if window is None else WindowedKVCache(window, sinks))
+    return caches
 
 
 @dataclass

@@ -229,6 +229,11 @@ class Attention(nn.Module):
             v_ctx = mx.broadcast_to(v_ctx, (B, *v_ctx.shape[1:]))
         keys = mx.concatenate([k_ctx, k], axis=2)
         values = mx.concatenate([v_ctx, v], axis=2)
+        if mask is not None and mask.shape[-1] > keys.shape[2]:
+            # A windowed cache dropped the oldest context keys; the mask was made for all of
+            # them. Only a sliding layer's (whose window they are outside of) or a causal one's
+            # (which sees every context key) are dropped, so the mask's last columns are theirs.
+            mask = mask[..., -keys.shape[2] :]
 
         # No causal mask: the block attends to the whole context and to itself both ways.
         return kernels.attention(q, keys, values, self.scale, mask, use_kernel=use_kernel)

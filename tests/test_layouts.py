@@ -189,3 +189,20 @@ def test_sliding_drafter_is_lossless(tmp_path, pair_dirs):
     ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=50)]
     out = [t for s in dflash_generate_step(prompt, model, draft, max_tokens=50) for t in s.tokens]
     assert out == ref
+
+
+def test_sliding_layers_keep_a_bounded_cache_with_the_same_output():
+    """A sliding layer's cache holds its window only, and the drafter's output equals a full cache's."""
+    from mlx_lm.models.cache import KVCache
+
+    from dflash_mlx.cache import WindowedKVCache, make_draft_cache
+
+    draft = _sliding_draft(window=5, layer_types=("sliding_attention", "full_attention"))
+    ctx = mx.random.normal((1, 40, 2 * 64))
+    noise = mx.random.normal((1, 8, 64))
+    bounded, full = make_draft_cache(draft), [KVCache(), KVCache()]
+    assert isinstance(bounded[0], WindowedKVCache) and isinstance(bounded[1], KVCache)
+    for lo, hi in ((0, 3), (3, 4), (4, 17), (17, 18), (18, 40)):  # chunks smaller and larger than the window
+        got, want = draft(noise, ctx[:, lo:hi], bounded), draft(noise, ctx[:, lo:hi], full)
+        assert mx.allclose(got, want, atol=1e-5).item(), (lo, hi)
+        assert bounded[0].stored <= 5 and bounded[0].offset == full[0].offset == hi
