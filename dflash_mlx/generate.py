@@ -525,7 +525,10 @@ def generate(
             f"{response.generation_tps:.3f} tokens-per-sec"
         )
         hist = " ".join(f"{k}:{v}" for k, v in sorted(histogram.items()))
-        print(f"Acceptance length: {response.mean_acceptance_length:.2f} mean [{hist}]")
+        if histogram:
+            print(f"Acceptance length: {response.mean_acceptance_length:.2f} mean [{hist}]")
+        elif draft is not None:
+            print("Acceptance length: none (no cycle drafted)")
         if response.plain_tps is not None and response.draft_tps is not None:
             verdict = "slower" if response.drafting_slower else "faster"
             print(
@@ -609,21 +612,13 @@ def apply_chat_template(
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
 
 
-def _window_cache(model: nn.Module, ids: list[int], max_kv_size: int) -> DFlashCache:
-    """A target cache that keeps the last ``max_kv_size`` tokens (mlx-lm's rotating cache), with
-    all but the last prompt token prefilled the way ``mlx_lm generate`` does, so the output is
-    mlx-lm's. Plain decoding only: it never rolls back."""
+def _window_cache(model: nn.Module, max_kv_size: int) -> DFlashCache:
+    """An empty target cache that keeps the last ``max_kv_size`` tokens (mlx-lm's rotating
+    cache). Plain decoding only: it never rolls back. Prefilled with mlx-lm's step (2048),
+    it gives ``mlx_lm generate``'s output (see ``Verifier.prefill``)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    cache = DFlashCache(make_prompt_cache(model, max_kv_size=max_kv_size))
-    step = 2048  # mlx-lm's prefill step; with a rotating cache the chunks change the output
-    with mx.stream(generation_stream):
-        for i in range(0, len(ids) - 1, step):
-            chunk = ids[i : min(i + step, len(ids) - 1)]
-            model(mx.array(chunk)[None], cache=cache.target)
-            mx.eval([c.state for c in cache.target])
-            cache.tokens.extend(chunk)
-    return cache
+    return DFlashCache(make_prompt_cache(model, max_kv_size=max_kv_size))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -653,12 +648,7 @@ def main(argv: list[str] | None = None) -> None:
         add_stop_tokens(tokenizer, args.extra_eos_token)
         if not args.ignore_chat_template:
             prompt = apply_chat_template(tokenizer, prompt, args.system_prompt, args.chat_template_config)
-        cache = None
-        if args.max_kv_size is not None:
-            if isinstance(prompt, str):
-                bos = tokenizer.bos_token
-                prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-            cache = _window_cache(model, list(prompt), args.max_kv_size)
+        cache = _window_cache(model, args.max_kv_size) if args.max_kv_size is not None else None
         text = generate(
             model,
             draft,
@@ -677,6 +667,8 @@ def main(argv: list[str] | None = None) -> None:
             draft_sinks=args.draft_sinks,
             seed=args.seed,
             prompt_cache=cache,
+            # mlx-lm's prefill step: with a rotating window (--max-kv-size) the chunks shape the output.
+            prefill_step_size=2048 if cache is not None else 512,
         )
         if not args.verbose:
             print(text)  # the text alone, as mlx_lm.generate does

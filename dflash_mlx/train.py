@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 
 from . import target as tgt
 from .backend import cpu_speedups
-from .cli import MAX_SEED
+from .cli import MAX_SEED, ArgumentParser
 from .drafter import DraftModel, ModelArgs, default_target_layer_ids
 from .errors import DFlashError
 from .fc_scale import ScaledLinear, feature_scale, folded_fc
@@ -196,10 +196,28 @@ def _check_args(args: TrainingArgs) -> None:
         "blocks_per_seq",
         "gen_max_tokens",
         "gen_batch_size",
+        "max_seq_len",
+        "max_prompt_tokens",
+        "eval_max_tokens",
+        "save_every",
+        "log_every",
     ]
     for name in positive:
         if getattr(args, name) < 1:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)}).")
+    # 0 means none / off / flat for these; below 0 means nothing.
+    for name in ("warmup", "weight_decay", "grad_clip", "val_examples", "eval_every", "eval_prompts", "logit_mse",
+                 "text_prompt_lines"):
+        if getattr(args, name) < 0:
+            raise DFlashError(f"--{name.replace('_', '-')} must be at least 0 (got {getattr(args, name):g}).")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise DFlashError(f"--min-lr-ratio must be from 0 to 1 (got {args.min_lr_ratio:g}).")
+    for name in ("intermediate_size", "stop_at", "max_prompts"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise DFlashError(f"--{name.replace('_', '-')} must be at least 1 (got {value}); leave it out for the default.")
+    if args.data_minutes is not None and args.data_minutes < 0:
+        raise DFlashError(f"--data-minutes must be at least 0 (got {args.data_minutes:g}).")
     if args.block_size < 2:
         raise DFlashError(
             f"--block-size must be at least 2: one clean token and one to draft (got {args.block_size})."
@@ -210,7 +228,7 @@ def _check_args(args: TrainingArgs) -> None:
         )
     if args.loss_positions is not None and not 1 <= args.loss_positions <= args.block_size - 1:
         raise DFlashError(
-            f"--loss-positions must be between 1 and block_size - 1 = {args.block_size - 1} "
+            f"--loss-positions must be from 1 to --block-size minus 1 = {args.block_size - 1} "
             f"(got {args.loss_positions}); leave it out to train on every position."
         )
     if args.learning_rate <= 0:
@@ -637,6 +655,9 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
             if interrupted and step < last:
                 raise TrainingInterrupted(step, out)
     bar.close()
+    if last < args.iters:
+        print(f"stopped at step {last} of {args.iters} (--stop-at); saved to {out}; rerun with --resume to continue",
+              flush=True)  # fmt: skip
     if isinstance(draft.fc, ScaledLinear):
         draft.fc = draft.fc.folded()
     draft.eval()
@@ -682,7 +703,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="dflash-train",
         description="Train a DFlash drafter for an mlx-lm target.",
         formatter_class=_HelpFormatter,
@@ -705,7 +726,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = setup_arg_parser().parse_args(argv)
+    parser = setup_arg_parser()
+    args = parser.parse_args(argv)
+    try:
+        _check_args(TrainingArgs(**vars(args)))
+    except DFlashError as e:
+        parser.error(str(e))  # a bad value exits 2, as in the other tools
     try:
         train(TrainingArgs(**vars(args)))
     except DFlashError as e:

@@ -162,7 +162,8 @@ def resumed_settings(saved: dict, args: dict) -> tuple[str, list[str]]:
     def flag(name: str) -> str:
         return "--" + name.replace("_", "-")
 
-    now = ", ".join(f"{flag(k)} {args[k]}" for k in RUN_SETTINGS if k in args)
+    # A setting left at None (e.g. --loss-positions: every position) is left out.
+    now = ", ".join(f"{flag(k)} {args[k]}" for k in RUN_SETTINGS if args.get(k) is not None)
     changed = [f"{flag(k)} {args[k]} (was {saved[k]})" for k in RUN_SETTINGS if k in saved and k in args
                and saved[k] != args[k]]  # fmt: skip
     return now, changed

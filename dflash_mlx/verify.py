@@ -10,6 +10,7 @@ from functools import partial
 from typing import Callable
 
 import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache
 import mlx.nn as nn
 
 from . import target as tgt
@@ -92,22 +93,38 @@ class Verifier:
         return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     def prefill(self, tokens: list[int], step_size: int) -> int:
-        """Feed ``tokens`` in chunks of ``step_size``; returns the target's next token."""
-        cache = self.cache
-        for i in range(0, len(tokens), step_size):
-            chunk = tokens[i : i + step_size]
-            logits, taps = tgt.forward_with_taps(
-                self.model, mx.array(chunk)[None], cache.target, self.tap_ids, self.speedups
-            )
+        """Feed ``tokens`` in chunks of ``step_size``; returns the target's next token.
+
+        A cache that cannot be trimmed (mlx-lm's rotating window, plain decoding only) is fed as
+        ``mlx_lm generate`` feeds it, all but the last token in chunks and then the last alone:
+        there the chunks change what the window keeps, and so the output.
+        """
+        cache, n = self.cache, len(tokens)
+        rotating = self._rotating()
+        starts = list(range(0, n - 1, step_size)) + [n - 1] if rotating and n > 1 else list(range(0, n, step_size))
+        for i, end in zip(starts, starts[1:] + [n]):
+            chunk = tokens[i:end]
+            logits, taps = self._forward(mx.array(chunk)[None])
             cache.append_pending(taps)
             cache.tokens.extend(chunk)
             mx.eval(logits, cache.pending, [c.state for c in cache.target])
         return self._sample(self._logits(logits[0, -1:])).item()
 
+    def _rotating(self) -> bool:
+        # By type: an empty rotating cache still says it can be trimmed.
+        return any(isinstance(c, RotatingKVCache) for c in self.cache.target)
+
+    def _forward(self, tokens: mx.array) -> tuple[mx.array, mx.array | None]:
+        if self._rotating():
+            # A rotating window (plain decoding only, so no taps): mlx-lm's own pass, as
+            # mlx_lm generate runs it, since the window's state depends on how it is fed.
+            return self.model(tokens, cache=self.cache.target), None
+        return tgt.forward_with_taps(self.model, tokens, self.cache.target, self.tap_ids, self.speedups)
+
     def verify(self, last: int, proposal: Proposal) -> Verdict:
         """One target pass over ``[last, drafts...]``, then the acceptance test."""
         block = mx.concatenate([mx.array([last], dtype=mx.uint32), proposal.tokens])[None]
-        logits, taps = tgt.forward_with_taps(self.model, block, self.cache.target, self.tap_ids, self.speedups)
+        logits, taps = self._forward(block)
         logits = self._logits(logits[0], block)
         if proposal.q is None:
             target_tokens = self._sample(logits)  # (n + 1,)

@@ -355,6 +355,7 @@ def test_resume_refuses_other_settings_and_logs_the_loaded_ones(setup, tmp_path,
     out = tmp_path / "run"
     train(_args(setup, out, iters=4, stop_at=2, val_examples=0, eval_every=1))
     log = capsys.readouterr().out
+    assert f"stopped at step 2 of 4 (--stop-at); saved to {out}; rerun with --resume to continue" in log
     assert "no held-out set for a validation loss (--val-examples 0; pass --val-examples N for one)" in log
     assert "eval step 1: no val loss (no held-out set), acceptance" in log and "None" not in log
     other_target = tmp_path / "other-target"
@@ -376,6 +377,7 @@ def test_resume_refuses_other_settings_and_logs_the_loaded_ones(setup, tmp_path,
     log = captured.out
     assert f"resumed from {out / STATE / 'step-00000002'} at step 2" in log
     assert "run settings: --iters 4, --learning-rate" in log and "note: resuming with" not in captured.err
+    assert "None" not in log
     assert "drafter: 1 layers, block size 4," in log and "taps [1, 2]" in log
     assert json.loads((latest_checkpoint(out)[0] / "state.json").read_text())["step"] == 4
     # Other run settings are taken (a new --iters moves the schedule's end) but said.
@@ -466,7 +468,16 @@ def test_get_lr_schedule():
         (["--loss-decay", "-1"], "--loss-decay must be at least 0"),
         (["--seed", "-1"], "--seed must be from 0 to 18446744073709551615 (got -1)"),
         (["--seed", str(2**64)], f"--seed must be from 0 to 18446744073709551615 (got {2**64})"),
-        (["--loss-positions", "16"], "--loss-positions must be between 1 and block_size - 1 = 15 (got 16)"),
+        (["--loss-positions", "16"], "--loss-positions must be from 1 to --block-size minus 1 = 15 (got 16)"),
+        (["--log-every", "0"], "--log-every must be at least 1 (got 0)"),
+        (["--save-every", "-1"], "--save-every must be at least 1 (got -1)"),
+        (["--min-lr-ratio", "2"], "--min-lr-ratio must be from 0 to 1 (got 2)"),
+        (["--warmup", "-1"], "--warmup must be at least 0 (got -1)"),
+        (["--grad-clip", "-1"], "--grad-clip must be at least 0 (got -1)"),
+        (["--weight-decay", "-1"], "--weight-decay must be at least 0 (got -1)"),
+        (["--val-examples", "-1"], "--val-examples must be at least 0 (got -1)"),
+        (["--eval-every", "-1"], "--eval-every must be at least 0 (got -1)"),
+        (["--intermediate-size", "0"], "--intermediate-size must be at least 1 (got 0)"),
     ],
 )
 def test_bad_arguments_one_line_errors(setup, tmp_path, capsys, extra, message):
@@ -486,7 +497,10 @@ def test_bad_arguments_one_line_errors(setup, tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
         main(argv)
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 1 and message in err and "\n" not in err
+    # A value no run can take exits 2 before anything loads, as in the other tools; one the
+    # target or the files refuse exits 1.
+    code = 1 if extra[0] in ("--target-layer-ids", "--data") else 2
+    assert e.value.code == code and message in err and "\n" not in err and err.startswith("dflash-train: error: ")
 
 
 def test_prompt_kinds_and_dataset_answers(setup, tmp_path):
