@@ -97,6 +97,17 @@ def test_default_pair_dflash_equals_its_own_greedy_output(default_pair, index, a
         assert sum(s.num_accepted for s in steps) >= 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(24))
+def test_default_pair_is_lossless_on_every_benchmark_prompt(default_pair, index):
+    """Every prompt dflash-bench uses by default, at the drafter's block, every cycle drafted."""
+    rows = load_prompts(embedded_pair_path() / "prompts.jsonl")
+    assert len(rows) == 24
+    ids = encode(default_pair[2], rows[index])
+    out, _ = _dflash(default_pair, ids, 32, adaptive=False)
+    assert out == _greedy(default_pair[0], ids, 32, default_pair[2].eos_token_ids)
+
+
 def test_a_pair_missing_from_the_install_is_named(monkeypatch, tmp_path):
     from dflash_mlx import loading
 
