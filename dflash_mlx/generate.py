@@ -535,7 +535,7 @@ def generate(
                 f"Drafting: {response.draft_tps:.3f} tokens-per-sec, {verdict} than plain decoding "
                 f"({response.plain_tps:.3f} measured; {plain} cycles decoded plainly)"
             )
-        elif histogram and response.generation_tokens > 1:  # no plain cycle measured plain decoding
+        elif sum(histogram.values()) >= 4:  # no plain cycle measured plain decoding; a few cycles say little
             rate = plain_tokens_per_second(model, kwargs["prompt_cache"], sampler=kwargs.get("sampler"))
             if rate is not None:
                 verdict = "slower" if response.generation_tps < rate else "faster"
