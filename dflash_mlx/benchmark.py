@@ -301,7 +301,8 @@ def run_benchmark(
         "meta": {**stamp(), "max_tokens": max_tokens, "runs": runs, "prompts": len(rows_in), "dtype": dtype,
                  "model": f"{pair_name} (embedded)" if pair_name else model,
                  "draft": draft or (f"{pair_name} drafter (embedded)" if pair_name else None),
-                 "ar_draft": ar_path if "mlx-spec" in methods else None,
+                 "ar_draft": (ar_draft if ar_draft is not None else f"{pair_name} ar-draft (embedded)")
+                 if "mlx-spec" in methods else None,
                  "prompt_set": (documents or f"{pair_name or DEFAULT_PAIR} long-context documents (embedded)")
                  if context else prompts or f"{pair_name or DEFAULT_PAIR} held-out prompts (embedded)",
                  "min_confidence": min_confidence, "lookup_fallback": lookup_fallback,
