@@ -60,9 +60,9 @@ def dirs(pair_dirs, tmp_path_factory):
     """conftest's folders, plus a drafter made for blocks of 4 and drafters fitted to each target."""
     root = tmp_path_factory.mktemp("parity")
     write_draft(root / "draft4", block_size=4)
-    for kind in ("qwen3_moe", "qwen3_5"):
+    for kind in ("qwen3_moe", "qwen3_5", "qwen3_5_moe"):
         write_hf_target(root / kind, kind)
-    hf = {kind: root / kind for kind in ("qwen3_moe", "qwen3_5")}
+    hf = {kind: root / kind for kind in ("qwen3_moe", "qwen3_5", "qwen3_5_moe")}
     return {**pair_dirs, **hf, "draft16": pair_dirs["draft"], "draft4": root / "draft4", "root": root}
 
 
@@ -279,7 +279,7 @@ def test_end_to_end_stop_token_mid_block(pairs, kind, block_size):
     assert [t for s in steps for t in s[0]] == truncated
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "qwen3_5_moe"])  # the hybrid MoE with the trained drafter too
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_end_to_end_trained_drafter(trained, kind, block_size, record_property):
     model, draft, target, ref = trained(kind)
