@@ -92,6 +92,11 @@ def embedded_pair(name: str = DEFAULT_PAIR) -> tuple[Path, Path]:
     return target, folder / "draft"
 
 
+def looks_like_hub_id(text: str) -> bool:
+    """Whether a name that is not a local path reads as a Hugging Face id ('org/name')."""
+    return not text.startswith((".", "/", "~")) and text.count("/") == 1
+
+
 def resolve(path_or_repo: str | Path, *, what: str, revision: str | None = None) -> Path:
     """A local folder for ``path_or_repo``: the folder itself, or a hub snapshot.
 
@@ -104,7 +109,7 @@ def resolve(path_or_repo: str | Path, *, what: str, revision: str | None = None)
     if path.exists():
         raise DFlashError(f"The {what} path {path} is a file; pass the model's folder.")
     text = str(path_or_repo)
-    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+    if not looks_like_hub_id(text):
         raise DFlashError(
             f"The {what} {text!r} is neither an existing folder nor a Hugging Face id "
             "like 'org/name'. Check the path."

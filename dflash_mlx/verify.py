@@ -63,6 +63,8 @@ class Verifier:
         speedups: CpuSpeedups | None,
     ):
         self.model, self.cache, self.tap_ids, self.speedups = model, cache, tap_ids, speedups
+        # By type, once: an empty rotating cache still says it can be trimmed.
+        self.rotating = any(isinstance(c, RotatingKVCache) for c in cache.target)
         self.greedy, self.sampler = sampler is None, sampler
         use_kernel = speedups is not None and speedups.kernels
         self.probs = partial(sampler.probs, use_kernel=use_kernel) if isinstance(sampler, Sampler) else None
@@ -100,7 +102,7 @@ class Verifier:
         there the chunks change what the window keeps, and so the output.
         """
         cache, n = self.cache, len(tokens)
-        rotating = self._rotating()
+        rotating = self.rotating
         starts = list(range(0, n - 1, step_size)) + [n - 1] if rotating and n > 1 else list(range(0, n, step_size))
         for i, end in zip(starts, starts[1:] + [n]):
             chunk = tokens[i:end]
@@ -110,12 +112,8 @@ class Verifier:
             mx.eval(logits, cache.pending, [c.state for c in cache.target])
         return self._sample(self._logits(logits[0, -1:])).item()
 
-    def _rotating(self) -> bool:
-        # By type: an empty rotating cache still says it can be trimmed.
-        return any(isinstance(c, RotatingKVCache) for c in self.cache.target)
-
     def _forward(self, tokens: mx.array) -> tuple[mx.array, mx.array | None]:
-        if self._rotating():
+        if self.rotating:
             # A rotating window (plain decoding only, so no taps): mlx-lm's own pass, as
             # mlx_lm generate runs it, since the window's state depends on how it is fed.
             return self.model(tokens, cache=self.cache.target), None
