@@ -50,6 +50,16 @@ def test_context_rows_are_the_length_asked_for_and_end_with_the_question(pair_di
         context_rows(tokenizer, docs, [4096])
 
 
+def test_documents_longer_than_the_model_raise_no_tokenizer_warning(pair_dirs, documents):
+    _, _, tokenizer = load(pair_dirs["qwen3-tied"], dtype="float32")
+    hf = tokenizer._tokenizer
+    hf.model_max_length = 100  # the 400-word documents are longer
+    context_rows(tokenizer, load_documents(documents), [64])
+    # transformers records each warning it has given once per tokenizer (its log handler may
+    # write where pytest cannot capture it)
+    assert not [k for k in hf.deprecation_warnings if "longer-than" in k]
+
+
 def test_context_mode_reports_each_length_with_its_own_component_times(pair_dirs, documents, tmp_path, capsys):
     main([
         "--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--context", "64,200",
