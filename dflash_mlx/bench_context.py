@@ -50,14 +50,18 @@ def context_rows(tokenizer, documents: list[dict], lengths: list[int]) -> list[d
     Raises:
         DFlashError: When a document is too short for a length.
     """
+    # Each document and question is encoded once, not once per length. Documents run past the
+    # model's context on purpose (they are cut below), so the tokenizer's "longer than the
+    # maximum" warning would only alarm the reader.
+    encoded = []
+    for doc in documents:
+        question = "\n\n" + doc["question"]
+        doc_ids = tokenizer.encode(doc["document"], add_special_tokens=False, verbose=False)
+        encoded.append((doc, question, len(_render(tokenizer, question)), doc_ids))
     rows = []
     for length in lengths:
-        for doc in documents:
-            question = "\n\n" + doc["question"]
-            room = length - len(_render(tokenizer, question))
-            # Documents run past the model's context on purpose (they are cut below), so the
-            # tokenizer's "longer than the maximum" warning would only alarm the reader.
-            doc_ids = tokenizer.encode(doc["document"], add_special_tokens=False, verbose=False)
+        for doc, question, question_len, doc_ids in encoded:
+            room = length - question_len
             if room < 1 or len(doc_ids) < room:
                 raise DFlashError(
                     f"The document {doc.get('source', '?')!r} has {len(doc_ids)} tokens, too few for a "
