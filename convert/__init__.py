@@ -1,7 +1,7 @@
 """dflash-convert: Hugging Face checkpoints to MLX, targets and DFlash drafters."""
 
+from ..weights.registry import KNOWN_PAIRS, KnownPair, find_draft, find_pair, known_targets
 from .convert import CheckResult, ConvertResult, check_converted, convert
-from ..registry import KNOWN_PAIRS, KnownPair, find_draft, find_pair, known_targets
 
 __all__ = [
     "CheckResult",

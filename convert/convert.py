@@ -28,13 +28,15 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 
 from .. import __version__
-from .. import target as tgt
-from ..drafter import DraftModel, save_draft
+from ..cli.progress import Progress
 from ..errors import DFlashError
-from ..files import install, partial_sibling
-from ..gguf import convert_gguf, find_gguf
 from ..generate import apply_chat_template, dflash_generate_step
-from ..loading import (
+from ..models import target as tgt
+from ..models.drafter import DraftModel, save_draft
+from ..weights import registry
+from ..weights.files import install, partial_sibling
+from ..weights.gguf import convert_gguf, find_gguf
+from ..weights.loading import (
     DTYPES,
     PAIR_MANIFEST,
     check_pair,
@@ -48,8 +50,6 @@ from ..loading import (
     read_pair_manifest,
     resolve,
 )
-from .. import registry
-from ..progress import Progress
 from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft
 
 # Affine bit widths mlx-lm can quantize a target to.
@@ -335,7 +335,7 @@ def convert(
 
     Args:
         hf_path: The target: local folder, Hugging Face id, or a ``.gguf`` file (or a folder
-          holding one), converted by :func:`dflash_mlx.gguf.convert_gguf`.
+          holding one), converted by :func:`dflash_mlx.weights.gguf.convert_gguf`.
         mlx_path: The pair folder to write; it must not exist unless ``force``.
         quantize: Quantize the target (mlx-lm's affine quantization).
         q_group_size: Target quantization group size (mlx-lm's default: 64).
@@ -344,7 +344,7 @@ def convert(
           both models; by default the target's ``torch_dtype``. A GGUF target is dequantized
           to it; without it its Q4_0/Q4_1/Q8_0 layers stay quantized.
         draft_hf_path: The drafter: local folder or Hugging Face id. None takes the official
-          drafter of a known target (see :mod:`dflash_mlx.registry`).
+          drafter of a known target (see :mod:`dflash_mlx.weights.registry`).
         draft_q_bits: Quantize the drafter to 8 or 4 bits; None keeps it in ``dtype``.
         draft_q_group_size: Drafter quantization group size.
         revision: Hub revision of the target (and of an explicitly given drafter).

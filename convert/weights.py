@@ -4,15 +4,15 @@ Targets are converted by mlx-lm itself; only the drafter, which mlx-lm does not 
 handled here. The drafter is read with the library's own ``load_draft`` (which applies
 ``DraftModel.sanitize``, so the published z-lab key names map to ours) and written back as
 ``config.json`` + ``model*.safetensors`` by the library's one writer of that layout
-(``dflash_mlx.drafter.save_draft``).
+(``dflash_mlx.models.drafter.save_draft``).
 """
 
 from typing import Any
 
 import mlx.nn as nn
 
-from ..drafter import DraftModel
 from ..errors import DFlashError
+from ..models.drafter import DraftModel
 
 # Affine quantization as mlx supports it; the drafter is small, so only 8 and 4 bits.
 DRAFT_Q_BITS = (4, 8)

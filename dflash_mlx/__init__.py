@@ -11,16 +11,16 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "DFlashCache": "cache",
     "make_cache": "cache",
-    "DraftModel": "drafter",
-    "ModelArgs": "drafter",
+    "DraftModel": "models.drafter",
+    "ModelArgs": "models.drafter",
     "DFlashError": "errors",
     "GenerationResponse": "generate",
     "StepOutput": "generate",
     "dflash_generate_step": "generate",
     "generate": "generate",
     "stream_generate": "generate",
-    "check_pair": "loading",
-    "load": "loading",
+    "check_pair": "weights.loading",
+    "load": "weights.loading",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -21,9 +21,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import hybrid
-from . import target as tgt
 from .errors import DFlashError
+from .models import hybrid
+from .models import target as tgt
 
 MIN_BUCKET = 256  # contexts up to this many tokens share one measurement
 
@@ -88,7 +88,7 @@ class CostStore:
 
     def __init__(self, path: str | Path | None = None):
         if path is None:
-            from .gguf import default_cache_root
+            from .weights.gguf import default_cache_root
 
             path = default_cache_root() / "pass-costs.json"
         self.path = Path(path)

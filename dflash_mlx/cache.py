@@ -12,9 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache
 
-from . import hybrid
-from .drafter import DraftModel
 from .errors import DFlashError
+from .models import hybrid
+from .models.drafter import DraftModel
 
 
 class WindowedKVCache:

@@ -15,16 +15,13 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import target as tgt
-from .backend import CpuSpeedups
-from .backend import cpu_speedups as resolve_speedups
 from .auto_block import AutoWidth
 from .cache import DFlashCache, check_draft_window, make_cache
-from .cli import (
+from .cli.options import add_cycle_arguments  # noqa: F401 (dflash-serve imports it from here)
+from .cli.options import (
     MAX_SEED,
     ArgumentParser,
     InRange,
-    add_cycle_arguments,  # noqa: F401 (dflash-serve imports it from here)
     add_decoding_arguments,
     add_model_arguments,
     add_stop_tokens,
@@ -33,9 +30,12 @@ from .cli import (
     boolean_words,
     str2bool,
 )
-from .drafter import DraftModel
+from .cpu.speedups import CpuSpeedups
+from .cpu.speedups import cpu_speedups as resolve_speedups
 from .errors import DFlashError
 from .lookup import LookupProposer, PromptLookup
+from .models import target as tgt
+from .models.drafter import DraftModel
 from .plain_probe import plain_tokens_per_second
 from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, Proposal
 from .sampling import can_sample_proposals, check_proposal, make_sampler
@@ -214,7 +214,7 @@ def dflash_generate_step(
           ``prompt`` is reused and the rest is prefilled. Updated in place.
         prefill_step_size: Prompt tokens per prefill chunk.
         cpu_speedups: None (default) uses the CPU speedups where they pay (float32 on MLX's
-          CPU backend; :func:`dflash_mlx.backend.cpu_speedups`); False runs the portable path
+          CPU backend; :func:`dflash_mlx.cpu.speedups.cpu_speedups`); False runs the portable path
           an Apple GPU takes; True or a ``CpuSpeedups`` forces them. Same tokens either way.
         stream: The MLX stream to run on.
 
@@ -622,7 +622,7 @@ def _window_cache(model: nn.Module, max_kv_size: int) -> DFlashCache:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .loading import draft_for_cli, load
+    from .weights.loading import draft_for_cli, load
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)

@@ -12,8 +12,8 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import hybrid
 from .cache import DFlashCache
+from .models import hybrid
 from .sampling import Sampler
 
 

@@ -13,8 +13,8 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from .backend import CpuSpeedups
 from .cache import DFlashCache
+from .cpu.speedups import CpuSpeedups
 from .sampling import Sampler, sample_rows, top_probability
 
 

@@ -18,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 
-from . import kernels
+from .cpu import fast_math
 from .errors import DFlashError
 
 PROPOSALS = ("greedy", "sample")
@@ -94,10 +94,10 @@ class Sampler:
         if 0 < self.top_p < 1.0:
             # mlx-lm's top-p exponentiates its input: keep it at most 0.
             logits = logits - mx.max(logits, axis=-1, keepdims=True)
-        probs = kernels.softmax(self.filtered(logits) * (1.0 / self.temp), use_kernel)
+        probs = fast_math.softmax(self.filtered(logits) * (1.0 / self.temp), use_kernel)
         if self.xtc_probability <= 0:
             return probs
-        cut = kernels.softmax(self.filtered(logits, xtc=True) * (1.0 / self.temp), use_kernel)
+        cut = fast_math.softmax(self.filtered(logits, xtc=True) * (1.0 / self.temp), use_kernel)
         return (1 - self.xtc_probability) * probs + self.xtc_probability * cut
 
 

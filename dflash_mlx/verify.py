@@ -10,12 +10,12 @@ from functools import partial
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.models.cache import RotatingKVCache
 import mlx.nn as nn
+from mlx_lm.models.cache import RotatingKVCache
 
-from . import target as tgt
-from .backend import CpuSpeedups
 from .cache import DFlashCache
+from .cpu.speedups import CpuSpeedups
+from .models import target as tgt
 from .proposer import Proposal
 from .sampling import Sampler, accept_one_hot, sample_rows, speculative_accept
 

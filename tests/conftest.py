@@ -1,6 +1,6 @@
 import mlx.core as mx
 import pytest
-from checkpoints import write_draft, write_target
+from helpers.checkpoints import write_draft, write_target
 
 from dflash_mlx import load
 
@@ -40,7 +40,7 @@ def qwen3_pair(pair_dirs):
 def _default_pair_cache(tmp_path_factory):
     """The default pair's target is converted (at most once per session) into a temporary
     cache, never into the user's ~/.cache/dflash-mlx."""
-    from dflash_mlx import gguf
+    from dflash_mlx.weights import gguf
 
     root = tmp_path_factory.mktemp("dflash-mlx-cache")
     with pytest.MonkeyPatch.context() as mp:

@@ -4,13 +4,12 @@ import json
 
 import mlx.core as mx
 import pytest
-from decoding import run
+from helpers.decoding import run
 from test_generate import _prompt, reference
 
-from dflash_mlx import DFlashError, dflash_generate_step, make_cache
-from dflash_mlx import auto_block
+from dflash_mlx import DFlashError, auto_block, dflash_generate_step, make_cache
 from dflash_mlx.auto_block import AutoWidth, CostStore, PassCosts, bucket, probe_widths
-from dflash_mlx.benchmark import run_benchmark
+from dflash_mlx.bench.benchmark import run_benchmark
 from dflash_mlx.generate import main as generate_main
 
 

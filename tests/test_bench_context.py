@@ -4,11 +4,11 @@ import json
 
 import numpy as np
 import pytest
-from checkpoints import VOCAB
+from helpers.checkpoints import VOCAB
 
 from dflash_mlx import DFlashError, load
-from dflash_mlx.bench_context import context_rows, label, load_documents, parse_lengths
-from dflash_mlx.benchmark import main, run_benchmark
+from dflash_mlx.bench.benchmark import main, run_benchmark
+from dflash_mlx.bench.context import context_rows, label, load_documents, parse_lengths
 
 
 def _words(n: int, seed: int) -> str:

@@ -3,12 +3,13 @@ import shutil
 import types
 
 import pytest
-from checkpoints import write_target
+from helpers.checkpoints import write_target
 
-from dflash_mlx import DFlashError, benchmark
-from dflash_mlx.bench_stats import efficiency, loop_efficiency, physical_limit, summarize
-from dflash_mlx.bench_timing import RunResult, fastest_times
-from dflash_mlx.benchmark import load_prompts, main, run_benchmark
+from dflash_mlx import DFlashError
+from dflash_mlx.bench import benchmark
+from dflash_mlx.bench.benchmark import load_prompts, main, run_benchmark
+from dflash_mlx.bench.stats import efficiency, loop_efficiency, physical_limit, summarize
+from dflash_mlx.bench.timing import RunResult, fastest_times
 
 
 def test_physical_limit_and_efficiency():
@@ -53,7 +54,7 @@ def test_efficiency_is_speedup_over_limit_when_the_baseline_beats_a_lone_ar_pass
 
 def test_without_a_baseline_there_is_no_speedup(tmp_path):
     """--methods without "baseline": the speedup column stays empty rather than reading 0.00x."""
-    from dflash_mlx.bench_report import markdown, plots
+    from dflash_mlx.bench.report import markdown, plots
 
     results = [RunResult("dflash", 16, 0, "code", 10, 250.0, 500.0, [4, 6])]
     times = {"ar": 0.01, "verify": {16: 0.015}, "draft": {16: 0.005}, "context": 20}
@@ -85,7 +86,7 @@ def test_limit_uses_each_cycles_verify_size():
 
 
 def test_limit_adds_each_cycles_rollback_on_a_hybrid_target():
-    from dflash_mlx.bench_report import markdown
+    from dflash_mlx.bench.report import markdown
 
     results = [
         RunResult("baseline", 1, 0, "code", 10, 100.0, 500.0, [1] * 9),
@@ -224,7 +225,7 @@ def test_bad_prompts_file(tmp_path):
 
 
 def test_scaling_mode_on_a_small_shape(tmp_path, monkeypatch, capsys):
-    from dflash_mlx import bench_scaling
+    from dflash_mlx.bench import scaling as bench_scaling
 
     tiny = dict(hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, vocab_size=256)
@@ -254,8 +255,8 @@ def test_scaling_needs_a_replay(capsys):
 
 def test_prompt_sets_from_a_local_hub_cache(tmp_path):
     """The real huggingface_hub path for a named set, resolved offline from an HF cache layout."""
-    from dflash_mlx.bench_datasets import load_prompt_set
-    from dflash_mlx.benchmark import _prompt_rows
+    from dflash_mlx.bench.benchmark import _prompt_rows
+    from dflash_mlx.bench.datasets import load_prompt_set
 
     snapshot = tmp_path / "hf-cache" / "datasets--HuggingFaceH4--MATH-500" / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)
@@ -270,7 +271,7 @@ def test_prompt_sets_from_a_local_hub_cache(tmp_path):
 
 
 def test_prompt_set_offline_or_unknown_is_one_line():
-    from dflash_mlx.bench_datasets import load_prompt_set
+    from dflash_mlx.bench.datasets import load_prompt_set
 
     with pytest.raises(DFlashError, match="Could not get the gsm8k prompts from the Hugging Face hub"):
         load_prompt_set("gsm8k")
@@ -289,7 +290,7 @@ def test_a_stop_token_does_not_count_as_a_mismatch(pair_dirs, tmp_path):
     ids = tokenizer.encode("t1 t2 t3")
     first = int(next(iter(generate_step(mx.array(ids), model, max_tokens=1)))[0])
     tokenizer.eos_token_ids = {first}  # the very first generated token stops generation
-    from dflash_mlx.bench_timing import make_runner
+    from dflash_mlx.bench.timing import make_runner
 
     outs = [make_runner(m, model, None, None, tokenizer, 1, 2, 8)(ids)[0] for m in ("baseline", "lookup")]
     assert outs[0] == outs[1] == []
@@ -299,7 +300,7 @@ def test_git_commit_says_when_tracked_files_changed(tmp_path):
     import shutil
     import subprocess
 
-    from dflash_mlx.bench_report import git_commit
+    from dflash_mlx.bench.report import git_commit
 
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
@@ -321,12 +322,12 @@ def test_git_commit_says_when_tracked_files_changed(tmp_path):
 @pytest.fixture()
 def no_loading(monkeypatch):
     """Fails the test if a model is loaded: the checks under test must come first."""
-    import dflash_mlx.loading
+    import dflash_mlx.weights.loading
 
     def load(*args, **kwargs):
         raise AssertionError("loaded a model before checking the arguments")
 
-    monkeypatch.setattr(dflash_mlx.loading, "load", load)
+    monkeypatch.setattr(dflash_mlx.weights.loading, "load", load)
 
 
 @pytest.mark.parametrize(
@@ -369,8 +370,8 @@ def test_a_bad_ar_draft_is_one_line(pair_dirs, prompts, tmp_path, capsys, kind):
 
 
 def test_results_name_the_model_drafter_and_prompts_and_the_run_time_is_estimated(pair_dirs, prompts, tmp_path, capsys):
-    from dflash_mlx.bench_report import plot_caption
-    from dflash_mlx.benchmark import estimate_seconds
+    from dflash_mlx.bench.benchmark import estimate_seconds
+    from dflash_mlx.bench.report import plot_caption
 
     main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--prompts", str(prompts),
           "--methods", "baseline", "dflash", "--block-sizes", "4", "--runs", "1", "--max-tokens", "8",
@@ -385,7 +386,7 @@ def test_results_name_the_model_drafter_and_prompts_and_the_run_time_is_estimate
 
 
 def test_help_shows_the_defaults():
-    from dflash_mlx.benchmark import setup_arg_parser
+    from dflash_mlx.bench.benchmark import setup_arg_parser
 
     text = " ".join(setup_arg_parser().format_help().split())
     for default in ("Most tokens per prompt and run (default: 128)", "(default: 4 8 16)", "(default: all; mlx-spec only with an AR draft",
@@ -465,7 +466,7 @@ def test_ar_draft_that_borrows_the_targets_embedding(pair_dirs, prompts, tmp_pat
     import mlx.core as mx
 
     from dflash_mlx import load
-    from dflash_mlx.benchmark import _load_ar_draft
+    from dflash_mlx.bench.benchmark import _load_ar_draft
 
     src = pair_dirs["qwen3-tied"]
     config = json.loads((src / "config.json").read_text())

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from dflash_mlx import blas
-from dflash_mlx.blas import core_type_for, cpu_flags, find_openblas, openblas_core, preload_env
+from dflash_mlx.cpu import openblas as blas
+from dflash_mlx.cpu.openblas import core_type_for, cpu_flags, find_openblas, openblas_core, preload_env
 
 DEBIAN = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 LDCONFIG = """\

@@ -144,7 +144,7 @@ def test_values_the_pair_cannot_take_are_one_line_before_any_output(pair_dirs, c
 def test_verbose_reads_the_words_mlx_lm_documents(pair_dirs, capsys, word, verbose):
     from mlx_lm.generate import str2bool as mlx_lm_str2bool
 
-    from dflash_mlx.cli import str2bool
+    from dflash_mlx.cli.options import str2bool
 
     assert str2bool(word) is mlx_lm_str2bool(word) is verbose
     code, out, _ = _run(_pair_args(pair_dirs, "--prompt", "t1 t2", "--max-tokens", "4", "--verbose", word), capsys)
@@ -206,7 +206,7 @@ def test_max_kv_size_decodes_as_mlx_lm_does(pair_dirs, capsys):
 def test_chat_template_config_reaches_the_template(tmp_path, capsys):
     import json
 
-    from checkpoints import write_target
+    from helpers.checkpoints import write_target
 
     write_target(tmp_path / "t")
     config = json.loads((tmp_path / "t" / "tokenizer_config.json").read_text())
@@ -233,13 +233,13 @@ def test_target_without_tokenizer_files_says_so(pair_dirs, tmp_path, capsys):
     assert "copy them from the model's original folder" in err
 
 
-@pytest.mark.parametrize("tool", ["dflash_mlx.generate", "dflash_mlx.tui.app", "dflash_mlx.benchmark"])
+@pytest.mark.parametrize("tool", ["dflash_mlx.generate", "dflash_mlx.tui.app", "dflash_mlx.bench.benchmark"])
 def test_help_states_the_dtype_default(tool):
     import importlib
 
     help_text = " ".join(importlib.import_module(tool).setup_arg_parser().format_help().split())
     assert "--dtype" in help_text
-    if tool == "dflash_mlx.benchmark":
+    if tool == "dflash_mlx.bench.benchmark":
         assert "(default: float32" in help_text
     else:
         assert "Default: float32 on MLX's CPU backend when float32 weights take at most half" in help_text

@@ -11,14 +11,14 @@ import huggingface_hub.constants
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from checkpoints import MASK_ID, VOCAB, draft_config, write_draft, write_target
+from helpers.checkpoints import MASK_ID, VOCAB, draft_config, write_draft, write_target
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import DFlashError, dflash_generate_step, load
 from dflash_mlx.convert import convert, find_draft, find_pair, known_targets
 from dflash_mlx.convert.convert import main
 from dflash_mlx.convert.weights import normalized_config
-from dflash_mlx.loading import PAIR_MANIFEST
+from dflash_mlx.weights.loading import PAIR_MANIFEST
 
 # The package re-exports convert(), which shadows the module of the same name.
 convert_mod = importlib.import_module("dflash_mlx.convert.convert")

@@ -1,9 +1,9 @@
 import mlx.core as mx
 import pytest
-from checkpoints import draft_config
+from helpers.checkpoints import draft_config
 
 from dflash_mlx.cache import make_draft_cache
-from dflash_mlx.drafter import DraftModel, ModelArgs, default_target_layer_ids
+from dflash_mlx.models.drafter import DraftModel, ModelArgs, default_target_layer_ids
 
 
 def test_paper_rule_for_target_layer_ids():
@@ -84,8 +84,8 @@ def test_config_without_required_field_fails(field):
 
 
 def test_cached_drafting_through_the_compiled_steps_matches_the_layers(monkeypatch):
-    from dflash_mlx import steps
-    from dflash_mlx.backend import CPU_SPEEDUPS
+    from dflash_mlx.cpu import compiled_layers
+    from dflash_mlx.cpu.speedups import CPU_SPEEDUPS
 
     draft = _draft()
     ctx = mx.random.normal((1, 8, 2 * 64))
@@ -97,8 +97,8 @@ def test_cached_drafting_through_the_compiled_steps_matches_the_layers(monkeypat
         return [draft(n, c, cache, speedups=speedups) for n, c in zip(noise, (ctx[:, :5], ctx[:, 5:5], ctx[:, 5:]))]
 
     calls = []
-    after = steps.after
-    monkeypatch.setattr(steps, "after", lambda *a: calls.append(1) or after(*a))
+    after = compiled_layers.after
+    monkeypatch.setattr(compiled_layers, "after", lambda *a: calls.append(1) or after(*a))
     compiled = cycles(CPU_SPEEDUPS)
     assert len(calls) == 3 * len(draft.layers)
     # The portable path (no speedups) runs the layers as written.

@@ -1,9 +1,9 @@
 import mlx.core as mx
 import pytest
-from checkpoints import VOCAB
-from decoding import run
+from helpers.checkpoints import VOCAB
+from helpers.decoding import run
+from helpers.oracles import ScriptedDraft
 from mlx_lm.generate import generate_step
-from oracles import ScriptedDraft
 
 from dflash_mlx import DFlashError, dflash_generate_step, make_cache, stream_generate
 
@@ -42,14 +42,14 @@ def test_lossless_random_drafter(tiny_pair, block_size, prompt_len):
 def test_lossless_on_the_portable_path(tiny_pair, block_size, monkeypatch):
     """With the CPU speedups off, the loop takes the path an Apple GPU takes (mlx-lm's layers,
     MLX's native ops): still the target's own output, and none of the CPU code runs."""
-    from dflash_mlx import kernels, steps
+    from dflash_mlx.cpu import compiled_layers, fast_math
 
     model, draft, _ = tiny_pair
     used = []
     for name in ("before", "after", "key_values"):
-        monkeypatch.setattr(steps, name, lambda *a, name=name: used.append(name))
-    monkeypatch.setattr(kernels, "_swiglu_cpu", lambda *a: used.append("swiglu"))
-    monkeypatch.setattr(kernels, "_shifted_exp", lambda *a: used.append("softmax"))
+        monkeypatch.setattr(compiled_layers, name, lambda *a, name=name: used.append(name))
+    monkeypatch.setattr(fast_math, "_swiglu_cpu", lambda *a: used.append("swiglu"))
+    monkeypatch.setattr(fast_math, "_shifted_exp", lambda *a: used.append("softmax"))
     for prompt_len in (1, 130):
         prompt = _prompt(prompt_len)
         ref = reference(model, prompt)

@@ -7,16 +7,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import draft_config
+from helpers.checkpoints import draft_config
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 
 from dflash_mlx import DFlashError
 from dflash_mlx.convert.convert import main as convert_main
-from dflash_mlx.drafter import DraftModel, ModelArgs
-from dflash_mlx.gguf import SMOLLM2_INSTALL, convert_gguf, find_gguf, prepare_default_target, smollm2_gguf
-from dflash_mlx.loading import load_target
+from dflash_mlx.models.drafter import DraftModel, ModelArgs
+from dflash_mlx.weights.gguf import SMOLLM2_INSTALL, convert_gguf, find_gguf, prepare_default_target, smollm2_gguf
+from dflash_mlx.weights.loading import load_target
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")

@@ -4,15 +4,15 @@ against mlx-lm's greedy decoding, through every rollback length of the recurrent
 
 import mlx.core as mx
 import pytest
-from checkpoints import VOCAB, write_draft
-from decoding import run
-from hf_checkpoints import HF_KINDS, write_hf_target
+from helpers.checkpoints import VOCAB, write_draft
+from helpers.decoding import run
+from helpers.hf_checkpoints import HF_KINDS, write_hf_target
+from helpers.oracles import AcceptExactlyDraft, ScriptedDraft
 from mlx_lm.generate import generate_step
-from oracles import AcceptExactlyDraft, ScriptedDraft
 
 from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache
-from dflash_mlx import target as tgt
-from dflash_mlx.hybrid import RecurrentCache
+from dflash_mlx.models import target as tgt
+from dflash_mlx.models.hybrid import RecurrentCache
 
 torch = pytest.importorskip("torch")
 
@@ -277,9 +277,9 @@ def test_convert_load_generate_chat(hf_targets, kind, tmp_path, capsys):
 def test_component_times_include_the_rollback(pairs):
     """dflash-bench times the loop's own rewind of a hybrid target per block size, and its limit
     counts it; a MoE target (attention only) has none to time."""
-    from dflash_mlx.bench_report import markdown
-    from dflash_mlx.bench_stats import physical_limit, summarize
-    from dflash_mlx.bench_timing import RunResult, component_times
+    from dflash_mlx.bench.report import markdown
+    from dflash_mlx.bench.stats import physical_limit, summarize
+    from dflash_mlx.bench.timing import RunResult, component_times
 
     model, draft, _ = pairs["qwen3_5"]
     times = component_times(model, draft, [4, 8], context=12, repeats=2)

@@ -4,10 +4,9 @@ import pytest
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 from mlx_lm.models.cache import make_prompt_cache
 
-from dflash_mlx import kernels
-from dflash_mlx import steps
-from dflash_mlx import target as tgt
-from dflash_mlx.backend import CPU_SPEEDUPS, CpuSpeedups
+from dflash_mlx.cpu import compiled_layers, fast_math
+from dflash_mlx.cpu.speedups import CPU_SPEEDUPS, CpuSpeedups
+from dflash_mlx.models import target as tgt
 
 
 def _relative_error(ours: mx.array, reference: np.ndarray) -> float:
@@ -16,7 +15,7 @@ def _relative_error(ours: mx.array, reference: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize(
-    "fn, low, high", [(kernels._exp, -87.0, 88.0), (kernels._exp_nonpositive, -43.0, 0.0)]
+    "fn, low, high", [(fast_math._exp, -87.0, 88.0), (fast_math._exp_nonpositive, -43.0, 0.0)]
 )
 def test_exp_is_as_accurate_as_mlx(fn, low, high):
     x = mx.linspace(low, high, 100_001)
@@ -29,9 +28,9 @@ def test_exp_is_as_accurate_as_mlx(fn, low, high):
 
 def test_exp_is_zero_below_its_range():
     x = mx.array([-mx.inf, -1000.0, -88.0])
-    assert mx.compile(kernels._exp)(x).tolist() == [0.0, 0.0, 0.0]
+    assert mx.compile(fast_math._exp)(x).tolist() == [0.0, 0.0, 0.0]
     y = mx.array([-mx.inf, -100.0, -43.5])
-    assert mx.compile(kernels._exp_nonpositive)(y).tolist() == [0.0, 0.0, 0.0]
+    assert mx.compile(fast_math._exp_nonpositive)(y).tolist() == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("shape", [(16, 96), (1, 5, 40), (3,)])
@@ -39,7 +38,7 @@ def test_swiglu_matches_mlx_lm(shape):
     gate = mx.random.normal(shape) * 8
     up = mx.random.normal(shape)
     # A float32 ulp or two of each output.
-    assert mx.allclose(kernels.swiglu(gate, up, use_kernel=True), mlx_lm_swiglu(gate, up), rtol=3e-7, atol=1e-6).item()
+    assert mx.allclose(fast_math.swiglu(gate, up, use_kernel=True), mlx_lm_swiglu(gate, up), rtol=3e-7, atol=1e-6).item()
 
 
 def test_swiglu_gradient_matches_mlx_lm():
@@ -49,7 +48,7 @@ def test_swiglu_gradient_matches_mlx_lm():
     def loss(fn):
         return lambda g, u: (fn(g, u) * weights).sum()
 
-    ours = mx.grad(loss(lambda g, u: kernels.swiglu(g, u, use_kernel=True)), argnums=(0, 1))(gate, up)
+    ours = mx.grad(loss(lambda g, u: fast_math.swiglu(g, u, use_kernel=True)), argnums=(0, 1))(gate, up)
     theirs = mx.grad(loss(mlx_lm_swiglu), argnums=(0, 1))(gate, up)
     for a, b in zip(ours, theirs):
         assert mx.abs(a - b).max().item() < 1e-5
@@ -71,7 +70,7 @@ def test_attention_matches_mlx_fast_with_its_gradient(mask_shape):
     weights = mx.random.normal((2, 4, 16, 8))
 
     def ours(q, k, v):
-        return kernels.attention(q, k, v, 0.35, mask, use_kernel=True)
+        return fast_math.attention(q, k, v, 0.35, mask, use_kernel=True)
 
     def theirs(q, k, v):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=mask)
@@ -83,7 +82,7 @@ def test_attention_matches_mlx_fast_with_its_gradient(mask_shape):
 
 
 def test_causal_mask_lets_each_query_see_the_context_and_itself():
-    mask = kernels.causal_mask(offset=3, length=2)
+    mask = fast_math.causal_mask(offset=3, length=2)
     assert mask.tolist() == [[True] * 4 + [False], [True] * 5]
 
 
@@ -91,9 +90,9 @@ def test_other_inputs_go_to_mlx_unchanged():
     q = mx.random.normal((1, 4, 16, 8)).astype(mx.bfloat16)
     k, v = (mx.random.normal((1, 2, 20, 8)).astype(mx.bfloat16) for _ in range(2))
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask="causal")
-    assert mx.array_equal(kernels.attention(q, k, v, 0.5, "causal", use_kernel=True), expected).item()
+    assert mx.array_equal(fast_math.attention(q, k, v, 0.5, "causal", use_kernel=True), expected).item()
     g = mx.random.normal((2, 8)).astype(mx.bfloat16)
-    assert mx.array_equal(kernels.swiglu(g, g, use_kernel=True), mlx_lm_swiglu(g, g)).item()
+    assert mx.array_equal(fast_math.swiglu(g, g, use_kernel=True), mlx_lm_swiglu(g, g)).item()
 
 
 def test_qwen3_verify_through_the_kernels_matches_mlx_lm(qwen3_pair):
@@ -146,7 +145,7 @@ def _verify_matches_mlx_lm(model, expect_kernels: bool, speedups: CpuSpeedups = 
 def test_compiled_qwen3_step_matches_mlx_lm_with_each_rope(rope_scaling):
     # Plain and linear RoPE run inside the compiled step; Llama 3's, outside it.
     model = _tiny_qwen3(rope_scaling=rope_scaling)
-    assert (tgt.steps.rope_key(model.model.layers[0].self_attn.rope) is None) == (rope_scaling is not None
+    assert (tgt.compiled_layers.rope_key(model.model.layers[0].self_attn.rope) is None) == (rope_scaling is not None
                                                                              and rope_scaling["rope_type"] == "llama3")
     _verify_matches_mlx_lm(model, expect_kernels=True)
 
@@ -185,7 +184,7 @@ def test_softmax_kernel_matches_mlx():
     rows = np.stack([rng.normal(0, scale, 4096) for scale in (0.1, 1.0, 5.0, 30.0)]).astype(np.float32)
     rows[1, :100] = -np.inf
     x = mx.array(rows)
-    ours, ref = kernels.softmax(x, use_kernel=True), mx.softmax(x, axis=-1)
+    ours, ref = fast_math.softmax(x, use_kernel=True), mx.softmax(x, axis=-1)
     assert mx.allclose(ours, ref, rtol=1e-5, atol=1e-9).item()
     assert mx.all(ours[1, :100] == 0).item()
-    assert mx.array_equal(kernels.softmax(x), ref).item()  # the portable path is MLX's own
+    assert mx.array_equal(fast_math.softmax(x), ref).item()  # the portable path is MLX's own

@@ -4,12 +4,12 @@ import json
 
 import mlx.core as mx
 import pytest
-from checkpoints import VOCAB, draft_config, write_draft, write_target
+from helpers.checkpoints import VOCAB, draft_config, write_draft, write_target
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import DFlashError, dflash_generate_step, load
-from dflash_mlx import loading, registry
-from dflash_mlx.drafter import DraftModel, ModelArgs
+from dflash_mlx.models.drafter import DraftModel, ModelArgs
+from dflash_mlx.weights import loading, registry
 
 
 def test_rope_parameters_many_taps_and_layers(tmp_path):
@@ -101,7 +101,7 @@ def test_registry_types_are_refused_without_any_request(monkeypatch, tmp_path):
 
 
 def test_every_known_pair_is_supported():
-    from dflash_mlx import target as tgt
+    from dflash_mlx.models import target as tgt
 
     assert {p.model_type for p in registry.KNOWN_PAIRS} <= set(tgt.SUPPORTED_MODEL_TYPES)
     for kind in ("qwen3_moe", "qwen3_5", "qwen3_5_moe"):
@@ -118,7 +118,7 @@ def test_supported_hub_target_goes_on_to_download(tmp_path, monkeypatch):
 def test_block_mask_follows_the_published_rule():
     """z-lab's rule, written out: query at position p sees key j if (not causal or j <= p)
     and (no window or p - j < w) and (causal or no window or j - p < w)."""
-    from dflash_mlx.drafter import block_mask
+    from dflash_mlx.models.drafter import block_mask
 
     assert block_mask(5, 3, causal=False, window=None) is None
     for causal in (False, True):

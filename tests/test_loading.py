@@ -6,7 +6,7 @@ import types
 import mlx.core as mx
 import mlx_lm
 import pytest
-from checkpoints import EOS_ID, draft_config, write_draft
+from helpers.checkpoints import EOS_ID, draft_config, write_draft
 
 from dflash_mlx import DFlashError, generate, load, stream_generate
 
@@ -60,8 +60,9 @@ def test_hidden_size_mismatch(folders, tmp_path):
     write_draft(tmp_path / "wide", **{})
     _edit_config(tmp_path / "wide", hidden_size=96, intermediate_size=128)
     # Rewrite the weights so the drafter itself is consistent, only the pair is wrong.
-    from dflash_mlx.drafter import DraftModel, ModelArgs
     from mlx.utils import tree_flatten
+
+    from dflash_mlx.models.drafter import DraftModel, ModelArgs
 
     args = ModelArgs.from_dict({**config, "hidden_size": 96})
     mx.save_safetensors(str(tmp_path / "wide" / "model.safetensors"), dict(tree_flatten(DraftModel(args).parameters())))
@@ -199,7 +200,7 @@ def _as_bfloat16(folder):
 
 
 def test_default_dtype_rule(folders):
-    from dflash_mlx.loading import default_dtype
+    from dflash_mlx.weights.loading import default_dtype
 
     model, draft, _ = load(*folders, dtype="bfloat16")
     cpu, gpu = mx.Device(mx.cpu), mx.Device(mx.gpu)
@@ -217,7 +218,7 @@ def test_default_dtype_rule(folders):
 def test_dtype_rule_at_half_the_memory_at_hand(folders):
     from mlx.utils import tree_flatten
 
-    from dflash_mlx.loading import default_dtype
+    from dflash_mlx.weights.loading import default_dtype
 
     model, _, _ = load(folders[0], dtype="bfloat16")
     loaded = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -229,7 +230,7 @@ def test_dtype_rule_at_half_the_memory_at_hand(folders):
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the default dtype on MLX's CPU backend")
 def test_load_computes_in_float32_on_cpu_unless_told_or_short_of_memory(folders, monkeypatch, caplog):
-    from dflash_mlx import loading
+    from dflash_mlx.weights import loading
 
     _as_bfloat16(folders[0])
     model, draft, _ = load(*folders)
@@ -274,7 +275,7 @@ def test_llama_and_untied_targets_load(pair_dirs):
 
 
 def test_draft_for_cli():
-    from dflash_mlx.loading import AUTO_DRAFT, draft_for_cli
+    from dflash_mlx.weights.loading import AUTO_DRAFT, draft_for_cli
 
     assert draft_for_cli("Qwen/Qwen3-8B", None) == AUTO_DRAFT
     assert draft_for_cli("Qwen/Qwen3-8B", None, no_draft=True) is None

@@ -1,7 +1,7 @@
 """Parity of the MLX port with the PyTorch reference and with transformers, in fp32.
 
-Both sides load the same checkpoint folders (tests/checkpoints.py; the MoE and hybrid targets
-from tests/hf_checkpoints.py, written by transformers' own classes). The reference runs on CUDA
+Both sides load the same checkpoint folders (tests/helpers/checkpoints.py; the MoE and hybrid targets
+from tests/helpers/hf_checkpoints.py, written by transformers' own classes). The reference runs on CUDA
 when available, else on CPU; MLX runs on its default device.
 """
 
@@ -17,17 +17,17 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import mlx.core as mx  # noqa: E402
-from checkpoints import HIDDEN, MASK_ID, VOCAB, write_draft  # noqa: E402
-from hf_checkpoints import write_hf_target  # noqa: E402
+from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB, write_draft  # noqa: E402
+from helpers.hf_checkpoints import write_hf_target  # noqa: E402
+from helpers.oracles import ScriptedDraft  # noqa: E402
+from helpers.torch_oracles import ScriptedReferenceDraft, train_agreeing_draft  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from oracles import ScriptedDraft  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from torch_oracles import ScriptedReferenceDraft, train_agreeing_draft  # noqa: E402
 from transformers import DynamicCache, GenerationConfig  # noqa: E402
 
 import dflash_mlx  # noqa: E402
 from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache  # noqa: E402
-from dflash_mlx import target as tgt  # noqa: E402
+from dflash_mlx.models import target as tgt  # noqa: E402
 from dflash_mlx.reference import (  # noqa: E402
     default_device,
     forward_with_taps,

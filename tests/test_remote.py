@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from dflash_mlx import DFlashError, generate, stream_generate
-from dflash_mlx.remote import RemoteClient, parse_prometheus
+from dflash_mlx.openai_client import RemoteClient, parse_prometheus
 from dflash_mlx.server.app import DFlashServer
 from dflash_mlx.server.protocol import Defaults
 
@@ -264,7 +264,7 @@ async def test_chat_app_keeps_the_text_when_the_server_fails(fake_server):
 
 
 def test_bench_base_url_measures_each_concurrency_level(server, tmp_path, capsys):
-    from dflash_mlx.benchmark import main
+    from dflash_mlx.bench.benchmark import main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"t{i} t{i + 1}"}) for i in range(1, 5)) + "\n")
@@ -282,7 +282,7 @@ def test_bench_base_url_measures_each_concurrency_level(server, tmp_path, capsys
 
 
 def test_bench_base_url_unreachable_is_one_line(capsys):
-    from dflash_mlx.benchmark import main
+    from dflash_mlx.bench.benchmark import main
 
     with pytest.raises(SystemExit) as e:
         main(["--base-url", "http://127.0.0.1:9/v1", "--concurrency", "1"])

@@ -3,17 +3,15 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import VOCAB, write_target
+from helpers.checkpoints import VOCAB, write_target
+from helpers.oracles import ScriptedDraft
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
-from oracles import ScriptedDraft
 
-from dflash_mlx import DFlashError, dflash_generate_step, load
+from dflash_mlx import DFlashError, dflash_generate_step, load, verify
 from dflash_mlx.lookup import PromptLookup
 from dflash_mlx.sampling import make_sampler, sample_rows, speculative_accept, top_probability
-
-from dflash_mlx import verify
 
 PROMPT = [3, 17, 42, 8, 99]
 TEMP = 1.0

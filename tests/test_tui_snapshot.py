@@ -5,11 +5,11 @@ Regenerate after a deliberate UI change with ``pytest tests/test_tui_snapshot.py
 
 from pathlib import Path
 
-from snapshot_app import wait_until
+from helpers.snapshot_app import wait_until
 
 from dflash_mlx.tui.widgets import PromptInput
 
-APP = Path(__file__).parent / "snapshot_app.py"
+APP = Path(__file__).parent / "helpers" / "snapshot_app.py"
 
 
 async def _chat(pilot) -> None:

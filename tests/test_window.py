@@ -2,14 +2,14 @@
 
 import mlx.core as mx
 import pytest
-from checkpoints import MASK_ID, VOCAB
-from decoding import run
+from helpers.checkpoints import MASK_ID, VOCAB
+from helpers.decoding import run
 from test_generate import _prompt, reference
 
 from dflash_mlx import DFlashError, dflash_generate_step, make_cache
-from dflash_mlx import target as tgt
 from dflash_mlx.cache import WindowedKVCache, make_draft_cache
 from dflash_mlx.generate import main as generate_main
+from dflash_mlx.models import target as tgt
 
 
 def _positions(cache: WindowedKVCache) -> list[int]:

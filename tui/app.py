@@ -16,7 +16,7 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Markdown, Static
 from textual.worker import get_current_worker
 
-from ..cli import ArgumentParser, add_decoding_arguments, add_model_arguments, block_size_problem
+from ..cli.options import ArgumentParser, add_decoding_arguments, add_model_arguments, block_size_problem
 from ..errors import DFlashError
 from .commands import HELP, Settings, parse_command, save_transcript
 from .engine import MLXEngine, RemoteEngine, StreamEngine, StreamFn
@@ -374,11 +374,11 @@ def make_app(
 def _prepare_embedded_pair(model: str | None) -> None:
     """Convert the default pair's target now, on the plain terminal where its one-time
     progress line shows, rather than inside the app, which hides stderr."""
-    from ..loading import is_embedded_pair
+    from ..weights.loading import is_embedded_pair
 
     if not is_embedded_pair(model):
         return
-    from ..loading import DEFAULT_PAIR, embedded_pair
+    from ..weights.loading import DEFAULT_PAIR, embedded_pair
 
     try:
         embedded_pair(model or DEFAULT_PAIR)

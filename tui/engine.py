@@ -98,8 +98,8 @@ class MLXEngine:
 
     def _load(self) -> dict[str, Any]:
         from ..cache import make_cache
-        from ..cli import add_stop_tokens
-        from ..loading import AUTO_DRAFT, DEFAULT_PAIR, draft_for_cli, load
+        from ..cli.options import add_stop_tokens
+        from ..weights.loading import AUTO_DRAFT, DEFAULT_PAIR, draft_for_cli, load
 
         draft = draft_for_cli(self.model_path, self.draft_path, self.no_draft)
         self.model, self.draft, self.tokenizer = load(self.model_path, draft, dtype=self.dtype)
@@ -138,9 +138,8 @@ class MLXEngine:
         return render_chat(self.tokenizer, messages, system_prompt=system_prompt, template_args=self.template_kwargs)
 
     def _start(self, messages: list[dict[str, str]], settings: Settings):
-        from ..sampling import make_sampler
-
         from ..generate import stream_generate
+        from ..sampling import make_sampler
 
         if self.draft is not None:
             # Off keeps the drafter, verifying one token per pass, so its cache stays in sync.
@@ -207,7 +206,7 @@ class RemoteEngine:
     """
 
     def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None):
-        from ..remote import RemoteClient
+        from ..openai_client import RemoteClient
 
         self.client = RemoteClient(base_url, api_key=api_key, model=model)
         self.context_tokens: int | None = None

@@ -1,6 +1,6 @@
 """A plain-PyTorch DFlash drafter and its loader, for parity checks against the MLX port.
 
-Same checkpoint format and the same semantics as ``dflash_mlx.drafter``: the taps are
+Same checkpoint format and the same semantics as ``dflash_mlx.models.drafter``: the taps are
 projected by ``fc`` + ``hidden_norm`` into context keys/values (k_norm and RoPE at their
 absolute positions), the block ``[last, mask, ...]`` sits right after the context, attention
 is bidirectional, and only the context is cached.
@@ -89,7 +89,7 @@ class DraftArgs:
             )
         self.target_layer_ids = list(self.target_layer_ids or [])
         if not self.target_layer_ids and self.num_target_layers:
-            # The paper's rule, as in dflash_mlx.drafter: taps spread evenly over layers 1..L-3.
+            # The paper's rule, as in dflash_mlx.models.drafter: taps spread evenly over layers 1..L-3.
             n, start, end = self.num_hidden_layers, 1, self.num_target_layers - 3
             if n == 1:
                 self.target_layer_ids = [self.num_target_layers // 2]

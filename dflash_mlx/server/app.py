@@ -16,7 +16,7 @@ import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
-from ..cli import MAX_TEMP, ArgumentParser, InRange
+from ..cli.options import MAX_TEMP, ArgumentParser, InRange
 from ..errors import DFlashError
 from ..generate import add_cycle_arguments
 from .handler import APIHandler
@@ -146,7 +146,7 @@ def _error(message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     import json
 
-    from ..loading import DEFAULT_PAIR, draft_for_cli, load
+    from ..weights.loading import DEFAULT_PAIR, draft_for_cli, load
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cli import MAX_SEED
+from ..cli.options import MAX_SEED
 
 CHAT, TEXT = "chat", "text"
 ROLES = ("system", "user", "assistant", "developer", "tool")

@@ -1,0 +1,1 @@
+"""dflash-bench: timing, statistics and reports of DFlash against plain decoding and other methods."""

@@ -1,0 +1,1 @@
+"""The command-line tools' shared options, console-script entry points and progress lines."""

@@ -1,0 +1,120 @@
+"""Compiled Qwen3 layer steps for MLX's CPU backend.
+
+On MLX's CPU backend every operation costs a fixed few microseconds on top of its
+arithmetic, and a layer of a small model is some twenty of them. Compiled, the
+operations before a layer's attention (norm, projections, q/k norms, RoPE) and after it
+(output projection, residual, norm, MLP) each run as one traced graph: a 16-token verify
+of the embedded target takes ~12% less time, with bit-identical results. The attention
+stays outside, since its key length changes every cycle. Each function is traced once
+per input shape (a few milliseconds, once per block size or prompt-chunk length).
+"""
+
+from functools import lru_cache, partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import fast_math
+from .speedups import CpuSpeedups
+
+
+def rope_key(rope: nn.Module) -> tuple | None:
+    """Plain (and linearly scaled) RoPE as hashable settings for the compiled step, or
+    None for other variants, which the caller applies outside it."""
+    if type(rope) is not nn.RoPE:
+        return None
+    return (("dims", rope.dims), ("traditional", rope.traditional), ("base", rope.base), ("scale", rope.scale))
+
+
+def plain_layer(attn: nn.Module, mlp: nn.Module, input_norm: nn.Module, post_norm: nn.Module) -> bool:
+    """True when the layer is what the steps compute: unquantized bias-free projections,
+    RMS norms with the same eps before the attention and before the MLP."""
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return (
+        all(type(p) is nn.Linear and "bias" not in p for p in projections)
+        and all(type(n) is nn.RMSNorm for n in (input_norm, post_norm, attn.q_norm, attn.k_norm))
+        and input_norm.eps == post_norm.eps
+        and attn.q_norm.eps == attn.k_norm.eps
+    )
+
+
+@lru_cache(maxsize=None)
+def _steps(
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    eps: float,
+    qk_eps: float,
+    rope: tuple | None,
+    compiled: bool,
+    use_kernel: bool,
+):
+    # compiled=False gives the same functions op by op, for measuring what compiling saves.
+    rope_fn = None if rope is None else partial(mx.fast.rope, **dict(rope))
+
+    def heads(x, n):
+        b, length, _ = x.shape
+        return x.reshape(b, length, n, head_dim)
+
+    def key_values(x, offset, w_k, w_v, w_k_norm):
+        k = mx.fast.rms_norm(heads(x @ w_k.T, n_kv_heads), w_k_norm, qk_eps).transpose(0, 2, 1, 3)
+        v = heads(x @ w_v.T, n_kv_heads).transpose(0, 2, 1, 3)
+        return (k if rope_fn is None else rope_fn(k, offset=offset)), v
+
+    def before(x, offset, w_norm, w_q, w_k, w_v, w_q_norm, w_k_norm):
+        h = mx.fast.rms_norm(x, w_norm, eps)
+        q = mx.fast.rms_norm(heads(h @ w_q.T, n_heads), w_q_norm, qk_eps).transpose(0, 2, 1, 3)
+        if rope_fn is not None:
+            q = rope_fn(q, offset=offset)
+        return (q, *key_values(h, offset, w_k, w_v, w_k_norm))
+
+    def after(out, x, w_o, w_norm, w_gate, w_up, w_down):
+        b, _, length, _ = out.shape
+        h = x + out.transpose(0, 2, 1, 3).reshape(b, length, -1) @ w_o.T
+        g = mx.fast.rms_norm(h, w_norm, eps)
+        return h + fast_math.swiglu(g @ w_gate.T, g @ w_up.T, use_kernel) @ w_down.T
+
+    wrap = mx.compile if compiled else (lambda fn: fn)
+    return wrap(before), wrap(key_values), wrap(after)
+
+
+def _compiled(attn: nn.Module, eps: float, speedups: CpuSpeedups) -> tuple[tuple, bool]:
+    # The layer's compiled steps, and whether its RoPE is inside them: variants other than
+    # plain or linear RoPE are left to the caller.
+    key = rope_key(attn.rope)
+    head_dim = attn.q_norm.weight.shape[0]
+    steps = _steps(
+        attn.n_heads, attn.n_kv_heads, head_dim, eps, attn.q_norm.eps, key, speedups.compiled_steps, speedups.kernels
+    )
+    return steps, key is not None
+
+
+def before(
+    attn: nn.Module, input_norm: nn.Module, x: mx.array, offset: int, speedups: CpuSpeedups
+) -> tuple[mx.array, ...]:
+    """``(q, k, v)`` of a layer's input ``x``, ``(B, heads, L, D)``, RoPE'd from ``offset``."""
+    (step, _, _), rope_inside = _compiled(attn, input_norm.eps, speedups)
+    q, k, v = step(
+        x, mx.array(offset), input_norm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+        attn.q_norm.weight, attn.k_norm.weight,
+    )
+    if not rope_inside:
+        q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
+    return q, k, v
+
+
+def key_values(attn: nn.Module, x: mx.array, offset: int, speedups: CpuSpeedups) -> tuple[mx.array, mx.array]:
+    """``(k, v)`` of inputs taken as they are (no input norm), RoPE'd from ``offset``."""
+    (_, step, _), rope_inside = _compiled(attn, attn.k_norm.eps, speedups)
+    k, v = step(x, mx.array(offset), attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight)
+    return (k if rope_inside else attn.rope(k, offset=offset)), v
+
+
+def after(
+    attn: nn.Module, mlp: nn.Module, post_norm: nn.Module, out: mx.array, x: mx.array, speedups: CpuSpeedups
+) -> mx.array:
+    """The layer's output from its attention's ``(B, heads, L, D)`` output and its input ``x``."""
+    (_, _, step), _ = _compiled(attn, post_norm.eps, speedups)
+    return step(
+        out, x, attn.o_proj.weight, post_norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+    )

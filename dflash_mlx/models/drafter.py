@@ -1,0 +1,412 @@
+"""The DFlash drafter: a few Qwen3-style layers that denoise a whole block at once.
+
+The drafter has no embedding or LM head of its own; it borrows the target's. It is
+conditioned on the target's hidden states (the "taps"), which are projected once by
+``fc`` + ``hidden_norm`` and injected as extra keys/values into every layer (paper §3).
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
+from mlx_lm.models.rope_utils import initialize_rope
+from mlx_lm.utils import save_config, save_model
+
+from ..cpu import compiled_layers, fast_math
+from ..cpu.speedups import CpuSpeedups
+from ..errors import DFlashError
+from . import target as tgt
+
+# Keys of the published checkpoints that may live under "dflash_config".
+_DFLASH_KEYS = (
+    "block_size",
+    "target_layer_ids",
+    "mask_token_id",
+    "num_target_layers",
+    "use_target_features",
+)
+
+# Fields of newer drafters (DFlash2: a convolution, a token selector, scaled logits and
+# embeddings) that change what the model computes; this drafter implements none of them.
+_UNSUPPORTED_DFLASH_KEYS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "final_logit_softcapping",
+    "output_multiplier",
+)
+
+
+def check_layout(config: dict) -> None:
+    """Refuse a drafter config whose attention layout or extra fields we cannot honour.
+
+    Read: ``rope_theta`` or ``rope_parameters``, any number of taps and layers, and
+    ``layer_types`` of ``full_attention`` and ``sliding_attention`` layers (with
+    ``sliding_window`` and ``is_causal``, see :func:`block_mask`).
+
+    Raises:
+        DFlashError: For other layer types, a sliding layer without a window, a scaled input
+          embedding or DFlash2's fields, each named in the message.
+    """
+    fix = "Use a DFlash drafter of full_attention or sliding_attention layers."
+    archs = [a for a in config.get("architectures") or [] if a != "DFlashDraftModel" and "DFlash" in a]
+    if archs:
+        raise DFlashError(f"Unsupported drafter architecture {archs[0]!r}: this drafter is DFlashDraftModel. {fix}")
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        layers = config.get("num_hidden_layers")
+        if len(layer_types) != layers:
+            raise DFlashError(f"The drafter's layer_types has {len(layer_types)} entries for {layers} layers. {fix}")
+        other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+        if other:
+            raise DFlashError(f"Unsupported drafter layer_types {other}. {fix}")
+        window = config.get("sliding_window")
+        if "sliding_attention" in layer_types and not (isinstance(window, int) and window > 0):
+            raise DFlashError(f"The drafter has sliding_attention layers but sliding_window={window!r}. {fix}")
+    if config.get("is_causal") not in (None, True, False):
+        raise DFlashError(f"Unsupported drafter is_causal={config['is_causal']!r}: use true or false. {fix}")
+    nested = {**config, **(config.get("dflash_config") or {})}
+    extra = [k for k in _UNSUPPORTED_DFLASH_KEYS if nested.get(k) is not None]
+    if extra:
+        raise DFlashError(f"Unsupported drafter fields {extra} (a DFlash2 drafter?). {fix}")
+    scale = nested.get("input_embedding_scale", 1.0)
+    if scale != 1.0:
+        raise DFlashError(f"Unsupported drafter input_embedding_scale={scale!r}: only 1.0 is implemented. {fix}")
+
+
+def block_mask(start: int, length: int, causal: bool, window: int | None) -> mx.array | None:
+    """Which keys each block query sees, ``(length, start + length)`` booleans, or None for all.
+
+    Keys are the context positions ``0..start-1`` then the block's; query ``i`` sits at
+    ``start + i``. As in z-lab's drafters: a causal layer sees no later key, a sliding one
+    no key ``window`` or more positions before (and, if not causal, after) its query.
+    """
+    if not causal and window is None:
+        return None
+    q = mx.arange(start, start + length)[:, None]
+    k = mx.arange(start + length)[None]
+    visible = k <= q if causal else mx.ones((length, start + length), dtype=mx.bool_)
+    if window is not None:
+        visible = visible & (q - k < window)
+        if not causal:
+            visible = visible & (k - q < window)
+    return visible
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """The paper's rule: ``num_taps`` layers spread evenly from layer 1 to L-3."""
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_taps - 1)) for i in range(num_taps)]
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float = 1e-6
+    head_dim: int | None = None
+    rope_theta: float | None = None
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    vocab_size: int | None = None
+    num_target_layers: int | None = None
+    block_size: int = 16
+    target_layer_ids: list[int] = field(default_factory=list)
+    mask_token_id: int | None = None
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    # False only for the ablation drafter trained without the target's context.
+    use_target_features: bool = True
+    model_type: str = "qwen3"
+
+    @classmethod
+    def from_dict(cls, params: dict) -> "ModelArgs":
+        check_layout(params)
+        params = dict(params)
+        nested = params.get("dflash_config") or {}
+        for key in _DFLASH_KEYS:
+            if nested.get(key) is not None:
+                params[key] = nested[key]
+        return super().from_dict(params)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        # transformers >= 5 nests rope settings under rope_parameters.
+        rope = self.rope_parameters or {}
+        if self.rope_theta is None:
+            self.rope_theta = rope.get("rope_theta", 1_000_000.0)
+        if self.rope_scaling is None and rope.get("rope_type", "default") != "default":
+            self.rope_scaling = rope
+        self.target_layer_ids = list(self.target_layer_ids or [])
+        if not self.target_layer_ids and self.num_target_layers:
+            self.target_layer_ids = default_target_layer_ids(
+                self.num_target_layers, self.num_hidden_layers
+            )
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
+        super().__init__()
+        # Sliding layers of newer drafters: causal by default, and windowed (see block_mask).
+        sliding = bool(args.layer_types) and args.layer_types[layer_idx] == "sliding_attention"
+        self.causal = sliding if args.is_causal is None else bool(args.is_causal)
+        self.window = args.sliding_window if sliding else None
+        dim, hd = args.hidden_size, args.head_dim
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim, self.scale = hd, hd**-0.5
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=args.rms_norm_eps)
+        self.rope = initialize_rope(
+            hd,
+            base=args.rope_theta,
+            traditional=False,
+            scaling_config=args.rope_scaling,
+            max_position_embeddings=args.max_position_embeddings,
+        )
+
+    def _heads(self, x: mx.array, n: int) -> mx.array:
+        B, L, _ = x.shape
+        # An explicit head_dim: an empty context (L == 0) cannot infer a -1.
+        return x.reshape(B, L, n, self.head_dim).transpose(0, 2, 1, 3)
+
+    def __call__(
+        self,
+        x: mx.array,
+        ctx: mx.array,
+        cache: Any | None = None,
+        mask: mx.array | None = None,
+        block_offset: int | mx.array | None = None,
+        use_kernel: bool = False,
+    ) -> mx.array:
+        B, L, _ = x.shape
+        ctx_offset = cache.offset if cache is not None else 0
+        if block_offset is None:
+            # The block sits right after the context: [ctx..., last, mask, ...].
+            block_offset = ctx_offset + ctx.shape[1]
+
+        q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), block_offset)
+        k = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), block_offset)
+        v = self._heads(self.v_proj(x), self.n_kv_heads)
+
+        k_ctx = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), ctx_offset)
+        v_ctx = self._heads(self.v_proj(ctx), self.n_kv_heads)
+        out = self.attend(q, k, v, k_ctx, v_ctx, cache, mask, use_kernel)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def attend(
+        self, q, k, v, k_ctx, v_ctx, cache: Any | None, mask: mx.array | None, use_kernel: bool = False
+    ) -> mx.array:
+        """The block's queries over the cached context, the new context and the block
+        itself, all ``(B, heads, length, D)``; returns ``(B, n_heads, L, D)``."""
+        B = q.shape[0]
+        if cache is not None:
+            # Only the context is cached; the noisy block is recomputed every cycle.
+            if k_ctx.shape[2] > 0:
+                k_ctx, v_ctx = cache.update_and_fetch(k_ctx, v_ctx)
+            elif cache.offset > 0:
+                k_ctx, v_ctx = cache.keys_and_values()
+        if k_ctx.shape[0] != B:
+            k_ctx = mx.broadcast_to(k_ctx, (B, *k_ctx.shape[1:]))
+            v_ctx = mx.broadcast_to(v_ctx, (B, *v_ctx.shape[1:]))
+        keys = mx.concatenate([k_ctx, k], axis=2)
+        values = mx.concatenate([v_ctx, v], axis=2)
+        if mask is not None and mask.shape[-1] > keys.shape[2]:
+            # A windowed cache dropped the oldest context keys; the mask was made for all of
+            # them. Only a sliding layer's (whose window they are outside of) or a causal one's
+            # (which sees every context key) are dropped, so the mask's last columns are theirs.
+            mask = mask[..., -keys.shape[2] :]
+
+        # No causal mask: the block attends to the whole context and to itself both ways.
+        return fast_math.attention(q, keys, values, self.scale, mask, use_kernel=use_kernel)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+
+    def __call__(self, x: mx.array, use_kernel: bool = False) -> mx.array:
+        return self.down_proj(fast_math.swiglu(self.gate_proj(x), self.up_proj(x), use_kernel))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, h, ctx, cache=None, mask=None, block_offset=None, speedups=None) -> mx.array:
+        if cache is not None and mask is None and block_offset is None and self._compiled_steps(h, speedups):
+            return self._compiled_call(h, ctx, cache, speedups)
+        kernel = speedups is not None and speedups.kernels
+        # The context is used as it comes out of hidden_norm, not re-normed per layer.
+        h = h + self.self_attn(self.input_layernorm(h), ctx, cache, mask, block_offset, kernel)
+        return h + self.mlp(self.post_attention_layernorm(h), kernel)
+
+    def _compiled_steps(self, h: mx.array, speedups: CpuSpeedups | None) -> bool:
+        # Drafting with the CPU speedups (float32): the same operations as below, compiled
+        # around the attention (dflash_mlx.cpu.compiled_layers). Training (no cache) stays as written.
+        attn = self.self_attn
+        return (
+            speedups is not None
+            and h.dtype == mx.float32
+            and compiled_layers.plain_layer(attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
+        )
+
+    def _compiled_call(self, h: mx.array, ctx: mx.array, cache: Any, speedups: CpuSpeedups) -> mx.array:
+        attn = self.self_attn
+        ctx_offset = cache.offset
+        q, k, v = compiled_layers.before(attn, self.input_layernorm, h, ctx_offset + ctx.shape[1], speedups)
+        if ctx.shape[1] > 0:
+            k_ctx, v_ctx = compiled_layers.key_values(attn, ctx, ctx_offset, speedups)
+        else:
+            k_ctx = v_ctx = mx.zeros((ctx.shape[0], attn.n_kv_heads, 0, attn.head_dim), dtype=h.dtype)
+        out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None, speedups.kernels)
+        return compiled_layers.after(attn, self.mlp, self.post_attention_layernorm, out, h, speedups)
+
+
+class DraftModel(nn.Module):
+    """The DFlash drafter (v1 checkpoints, e.g. ``z-lab/Qwen3-8B-DFlash-b16``).
+
+    ``__call__`` maps the embedded noisy block and the new target taps to the block's
+    final hidden states; the caller applies the target's LM head to them.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        n_taps = len(args.target_layer_ids) or args.num_hidden_layers
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.args.target_layer_ids
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.args.mask_token_id
+
+    def __call__(
+        self,
+        noise_embedding: mx.array,
+        target_hidden: mx.array,
+        cache: list[Any] | None = None,
+        mask: mx.array | None = None,
+        block_offset: int | mx.array | None = None,
+        speedups: CpuSpeedups | None = None,
+    ) -> mx.array:
+        """Run the drafter on one block per batch row.
+
+        Args:
+            noise_embedding: ``(B, L, H)`` target embeddings of ``[last, mask, ...]``.
+            target_hidden: ``(1 or B, Lc, n_taps * H)`` taps of the context positions not
+              yet in ``cache`` (all of them when ``cache`` is None).
+            cache: Per-layer context caches; they grow by ``Lc``.
+            mask: Optional attention mask over ``[context, block]`` keys (training).
+            block_offset: Position of the block's first token; defaults to right after
+              the context. An array of shape ``(B,)`` gives each row its own position.
+            speedups: The CPU speedups (:func:`dflash_mlx.cpu.speedups.cpu_speedups`); None runs
+              MLX's native ops.
+
+        Returns:
+            ``(B, L, H)`` normed hidden states of the block.
+        """
+        if not self.args.use_target_features:
+            # The ablation: the block sees only itself, never the target's taps.
+            target_hidden = target_hidden[:, :0]
+            if mask is not None:
+                mask = mask[..., -noise_embedding.shape[1] :]
+        ctx = self.hidden_norm(self.fc(target_hidden))  # (B, Lc, H)
+        h = noise_embedding
+        if cache is None:
+            cache = [None] * len(self.layers)
+        start = ctx.shape[1] + (cache[0].offset if cache[0] is not None else 0)
+        for layer, c in zip(self.layers, cache):
+            layer_mask = mask
+            if layer.self_attn.causal or layer.self_attn.window is not None:
+                if mask is not None or block_offset is not None:
+                    raise DFlashError(
+                        "Training or batching a drafter with causal or sliding_attention layers is not "
+                        "implemented; train a full_attention drafter."
+                    )
+                layer_mask = block_mask(start, h.shape[1], layer.self_attn.causal, layer.self_attn.window)
+            h = layer(h, ctx, c, layer_mask, block_offset, speedups)
+        return self.norm(h)
+
+    def propose(
+        self,
+        model: nn.Module,
+        block: mx.array,
+        target_hidden: mx.array | None,
+        cache: list[Any],
+        speedups: CpuSpeedups | None = None,
+    ) -> mx.array:
+        """Draft logits for a block, through the target's embedding and LM head.
+
+        Args:
+            model: The target whose embedding and head the drafter borrows.
+            block: ``(1, B)`` ids ``[last, mask, ..., mask]``.
+            target_hidden: Taps of context positions not yet in ``cache`` (or None).
+            cache: The drafter's per-layer context caches.
+            speedups: The CPU speedups, or None for MLX's native ops.
+
+        Returns:
+            ``(1, B - 1, vocab)`` logits for block positions ``1..B-1``.
+        """
+        if target_hidden is None:
+            width = len(self.target_layer_ids) * self.args.hidden_size
+            target_hidden = mx.zeros((1, 0, width), dtype=self.norm.weight.dtype)
+        h = self(tgt.embed(model, block), target_hidden, cache, speedups=speedups)
+        return tgt.lm_head(model, h[:, 1:])
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        out = {}
+        for k, v in weights.items():
+            if k.startswith("model."):
+                k = k[len("model.") :]
+            # Some exports carry the target's embedding or head; the drafter borrows them.
+            if k.startswith(("embed_tokens.", "lm_head.")) or "rotary_emb" in k:
+                continue
+            out[k] = v
+        return out
+
+
+def save_draft(draft: DraftModel, config: dict[str, Any], path: Path) -> None:
+    """Write a drafter as the z-lab layout ``load`` reads: ``config.json`` + safetensors.
+
+    The one writer of this format (dflash-convert and dflash-train both use it), on mlx-lm's
+    own writers; the weights keep their dtype (and quantization, given in ``config``).
+    """
+    save_model(path, draft)
+    save_config(dict(config), path / "config.json")

@@ -1,0 +1,169 @@
+"""The target side: hidden-state taps, embedding and LM head, without patching mlx-lm.
+
+Tap ``i`` is the output of decoder layer ``i`` (0-based), which is HF's
+``hidden_states[i + 1]`` since HF's ``hidden_states[0]`` is the embedding output. As in HF,
+the last layer's tap is taken after the final norm.
+"""
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from ..cpu import compiled_layers, fast_math
+from ..cpu.speedups import CpuSpeedups
+from ..errors import DFlashError
+from . import hybrid
+
+# mlx-lm model families whose decoder we know how to walk layer by layer.
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe") + hybrid.HYBRID_MODEL_TYPES
+
+
+def _text(model: nn.Module) -> nn.Module:
+    # Qwen3.5 checkpoints are vision-language models: the text model sits one level down.
+    return getattr(model, "language_model", model)
+
+
+def _layer_masks(model: nn.Module, h: mx.array, cache: list[Any]) -> list:
+    inner = model.model
+    if model.model_type == "llama":
+        fa = create_attention_mask(h, cache[inner.fa_idx])
+        if inner.swa_idx is None:
+            return [fa] * len(inner.layers)
+        swa = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.sliding_window)
+        return [swa if layer.use_sliding else fa for layer in inner.layers]
+    return [create_attention_mask(h, cache[0])] * len(inner.layers)
+
+
+def check_supported(model: nn.Module, name: str = "target") -> None:
+    """Raise a one-line error for targets whose decoder we cannot tap."""
+    model_type = getattr(model, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise DFlashError(
+            f"Unsupported {name} architecture model_type={model_type!r}: DFlash taps are "
+            f"implemented for {', '.join(SUPPORTED_MODEL_TYPES)}. Use one of those targets."
+        )
+
+
+def num_layers(model: nn.Module) -> int:
+    return len(model.model.layers)
+
+
+def hidden_size(model: nn.Module) -> int:
+    return _text(model).args.hidden_size
+
+
+def vocab_size(model: nn.Module) -> int:
+    return _text(model).args.vocab_size
+
+
+def compute_dtype(model: nn.Module) -> mx.Dtype:
+    """The dtype the target's activations are in (a quantized embedding's scales')."""
+    emb = model.model.embed_tokens
+    return emb.scales.dtype if hasattr(emb, "scales") else emb.weight.dtype
+
+
+def embed(model: nn.Module, tokens: mx.array) -> mx.array:
+    """The target's input embedding, shared with the drafter."""
+    return model.model.embed_tokens(tokens)
+
+
+def lm_head(model: nn.Module, h: mx.array) -> mx.array:
+    """The target's output head (tied or untied), shared with the drafter."""
+    text = _text(model)
+    if getattr(text.args, "tie_word_embeddings", False):
+        return text.model.embed_tokens.as_linear(h)
+    return text.lm_head(h)
+
+
+def _qwen3_block(
+    block: nn.Module, x: mx.array, cache: KVCache, visible: mx.array, speedups: CpuSpeedups
+) -> mx.array:
+    # mlx-lm's Qwen3 TransformerBlock, the same operations in the same order, compiled
+    # around the attention and with the CPU kernels for the softmax and SwiGLU: its own
+    # call would reach MLX's slow CPU exp, one operation at a time.
+    attn = block.self_attn
+    q, k, v = compiled_layers.before(attn, block.input_layernorm, x, cache.offset, speedups)
+    k, v = cache.update_and_fetch(k, v)
+    out = fast_math.attention(q, k, v, attn.scale, visible, use_kernel=speedups.kernels)
+    return compiled_layers.after(attn, block.mlp, block.post_attention_layernorm, out, x, speedups)
+
+
+def _cpu_layers(
+    model: nn.Module, h: mx.array, cache: list[Any], masks: list, speedups: CpuSpeedups | None
+) -> bool:
+    # Only the layers the steps reproduce exactly, with plain caches and causal masks; a
+    # pass shorter than min_tokens (plain decoding's step) stays mlx-lm's own.
+    return (
+        speedups is not None
+        and h.shape[1] >= speedups.min_tokens
+        and h.dtype == mx.float32
+        and model.model_type == "qwen3"
+        and all(
+            type(layer) is qwen3.TransformerBlock
+            and compiled_layers.plain_layer(layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
+            for layer in model.model.layers
+        )
+        and all(type(c) is KVCache for c in cache)
+        and all(isinstance(m, str) and m == "causal" for m in masks)
+    )
+
+
+def forward_with_taps(
+    model: nn.Module,
+    tokens: mx.array,
+    cache: list[Any],
+    tap_ids: list[int],
+    speedups: CpuSpeedups | None = None,
+) -> tuple[mx.array, mx.array | None]:
+    """Run the target on ``tokens`` and capture the hidden states after ``tap_ids``.
+
+    Args:
+        model: An mlx-lm model of one of ``SUPPORTED_MODEL_TYPES``.
+        tokens: ``(B, L)`` token ids.
+        cache: The target's per-layer caches, updated in place.
+        tap_ids: 0-based decoder layer indices to capture (may be empty).
+        speedups: The CPU speedups from :func:`dflash_mlx.cpu.speedups.cpu_speedups` (None: the
+          portable path, mlx-lm's layers as they are). With ``start_every`` the pass starts
+          running (``mx.async_eval``) while the rest of its graph is still being built, so
+          not inside ``mx.compile`` or a gradient.
+
+    Returns:
+        ``(logits, target_hidden)``: ``(B, L, vocab)`` logits and the taps concatenated
+        in ``tap_ids`` order, ``(B, L, len(tap_ids) * H)``, or None if ``tap_ids`` is empty.
+    """
+    start_every = speedups.start_every if speedups is not None else 0
+    if model.model_type in hybrid.HYBRID_MODEL_TYPES:
+        h, captured = hybrid.forward_with_taps(model, tokens, cache, tap_ids, start_every)
+        return _head(model, h, captured, tap_ids)
+    inner = model.model
+    h = inner.embed_tokens(tokens)
+    masks = _layer_masks(model, h, cache)
+    wanted = set(tap_ids)
+    captured = {}
+    visible = None
+    if _cpu_layers(model, h, cache, masks, speedups):
+        visible = fast_math.causal_mask(cache[0].offset, h.shape[1])
+    for i, (layer, c, mask) in enumerate(zip(inner.layers, cache, masks)):
+        h = layer(h, mask, c) if visible is None else _qwen3_block(layer, h, c, visible, speedups)
+        if i in wanted:
+            captured[i] = h
+        if start_every and (i + 1) % start_every == 0 and i + 1 < len(inner.layers):
+            mx.async_eval(h)
+    return _head(model, h, captured, tap_ids)
+
+
+def _head(model: nn.Module, h: mx.array, captured: dict, tap_ids: list[int]) -> tuple[mx.array, mx.array | None]:
+    inner = model.model
+    h = inner.norm(h)
+    wanted = set(tap_ids)
+    # HF's last hidden state is taken after the final norm; drafters were trained on that.
+    if len(inner.layers) - 1 in wanted:
+        captured[len(inner.layers) - 1] = h
+    logits = lm_head(model, h)
+    if not tap_ids:
+        return logits, None
+    return logits, mx.concatenate([captured[i] for i in tap_ids], axis=-1)

@@ -1,0 +1,1 @@
+"""dflash-train: the drafter's training recipe, its data step, tap cache and checkpoints."""

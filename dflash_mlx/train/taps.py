@@ -1,0 +1,120 @@
+"""The frozen target's per-example features for drafter training, computed once.
+
+A training step needs, for each example it samples, the target's taps (the drafter's
+context) and, for the distillation term, the target's last hidden state (what its LM head
+turns into logits). The target is the costly part of a step, and its outputs never
+change, so each example's are kept in memory and, with a folder, on disk in bfloat16
+(``<key>.safetensors``), where they outlive the run: a resumed or repeated run on the same
+data and target starts training at once. ``meta.json`` names what the files were made
+from; a folder made for another target, other taps or another cut is refused.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cli.progress import Progress
+from ..errors import DFlashError
+from ..models import target as tgt
+
+_FORMAT = 1
+
+
+class TapStore:
+    """Each example's ``taps (1, L, n_taps * H)`` and last hidden state ``(1, L, H)``.
+
+    Args:
+        target: The frozen target.
+        tap_ids: The drafter's tapped layers.
+        max_seq_len: Sequences are cut to this many tokens before the target sees them.
+        folder: Where to keep them across runs (None: memory only).
+        identity: What identifies the target (its path and config), written to and checked
+          against ``meta.json``.
+        keep: Keep what was computed or read in memory (False: recompute every time, when
+          there is no folder).
+    """
+
+    def __init__(
+        self,
+        target: nn.Module,
+        tap_ids: list[int],
+        max_seq_len: int,
+        folder: str | Path | None = None,
+        identity: dict | None = None,
+        keep: bool = True,
+    ):
+        self.target, self.tap_ids, self.max_seq_len, self.keep = target, list(tap_ids), max_seq_len, keep
+        self.n_layers, self.hidden = tgt.num_layers(target), tgt.hidden_size(target)
+        self.memory: dict[str, tuple[mx.array, mx.array]] = {}
+        self.folder = None if folder is None else Path(folder)
+        if self.folder is not None:
+            self._open(identity or {})
+
+    def _open(self, identity: dict) -> None:
+        meta = {"format": _FORMAT, "tap_ids": self.tap_ids, "max_seq_len": self.max_seq_len, "target": identity}
+        file = self.folder / "meta.json"
+        if self.folder.exists() and not self.folder.is_dir():
+            raise DFlashError(f"--tap-cache {self.folder} is a file; pass a folder for the taps.")
+        if file.exists():
+            try:
+                saved = json.loads(file.read_text())
+            except (OSError, ValueError) as e:
+                raise DFlashError(f"--tap-cache {self.folder}: unreadable meta.json ({e}); pass another folder.")
+            if saved != meta:
+                what = next(k for k in meta if saved.get(k) != meta[k])
+                raise DFlashError(
+                    f"--tap-cache {self.folder} holds features made with another {what.replace('_', ' ')}; "
+                    "pass a new folder (or delete this one)."
+                )
+        elif self.folder.exists() and any(self.folder.iterdir()):
+            raise DFlashError(
+                f"--tap-cache {self.folder} is a folder of other files; pass a new or empty folder for the taps."
+            )
+        else:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            file.write_text(json.dumps(meta, indent=1))
+
+    def _path(self, key: str) -> Path:
+        return self.folder / f"{key}.safetensors"
+
+    def _compute(self, example: dict) -> tuple[mx.array, mx.array]:
+        ids = (example["prompt_ids"] + example["response_ids"])[: self.max_seq_len]
+        # The last layer's entry is the normed last hidden state (the LM head's input).
+        wanted = self.tap_ids + [self.n_layers - 1]
+        _, both = tgt.forward_with_taps(self.target, mx.array([ids]), [None] * self.n_layers, wanted)
+        taps, last = both[..., : -self.hidden], both[..., -self.hidden :]
+        return mx.stop_gradient(taps), mx.stop_gradient(last)
+
+    def get(self, example: dict) -> tuple[mx.array, mx.array]:
+        """``(taps, last_hidden)`` of one example, in the target's compute dtype."""
+        key = example["key"]
+        if key in self.memory:
+            taps, last = self.memory[key]
+        elif self.folder is not None and self._path(key).exists():
+            arrays = mx.load(str(self._path(key)))
+            taps, last = arrays["taps"], arrays["last"]
+        else:
+            taps, last = self._compute(example)
+            if self.folder is not None:
+                taps, last = taps.astype(mx.bfloat16), last.astype(mx.bfloat16)
+                mx.eval(taps, last)
+                tmp = self.folder / f".{key}.tmp.safetensors"
+                mx.save_safetensors(str(tmp), {"taps": taps, "last": last})
+                os.replace(tmp, self._path(key))
+        if self.keep or self.folder is not None:
+            self.memory[key] = (taps, last)
+        dtype = tgt.compute_dtype(self.target)
+        return taps.astype(dtype), last.astype(dtype)
+
+    def fill(self, examples: list[dict], stream=None) -> None:
+        """Compute (or read) every example's features up front, with a progress line."""
+        if not examples:
+            return
+        bar = Progress(len(examples), width=20, stream=stream)
+        for i, ex in enumerate(examples, 1):
+            mx.eval(*self.get(ex))
+            bar.update(i, "target features")
+        bar.close()

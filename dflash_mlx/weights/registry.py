@@ -1,0 +1,166 @@
+"""Known official DFlash pairs: which published drafter goes with which target.
+
+A target is recognised by its repository name, whatever the organisation, so the official
+Hugging Face id (``Qwen/Qwen3-4B``), an MLX conversion (``mlx-community/Qwen3-4B-4bit``) and
+a local Hugging Face cache snapshot of either all map to the same drafter. Only the usual
+quantization and dtype suffixes are stripped: fine-tunes such as ``Qwen3-4B-Instruct-2507``
+are different models and are not matched.
+
+This module only holds data and string matching; it imports nothing heavy, so the core
+loader can consult it.
+"""
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# What the MLX community appends to a converted repository name: "-4bit", "-MLX-8bit",
+# "-bf16", "-4bit-DWQ", "-mxfp4" and the like.
+_QUANT_SUFFIX = re.compile(
+    r"^(mlx-?)?(\d+(\.\d+)?-?bits?|bf16|fp16|float16|bfloat16|mxfp4|mxfp8|nvfp4|mlx)([-_].*)?$",
+    re.IGNORECASE,
+)
+# A snapshot folder in the Hugging Face cache: .../models--org--name/snapshots/<revision>
+_CACHE_FOLDER = re.compile(r"^models--(?P<org>[^/]+?)--(?P<name>.+)$")
+
+
+@dataclass(frozen=True)
+class KnownPair:
+    """An official target and the DFlash drafter trained for it.
+
+    Args:
+        target: The target's Hugging Face id.
+        draft: The drafter's Hugging Face id.
+        model_type: The target's mlx-lm ``model_type``; DFlash runs only on the families
+          ``dflash_mlx.models.target`` can tap.
+        aliases: Other repository names of the same target (e.g. MLX community naming).
+        mlx_ids: Published MLX conversions of the target known to exist, for the docs;
+          any other ``<name>-<bits>bit`` conversion is matched too.
+    """
+
+    target: str
+    draft: str
+    model_type: str
+    aliases: tuple[str, ...] = ()
+    mlx_ids: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.target.rsplit("/", 1)[-1], *self.aliases)
+
+
+KNOWN_PAIRS: tuple[KnownPair, ...] = (
+    KnownPair(
+        "Qwen/Qwen3-4B",
+        "z-lab/Qwen3-4B-DFlash-b16",
+        "qwen3",
+        mlx_ids=("mlx-community/Qwen3-4B-4bit", "mlx-community/Qwen3-4B-8bit", "mlx-community/Qwen3-4B-bf16"),
+    ),
+    KnownPair(
+        "Qwen/Qwen3-8B",
+        "z-lab/Qwen3-8B-DFlash-b16",
+        "qwen3",
+        mlx_ids=("mlx-community/Qwen3-8B-4bit", "mlx-community/Qwen3-8B-8bit", "mlx-community/Qwen3-8B-bf16"),
+    ),
+    KnownPair(
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+        "llama",
+        aliases=("Meta-Llama-3.1-8B-Instruct",),
+        mlx_ids=(
+            "mlx-community/Meta-Llama-3.1-8B-Instruct-4bit",
+            "mlx-community/Meta-Llama-3.1-8B-Instruct-8bit",
+        ),
+    ),
+    KnownPair(
+        "Qwen/Qwen3-Coder-30B-A3B-Instruct",
+        "z-lab/Qwen3-Coder-30B-A3B-DFlash",
+        "qwen3_moe",
+        mlx_ids=(
+            "mlx-community/Qwen3-Coder-30B-A3B-Instruct-4bit",
+            "mlx-community/Qwen3-Coder-30B-A3B-Instruct-8bit",
+        ),
+    ),
+    KnownPair(
+        "Qwen/Qwen3.5-4B",
+        "z-lab/Qwen3.5-4B-DFlash",
+        "qwen3_5",
+        mlx_ids=("mlx-community/Qwen3.5-4B-4bit",),
+    ),
+    KnownPair(
+        "Qwen/Qwen3.5-9B",
+        "z-lab/Qwen3.5-9B-DFlash",
+        "qwen3_5",
+        mlx_ids=(
+            "mlx-community/Qwen3.5-9B-4bit",
+            "mlx-community/Qwen3.5-9B-8bit",
+            "mlx-community/Qwen3.5-9B-MLX-4bit",
+        ),
+    ),
+    KnownPair("Qwen/Qwen3.5-27B", "z-lab/Qwen3.5-27B-DFlash", "qwen3_5"),
+    KnownPair(
+        "Qwen/Qwen3.5-35B-A3B",
+        "z-lab/Qwen3.5-35B-A3B-DFlash",
+        "qwen3_5_moe",
+        mlx_ids=("mlx-community/Qwen3.5-35B-A3B-4bit",),
+    ),
+    KnownPair(
+        "Qwen/Qwen3.5-122B-A10B",
+        "z-lab/Qwen3.5-122B-A10B-DFlash",
+        "qwen3_5_moe",
+        mlx_ids=("mlx-community/Qwen3.5-122B-A10B-4bit",),
+    ),
+    KnownPair("Qwen/Qwen3.5-397B-A17B", "z-lab/Qwen3.5-397B-A17B-DFlash", "qwen3_5_moe"),
+    KnownPair("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash", "qwen3_5"),
+    KnownPair("Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash", "qwen3_5_moe"),
+)
+
+
+def _repo_name(model: str | Path) -> str | None:
+    """The repository name of a hub id, an HF cache snapshot folder, or None for other paths."""
+    text = str(model).rstrip("/")
+    parts = Path(text).parts
+    # .../models--org--name/snapshots/<revision>
+    if len(parts) >= 3 and parts[-2] == "snapshots" and (m := _CACHE_FOLDER.match(parts[-3])):
+        return m.group("name")
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        return text.split("/")[1]
+    return None
+
+
+def _matches(name: str, base: str) -> bool:
+    name, base = name.lower(), base.lower()
+    if name == base:
+        return True
+    return name.startswith(base + "-") and _QUANT_SUFFIX.match(name[len(base) + 1 :]) is not None
+
+
+def find_pair(model: str | Path) -> KnownPair | None:
+    """The known pair whose target is ``model``, or None.
+
+    Args:
+        model: A Hugging Face id (``Qwen/Qwen3-4B``, ``mlx-community/Qwen3-4B-4bit``) or a
+          snapshot folder of one in the Hugging Face cache. Other local folders are not
+          recognised; pass their drafter explicitly.
+
+    Returns:
+        The matching ``KnownPair`` or None.
+    """
+    name = _repo_name(model)
+    if name is None:
+        return None
+    for pair in KNOWN_PAIRS:
+        if any(_matches(name, base) for base in pair.names):
+            return pair
+    return None
+
+
+def find_draft(model: str | Path) -> str | None:
+    """The Hugging Face id of the official drafter for ``model``, or None if unknown."""
+    pair = find_pair(model)
+    return pair.draft if pair is not None else None
+
+
+def known_targets() -> list[str]:
+    """The Hugging Face ids of every target with a known drafter."""
+    return [p.target for p in KNOWN_PAIRS]

@@ -1,0 +1,1 @@
+"""Shared test helpers: tiny checkpoints, oracle drafters, decoding runs, the snapshot app."""

@@ -1,0 +1,118 @@
+"""Tiny random MoE and hybrid targets, written by transformers' own classes (exact HF format).
+
+``qwen3_moe`` is a Qwen3MoeForCausalLM; ``qwen3_5`` and ``qwen3_5_moe`` are the
+ForConditionalGeneration classes the published Qwen3.5 / Qwen3.6 checkpoints use, with a
+one-block vision tower that mlx-lm drops on load.
+"""
+
+import json
+from pathlib import Path
+
+from helpers.checkpoints import EOS_ID, HIDDEN, VOCAB, write_tokenizer
+
+HF_KINDS = ("qwen3_moe", "qwen3_5", "qwen3_5_moe")
+
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": EOS_ID,
+}
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+_LINEAR = {
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+_VISION = {
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "out_hidden_size": HIDDEN,
+    "num_position_embeddings": 16,
+}
+
+
+def hf_model(kind: str, layers: int = 4, seed: int = 0):
+    """A seeded fp32 transformers model of ``kind`` with tiny shapes."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if kind == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(
+            **_COMMON, **_MOE, num_hidden_layers=layers, decoder_sparse_step=1, norm_topk_prob=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+        model = tf.Qwen3MoeForCausalLM(config)
+    elif kind in ("qwen3_5", "qwen3_5_moe"):
+        text = {
+            **_COMMON, **_LINEAR, "num_hidden_layers": layers,
+            "rope_parameters": {
+                "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                "mrope_section": [1, 1, 0], "mrope_interleaved": True,
+            },
+        }
+        if kind == "qwen3_5":
+            config = tf.Qwen3_5Config(text_config=text, vision_config=_VISION, tie_word_embeddings=True)
+            model = tf.Qwen3_5ForConditionalGeneration(config)
+        else:
+            text.update(_MOE, shared_expert_intermediate_size=32)
+            config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=_VISION, tie_word_embeddings=True)
+            model = tf.Qwen3_5MoeForConditionalGeneration(config)
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        # transformers' init (std 0.02) leaves the layers' outputs small next to the
+        # embedding, and greedy decoding then repeats a token: give every projection a
+        # 1/sqrt(fan_in) scale (4x in the attention and linear attention), larger embeddings
+        # (logits far from ties) and sharper attention, so that the output depends on the
+        # whole context and a rollback bug shows.
+        model.get_input_embeddings().weight.normal_(0.0, 0.5)
+        for name, p in model.named_parameters():
+            if "visual" in name or "embed_tokens" in name or "lm_head" in name:
+                continue
+            if name.endswith(("proj.weight", "gate_up_proj", "down_proj", "gate.weight")) and p.ndim >= 2:
+                sharp = 4.0 if "attn" in name else 1.0
+                p.normal_(0.0, sharp * p.shape[-1] ** -0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(3.0) if kind == "qwen3_moe" else p.add_(2.0)
+    return model.float().eval()
+
+
+def write_hf_target(path: Path, kind: str, layers: int = 4, seed: int = 0):
+    """``kind``'s HF folder (config.json, safetensors, tokenizer) via ``save_pretrained``.
+    Returns the transformers model."""
+    model = hf_model(kind, layers, seed)
+    path.mkdir(parents=True, exist_ok=True)
+    if kind == "qwen3_5_moe":
+        # The published Qwen3.5 MoE checkpoints keep each layer's experts fused
+        # (``experts.gate_up_proj``), as transformers holds them in memory; its
+        # save_pretrained would split them per expert.
+        from safetensors.torch import save_file
+
+        model.config.save_pretrained(str(path))
+        weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        model.save_pretrained(str(path))
+    config = json.loads((path / "config.json").read_text())
+    config["torch_dtype"] = "float32"
+    if kind == "qwen3_moe":
+        # transformers 5 saves its own names; the published Qwen3 MoE configs (and mlx-lm)
+        # use the older ones.
+        config["num_experts"] = config.pop("num_local_experts")
+        config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(path)
+    return model
