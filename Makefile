@@ -25,8 +25,10 @@ $(VENV)/.test: pyproject.toml | $(VENV)/bin/python
 chat: $(VENV)/.chat
 	$(VENV)/bin/dflash-chat
 
+# On Linux the tests run with OpenBLAS preloaded when it is installed (MLX's bundled BLAS is several
+# times slower); otherwise one line says how to install it. The 15 slowest tests are listed at the end.
 test: $(VENV)/.test
-	$(PY) -m pytest
+	$(PY) -m dflash_mlx.cpu.openblas $(PY) -m pytest --durations=15
 
 test-all: $(VENV)/.test
-	$(PY) -m pytest -m ""
+	$(PY) -m dflash_mlx.cpu.openblas $(PY) -m pytest -m "" --durations=15

@@ -22,6 +22,7 @@ from .cli.options import (
     MAX_SEED,
     ArgumentParser,
     InRange,
+    add_blas_argument,
     add_decoding_arguments,
     add_model_arguments,
     add_stop_tokens,
@@ -30,6 +31,7 @@ from .cli.options import (
     boolean_words,
     str2bool,
 )
+from .cpu.openblas import blas_in_use
 from .cpu.speedups import CpuSpeedups
 from .cpu.speedups import cpu_speedups as resolve_speedups
 from .errors import DFlashError
@@ -544,12 +546,15 @@ def generate(
                     f"({rate:.3f} in plain steps timed after the run; --no-draft decodes plainly)"
                 )
         print(f"Peak memory: {response.peak_memory:.3f} GB")
+        if sys.platform == "linux" and mx.default_device() == mx.cpu:
+            print(f"BLAS: {blas_in_use()}")  # what every CPU number above depends on most
     return text
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="dflash-generate", description="Generate text with DFlash speculative decoding.")
     add_model_arguments(parser)
+    add_blas_argument(parser)
     parser.add_argument("--prompt", "-p", default="Hello", help="The prompt ('-' reads stdin; default: 'Hello').")
     add_decoding_arguments(parser, max_tokens=256)
     add_window_arguments(parser)

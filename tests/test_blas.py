@@ -85,12 +85,7 @@ def test_blas_in_use_names_the_core_openblas_runs():
     library = find_openblas()
     if library is None or openblas_core(library) is None:
         pytest.skip("OpenBLAS is not installed")
-    # blas.py alone (not the package, whose imports take seconds) next to MLX's CPU backend.
-    code = (
-        "import importlib.util, sys, mlx.core; spec = importlib.util.spec_from_file_location('b', sys.argv[1]); "
-        "b = importlib.util.module_from_spec(spec); spec.loader.exec_module(b); print(b.blas_in_use())"
-    )
-    code = [sys.executable, "-c", code, blas.__file__]
+    code = [sys.executable, "-c", "import mlx.core; from dflash_mlx.cpu.openblas import blas_in_use; print(blas_in_use())"]
     env = {**os.environ, "LD_PRELOAD": library, "OPENBLAS_CORETYPE": "Haswell"}
     out = subprocess.run(code, env=env, capture_output=True, text=True, check=True).stdout
     version = openblas_core(library)[0]
@@ -98,3 +93,75 @@ def test_blas_in_use_names_the_core_openblas_runs():
     env.pop("LD_PRELOAD")
     out = subprocess.run(code, env=env, capture_output=True, text=True, check=True).stdout
     assert "OpenBLAS" not in out
+
+
+def _no_preload() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+
+
+def test_use_openblas_restarts_the_process_with_it_preloaded(monkeypatch):
+    monkeypatch.setattr(blas, "find_openblas", lambda: DEBIAN)
+    monkeypatch.setattr(blas, "openblas_core", lambda library: ("0.3.21", "Prescott"))
+    monkeypatch.setattr(blas, "read_cpuinfo", lambda: EPYC)
+    monkeypatch.setattr(sys, "platform", "linux")
+    calls = []
+    blas.use_openblas("dflash-x", environ={"PATH": "/bin"}, execv=lambda *a: calls.append(a))
+    (exe, argv, env), = calls
+    # The same command line again (script, -m or -c, and its arguments), in the new environment.
+    assert exe == sys.executable and argv == [sys.executable, *sys.orig_argv[1:]]
+    assert env == {"PATH": "/bin", "LD_PRELOAD": DEBIAN, "OPENBLAS_CORETYPE": "SkylakeX"}
+    # Already preloaded, or MLX's own BLAS asked for: nothing to do.
+    blas.use_openblas("dflash-x", environ={"LD_PRELOAD": DEBIAN}, execv=lambda *a: calls.append(a))
+    blas.use_openblas("dflash-x", "bundled", environ={}, execv=lambda *a: calls.append(a))
+    assert len(calls) == 1
+
+
+def test_use_openblas_without_it_says_what_it_costs_and_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setattr(blas, "find_openblas", lambda: None)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(blas, "_noted", False)
+    blas.use_openblas("dflash-generate", environ={}, execv=lambda *a: pytest.fail("restarted without OpenBLAS"))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dflash-generate: note: MLX is running on its bundled reference BLAS")
+    assert "sudo apt-get install libopenblas0-pthread" in err
+    with pytest.raises(blas.DFlashError, match="--blas openblas: OpenBLAS is not installed"):
+        blas.use_openblas("dflash-generate", "openblas", environ={})
+
+
+def test_blas_choice_is_read_before_the_tool_parses_its_arguments():
+    from dflash_mlx.cli.entry import _blas_choice
+
+    assert _blas_choice(["--prompt", "hi"]) == "auto"
+    assert _blas_choice(["--blas", "bundled", "-p", "x"]) == "bundled"
+    assert _blas_choice(["--blas=openblas"]) == "openblas"
+    # --help loads nothing, and a bad value is the tool's parser's to refuse.
+    assert _blas_choice(["--blas", "bundled", "--help"]) is None and _blas_choice(["--blas", "mkl"]) is None
+
+
+PROBE = "import mlx.core\nfrom dflash_mlx.cpu.openblas import blas_in_use\n\ndef main():\n    print(blas_in_use())\n"
+
+
+@pytest.mark.parametrize("args, expected", [([], "OpenBLAS"), (["--blas", "bundled"], "reference BLAS")])
+def test_a_console_script_runs_on_openblas_by_itself(tmp_path, args, expected):
+    """The console scripts' entry restarts the tool with OpenBLAS preloaded, with no LD_PRELOAD set by hand."""
+    library = find_openblas()
+    if library is None or openblas_core(library) is None:
+        pytest.skip("OpenBLAS is not installed")
+    (tmp_path / "probe_tool.py").write_text(PROBE)
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from dflash_mlx.cli.entry import _entry; _entry('probe', 'probe_tool')()"
+    out = subprocess.run([sys.executable, "-c", code, *args], env=_no_preload(), capture_output=True, text=True,
+                         timeout=60, check=True)  # fmt: skip
+    assert out.stdout.startswith(expected) and out.stderr == ""
+
+
+def test_the_python_api_says_once_when_mlx_runs_on_its_reference_blas(pair_dirs, monkeypatch, caplog):
+    from dflash_mlx import load
+
+    monkeypatch.setattr(blas, "_noted", False)
+    monkeypatch.setattr(blas, "blas_in_use", lambda: "reference BLAS bundled with MLX (libblas.so.3)")
+    monkeypatch.setattr(sys, "platform", "linux")
+    with caplog.at_level("WARNING", logger="dflash_mlx"):
+        load(pair_dirs["qwen3-tied"])
+        load(pair_dirs["qwen3-tied"])
+    notes = [r.getMessage() for r in caplog.records if "reference BLAS" in r.getMessage()]
+    assert len(notes) == 1 and "libopenblas0-pthread" in notes[0]

@@ -16,7 +16,7 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Markdown, Static
 from textual.worker import get_current_worker
 
-from ..cli.options import ArgumentParser, add_decoding_arguments, add_model_arguments, block_size_problem
+from ..cli.options import ArgumentParser, add_blas_argument, add_decoding_arguments, add_model_arguments, block_size_problem
 from ..errors import DFlashError
 from .commands import HELP, Settings, parse_command, save_transcript
 from .engine import MLXEngine, RemoteEngine, StreamEngine, StreamFn
@@ -304,6 +304,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         prog="dflash-chat", description="Chat with a model in the terminal, with DFlash speculative decoding."
     )
     add_model_arguments(parser)
+    add_blas_argument(parser)
     add_decoding_arguments(parser, max_tokens=512)
     parser.add_argument(
         "--base-url",
@@ -398,7 +399,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     if not args.base_url:
         _prepare_embedded_pair(args.model)
-    app = make_app(**vars(args))
+    kwargs = vars(args)
+    kwargs.pop("blas")  # used by the console script before anything loaded
+    app = make_app(**kwargs)
     try:
         app.run()
     finally:

@@ -19,8 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..chat_template import has_chat_template, render_chat
-from ..cli.options import DTYPE_CHOICES, ArgumentParser, InRange, add_window_arguments, block_size_problem
-from ..cpu.openblas import cpu_flags, find_openblas, openblas_core, preload_env, read_cpuinfo
+from ..cli.options import DTYPE_CHOICES, ArgumentParser, InRange, add_blas_argument, add_window_arguments, block_size_problem
 from ..errors import DFlashError
 from ..weights.jsonl import read_objects
 from .context import parse_lengths
@@ -368,8 +367,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="Compute dtype of the models (default: float32, in which greedy output is the same for "
                    "every method, as the benchmark checks; generate and chat default to the checkpoint's dtype on "
                    "a GPU).")
-    p.add_argument("--blas", choices=["auto", "openblas", "bundled"], default="auto",
-                   help="Linux CPU: preload OpenBLAS when installed (auto), require it, or keep MLX's own.")
+    add_blas_argument(p)
     p.add_argument("--scaling", nargs="+", default=None, metavar="SHAPE",
                    help="Scaling mode on random-weight targets of these shapes (qwen3-0.6b, qwen3-1.7b).")
     p.add_argument("--replay", default=None, help="Results JSON of a normal run whose acceptance --scaling replays.")
@@ -417,26 +415,6 @@ def _write_text(path: str, text: str) -> None:
         raise
 
 
-def _maybe_reexec_with_openblas(choice: str) -> None:
-    # LD_PRELOAD only takes effect at process start, so re-run ourselves with it set.
-    if sys.platform != "linux" or choice == "bundled" or "libopenblas" in os.environ.get("LD_PRELOAD", ""):
-        return
-    library = find_openblas()
-    if library is None:
-        if choice == "openblas":
-            raise DFlashError(
-                "OpenBLAS is not installed (not in the usual folders nor in ldconfig -p): install "
-                "libopenblas0-pthread (Debian/Ubuntu) or openblas-threads (Fedora), or pass --blas bundled."
-            )
-        return
-    # Ask the library which kernels it picks by itself, to name better ones for this CPU if needed.
-    detected = openblas_core(library) if "OPENBLAS_CORETYPE" not in os.environ else None
-    env = preload_env(dict(os.environ), library, cpu_flags(read_cpuinfo()), detected and detected[1])
-    # Through the entry point, so a Ctrl+C while the new process imports is one line there too.
-    rerun = "from dflash_mlx.cli.entry import bench_main; bench_main()"
-    os.execve(sys.executable, [sys.executable, "-c", rerun, *sys.argv[1:]], env)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -444,8 +422,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--max-tokens and --runs must be at least 1.")
     try:
         _check_outputs(args.json, args.markdown, args.plots)
-        if argv is None:
-            _maybe_reexec_with_openblas(args.blas)
         if args.scaling:
             return _scaling_main(args)
         if args.base_url:

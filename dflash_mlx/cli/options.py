@@ -125,6 +125,15 @@ def block_size_problem(block_size: int | str | None, trained: int | None, flag: 
     return None
 
 
+def add_blas_argument(parser: argparse.ArgumentParser) -> None:
+    """``--blas``: read by the console script before anything loads (see ``cli.entry``); listed here for --help."""
+    parser.add_argument(
+        "--blas", choices=("auto", "openblas", "bundled"), default="auto",
+        help="Linux CPU: restart with OpenBLAS preloaded when it is installed (auto, the default; several times "
+        "faster than MLX's bundled reference BLAS), require it (openblas), or keep MLX's own (bundled).",
+    )  # fmt: skip
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """--model, --draft (or mlx-lm's --draft-model), --no-draft and --dtype."""
     parser.add_argument(

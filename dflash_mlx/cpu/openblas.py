@@ -9,13 +9,25 @@ parts) falls back to its generic "Prescott" kernels, about 5x slower on a 1024 f
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
+
+from ..errors import DFlashError
+
+BLAS_CHOICES = ("auto", "openblas", "bundled")
+INSTALL = (
+    "install OpenBLAS (Debian/Ubuntu: sudo apt-get install libopenblas0-pthread; Fedora: sudo dnf install "
+    "openblas-threads) and every dflash tool preloads it by itself"
+)
+# Measured on the default pair (2-core Linux, float32): 3-10x slower than OpenBLAS in prompt and decoding speed.
+REFERENCE_NOTE = f"MLX is running on its bundled reference BLAS, 3-10x slower on this CPU than OpenBLAS: {INSTALL}."
+_noted = False
 
 # Threaded builds first. Debian/Ubuntu keep one folder per variant plus an alternatives link;
 # Fedora names its pthreads build libopenblasp and its OpenMP build libopenblaso (plain is serial).
@@ -160,3 +172,72 @@ def blas_in_use() -> str:
         return f"OpenBLAS {version} (preloaded), core {core} ({how})"
     libs = sorted(set(re.findall(r"/\S*lib\S*blas\S*\.so\S*", maps)))
     return f"reference BLAS bundled with MLX ({Path(libs[0]).name})" if libs else "unknown"
+
+
+def _preloaded(environ: dict[str, str]) -> bool:
+    return "libopenblas" in environ.get("LD_PRELOAD", "")
+
+
+def use_openblas(prog: str, choice: str = "auto", *, environ: dict[str, str] | None = None,
+                 execv: Callable[[str, list[str], dict[str, str]], None] = os.execve) -> None:
+    """Re-run this process with OpenBLAS preloaded (Linux; the right core type named), else say what it costs.
+
+    ``LD_PRELOAD`` takes effect only at process start, so the process starts again with the same
+    command line (``sys.orig_argv``) and the new environment; it never returns then. A process that
+    already preloads OpenBLAS, ``choice="bundled"`` and other systems return at once.
+
+    Args:
+        prog: The tool's name, for the one line printed when OpenBLAS is not installed.
+        choice: ``auto`` (preload when installed), ``openblas`` (required) or ``bundled`` (MLX's own BLAS).
+
+    Raises:
+        DFlashError: ``choice="openblas"`` and no OpenBLAS is installed.
+    """
+    global _noted
+    environ = dict(os.environ if environ is None else environ)
+    if sys.platform != "linux" or choice == "bundled" or _preloaded(environ):
+        return
+    library = find_openblas()
+    if library is None:
+        if choice == "openblas":
+            raise DFlashError(f"--blas openblas: OpenBLAS is not installed: {INSTALL}; or pass --blas bundled.")
+        print(f"{prog}: note: {REFERENCE_NOTE}", file=sys.stderr)
+        _noted = True
+        return
+    # Ask the library which kernels it picks by itself, to name better ones for this CPU if needed.
+    detected = openblas_core(library) if "OPENBLAS_CORETYPE" not in environ else None
+    env = preload_env(environ, library, cpu_flags(read_cpuinfo()), detected and detected[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    execv(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def note_reference_blas() -> None:
+    """Say once, on the ``dflash_mlx`` logger, when this process's MLX runs on its reference BLAS (Linux)."""
+    global _noted
+    if _noted or sys.platform != "linux":
+        return
+    _noted = True
+    if blas_in_use().startswith("reference BLAS"):
+        logging.getLogger("dflash_mlx").warning(REFERENCE_NOTE)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m dflash_mlx.cpu.openblas COMMAND...``: run a command with OpenBLAS preloaded when installed."""
+    command = list(sys.argv[1:] if argv is None else argv)
+    if not command:
+        sys.exit("usage: python -m dflash_mlx.cpu.openblas COMMAND [ARG ...]")
+    env = dict(os.environ)
+    if sys.platform == "linux" and not _preloaded(env):
+        library = find_openblas()
+        if library is None:
+            print(f"note: {REFERENCE_NOTE}", file=sys.stderr)
+        else:
+            detected = openblas_core(library) if "OPENBLAS_CORETYPE" not in env else None
+            env = preload_env(env, library, cpu_flags(read_cpuinfo()), detected and detected[1])
+    sys.stdout.flush()
+    os.execvpe(command[0], command, env)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,7 @@ import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
-from ..cli.options import MAX_TEMP, ArgumentParser, InRange
+from ..cli.options import MAX_TEMP, ArgumentParser, InRange, add_blas_argument
 from ..errors import DFlashError
 from ..generate import add_cycle_arguments
 from .handler import APIHandler
@@ -128,6 +128,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="Cast both models to this dtype (default: float32 on a CPU when it fits, else the "
                    "checkpoint's).")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_blas_argument(p)
     return p
 
 

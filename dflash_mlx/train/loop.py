@@ -31,7 +31,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..cli.options import MAX_SEED, ArgumentParser
+from ..cli.options import MAX_SEED, ArgumentParser, add_blas_argument
 from ..cli.progress import Progress
 from ..cpu.speedups import cpu_speedups
 from ..errors import DFlashError
@@ -722,18 +722,20 @@ def setup_arg_parser() -> argparse.ArgumentParser:
             parser.add_argument(
                 flag, type=kind, default=f.default, help=help_text, choices=choices.get(f.name)
             )
+    add_blas_argument(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = setup_arg_parser()
-    args = parser.parse_args(argv)
+    args = vars(parser.parse_args(argv))
+    args.pop("blas")  # used by the console script before anything loaded
     try:
-        _check_args(TrainingArgs(**vars(args)))
+        _check_args(TrainingArgs(**args))
     except DFlashError as e:
         parser.error(str(e))  # a bad value exits 2, as in the other tools
     try:
-        train(TrainingArgs(**vars(args)))
+        train(TrainingArgs(**args))
     except DFlashError as e:
         print(f"dflash-train: error: {e}", file=sys.stderr)
         sys.exit(1)

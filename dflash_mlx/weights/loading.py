@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
+from ..cpu.openblas import note_reference_blas
 from ..errors import DFlashError
 from ..models import hybrid
 from ..models import target as tgt
@@ -515,6 +516,8 @@ def load(
     """
     if dtype is not None and dtype not in DTYPES:
         raise DFlashError(f"Unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
+    if mx.default_device() == mx.cpu:
+        note_reference_blas()
     if is_embedded_pair(model):
         model, pair_draft = embedded_pair(DEFAULT_PAIR if model is None else str(model))
         draft = pair_draft if draft in (None, AUTO_DRAFT) else draft
