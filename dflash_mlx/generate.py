@@ -271,17 +271,19 @@ def dflash_generate_step(
             # The next cycle's drafts, their pass already started; None when generation is over.
             if stopped or generated >= max_tokens:
                 return None
-            n = min(block_size, max_tokens - generated) - 1
-            if proposer is None or n == 0:
+            # Always the whole block, cut to the budget after verifying: a seeded run then draws
+            # the same random numbers whatever max_tokens is, so its text keeps its prefix.
+            if proposer is None or block_size == 1:
                 return Proposal(mx.zeros((0,), dtype=mx.uint32))
-            return proposer.propose(last, n)
+            return proposer.propose(last, block_size - 1)
 
         try:
             drafts = propose()
             while drafts is not None:
                 num_draft = drafts.size
                 verdict = verifier.verify(last, drafts)
-                emitted = verdict.tokens
+                room = max_tokens - generated  # the drafts past it count as neither drafted nor accepted
+                emitted = verdict.tokens[:room]
                 for j, tok in enumerate(emitted):
                     if tok in stop_tokens:
                         emitted, stopped = emitted[: j + 1], True
@@ -299,7 +301,7 @@ def dflash_generate_step(
                 # runs while the caller decodes and shows them.
                 drafts = propose()
                 rates = (timed.plain_tps, timed.draft_tps) if timed else (None, None)
-                yield StepOutput(emitted, verdict.num_accepted, num_draft, *rates)
+                yield StepOutput(emitted, min(verdict.num_accepted, room - 1), min(num_draft, room - 1), *rates)
         finally:
             # A cycle cut short (an exception) leaves unverified entries: drop them.
             if cache.offset != len(cache.tokens):

@@ -255,6 +255,18 @@ def test_same_seed_same_output(pair, proposal):
     assert runs[0] != runs[2]
 
 
+@pytest.mark.parametrize("settings", [
+    {"proposal": "greedy"}, {"proposal": "sample"}, {"block_size": "auto"}, {"lookup_fallback": 2}, {"block_size": 5},
+])  # fmt: skip
+def test_a_seeded_run_keeps_its_prefix_whatever_max_tokens_is(pair, settings):
+    """As mlx-lm's seeded decoding does: a shorter run is a prefix of a longer one with the same seed."""
+    model, draft, _ = pair
+    sampler = make_sampler(temp=0.7)
+    longest = _tokens(model, draft, sampler=sampler, seed=1, max_tokens=40, **settings)
+    for max_tokens in (1, 2, 7, 14, 23):
+        assert _tokens(model, draft, sampler=sampler, seed=1, max_tokens=max_tokens, **settings) == longest[:max_tokens]
+
+
 @pytest.mark.parametrize("proposal", ["greedy", "sample"])
 @pytest.mark.parametrize("kind", ["ours", "mlx-lm", "none"])
 def test_temperature_zero_is_greedy(pair, proposal, kind):
