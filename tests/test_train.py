@@ -179,6 +179,13 @@ def test_training_layout_matches_inference(qwen3_pair):
     train_logits = block_logits(draft, model, packed, block, mx.array([L + a]), mx.array([L]))
     infer_logits = draft.propose(model, block, taps[:, :a], make_draft_cache(draft))
     assert mx.allclose(train_logits, infer_logits, atol=1e-4)
+    # Off by one anywhere and the two differ: the taps given at generation time (one more or one
+    # fewer), the anchor's position in training, or the packed slot's start.
+    for shifted_taps in (taps[:, : a + 1], taps[:, : a - 1]):
+        assert not mx.allclose(train_logits, draft.propose(model, block, shifted_taps, make_draft_cache(draft)), atol=1e-3)
+    for anchor, start in ((L + a + 1, L), (L + a - 1, L), (L + a, L + 1)):
+        shifted = block_logits(draft, model, packed, block, mx.array([anchor]), mx.array([start]))
+        assert not mx.allclose(shifted, infer_logits, atol=1e-3), (anchor, start)
 
 
 def test_loss_positions_trains_on_the_leading_positions_of_the_whole_block(qwen3_pair):
