@@ -744,12 +744,12 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)  # fmt: skip
         sys.exit(130)
     except KeyboardInterrupt:
-        checkpoint = latest_checkpoint(Path(args.out)) if Path(args.out).is_dir() else None
+        checkpoint = latest_checkpoint(Path(args["out"])) if Path(args["out"]).is_dir() else None
         if checkpoint is None:
             saved = "no checkpoint saved (the response cache keeps the responses generated so far)"
         else:
             step = json.loads((checkpoint[0] / "state.json").read_text())["step"]
-            saved = f"the last checkpoint in {args.out} is at step {step}; rerun with --resume to continue"
+            saved = f"the last checkpoint in {args['out']} is at step {step}; rerun with --resume to continue"
         print(f"dflash-train: interrupted; {saved}", file=sys.stderr)
         sys.exit(130)
 
