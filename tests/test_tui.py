@@ -281,6 +281,36 @@ async def test_save_markdown_json_and_no_silent_overwrite(tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.json", "chat.md"]
 
 
+async def test_save_names_the_settings_in_use_and_its_hint_repeats_the_typed_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes").mkdir()
+    app = ChatApp(FakeStream())
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hi")
+        await finish(pilot)
+        await send(pilot, "/save notes/chat.md")
+        await pilot.pause()
+        # The header says what the settings bar says: the drafter's block 16, not "auto".
+        bar = str(app.query_one("#settings-bar").render())
+        header = (tmp_path / "notes" / "chat.md").read_text().splitlines()[2]
+        assert "block 16" in bar and header == f"_{bar.split(' · ', 1)[1]}_"
+        assert json.loads(save_transcript("notes/c.json", app.turns, app.settings, max_block_size=16).read_text())[
+            "settings"
+        ]["block_size"] == 16
+        # The hint is the command to type: following it overwrites the same file.
+        await send(pilot, "/save notes/chat.md")
+        await pilot.pause()
+        hint = notes(app)[-1]
+        assert "use /save! notes/chat.md to overwrite it" in hint, hint
+        command = hint.split("use ", 1)[1].split(" to overwrite")[0]
+        (tmp_path / "notes" / "chat.md").write_text("old")
+        await send(pilot, command)
+        await pilot.pause()
+        assert "## Assistant" in (tmp_path / "notes" / "chat.md").read_text()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
+
+
 def test_interrupted_save_leaves_no_file(tmp_path, monkeypatch):
     def fail(fd):
         raise KeyboardInterrupt

@@ -222,7 +222,9 @@ class ChatApp(App):
             return
         elif command.action == "save":
             try:
-                path = save_transcript(command.path, self.turns, self.settings, force=command.force)
+                path = save_transcript(
+                    command.path, self.turns, self.settings, force=command.force, max_block_size=self._max_block()
+                )
             except (OSError, ValueError) as e:
                 self._note(f"Not saved: {e}", error=True)
             else:
@@ -278,9 +280,13 @@ class ChatApp(App):
     def action_quit_with_error(self) -> None:
         self.exit(return_code=1)
 
+    def _max_block(self) -> int | None:
+        # What a block size of None means: the drafter's; the settings bar and /save both name it.
+        return self.info.max_block_size if self.info else None
+
     def _refresh(self) -> None:
         info = self.info
-        max_block = info.max_block_size if info else None
+        max_block = self._max_block()
         name = info.name if info else "loading…"
         mode = "" if info is None or info.chat_template else " · completion"
         self.query_one("#settings-bar", Static).update(f"{name}{mode} · {self.settings.describe(max_block)}")
