@@ -138,6 +138,44 @@ async def test_escape_stops_and_keeps_partial_reply():
         assert fake.calls[1][0][1] == {"role": "assistant", "content": partial}
 
 
+async def test_ctrl_c_stops_a_reply_like_escape():
+    fake = FakeStream(pause_after=4)
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "tell me")
+        await wait_until(pilot, lambda: fake.produced == 4)
+        await pilot.press("ctrl+c")
+        fake.gate.set()
+        await finish(pilot)
+        assert fake.closed and fake.produced == 5
+        assert app.turns[-1]["content"] == "".join(REPLY[:5])
+        assert "stopped (Ctrl+C)" in app.turns[-1]["stats"]
+        assert not [n for n in app._notifications if "quit" in str(n.message)]
+        # With no reply running, Ctrl+C keeps Textual's answer: a note that Ctrl+Q quits.
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert [n for n in app._notifications if "quit" in str(n.message)]
+        assert app.is_running
+
+
+async def test_ctrl_c_with_text_selected_copies_and_the_reply_goes_on():
+    fake = FakeStream(pause_after=2)
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "tell me")
+        await wait_until(pilot, lambda: fake.produced == 2)
+        prompt = app.query_one(PromptInput)
+        prompt.load_text("copy this")
+        prompt.select_all()
+        await pilot.press("ctrl+c")
+        assert app.clipboard == "copy this" and app.generating
+        fake.gate.set()
+        await finish(pilot)
+        assert app.turns[-1]["content"] == "".join(REPLY)
+
+
 async def test_enter_while_generating_keeps_the_text():
     fake = FakeStream(pause_after=2)
     app = ChatApp(fake)

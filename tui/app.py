@@ -56,6 +56,7 @@ class ChatApp(App):
         self._reply: Reply | None = None
         self._reply_text = ""
         self._stream = None
+        self._stop_key = "Esc"
 
     def compose(self) -> ComposeResult:
         yield Static("", id="settings-bar")
@@ -139,7 +140,7 @@ class ChatApp(App):
         await self._stream.stop()
         stats = self.reply_stats
         stats.context_tokens = message.context_tokens
-        stats.finish_reason = {"cancelled": "stopped (Esc)", "error": "error"}.get(
+        stats.finish_reason = {"cancelled": f"stopped ({self._stop_key})", "error": "error"}.get(
             message.reason, message.reason
         )
         summary = stats.summary()
@@ -256,10 +257,19 @@ class ChatApp(App):
 
     # ---- actions ----------------------------------------------------------------------
 
-    def action_stop(self) -> None:
+    def action_stop(self, key: str = "Esc") -> None:
         if self.generating:
+            self._stop_key = key
             self.workers.cancel_group(self, "generate")
             self.query_one("#state", Static).update("stopping…")
+
+    def action_help_quit(self) -> None:
+        # Ctrl+C (with no text selected to copy) stops a reply as Esc does; with none running it
+        # keeps Textual's answer, a note that Ctrl+Q quits, so a reflexive second press loses nothing.
+        if self.generating:
+            self.action_stop("Ctrl+C")
+        else:
+            super().action_help_quit()
 
     async def action_clear(self) -> None:
         if self.generating:

@@ -19,7 +19,7 @@ MAX_FALLBACK = 1024
 SAVE_FORMATS = {".md": "markdown", ".markdown": "markdown", ".txt": "markdown", ".json": "json"}
 
 HELP = """\
-**Keys**: `Enter` send · `Ctrl+J` or `Shift+Enter` new line · `Esc` stop generating · \
+**Keys**: `Enter` send · `Ctrl+J` or `Shift+Enter` new line · `Esc` or `Ctrl+C` stop generating · \
 `Ctrl+L` clear · `Ctrl+Q` quit
 
 **Commands**
