@@ -22,6 +22,7 @@ from ..errors import DFlashError
 from ..models import hybrid
 from ..models import target as tgt
 from ..models.drafter import DraftModel, ModelArgs
+from .hub import hub_file, hub_snapshot
 from .registry import find_draft, find_pair, known_targets
 
 # The files a model folder needs; nothing else is fetched from the hub.
@@ -114,15 +115,7 @@ def resolve(path_or_repo: str | Path, *, what: str, revision: str | None = None)
             f"The {what} {text!r} is neither an existing folder nor a Hugging Face id "
             "like 'org/name'. Check the path."
         )
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(text, revision=revision, allow_patterns=ALLOW_PATTERNS))
-    except Exception as e:  # the hub client raises many types: offline, 404, auth, ...
-        raise DFlashError(
-            f"Could not get the {what} {text!r} from the Hugging Face hub "
-            f"({type(e).__name__}). Pass a local folder, or check the id and your connection."
-        ) from e
+    return hub_snapshot(text, what=what, revision=revision, allow_patterns=ALLOW_PATTERNS)
 
 
 def read_pair_manifest(path: Path) -> dict[str, Any] | None:
@@ -294,7 +287,8 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
     :func:`load_target`.
 
     Raises:
-        DFlashError: If the target's ``model_type`` is not one DFlash can tap.
+        DFlashError: If the target's ``model_type`` is not one DFlash can tap, or its
+          ``config.json`` cannot be had (see ``hub.hub_file``).
     """
     text = str(model)
     if Path(text).expanduser().exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
@@ -303,12 +297,10 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
     if pair is not None:
         model_type, where = pair.model_type, "the registry of known pairs"
     else:
-        from huggingface_hub import hf_hub_download
-
         try:
-            config = json.loads(Path(hf_hub_download(text, "config.json", revision=revision)).read_text())
-        except Exception:
-            return  # resolve() gives the download error in full
+            config = json.loads(hub_file(text, "config.json", what="target", revision=revision).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return  # load_target() says what is wrong with the file
         model_type, where = config.get("model_type"), "its config.json"
     if model_type not in tgt.SUPPORTED_MODEL_TYPES:
         raise DFlashError(
