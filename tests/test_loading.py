@@ -159,6 +159,15 @@ def test_missing_folder_and_bad_id():
     assert "neither an existing folder nor a Hugging Face id" in _error("./no/such/folder")
 
 
+def test_an_unknown_name_says_that_leaving_the_model_out_gives_the_default_pair():
+    message = _error("smollm3")
+    assert message == (
+        "The target 'smollm3' is neither an existing folder, a Hugging Face id like 'org/name', nor an embedded "
+        "pair (smollm2, dflash-tiny). Check the path; leaving --model out gives the default pair, "
+        "SmolLM2-135M-Instruct."
+    )
+
+
 def test_hub_id_not_in_cache_fails_cleanly():
     message = _error("some-org/some-model")
     assert "Could not get the target 'some-org/some-model' from the Hugging Face hub" in message

@@ -144,7 +144,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                                 description="An OpenAI-compatible server for DFlash speculative decoding.")
     p.add_argument("--model", default=None,
                    help="Target: local folder, pair folder or Hugging Face id (default: the default pair, "
-                   "SmolLM2-135M-Instruct; dflash-tiny: the toy pair).")
+                   "SmolLM2-135M-Instruct, also named smollm2; dflash-tiny: the toy pair).")
     p.add_argument("--draft", default=None,
                    help="DFlash drafter: local folder or Hugging Face id (default: the pair folder's or the known "
                    "drafter of the target; plain decoding if none).")
