@@ -70,8 +70,10 @@ def _fetch(repo: str, probe: str, repo_type: str, revision: str | None, what: st
         raise DFlashError(f"{prefix}: {unreachable}, and it is not in the local hub cache {constants.HF_HUB_CACHE}. "
                           f"{fix}, or pass a local folder.") from None  # fmt: skip
     except Exception as e:  # a damaged cache, a full disk
-        raise DFlashError(f"{prefix}: {unreachable}, and its copy in the local hub cache {constants.HF_HUB_CACHE} "
-                          f"could not be read ({type(e).__name__}: {_reason(e)}). Pass a local folder.") from e  # fmt: skip
+        raise DFlashError(
+            f"{prefix}: {unreachable}, and its copy in the local hub cache {constants.HF_HUB_CACHE} could not be "
+            f"read ({type(e).__name__}: {_reason(e)}). Pass a local folder."
+        ) from e
     down = _DOWN.get(endpoint)
     if down is not None and not down[2]:
         down[2] = True
