@@ -42,6 +42,7 @@ from ..weights.loading import (
     PAIR_MANIFEST,
     check_pair,
     check_tokenizer_files,
+    default_pair_draft,
     is_drafter_config,
     known_draft,
     load,
@@ -163,13 +164,18 @@ def _target_source(hf_path: str, revision: str | None) -> tuple[Path, dict[str, 
     return path, config
 
 
-def _draft_source(draft_hf_path: str | None, hf_path: str, revision: str | None) -> tuple[str, Path]:
+def _draft_source(
+    draft_hf_path: str | None, hf_path: str, revision: str | None, gguf_file: Path | None = None
+) -> tuple[str, Path]:
     if draft_hf_path is None:
-        draft_hf_path = known_draft(hf_path)
+        # A GGUF is known by its file name (SmolLM2-135M-Instruct.Q4_1.gguf), also inside a folder.
+        draft_hf_path = known_draft(gguf_file or hf_path)
         if draft_hf_path is None:
             raise DFlashError(
                 f"No known DFlash drafter for the target {hf_path!r}: pass its drafter with --draft "
-                f"(known targets: {', '.join(registry.known_targets())}; dflash-convert --list shows the pairs)."
+                f"(known targets: {', '.join(registry.known_targets())}; and {registry.DEFAULT_TARGET} or a GGUF "
+                f"of it, the default pair's target, whose drafter ships in {default_pair_draft()}; "
+                "dflash-convert --list shows the pairs)."
             )
         revision = None  # the target's revision means nothing for the drafter's repository
     path = resolve(draft_hf_path, what="drafter", revision=revision)
@@ -345,7 +351,8 @@ def convert(
           both models; by default the target's ``torch_dtype``. A GGUF target is dequantized
           to it; without it its Q4_0/Q4_1/Q8_0 layers stay quantized.
         draft_hf_path: The drafter: local folder or Hugging Face id. None takes the official
-          drafter of a known target (see :mod:`dflash_mlx.weights.registry`).
+          drafter of a known target (see :mod:`dflash_mlx.weights.registry`), or the default
+          pair's shipped drafter for SmolLM2-135M-Instruct (its hub id or a GGUF of it).
         draft_q_bits: Quantize the drafter to 8 or 4 bits; None keeps it in ``dtype``.
         draft_q_group_size: Drafter quantization group size.
         revision: Hub revision of the target (and of an explicitly given drafter).
@@ -385,7 +392,7 @@ def convert(
             target_src, target_config = _target_source(hf_path, revision)
             if quantize and "quantization" in target_config:
                 raise DFlashError(f"{hf_path} is already quantized; drop -q/--quantize to convert it as it is.")
-        draft_id, draft_src = _draft_source(draft_hf_path, hf_path, revision)
+        draft_id, draft_src = _draft_source(draft_hf_path, hf_path, revision, gguf_file)
         if gguf_file is not None:
             # The pairing check needs the target folder, so a GGUF target is converted first.
             tmp = partial_sibling(dest)
@@ -493,7 +500,8 @@ def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
 
 
 def _format_pairs() -> str:
-    lines = []
+    # The default pair's drafter ships in this package; the others are on the hub.
+    lines = [f"{registry.DEFAULT_TARGET:36} -> {default_pair_draft()}  (the default pair; also for its GGUF)"]
     for p in registry.KNOWN_PAIRS:
         supported = "" if p.model_type in tgt.SUPPORTED_MODEL_TYPES else f"  (needs {p.model_type} support)"
         lines.append(f"{p.target:36} -> {p.draft}{supported}")
@@ -516,7 +524,8 @@ def configure_parser() -> argparse.ArgumentParser:
         "--draft-hf-path",
         "--draft",
         default=None,
-        help="DFlash drafter: local folder or Hugging Face id (default: the official drafter of a known target).",
+        help="DFlash drafter: local folder or Hugging Face id (default: the official drafter of a known target; "
+        "the shipped one for SmolLM2-135M-Instruct).",
     )
     parser.add_argument("--mlx-path", default="mlx_model", help="The pair folder to write.")
     parser.add_argument("-q", "--quantize", action="store_true", help="Quantize the target.")

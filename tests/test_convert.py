@@ -18,7 +18,7 @@ from dflash_mlx import DFlashError, dflash_generate_step, load
 from dflash_mlx.convert import convert, find_draft, find_pair, known_targets
 from dflash_mlx.convert.convert import main
 from dflash_mlx.convert.weights import normalized_config
-from dflash_mlx.weights.loading import PAIR_MANIFEST
+from dflash_mlx.weights.loading import PAIR_MANIFEST, default_pair_path
 
 # The package re-exports convert(), which shadows the module of the same name.
 convert_mod = importlib.import_module("dflash_mlx.convert.convert")
@@ -477,6 +477,10 @@ def test_list_known_pairs(capsys):
     main(["--list"])
     out = capsys.readouterr().out
     assert "Qwen/Qwen3-4B" in out and "z-lab/Qwen3-4B-DFlash-b16" in out
+    # The default pair first: its drafter ships in the package.
+    assert out.splitlines()[0].split() == ["HuggingFaceTB/SmolLM2-135M-Instruct", "->",
+                                           str(default_pair_path() / "draft"), "(the", "default", "pair;", "also",
+                                           "for", "its", "GGUF)"]  # fmt: skip
 
 
 def _bad_inputs(hf, tmp_path):

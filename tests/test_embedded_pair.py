@@ -13,7 +13,7 @@ from dflash_mlx import dflash_generate_step, load
 from dflash_mlx.bench.benchmark import encode, load_prompts
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.weights.gguf import SMOLLM2_INSTALL
-from dflash_mlx.weights.loading import DEFAULT_PAIR, TINY_PAIR, embedded_pair_path
+from dflash_mlx.weights.loading import DEFAULT_PAIR, TINY_PAIR, embedded_pair_path, is_embedded_pair
 
 
 def _greedy(model, ids, max_tokens, eos):
@@ -83,6 +83,14 @@ def test_default_pair_is_smollm2_with_its_drafter(default_pair):
                                          tokenize=False)  # fmt: skip
     assert text.endswith("<|im_start|>assistant\n")
     assert embedded_pair_path(DEFAULT_PAIR) == embedded_pair_path()
+
+
+@pytest.mark.parametrize("name", ["smollm2", "SmolLM2"])
+def test_default_pair_answers_to_its_short_name(default_pair, name):
+    assert is_embedded_pair(name) and embedded_pair_path(name) == embedded_pair_path()
+    model, draft, _ = load(name)
+    assert mx.array_equal(model.model.embed_tokens.weight, default_pair[0].model.embed_tokens.weight)
+    assert mx.array_equal(draft.fc.weight, default_pair[1].fc.weight)
 
 
 # A chat and a code prompt; every cycle drafted, and the adaptive default.

@@ -16,7 +16,7 @@ from dflash_mlx import DFlashError
 from dflash_mlx.convert.convert import main as convert_main
 from dflash_mlx.models.drafter import DraftModel, ModelArgs
 from dflash_mlx.weights.gguf import SMOLLM2_INSTALL, convert_gguf, find_gguf, prepare_default_target, smollm2_gguf
-from dflash_mlx.weights.loading import load_target
+from dflash_mlx.weights.loading import default_pair_path, load_target
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
@@ -447,8 +447,26 @@ def test_cli_gguf_without_drafter_is_one_line(tiny, tmp_path, capsys):
     assert e.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("dflash-convert: error: No known DFlash drafter for the target")
-    assert "--draft" in err[-1]
+    assert "--draft" in err[-1] and str(default_pair_path() / "draft") in err[-1]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_smollm2_gguf_without_drafter_takes_the_shipped_one(tiny, tmp_path, capsys, monkeypatch):
+    from dflash_mlx.weights import loading
+
+    shipped = str(default_pair_path() / "draft")
+    assert loading.known_draft(Path("anywhere") / "SmolLM2-135M-Instruct.Q4_1.gguf") == shipped
+    assert loading.known_draft("HuggingFaceTB/SmolLM2-135M-Instruct") == shipped
+    # The tiny GGUF under SmolLM2's file name, with a drafter made for it in the shipped one's place.
+    named = tmp_path / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    named.parent.mkdir()
+    named.write_bytes(tiny[0].read_bytes())
+    _tiny_draft(tmp_path / "shipped", len(_tiny_tokenizer()[0]))
+    monkeypatch.setattr(loading, "default_pair_draft", lambda: tmp_path / "shipped")
+    out = tmp_path / "pair"
+    convert_main(["--hf-path", str(named.parent), "--mlx-path", str(out), "--dtype", "float32", "--no-check"])
+    assert f"draft:  {tmp_path / 'shipped'}" in capsys.readouterr().out
+    assert json.loads((out / "dflash_pair.json").read_text())["source"]["draft"] == str(tmp_path / "shipped")
 
 
 @pytest.mark.slow

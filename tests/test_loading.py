@@ -1,7 +1,14 @@
+import http.server
 import json
+import logging
 import shutil
+import socket
 import sys
+import threading
+import time
 import types
+
+import huggingface_hub.constants
 
 import mlx.core as mx
 import mlx_lm
@@ -9,6 +16,7 @@ import pytest
 from helpers.checkpoints import EOS_ID, draft_config, write_draft
 
 from dflash_mlx import DFlashError, generate, load, stream_generate
+from dflash_mlx.weights import hub
 
 
 @pytest.fixture()
@@ -151,13 +159,21 @@ def test_missing_folder_and_bad_id():
     assert "neither an existing folder nor a Hugging Face id" in _error("./no/such/folder")
 
 
+def test_an_unknown_name_says_that_leaving_the_model_out_gives_the_default_pair():
+    message = _error("smollm3")
+    assert message == (
+        "The target 'smollm3' is neither an existing folder, a Hugging Face id like 'org/name', nor an embedded "
+        "pair (smollm2, dflash-tiny). Check the path; leaving --model out gives the default pair, "
+        "SmolLM2-135M-Instruct."
+    )
+
+
 def test_hub_id_not_in_cache_fails_cleanly():
     message = _error("some-org/some-model")
     assert "Could not get the target 'some-org/some-model' from the Hugging Face hub" in message
 
 
-def test_hub_id_loads_from_local_cache(pair_dirs, tmp_path):
-    """The real huggingface_hub path, resolved offline from an HF cache layout."""
+def _cache_tiny_pair(pair_dirs, tmp_path):
     import huggingface_hub.constants as hf
 
     for repo, src in (("acme/tiny", pair_dirs["qwen3-tied"]), ("acme/tiny-DFlash", pair_dirs["draft"])):
@@ -166,8 +182,89 @@ def test_hub_id_loads_from_local_cache(pair_dirs, tmp_path):
         (root / "refs").mkdir()
         (root / "refs" / "main").write_text("0" * 40)
     assert hf.HF_HUB_CACHE == str(tmp_path / "hf-cache")
+
+
+def test_hub_id_loads_from_local_cache(pair_dirs, tmp_path):
+    """The real huggingface_hub path, resolved offline from an HF cache layout."""
+    _cache_tiny_pair(pair_dirs, tmp_path)
     model, draft, _ = load("acme/tiny", "acme/tiny-DFlash")
     assert draft is not None and model.model_type == "qwen3"
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch):
+    """The hub client online, at a local port where nothing listens; any other host is refused."""
+    import huggingface_hub.constants as hf
+
+    endpoint = "http://127.0.0.1:9"
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hf, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf, "ENDPOINT", endpoint)
+    monkeypatch.setattr(hf, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(hub, "_DOWN", {})
+    elsewhere, getaddrinfo = [], socket.getaddrinfo
+
+    def local_only(host, *args, **kwargs):
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            elsewhere.append(host)
+            raise socket.gaierror(f"{host}: this test reaches no other host")
+        return getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", local_only)
+    yield endpoint
+    assert not elsewhere, f"the hub client looked up {elsewhere}"
+
+
+def test_an_unreachable_hub_fails_fast_in_one_line(unreachable_hub, caplog):
+    # The hub client alone retries five times with backoff: about 25 s of "Retrying in 8s" lines.
+    tic = time.monotonic()
+    message = _error("someorg/no-such-repo")
+    assert time.monotonic() - tic < 5, f"took {time.monotonic() - tic:.0f} s"
+    assert message == (
+        "Could not get the target 'someorg/no-such-repo' from the Hugging Face hub: cannot reach "
+        f"{unreachable_hub} ([Errno 111] Connection refused), and it is not in the local hub cache "
+        f"{huggingface_hub.constants.HF_HUB_CACHE}. Connect to the network, or pass a local folder."
+    )
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_hub_without_the_repository_says_so_in_one_line(unreachable_hub, monkeypatch):
+    import huggingface_hub.constants as hf
+
+    class NoSuchRepo(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(404)
+            self.send_header("X-Error-Code", "RepoNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoSuchRepo)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{httpd.server_address[1]}"
+    monkeypatch.setattr(hf, "ENDPOINT", endpoint)
+    monkeypatch.setattr(hf, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    try:
+        assert _error("someorg/no-such-repo") == (
+            f"Could not get the target 'someorg/no-such-repo' from the Hugging Face hub: {endpoint} has no model "
+            "'someorg/no-such-repo', or it is private (log in with `hf auth login`). Check the id, or pass a local "
+            "folder."
+        )
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_an_unreachable_hub_falls_back_to_the_cache_and_says_so_once(pair_dirs, tmp_path, unreachable_hub, caplog):
+    _cache_tiny_pair(pair_dirs, tmp_path)
+    tic = time.monotonic()
+    model, draft, _ = load("acme/tiny", "acme/tiny-DFlash")
+    assert time.monotonic() - tic < 10 and draft is not None
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == [f"The Hugging Face hub is unreachable (cannot reach {unreachable_hub} ([Errno 111] Connection "
+                    "refused)); using the cached target acme/tiny."]
 
 
 def test_remote_code_is_never_executed(folders, tmp_path):

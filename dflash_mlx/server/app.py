@@ -10,6 +10,7 @@ import argparse
 import ipaddress
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -28,10 +29,57 @@ log = logging.getLogger("dflash-serve")
 
 
 class DFlashHTTPServer(ThreadingHTTPServer):
-    """The listening socket and what every handler thread shares."""
+    """The listening socket and what every handler thread shares.
+
+    Handler threads are daemons, so the process may exit while one is still writing; ``drain``
+    waits for the connections that are serving a request, and closes the idle ones.
+    """
 
     daemon_threads = True
     request_queue_size = 64  # the listen backlog: a burst of clients waits in our queue, not here
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._connections: dict[socket.socket, bool] = {}  # open connection -> serving a request
+        self._changed = threading.Condition()
+        self._draining = False
+
+    def process_request(self, request, client_address) -> None:
+        # Counted from here, on the accepting thread, so none slips past a drain that follows.
+        with self._changed:
+            self._connections[request] = False
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        super().shutdown_request(request)
+        with self._changed:
+            self._connections.pop(request, None)
+            self._changed.notify_all()
+
+    def serving(self, connection: socket.socket, busy: bool) -> None:
+        """A handler starts (``busy``) or ends a request; an idle connection is closed when draining."""
+        with self._changed:
+            if connection in self._connections:
+                self._connections[connection] = busy
+            if self._draining and not busy:
+                _stop_reading(connection)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every answer in progress is written; True if all were within ``timeout``."""
+        with self._changed:
+            self._draining = True
+            for connection, busy in self._connections.items():
+                if not busy:  # waiting for a next request that may never come
+                    _stop_reading(connection)
+            return self._changed.wait_for(lambda: not self._connections, timeout)
+
+
+def _stop_reading(connection: socket.socket) -> None:
+    # The handler's read returns end-of-file and it closes the connection; what it writes still goes out.
+    try:
+        connection.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass
 
 
 class DFlashServer:
@@ -79,12 +127,15 @@ class DFlashServer:
         return self
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop: refuse new requests, cut the running one after its cycle, close the socket."""
+        """Stop: refuse new requests, cut the running one after its cycle, let every client get
+        its whole answer (a reply, or a 503 saying the server is shutting down), close the socket."""
         self.worker.close()
         self.httpd.shutdown()
         deadline = time.monotonic() + timeout
         while self.worker.running is not None and time.monotonic() < deadline:
             time.sleep(0.01)
+        if not self.httpd.drain(max(0.0, deadline - time.monotonic())):
+            log.warning("stopped with a client still being answered after %g s", timeout)
         self.httpd.server_close()
 
 
@@ -93,7 +144,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                                 description="An OpenAI-compatible server for DFlash speculative decoding.")
     p.add_argument("--model", default=None,
                    help="Target: local folder, pair folder or Hugging Face id (default: the default pair, "
-                   "SmolLM2-135M-Instruct; dflash-tiny: the toy pair).")
+                   "SmolLM2-135M-Instruct, also named smollm2; dflash-tiny: the toy pair).")
     p.add_argument("--draft", default=None,
                    help="DFlash drafter: local folder or Hugging Face id (default: the pair folder's or the known "
                    "drafter of the target; plain decoding if none).")

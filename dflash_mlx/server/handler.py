@@ -35,6 +35,17 @@ class APIHandler(BaseHTTPRequestHandler):
 
     # ---- plumbing ----------------------------------------------------------------------
 
+    def parse_request(self) -> bool:
+        # A request line has come: from here to the end of the answer, shutdown waits for us.
+        self.server.serving(self.connection, True)
+        return super().parse_request()
+
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.serving(self.connection, False)
+
     def log_message(self, format: str, *args) -> None:
         log.debug("%s %s", self.address_string(), format % args)
 

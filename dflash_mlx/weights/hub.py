@@ -1,0 +1,128 @@
+"""Files from the Hugging Face hub, failing fast and in one line when the hub cannot be reached.
+
+``huggingface_hub`` retries a download it has no cached copy of five times with backoff, about
+25 seconds of "Retrying in 8s" lines before the error. Here one request without retries checks
+the hub first: when it cannot be reached, a cached copy is used (said once), and without one
+the error says so at once.
+"""
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..errors import DFlashError
+
+log = logging.getLogger("dflash_mlx")
+# An endpoint found unreachable is not asked again for this long: a load asks for a target's
+# config, its snapshot and a drafter, and each would wait for the same timeout.
+RECHECK_S = 60.0
+# endpoint -> [when it was found unreachable, why, whether the fallback to the cache was said]
+_DOWN: dict[str, list] = {}
+
+
+def hub_snapshot(
+    repo: str, *, what: str, revision: str | None = None, allow_patterns: list[str] | None = None
+) -> Path:
+    """A local snapshot of model repository ``repo``: downloaded, or from the hub cache.
+
+    Raises:
+        DFlashError: If the repository does not exist, or the hub cannot be reached and the
+          cache has no copy.
+    """
+    from huggingface_hub import snapshot_download
+
+    def fetch(endpoint: str, local_files_only: bool) -> str:
+        return snapshot_download(repo, revision=revision, allow_patterns=allow_patterns, endpoint=endpoint,
+                                 local_files_only=local_files_only)  # fmt: skip
+
+    return Path(_fetch(repo, "config.json", "model", revision, what, fetch))
+
+
+def hub_file(repo: str, filename: str, *, what: str, repo_type: str = "model", revision: str | None = None) -> Path:
+    """One file of ``repo``, downloaded or from the hub cache (see :func:`hub_snapshot`)."""
+    from huggingface_hub import hf_hub_download
+
+    def fetch(endpoint: str, local_files_only: bool) -> str:
+        return hf_hub_download(repo, filename, repo_type=repo_type, revision=revision, endpoint=endpoint,
+                               local_files_only=local_files_only)  # fmt: skip
+
+    return Path(_fetch(repo, filename, repo_type, revision, what, fetch))
+
+
+def _fetch(repo: str, probe: str, repo_type: str, revision: str | None, what: str, fetch: Callable) -> str:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    endpoint = constants.ENDPOINT  # read now, so that HF_ENDPOINT set after import counts
+    prefix = f"Could not get the {what} {repo!r} from the Hugging Face hub"
+    unreachable = _unreachable(endpoint, repo, probe, repo_type, revision, prefix)
+    if unreachable is None:
+        try:
+            return fetch(endpoint, False)
+        except Exception as e:  # the hub client raises many types
+            raise DFlashError(f"{prefix} ({type(e).__name__}: {_reason(e)}). Pass a local folder, or check the id "
+                              "and your connection.") from e  # fmt: skip
+    try:
+        path = fetch(endpoint, True)
+    except LocalEntryNotFoundError:
+        fix = "Unset HF_HUB_OFFLINE to download it" if constants.HF_HUB_OFFLINE else "Connect to the network"
+        raise DFlashError(f"{prefix}: {unreachable}, and it is not in the local hub cache {constants.HF_HUB_CACHE}. "
+                          f"{fix}, or pass a local folder.") from None  # fmt: skip
+    except Exception as e:  # a damaged cache, a full disk
+        raise DFlashError(
+            f"{prefix}: {unreachable}, and its copy in the local hub cache {constants.HF_HUB_CACHE} could not be "
+            f"read ({type(e).__name__}: {_reason(e)}). Pass a local folder."
+        ) from e
+    down = _DOWN.get(endpoint)
+    if down is not None and not down[2]:
+        down[2] = True
+        log.warning("The Hugging Face hub is unreachable (%s); using the cached %s %s.", unreachable, what, repo)
+    return path
+
+
+def _unreachable(endpoint: str, repo: str, probe: str, repo_type: str, revision: str | None, prefix: str) -> str | None:
+    """Why the hub cannot be asked now, or None when one request without retries reached it.
+
+    Raises:
+        DFlashError: If the hub answered that the repository or revision does not exist.
+    """
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    down = _DOWN.get(endpoint)
+    if down is not None and time.monotonic() - down[0] < RECHECK_S:
+        return down[1]
+    try:
+        url = hf_hub_url(repo, probe, repo_type=repo_type, revision=revision, endpoint=endpoint)
+        get_hf_file_metadata(url, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except RepositoryNotFoundError:  # gated and private repositories answer the same
+        raise DFlashError(f"{prefix}: {endpoint} has no {repo_type} {repo!r}, or it is private (log in with "
+                          "`hf auth login`). Check the id, or pass a local folder.") from None  # fmt: skip
+    except RevisionNotFoundError:
+        raise DFlashError(f"{prefix}: it has no revision {revision!r}. Check the revision.") from None
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else None
+        if status is None or status >= 500 or status == 429:
+            return _went_down(endpoint, f"{endpoint} answered HTTP {status}")
+        # Reached (a missing probe file, say): the download itself says more.
+    except Exception as e:  # no connection, DNS, timeout, TLS: the client raises many types
+        return _went_down(endpoint, f"cannot reach {endpoint} ({_reason(e)})")
+    _DOWN.pop(endpoint, None)
+    return None
+
+
+def _went_down(endpoint: str, reason: str) -> str:
+    _DOWN[endpoint] = [time.monotonic(), reason, False]
+    return reason
+
+
+def _reason(e: Exception) -> str:
+    # The first line of the deepest cause: "[Errno 111] Connection refused", not a wrapper's paragraph.
+    for _ in range(8):
+        if (inner := e.__cause__ or e.__context__) is None:
+            break
+        e = inner
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
