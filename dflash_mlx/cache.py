@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache
 
+from .adaptive import PolicyState
 from .errors import DFlashError
 from .models import hybrid
 from .models.drafter import DraftModel
@@ -99,6 +100,9 @@ def make_draft_cache(draft: nn.Module, window: int | None = None, sinks: int = 4
 class DFlashCache:
     """Everything a pair remembers about a conversation, reusable across calls.
 
+    It also carries what the adaptive policy measured of the pair (``policy``), so calls that
+    pass the same cache continue its schedule.
+
     Invariants between generation cycles:
       * ``target[i].offset == len(tokens)``: ``tokens`` are exactly what the target has seen;
       * ``draft[i].offset + pending_length == len(tokens)``: the taps of the last few
@@ -111,6 +115,7 @@ class DFlashCache:
     pending: mx.array | None = None
     # Why the last reusable_prefix() reused less than the common prefix, or None.
     reuse_note: str | None = None
+    policy: PolicyState = field(default_factory=PolicyState)
 
     @property
     def offset(self) -> int:

@@ -7,7 +7,6 @@ Three layers, as in mlx-lm: ``dflash_generate_step`` (token ids), ``stream_gener
 import argparse
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable, Generator, NamedTuple
 
 import mlx.core as mx
@@ -15,6 +14,7 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .adaptive import PolicyState
 from .auto_block import AutoWidth
 from .cache import DFlashCache, check_draft_window, make_cache
 from .cli.options import add_cycle_arguments  # noqa: F401 (dflash-serve imports it from here)
@@ -40,6 +40,7 @@ from .models import target as tgt
 from .models.drafter import DraftModel
 from .plain_probe import plain_tokens_per_second
 from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, Proposal
+from .responses import AcceptanceStats, GenerationResponse
 from .sampling import can_sample_proposals, check_proposal, make_sampler
 from .verify import Verifier
 
@@ -118,10 +119,10 @@ def _check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallbac
 
 
 def _make_proposer(
-    model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, adaptive, speedups, auto=False
+    model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, policy, speedups, auto=False
 ):  # fmt: skip
     # None for plain decoding; prompt lookup alone; the drafter, with the lookup fallback,
-    # paused while it loses to plain decoding.
+    # paused while it loses to plain decoding (with a policy).
     if draft is None:
         return None
     if isinstance(draft, PromptLookup):
@@ -135,7 +136,7 @@ def _make_proposer(
     if lookup_fallback:
         lookup = LookupProposer(PromptLookup(draft.block_size), cache.tokens)
         drafter = FallbackProposer(drafter, lookup, lookup_fallback)
-    return AdaptiveProposer(drafter) if adaptive else drafter
+    return AdaptiveProposer(drafter, policy) if policy is not None else drafter
 
 
 def dflash_generate_step(
@@ -151,6 +152,7 @@ def dflash_generate_step(
     min_confidence: float = 0.0,
     lookup_fallback: int = 0,
     adaptive: bool | None = None,
+    policy: PolicyState | None = None,
     draft_window: int | None = None,
     draft_sinks: int = 4,
     seed: int | None = None,
@@ -198,11 +200,17 @@ def dflash_generate_step(
         adaptive: Time drafting cycles against plain decoding steps (cycles of no drafts,
           a few early on and one every 64 drafting cycles), decode plainly while drafting
           gives tokens more slowly, and try drafting again after a run of plain cycles that
-          doubles with each further loss (:class:`dflash_mlx.proposer.AdaptiveProposer`).
+          doubles with each further loss, and is long enough that these re-probes cost at
+          most 3% of the time (:class:`dflash_mlx.adaptive.PolicyState`).
           Every token is still the target's own sample, but which cycles draft depends on
           timings, and so, when sampling, do the random draws: None (default) turns it on
           unless ``seed`` asks for reproducible output; False drafts every cycle, as in
           the paper.
+        policy: What ``adaptive`` measured so far and its schedule, continued and updated in
+          place: pass the same :class:`dflash_mlx.adaptive.PolicyState` to every call for a
+          pair (each reply of a chat), so a reply does not pay again to learn that drafting
+          loses. None (default): the ``prompt_cache``'s own (``DFlashCache.policy``), else a
+          fresh one.
         draft_window: Let the drafter see the target's taps of only the first
           ``draft_sinks`` positions and the latest ``draft_window`` ones, so that a draft pass
           and the drafter's cache stay the same size however long the context grows. None
@@ -247,11 +255,15 @@ def dflash_generate_step(
         )
     speedups = resolve_speedups(tgt.compute_dtype(model), cpu_speedups)
     adaptive = seed is None if adaptive is None else adaptive
+    # The policy paces the DFlash drafter; with block 1 it never drafts, so it is left alone.
+    if not (adaptive and isinstance(draft, DraftModel) and block_size > 1):
+        policy = None
+    elif policy is None:
+        policy = cache.policy
     proposer = _make_proposer(
         model, draft, cache, sampler=sampler, proposal=proposal, min_confidence=min_confidence,
-        lookup_fallback=lookup_fallback, adaptive=adaptive, speedups=speedups, auto=auto,
+        lookup_fallback=lookup_fallback, policy=policy, speedups=speedups, auto=auto,
     )
-    timed = proposer if isinstance(proposer, AdaptiveProposer) else None
     tap_ids = proposer.tap_ids if proposer is not None else []
     verifier = Verifier(
         model, cache, sampler=sampler, logits_processors=logits_processors, tap_ids=tap_ids, speedups=speedups
@@ -300,61 +312,12 @@ def dflash_generate_step(
                 # The next drafter pass starts before this cycle's tokens are handed out, so it
                 # runs while the caller decodes and shows them.
                 drafts = propose()
-                rates = (timed.plain_tps, timed.draft_tps) if timed else (None, None)
+                rates = (policy.plain_tps, policy.draft_tps) if policy is not None else (None, None)
                 yield StepOutput(emitted, min(verdict.num_accepted, room - 1), min(num_draft, room - 1), *rates)
         finally:
             # A cycle cut short (an exception) leaves unverified entries: drop them.
             if cache.offset != len(cache.tokens):
                 cache.trim_to(len(cache.tokens))
-
-
-@dataclass
-class GenerationResponse:
-    """The output of :func:`stream_generate`, one per cycle. All plain Python values.
-
-    Args:
-        text: The new segment of decoded text (may be empty).
-        tokens: This cycle's new token ids (a stop token is not included).
-        acceptance_length: Tokens this cycle's target pass produced (``num_accepted + 1``).
-        num_draft: Tokens drafted this cycle (the target verified ``num_draft + 1``).
-        mean_acceptance_length: The running mean over the cycles so far that drafted (the
-          paper's tau; 1.0 before any).
-        cycle: 0 for the prefill's first token, then 1, 2, ... per draft/verify cycle.
-        prompt_tokens: Prompt tokens prefilled (after any cache reuse).
-        prompt_tps: Prompt tokens per second (prefill up to the first token).
-        generation_tokens: Tokens generated so far.
-        generation_tps: Generated tokens per second since the first token.
-        peak_memory: Peak memory so far, in GB.
-        finish_reason: ``"stop"``, ``"length"`` or None while generating.
-        num_draft: Tokens drafted this cycle (0: a plain decoding step).
-        prompt_cached: Prompt tokens taken from ``prompt_cache`` instead of prefilled.
-        plain_tps: Plain decoding's tokens per second, as measured by ``adaptive``'s plain
-          cycles (None: not measured yet, or ``adaptive=False``).
-        draft_tps: Drafting cycles' tokens per second over their latest window (None likewise).
-          Below ``plain_tps``, DFlash is losing to plain decoding; ``adaptive`` then decodes
-          plainly until drafting pays again.
-    """
-
-    text: str
-    tokens: list[int]
-    acceptance_length: int
-    mean_acceptance_length: float
-    cycle: int
-    prompt_tokens: int
-    prompt_tps: float
-    generation_tokens: int
-    generation_tps: float
-    peak_memory: float
-    finish_reason: str | None = None
-    num_draft: int = 0
-    prompt_cached: int = 0
-    plain_tps: float | None = None
-    draft_tps: float | None = None
-
-    @property
-    def drafting_slower(self) -> bool:
-        """True when drafting measured slower than plain decoding."""
-        return self.plain_tps is not None and self.draft_tps is not None and self.draft_tps < self.plain_tps
 
 
 def stream_generate(
@@ -371,6 +334,7 @@ def stream_generate(
     min_confidence: float = 0.0,
     lookup_fallback: int = 0,
     adaptive: bool | None = None,
+    policy: PolicyState | None = None,
     draft_window: int | None = None,
     draft_sinks: int = 4,
     seed: int | None = None,
@@ -397,6 +361,8 @@ def stream_generate(
           drafter misses its first draft (0: never); see :func:`dflash_generate_step`.
         adaptive: Decode plainly while drafting is measured slower than plain decoding
           (None: unless ``seed`` is given); see :func:`dflash_generate_step`.
+        policy: The adaptive policy's state to continue (None: the ``prompt_cache``'s, else a
+          fresh one); see :func:`dflash_generate_step`.
         draft_window: The drafter sees the taps of the first ``draft_sinks`` and the latest
           ``draft_window`` positions only (None: all); see :func:`dflash_generate_step`.
         draft_sinks: The leading positions a ``draft_window`` keeps.
@@ -433,6 +399,7 @@ def stream_generate(
         min_confidence=min_confidence,
         lookup_fallback=lookup_fallback,
         adaptive=adaptive,
+        policy=policy,
         draft_window=draft_window,
         draft_sinks=draft_sinks,
         seed=seed,
@@ -442,17 +409,14 @@ def stream_generate(
         cpu_speedups=cpu_speedups,
     )
     tic = time.perf_counter()
-    prompt_tps, generated, cycles, drafting, acceptance_sum = 0.0, 0, 0, 0, 0
+    prompt_tps, generated, acceptance = 0.0, 0, AcceptanceStats()
     for step in steps:
         now = time.perf_counter()
         if generated == 0:
             prompt_tps = (len(ids) - reused) / max(now - tic, 1e-9)
             tic = now
         else:
-            cycles += 1
-            if step.num_draft:  # plain cycles (adaptive's, or the last with no room) are not drafting
-                drafting += 1
-                acceptance_sum += step.num_accepted + 1
+            acceptance.add(step.num_draft, len(step.tokens))
         generated += len(step.tokens)
         finish = None
         tokens = list(step.tokens)
@@ -469,9 +433,9 @@ def stream_generate(
         yield GenerationResponse(
             text=detokenizer.last_segment,
             tokens=tokens,
-            acceptance_length=step.num_accepted + 1,
-            mean_acceptance_length=acceptance_sum / drafting if drafting else 1.0,
-            cycle=cycles,
+            acceptance_length=len(step.tokens),
+            mean_acceptance_length=acceptance.tau,
+            cycle=acceptance.cycles,
             prompt_tokens=len(ids) - reused,
             prompt_tps=prompt_tps,
             generation_tokens=generated,
@@ -482,6 +446,8 @@ def stream_generate(
             prompt_cached=reused,
             plain_tps=step.plain_tps,
             draft_tps=step.draft_tps,
+            drafting_cycles=acceptance.drafting_cycles,
+            plain_cycles=acceptance.plain_cycles,
         )
         if finish:
             break
@@ -499,9 +465,10 @@ def generate(
 
     Returns:
         The generated text. With ``verbose`` it is also printed as it streams, followed
-        by prompt/generation speed, mean acceptance length and peak memory.
+        by prompt/generation speed, mean acceptance length (tau, over drafting cycles only:
+        :class:`dflash_mlx.responses.AcceptanceStats`) and peak memory.
     """
-    text, response, histogram, plain = "", None, {}, 0
+    text, response, acceptance = "", None, AcceptanceStats()
     if verbose and kwargs.get("prompt_cache") is None:
         # Kept, so that a run that never decoded plainly can time plain decoding afterwards.
         window = {k: kwargs.pop(k) for k in ("draft_window", "draft_sinks") if k in kwargs}
@@ -512,10 +479,8 @@ def generate(
         text += response.text
         if verbose:
             print(response.text, end="", flush=True)
-        if response.cycle > 0 and response.num_draft:
-            histogram[response.acceptance_length] = histogram.get(response.acceptance_length, 0) + 1
-        elif response.cycle > 0:
-            plain += 1
+        if response.cycle > 0:
+            acceptance.add(response.num_draft, response.acceptance_length)
     if verbose and response is not None:
         print()
         print("=" * 10)
@@ -528,18 +493,17 @@ def generate(
             f"Generation: {response.generation_tokens} tokens, "
             f"{response.generation_tps:.3f} tokens-per-sec"
         )
-        hist = " ".join(f"{k}:{v}" for k, v in sorted(histogram.items()))
-        if histogram:
-            print(f"Acceptance length: {response.mean_acceptance_length:.2f} mean [{hist}]")
-        elif draft is not None:
-            print("Acceptance length: none (no cycle drafted)")
+        if draft is not None:
+            # Drafting cycles by acceptance length: "length:cycles".
+            hist = " ".join(f"{k}:{v}" for k, v in acceptance.lengths.items())
+            print(f"Acceptance length: {acceptance.describe()}" + (f" [length:cycles {hist}]" if hist else ""))
         if response.plain_tps is not None and response.draft_tps is not None:
             verdict = "slower" if response.drafting_slower else "faster"
             print(
                 f"Drafting: {response.draft_tps:.3f} tokens-per-sec, {verdict} than plain decoding "
-                f"({response.plain_tps:.3f} measured; {plain} cycles decoded plainly)"
+                f"({response.plain_tps:.3f} measured; {acceptance.plain_cycles} cycles decoded plainly)"
             )
-        elif sum(histogram.values()) >= 4:  # no plain cycle measured plain decoding; a few cycles say little
+        elif acceptance.drafting_cycles >= 4:  # no plain cycle measured plain decoding; a few cycles say little
             rate = plain_tokens_per_second(model, kwargs["prompt_cache"], sampler=kwargs.get("sampler"))
             if rate is not None:
                 verdict = "slower" if response.generation_tps < rate else "faster"

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from .errors import DFlashError
-from .generate import GenerationResponse
+from .responses import AcceptanceStats, GenerationResponse
 
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
 VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -193,7 +193,7 @@ class RemoteClient:
         before = self.scrape() if scrape else None
         tic = time.perf_counter()
         first = None
-        generated = cycles = acceptance_sum = 0
+        generated, acceptance = 0, AcceptanceStats()
         usage, spec, meta, finish = {}, None, {}, None
         with self._open(self.base_url + path, body) as resp:
             for obj in _events(resp):
@@ -216,13 +216,13 @@ class RemoteClient:
                     n = cycle["tokens"] if cycle else 1  # a chunk is about a token elsewhere
                     generated += n
                     if cycle and cycle["cycle"] > 0:
-                        cycles += 1
-                        acceptance_sum += cycle["acceptance_length"]
+                        acceptance.add(cycle["num_draft"], cycle["acceptance_length"])
                     yield GenerationResponse(
                         text=text, tokens=[], cycle=cycle["cycle"] if cycle else 0,
                         acceptance_length=cycle["acceptance_length"] if cycle else 1,
                         num_draft=cycle["num_draft"] if cycle else 0,
-                        mean_acceptance_length=acceptance_sum / cycles if cycles else 1.0,
+                        mean_acceptance_length=acceptance.tau, drafting_cycles=acceptance.drafting_cycles,
+                        plain_cycles=acceptance.plain_cycles,
                         prompt_tokens=0, prompt_tps=0.0, generation_tokens=generated,
                         generation_tps=(generated - 1) / (now - first) if now > first else 0.0,
                         peak_memory=0.0)
@@ -238,12 +238,15 @@ class RemoteClient:
                       generation_tokens=completion, generation_tps=tps, peak_memory=0.0)
         tau, steps = self._tau(info, spec, meta, before)
         if tau is None or info.kind == "dflash":
-            yield GenerationResponse(acceptance_length=1, mean_acceptance_length=1.0, cycle=0,
+            yield GenerationResponse(acceptance_length=1, mean_acceptance_length=acceptance.tau, cycle=0,
+                                     drafting_cycles=acceptance.drafting_cycles, plain_cycles=acceptance.plain_cycles,
                                      finish_reason=finish or "stop", **common)
             return
         yield GenerationResponse(acceptance_length=1, mean_acceptance_length=1.0, cycle=0, **common)
+        # One summary: the server's tau over its verification steps (a gauge gives no count: one).
         yield GenerationResponse(acceptance_length=max(1, round(tau)), mean_acceptance_length=tau,
-                                 cycle=max(steps, 1), finish_reason=finish or "stop", **common)
+                                 cycle=max(steps, 1), drafting_cycles=max(steps, 1), finish_reason=finish or "stop",
+                                 **common)
 
     def _tau(self, info: ServerInfo, spec: dict | None, meta: dict,
              before: dict | None) -> tuple[float | None, int]:

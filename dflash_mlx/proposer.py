@@ -6,13 +6,13 @@ verified block were kept, with their taps. A proposal carries the distribution i
 were drawn from, or None when they are certain (greedy or looked-up drafts).
 """
 
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .adaptive import PolicyState
 from .cache import DFlashCache
 from .cpu.speedups import CpuSpeedups
 from .sampling import Sampler, sample_rows, top_probability
@@ -160,66 +160,31 @@ class FallbackProposer:
 
 
 
-
 class AdaptiveProposer:
-    """Drafting while it beats plain decoding, plain decoding (cycles of no drafts) while it loses.
+    """Drafting while it beats plain decoding, plain decoding (cycles of no drafts) while it
+    loses, as its :class:`~dflash_mlx.adaptive.PolicyState` decides.
 
     Times every cycle, from its proposal to the verdict (the caller's handling of the previous
-    cycle's tokens included, as plain decoding would pay it too): a cycle of no drafts is
-    exactly a plain decoding step, so the policy compares measured seconds per token. It runs
-    ``probe`` plain cycles early on and one every ``refresh`` drafting cycles to know the
-    plain step's cost. When a window of ``window`` drafting cycles (after a loss, three at
-    half plain decoding's speed or less) gives tokens more slowly than that, it decodes plainly for a
-    run of cycles, then drafts again; each further losing window doubles the run, up to
-    ``max_run``, and a winning one resets it to one ``window``. The drafter's taps stay pending during plain cycles, so it resumes where the
-    text is. Either way every token is the target's own sample: only the speed changes.
+    cycle's tokens included, as plain decoding would pay it too), and tells the state. The
+    state outlives this generation, so the next one continues its schedule. The drafter's taps
+    stay pending during plain cycles, so it resumes where the text is. Either way every token
+    is the target's own sample: only the speed changes.
 
     Args:
         inner: The proposer to pause.
-        window: Drafting cycles per judged window.
-        probe: Plain cycles run first, to time a plain step.
-        refresh: Drafting cycles between two plain ones that keep that time current.
-        max_run: The longest run of plain cycles.
-        clock: Seconds, for tests; ``time.perf_counter`` by default.
+        policy: What was measured so far and the schedule; a fresh one when None.
     """
 
-    def __init__(
-        self,
-        inner: Proposer,
-        *,
-        window: int = 8,
-        probe: int = 2,
-        refresh: int = 64,
-        max_run: int = 256,
-        clock=time.perf_counter,
-    ):
-        self.inner, self.clock = inner, clock
-        self.window, self.refresh, self.max_run = window, refresh, max_run
+    def __init__(self, inner: Proposer, policy: PolicyState | None = None):
+        self.inner = inner
+        self.policy = policy if policy is not None else PolicyState()
         self.tap_ids = inner.tap_ids
-        self.plain_time: float | None = None  # seconds per token of a plain step (running mean)
-        self.draft_time: float | None = None  # seconds per token of the last drafting window
-        self.plain_left = probe  # plain cycles to run before drafting again
-        self.run = window
-        self.window_seconds, self.window_tokens, self.window_cycles = 0.0, 0, 0
-        self.since_plain = 0  # drafting cycles since the last plain one
-        self.warm = False  # the first cycle (graphs compiled, caches grown) is not timed
         self.started: float | None = None  # when this cycle's proposal was asked for
         self.drafted = 0
 
-    @property
-    def plain_tps(self) -> float | None:
-        """Plain decoding's measured tokens per second (None before the first plain cycle)."""
-        return 1.0 / self.plain_time if self.plain_time else None
-
-    @property
-    def draft_tps(self) -> float | None:
-        """Drafting cycles' tokens per second over the last full window (None before one)."""
-        return 1.0 / self.draft_time if self.draft_time else None
-
     def propose(self, last: int, n: int) -> Proposal:
-        self.started = self.clock()
-        plain = self.warm and (self.plain_left > 0 or self.since_plain >= self.refresh)
-        if plain:
+        self.started = self.policy.clock()
+        if not self.policy.drafts_next():
             self.drafted = 0
             return Proposal(mx.zeros((0,), dtype=mx.uint32))
         proposal = self.inner.propose(last, n)
@@ -230,40 +195,5 @@ class AdaptiveProposer:
         self.inner.accept(num_kept, taps)
         if self.started is None:  # a cycle the loop proposed itself (no room for drafts)
             return
-        seconds, self.started = self.clock() - self.started, None
-        if not self.warm:
-            self.warm = True
-        elif self.drafted == 0:
-            self._plain_cycle(seconds)
-        else:
-            self._drafting_cycle(seconds, num_kept)
-
-    def _plain_cycle(self, seconds: float) -> None:
-        self.plain_time = seconds if self.plain_time is None else 0.75 * self.plain_time + 0.25 * seconds
-        self.plain_left = max(self.plain_left - 1, 0)
-        self.since_plain = 0
-        # A new window; its first cycle takes in the plain cycles' taps, a cost of resuming.
-        self.window_seconds, self.window_tokens, self.window_cycles = 0.0, 0, 0
-
-    def _drafting_cycle(self, seconds: float, num_kept: int) -> None:
-        self.since_plain += 1
-        self.window_cycles += 1
-        self.window_seconds += seconds
-        self.window_tokens += num_kept
-        per_token = self.window_seconds / self.window_tokens
-        # Judge a full window; once drafting has lost, three cycles already twice as slow
-        # settle it too: a probe of a drafter that loses badly (sampling at block 16) need
-        # not cost a whole window. (Not before: a few hard cycles in a row are common where
-        # drafting wins overall.)
-        lost_before = self.run > self.window
-        clear_loss = lost_before and self.window_cycles >= 3 and per_token > 2 * self.plain_time
-        if self.window_cycles < self.window and not clear_loss:
-            return
-        self.draft_time = per_token
-        self.window_seconds, self.window_tokens, self.window_cycles = 0.0, 0, 0
-        if self.plain_time is None:
-            return
-        if self.draft_time > self.plain_time:
-            self.plain_left, self.run = self.run, min(2 * self.run, self.max_run)
-        else:
-            self.run = self.window
+        seconds, self.started = self.policy.clock() - self.started, None
+        self.policy.record(seconds, num_kept, drafted=self.drafted > 0)

@@ -1,13 +1,16 @@
-"""The adaptive policy: plain cycles while drafting loses, judged on injected timings; lossless either way."""
+"""The adaptive policy: plain cycles while drafting loses, judged on injected timings; what it
+learned carries over from one call to the next; lossless either way."""
 
+import math
 import random
-from functools import partialmethod
 
 import mlx.core as mx
 import pytest
+from helpers.policy import Clock, CostlyDraft
 from test_generate import MAX_REF, _prompt, reference, run
 
-from dflash_mlx import stream_generate
+from dflash_mlx import DFlashError, make_cache, stream_generate
+from dflash_mlx.adaptive import PolicyState
 from dflash_mlx.proposer import AdaptiveProposer, Proposal
 
 
@@ -27,23 +30,23 @@ class FakeDrafter:
         self.kept.append(num_kept)
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-def _drive(policy, clock, cycles, plain_seconds, draft_seconds, kept):
-    """Runs ``cycles`` cycles of block 4; returns per cycle whether it drafted."""
+def _drive(policy, clock, cycles, plain_seconds, draft_seconds, kept, inner=None, start=0):
+    """Runs ``cycles`` cycles of block 4 as one generation (one ``AdaptiveProposer`` over
+    ``policy``); returns per cycle whether it drafted. ``start`` numbers the first cycle."""
+    proposer = AdaptiveProposer(inner or FakeDrafter(), policy)
     drafted = []
-    for i in range(cycles):
-        proposal = policy.propose(0, 3)
+    for i in range(start, start + cycles):
+        proposal = proposer.propose(0, 3)
         drafted.append(proposal.size > 0)
         clock.now += draft_seconds(i) if proposal.size else plain_seconds
-        policy.accept(kept(i) if proposal.size else 1, None)
+        proposer.accept(kept(i) if proposal.size else 1, None)
     return drafted
+
+
+def _conversation(policy, clock, replies, cycles, plain_seconds, draft_seconds, kept):
+    """A chat of ``replies`` replies of ``cycles`` cycles each, every one a new generation on
+    the same ``policy``; returns per reply whether each cycle drafted."""
+    return [_drive(policy, clock, cycles, plain_seconds, draft_seconds, kept, start=r * cycles) for r in range(replies)]
 
 
 def _expected_losing(cycles, judged, probe, window, max_run):
@@ -59,9 +62,10 @@ def _expected_losing(cycles, judged, probe, window, max_run):
 def test_losing_drafter_backs_off_exponentially():
     clock = Clock()
     inner = FakeDrafter()
-    policy = AdaptiveProposer(inner, window=4, probe=2, max_run=16, clock=clock)
+    # No cost bound (probe_cost=inf): the doubling alone.
+    policy = PolicyState(window=4, probe=2, max_run=16, probe_cost=math.inf, clock=clock)
     # A plain step takes 1 s; a drafting cycle 3 s for 2 tokens: 1.5 s a token.
-    drafted = _drive(policy, clock, 120, 1.0, lambda i: 3.0, lambda i: 2)
+    drafted = _drive(policy, clock, 120, 1.0, lambda i: 3.0, lambda i: 2, inner=inner)
     assert drafted == _expected_losing(120, judged=4, probe=2, window=4, max_run=16)
     assert policy.plain_tps == pytest.approx(1.0) and policy.draft_tps == pytest.approx(1 / 1.5)
     # Every cycle reached the drafter's accept, plain ones too (their taps stay pending).
@@ -70,7 +74,7 @@ def test_losing_drafter_backs_off_exponentially():
 
 def test_badly_losing_drafter_is_judged_after_three_cycles_once_it_lost():
     clock = Clock()
-    policy = AdaptiveProposer(FakeDrafter(), window=8, probe=1, max_run=16, clock=clock)
+    policy = PolicyState(window=8, probe=1, max_run=16, probe_cost=math.inf, clock=clock)
     # 3 s a token against 1 s: after the first full window, three drafting cycles settle it.
     drafted = _drive(policy, clock, 60, 1.0, lambda i: 3.0, lambda i: 1)
     assert drafted == _expected_losing(60, judged=3, probe=1, window=8, max_run=16)
@@ -79,7 +83,7 @@ def test_badly_losing_drafter_is_judged_after_three_cycles_once_it_lost():
 
 def test_winning_drafter_keeps_drafting_with_rare_plain_refreshes():
     clock = Clock()
-    policy = AdaptiveProposer(FakeDrafter(), window=4, probe=2, refresh=20, clock=clock)
+    policy = PolicyState(window=4, probe=2, refresh=20, clock=clock)
     # 2 s for 4 tokens: twice as fast as plain decoding.
     drafted = _drive(policy, clock, 100, 1.0, lambda i: 2.0, lambda i: 4)
     assert drafted[:3] == [True, False, False]
@@ -91,7 +95,7 @@ def test_winning_drafter_keeps_drafting_with_rare_plain_refreshes():
 
 def test_drafting_resumes_when_it_pays_again():
     clock = Clock()
-    policy = AdaptiveProposer(FakeDrafter(), window=4, probe=1, max_run=64, clock=clock)
+    policy = PolicyState(window=4, probe=1, max_run=64, probe_cost=math.inf, clock=clock)
     # Slow for the first 30 cycles (1 token in 3 s), then fast (4 tokens in 2 s).
     drafted = _drive(policy, clock, 80, 1.0, lambda i: 3.0 if i < 30 else 2.0, lambda i: 1 if i < 30 else 4)
     assert drafted[:2] == [True, False] and not all(drafted[2:30])
@@ -104,15 +108,137 @@ def test_drafting_resumes_when_it_pays_again():
 def test_cycles_the_loop_proposes_itself_are_not_timed():
     clock = Clock()
     inner = FakeDrafter()
-    policy = AdaptiveProposer(inner, clock=clock)
+    policy = PolicyState(clock=clock)
+    proposer = AdaptiveProposer(inner, policy)
     for _ in range(5):  # block size 1: the loop never asks for drafts
         clock.now += 1.0
-        policy.accept(1, None)
+        proposer.accept(1, None)
     assert policy.plain_tps is None and policy.draft_tps is None and len(inner.kept) == 5
+    assert not policy.warm  # the warm-up cycle is still to come
 
 
-def _random_clock(monkeypatch, **settings):
-    """Each cycle takes a random time, so that the policy switches at random; short windows."""
+# ---- what the policy learned lasts: a conversation of short replies --------------------------
+
+
+def test_short_replies_draft_only_in_the_first_replys_probe_when_drafting_is_slower():
+    """The chat's case: drafting at 4.5 s a token against 1 s plainly, replies of 30 tokens.
+    Only the first reply drafts (its warm-up and one judged window); later ones decode plainly,
+    with re-probes that cost at most ``probe_cost``, and the conversation stays within 5% of
+    plain decoding."""
+    clock = Clock()
+    policy = PolicyState(clock=clock)  # the defaults: window 8, probe 2, probe_cost 3%
+    first = _drive(policy, clock, 30, 1.0, lambda i: 4.5, lambda i: 1)
+    assert first == [True] + [False] * 2 + [True] * 8 + [False] * 19
+    learning = clock.now
+    later = [d for reply in _conversation(policy, clock, 39, 30, 1.0, lambda i: 4.5, lambda i: 1) for d in reply]
+    # One re-probe in 1,170 cycles: three drafting cycles (a clear loss), after a plain run long
+    # enough (934 cycles) that the first window's 28 s over plain decoding are 3% of it.
+    assert later.count(True) == 3 and later.index(True) == 11 + 934 - 30
+    assert clock.now - learning <= 1.03 * len(later)  # later replies: at most 3% over plain decoding
+    assert clock.now <= 1.05 * 30 * 40  # the whole conversation, first reply included: within 5%
+    assert policy.drafts_next() is False
+
+
+def test_short_replies_keep_drafting_when_drafting_is_faster():
+    """2 s for 4 tokens against 1 s a token: every reply drafts from its first cycle; the only
+    plain cycles are the first reply's probe and one per 64 drafting cycles, across replies."""
+    clock = Clock()
+    policy = PolicyState(clock=clock)
+    replies = _conversation(policy, clock, 10, 30, 1.0, lambda i: 2.0, lambda i: 4)
+    cycles = [d for reply in replies for d in reply]
+    assert [i for i, d in enumerate(cycles) if not d] == [1, 2, 67, 132, 197, 262]
+    assert all(reply[0] for reply in replies)  # no reply starts with a probe again
+    assert policy.draft_tps == pytest.approx(2.0) and policy.plain_tps == pytest.approx(1.0)
+
+
+def _segments(drafted):
+    """(drafting cycles, plain cycles after them) for each drafting run."""
+    out, i = [], 0
+    while i < len(drafted):
+        j = i
+        while j < len(drafted) and drafted[j]:
+            j += 1
+        k = j
+        while k < len(drafted) and not drafted[k]:
+            k += 1
+        if j > i:
+            out.append((j - i, k - j))
+        i = k
+    return out
+
+
+@pytest.mark.parametrize("seconds_a_token", [1.2, 1.9, 4.5, 10.0, 40.0])
+def test_reprobes_cost_at_most_probe_cost_however_slow_drafting_is(seconds_a_token):
+    """Each losing re-probe's time beyond plain decoding is at most 3% of the plain run that
+    follows it, from a slight loss to a drafter 40 times slower."""
+    clock = Clock()
+    policy = PolicyState(clock=clock)
+    drafted = _drive(policy, clock, 20000, 1.0, lambda i: seconds_a_token, lambda i: 1)
+    # Past the warm-up and the probe; the last run may be cut by the end of the run.
+    segments = _segments(drafted[3:])[:-1]
+    assert len(segments) >= 2
+    for drafting, plain in segments:
+        extra = drafting * (seconds_a_token - 1.0)
+        assert extra <= 0.03 * plain + 1e-9, (drafting, plain)
+    total = sum(d * seconds_a_token + p for d, p in segments)
+    assert total <= 1.03 * sum(d + p for d, p in segments)
+
+
+def test_policy_settings_are_checked():
+    for bad in ({"window": 0}, {"probe": -1}, {"refresh": 0}, {"max_run": 1.5}, {"probe_cost": 0}):
+        with pytest.raises(DFlashError, match=next(iter(bad))):
+            PolicyState(**bad)
+
+
+# ---- through the loop: the tiny pair, a drafter whose pass costs time on the policy's clock ----
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_drafting_slower_is_what_the_policy_then_acts_on(qwen3_pair, slow):
+    """Every reading takes 1 s, a drafter pass 3 s more. Always wrong (1 token a cycle), drafting
+    is slower: the stream says so, and the cycles after the verdict decode plainly. An oracle
+    (4 tokens a cycle) at 1 s a pass is faster: the stream says so, and they keep drafting."""
+    model, draft, tokenizer = qwen3_pair
+    prompt = _prompt(7)
+    clock = Clock(step=1.0)
+    drafter = CostlyDraft(draft, prompt + reference(model, prompt, 80), clock, 3.0 if slow else 1.0,
+                          wrong_every=1 if slow else 0)  # fmt: skip
+    policy = PolicyState(clock=clock)
+    responses = list(stream_generate(model, drafter, tokenizer, prompt, block_size=4, max_tokens=60, policy=policy))
+    judged = next(i for i, r in enumerate(responses) if r.draft_tps is not None)
+    assert responses[judged].drafting_slower is slow
+    after = responses[judged + 1 : -1]  # the last cycle may have had no room for drafts
+    assert len(after) >= 3 and all((r.num_draft == 0) is slow for r in after)
+    assert [r.num_draft > 0 for r in responses[1:4]] == [True, False, False]  # warm-up, then the probe
+
+
+@pytest.mark.parametrize("carried_by", ["prompt_cache", "policy"])
+def test_later_replies_continue_the_policy(qwen3_pair, carried_by):
+    """Three turns with a drafter that loses: only the first turn drafts (its warm-up and one
+    window). The state rides on the conversation's cache, or is passed to every call (here with
+    a fresh cache each turn, as after /clear)."""
+    model, draft, tokenizer = qwen3_pair
+    clock = Clock(step=1.0)
+    drafter = CostlyDraft(draft, [], clock, 3.0, wrong_every=1)
+    policy = PolicyState(clock=clock)
+    cache = make_cache(model, drafter)
+    cache.policy = policy
+    ids, turns = _prompt(7), []
+    for turn in range(3):
+        if carried_by == "prompt_cache":
+            kwargs = {"prompt_cache": cache}
+        else:
+            kwargs = {"policy": policy, "prompt_cache": make_cache(model, drafter)}
+        responses = list(stream_generate(model, drafter, tokenizer, ids, block_size=4, max_tokens=24, **kwargs))
+        turns.append([r.num_draft > 0 for r in responses[1:]])
+        ids = ids + [t for r in responses for t in r.tokens] + [5, 6]
+    assert turns[0][:4] == [True, False, False, True]
+    assert sum(sum(t) for t in turns) == 1 + 8  # one warm-up cycle, one judged window
+    assert not any(turns[2]) and policy.drafts_next() is False
+
+
+def _random_policy(**settings):
+    """Each cycle takes a random time, so that the policy switches at random."""
     rng = random.Random(0)
     clock = Clock()
 
@@ -120,41 +246,41 @@ def _random_clock(monkeypatch, **settings):
         clock.now += rng.uniform(0.0, 1.0)
         return clock.now
 
-    monkeypatch.setattr(AdaptiveProposer, "__init__", partialmethod(AdaptiveProposer.__init__, clock=tick, **settings))
+    return PolicyState(clock=tick, **settings)
 
 
 @pytest.mark.parametrize("prompt_len", [1, 7, 130])
 @pytest.mark.parametrize("block_size", [2, 4, 16])
-def test_lossless_with_adaptive(tiny_pair, block_size, prompt_len, monkeypatch):
-    """Drafting and plain cycles mixed at random: still the target's own greedy output."""
-    _random_clock(monkeypatch, window=2, probe=1, refresh=5, max_run=4)
+def test_lossless_with_adaptive(tiny_pair, block_size, prompt_len):
+    """Drafting and plain cycles mixed at random, one policy across the runs: still the target's
+    own greedy output."""
+    policy = _random_policy(window=2, probe=1, refresh=5, max_run=4, probe_cost=math.inf)
     model, draft, _ = tiny_pair
     prompt = _prompt(prompt_len)
     ref = reference(model, prompt)
     for max_tokens in (1, block_size + 1, MAX_REF):
-        out, cycles = run(model, draft, prompt, block_size=block_size, max_tokens=max_tokens, adaptive=True)
+        out, cycles = run(model, draft, prompt, block_size=block_size, max_tokens=max_tokens, policy=policy)
         assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
     kinds = {s.num_draft > 0 for s in cycles[1:-1]}
     assert kinds == {True, False}  # both kinds of cycle ran
 
 
-def test_adaptive_default_and_stats(qwen3_pair, monkeypatch):
+def test_adaptive_default_and_stats(qwen3_pair):
     """On by default (off with a seed); the stream reports both measured rates."""
-    _random_clock(monkeypatch, window=2, probe=1)
     model, draft, tokenizer = qwen3_pair
     prompt = _prompt(7)
-    _, cycles = run(model, draft, prompt, block_size=4, max_tokens=60)
+    _, cycles = run(model, draft, prompt, block_size=4, max_tokens=60, policy=_random_policy(window=2, probe=1))
     assert any(s.num_draft == 0 for s in cycles[1:-1]) and cycles[-1].plain_tps is not None
-    _, seeded = run(model, draft, prompt, block_size=4, max_tokens=60, seed=0)
+    untouched = _random_policy(window=2, probe=1)
+    _, seeded = run(model, draft, prompt, block_size=4, max_tokens=60, seed=0, policy=untouched)
     assert all(s.num_draft > 0 for s in seeded[1:-1]) and seeded[-1].plain_tps is None
+    assert not untouched.warm  # a seeded run leaves the policy alone
     last = list(stream_generate(model, draft, tokenizer, prompt, block_size=4, max_tokens=60))[-1]
     assert last.plain_tps > 0 and last.draft_tps > 0
-    assert last.drafting_slower == (last.draft_tps < last.plain_tps)
 
 
 def test_plain_probe_leaves_the_cache_as_it_was(qwen3_pair):
     """The plain steps timed after a run are trimmed away: the cache continues exactly."""
-    from dflash_mlx.cache import make_cache
     from dflash_mlx.plain_probe import plain_tokens_per_second
 
     model, draft, tokenizer = qwen3_pair

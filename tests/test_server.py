@@ -109,7 +109,8 @@ def test_chat_and_completions_match_generate_streamed_or_not(server, qwen3_pair)
         assert events[-1]["usage"]["completion_tokens"] == full["usage"]["completion_tokens"]
         # The same prompt again continues its conversation cache: all but one token reused.
         assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
-        assert events[-1]["metrics"]["speculative_decoding"]["num_spec_steps"] > 0
+        spec = events[-1]["metrics"]["speculative_decoding"]
+        assert spec["num_spec_steps"] + spec["num_plain_steps"] > 0  # drafting or plain, as the policy chose
 
         expected = generate(model, draft, tokenizer, text, max_tokens=MAX_TOKENS)
         body = {"prompt": text, "max_tokens": MAX_TOKENS}
@@ -145,6 +146,37 @@ def test_usage_and_speculative_statistics_agree_with_stream_generate(server, qwe
                              {"messages": [{"role": "user", "content": PROMPTS[2]}]})
     assert again["choices"] == full["choices"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
+
+
+def test_the_worker_keeps_what_the_adaptive_policy_learned_across_requests(qwen3_pair, monkeypatch):
+    """A drafter that loses (each pass costs 3 s on the policy's clock, no draft is right): only
+    the first request drafts, in its warm-up and one judged window; later requests decode plainly
+    from their first cycle, and their statistics say so."""
+    from functools import partialmethod
+
+    from helpers.policy import Clock, CostlyDraft
+
+    from dflash_mlx.adaptive import PolicyState
+    from dflash_mlx.server.protocol import TEXT, CompletionRequest
+    from dflash_mlx.server.worker import Job, Worker
+
+    model, draft, tokenizer = qwen3_pair
+    clock = Clock(step=1.0)
+    monkeypatch.setattr(PolicyState, "__init__", partialmethod(PolicyState.__init__, clock=clock))
+    worker = Worker(model, CostlyDraft(draft, [], clock, 3.0, wrong_every=1), tokenizer)
+    specs = []
+    for prompt in PROMPTS[:3]:
+        req = CompletionRequest(kind=TEXT, model="tiny", prompt=prompt, max_tokens=24, block_size=4)
+        job = Job(req, worker.prompt_ids(req))
+        worker.submit(job)
+        while (event := job.events.get(timeout=60))[0] == "delta":
+            pass
+        assert event[0] == "done"
+        specs.append(event[3]["speculative_decoding"])
+    worker.close()
+    assert specs[0]["num_spec_steps"] == 1 + 8 and specs[0]["num_plain_steps"] > 0
+    assert [s["num_spec_steps"] for s in specs[1:]] == [0, 0] and all(s["num_plain_steps"] > 8 for s in specs[1:])
+    assert len(worker.policies) == 1
 
 
 def test_sampling_parameters_stop_and_seed(server):
@@ -232,8 +264,9 @@ def test_models_health_and_prometheus_metrics(server):
     values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line and not line.startswith("#")}
     for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
-                 "spec_decode_num_accepted_tokens_total", "generation_tokens_total"):
-        assert values["dflash:" + name] > 0 or name == "spec_decode_num_accepted_tokens_total"
+                 "spec_decode_num_accepted_tokens_total", "plain_decode_num_steps_total", "generation_tokens_total"):
+        assert values["dflash:" + name] > 0 or name in ("spec_decode_num_accepted_tokens_total",
+                                                         "plain_decode_num_steps_total")
         assert f"# TYPE dflash:{name} counter" in text
     assert "# TYPE dflash:generation_tokens_per_second gauge" in text
 
@@ -384,7 +417,8 @@ def test_the_openai_client_works_unchanged(server):
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
-    assert full.model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] >= 1
+    spec = full.model_extra["metrics"]["speculative_decoding"]
+    assert spec["num_spec_steps"] + spec["num_plain_steps"] >= 1
     text = client.completions.create(model="tiny", prompt="t4 t5", max_tokens=6)
     assert text.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.NotFoundError):

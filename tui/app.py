@@ -128,8 +128,7 @@ class ChatApp(App):
     async def on_delta(self, d: Delta) -> None:
         stats = self.reply_stats
         stats.add(d)
-        if d.cycle > 0 and stats.dflash:
-            self.conversation.add(d.acceptance_length)
+        self.conversation.add(d)
         if d.text:
             self._reply_text += d.text
             await self._stream.write(d.text)
@@ -138,6 +137,7 @@ class ChatApp(App):
 
     async def on_reply_done(self, message: ReplyDone) -> None:
         await self._stream.stop()
+        self.conversation.end_reply()
         stats = self.reply_stats
         stats.context_tokens = message.context_tokens
         stats.finish_reason = {"cancelled": f"stopped ({self._stop_key})", "error": "error"}.get(

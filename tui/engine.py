@@ -52,7 +52,9 @@ class MLXEngine:
 
     Every MLX call (loading, prefill, drafting, verifying) runs on one private thread, so
     the thread-local generation stream and the cache's arrays always stay on the thread that
-    made them. Callers only ever get plain Python values back.
+    made them. Callers only ever get plain Python values back. What the adaptive policy
+    measured of the pair is kept for the whole session (``policies``, one per drafting setup;
+    ``/clear`` keeps it), so a reply does not pay again to learn that drafting loses.
 
     Args:
         model: Target folder or Hugging Face id; None loads the embedded default pair.
@@ -79,6 +81,7 @@ class MLXEngine:
         self._thread = MLXThread()
         self.model = self.draft = self.tokenizer = self.cache = None
         self.context_tokens: int | None = None
+        self.policies: dict[tuple, Any] = {}  # PolicyState by (block size, sampling, cutoff, fallback)
         self._closing = False
 
     def _run(self, fn: Callable, *args) -> Any:
@@ -138,6 +141,7 @@ class MLXEngine:
         return render_chat(self.tokenizer, messages, system_prompt=system_prompt, template_args=self.template_kwargs)
 
     def _start(self, messages: list[dict[str, str]], settings: Settings):
+        from ..adaptive import PolicyState
         from ..generate import stream_generate
         from ..sampling import make_sampler
 
@@ -146,6 +150,7 @@ class MLXEngine:
             block_size = settings.block_size if settings.dflash else 1
         else:
             block_size = None
+        setup = (block_size, settings.temp > 0, settings.min_confidence, settings.lookup_fallback)
         return stream_generate(
             self.model,
             self.draft,
@@ -156,6 +161,7 @@ class MLXEngine:
             sampler=make_sampler(settings.temp),
             min_confidence=settings.min_confidence,
             lookup_fallback=settings.lookup_fallback,
+            policy=self.policies.setdefault(setup, PolicyState()),
             prompt_cache=self.cache,
         )
 

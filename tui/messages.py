@@ -9,6 +9,8 @@ from typing import Any
 
 from textual.message import Message
 
+from ..responses import AcceptanceStats
+
 # Cycles over which "tok/s now" is measured: one cycle is too noisy, a reply too slow to react.
 RATE_WINDOW = 4
 
@@ -48,6 +50,9 @@ class Delta(Message):
     finish_reason: str | None = None
     plain_tps: float | None = None
     draft_tps: float | None = None
+    num_draft: int = 0
+    drafting_cycles: int = 0
+    plain_cycles: int = 0
 
     @classmethod
     def from_response(cls, response: Any) -> "Delta":
@@ -66,6 +71,9 @@ class Delta(Message):
             finish_reason=response.finish_reason,
             plain_tps=response.plain_tps,
             draft_tps=response.draft_tps,
+            num_draft=int(response.num_draft),
+            drafting_cycles=int(response.drafting_cycles),
+            plain_cycles=int(response.plain_cycles),
         )
 
 
@@ -91,7 +99,8 @@ class ReplyStats:
     tokens: int = 0
     tps: float = 0.0
     acceptance_length: int = 0
-    mean_acceptance_length: float = 0.0
+    num_draft: int = 0  # this cycle's (0: a plain cycle)
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)  # the reply's, as the stream counts it
     cycles: int = 0
     peak_memory: float = 0.0
     finish_reason: str | None = None
@@ -106,8 +115,8 @@ class ReplyStats:
         if d.cycle == 0:
             self.prompt_tokens, self.prompt_tps = d.prompt_tokens, d.prompt_tps
         else:
-            self.acceptance_length = d.acceptance_length
-            self.mean_acceptance_length = d.mean_acceptance_length
+            self.acceptance_length, self.num_draft = d.acceptance_length, d.num_draft
+            self.acceptance = AcceptanceStats.from_totals(d.mean_acceptance_length, d.drafting_cycles, d.plain_cycles)
             self.cycles = d.cycle
         self.tokens, self.tps = d.generation_tokens, d.generation_tps
         self.plain_tps, self.draft_tps = d.plain_tps, d.draft_tps
@@ -134,8 +143,7 @@ class ReplyStats:
         """The one-line stats shown under a finished reply."""
         parts = [f"{self.tokens} tok", f"{self.tps:.1f} tok/s"]
         if self.dflash and self.cycles:
-            block = f"/{self.block_size}" if self.block_size else ""
-            parts.append(f"accept {self.mean_acceptance_length:.2f}{block} over {self.cycles} cycles")
+            parts.append(self.acceptance.describe())
         elif not self.dflash:
             parts.append("DFlash off")
         parts.append(f"prefill {self.prompt_tokens} tok @ {self.prompt_tps:.0f} tok/s")
@@ -150,19 +158,34 @@ class ReplyStats:
 
 @dataclass
 class ConversationStats:
-    """Acceptance lengths of every cycle in the conversation, for the sparkline and histogram."""
+    """The conversation's acceptance: the counts of its replies (the finished ones and the one
+    streaming), and each drafting cycle's acceptance length for the sparkline and histogram."""
 
+    finished: AcceptanceStats = field(default_factory=AcceptanceStats)
+    current: AcceptanceStats = field(default_factory=AcceptanceStats)
     lengths: list[int] = field(default_factory=list)
     histogram: Counter = field(default_factory=Counter)
 
-    def add(self, acceptance_length: int) -> None:
-        self.lengths.append(acceptance_length)
-        self.histogram[acceptance_length] += 1
+    def add(self, d: Delta) -> None:
+        if d.cycle == 0:
+            return
+        self.current = AcceptanceStats.from_totals(d.mean_acceptance_length, d.drafting_cycles, d.plain_cycles)
+        if d.num_draft > 0:
+            self.lengths.append(d.acceptance_length)
+            self.histogram[d.acceptance_length] += 1
+
+    def end_reply(self) -> None:
+        self.finished.merge(self.current)
+        self.current = AcceptanceStats()
 
     @property
-    def mean(self) -> float:
-        return sum(self.lengths) / len(self.lengths) if self.lengths else 0.0
+    def acceptance(self) -> AcceptanceStats:
+        total = AcceptanceStats()
+        total.merge(self.finished)
+        total.merge(self.current)
+        return total
 
     def clear(self) -> None:
+        self.finished, self.current = AcceptanceStats(), AcceptanceStats()
         self.lengths.clear()
         self.histogram.clear()

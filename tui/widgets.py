@@ -9,6 +9,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Markdown, Static, TextArea
 
+from ..responses import AcceptanceStats
 from .messages import ConversationStats, ReplyStats
 
 BARS = " ▁▂▃▄▅▆▇█"
@@ -176,7 +177,8 @@ def histogram_rows(stats: ConversationStats, width: int) -> tuple[str, str]:
 
 
 class StatsPanel(VerticalScroll):
-    """Live numbers: this cycle's and the mean acceptance length, speeds, memory, history."""
+    """Live numbers: this cycle's acceptance length, tau and the cycles it counts (the reply's
+    and the conversation's), speeds, memory, and the drafting cycles' history."""
 
     def compose(self) -> ComposeResult:
         yield Static("", id="state")
@@ -195,9 +197,10 @@ class StatsPanel(VerticalScroll):
         """Redraw from plain numbers; called on every cycle and when settings change."""
         self.query_one("#state", Static).update(Text(state, style="bold"))
         r = reply or ReplyStats()
+        now = ("plain" if r.num_draft == 0 else r.acceptance_length) if r.cycles else "-"
         lines = [
-            f"accept now  {r.acceptance_length if r.cycles else '-':>6}",
-            f"accept mean {r.mean_acceptance_length:>6.2f}" if r.cycles else "accept mean      -",
+            f"accept now  {now:>6}",
+            *_acceptance_lines("tau reply", r.acceptance if r.cycles else None),
             f"tok/s now   {r.tps_now:>6.1f}",
             f"tok/s reply {r.tps:>6.1f}",
             f"tokens      {r.tokens:>6}",
@@ -207,16 +210,25 @@ class StatsPanel(VerticalScroll):
             f"peak mem    {r.peak_memory:>6.2f} GB",
         ]
         if r.plain_tps and r.draft_tps:  # measured by the adaptive policy; "faster": DFlash loses
-            lines.insert(4, f"tok/s plain {r.plain_tps:>6.1f}" + (" faster" if r.plain_tps > r.draft_tps else ""))
+            lines.insert(6, f"tok/s plain {r.plain_tps:>6.1f}" + (" faster" if r.plain_tps > r.draft_tps else ""))
         self.query_one("#live", Static).update(Text("\n".join(lines)))
-        mean = f"{conversation.mean:.2f}" if conversation.lengths else "-"
-        self.query_one("#caption", Static).update(Text(f"acceptance (mean {mean})"))
+        total = conversation.acceptance
+        caption = ["conversation", *_acceptance_lines("tau", total if total.cycles else None)]
+        self.query_one("#caption", Static).update(Text("\n".join(caption)))
         spark = self.query_one("#sparkline", Static)
         top = max(block_size or 1, max(conversation.histogram, default=1))
         rows = sparkline_rows(conversation.lengths[-max(1, spark.size.width or 24) :], top, SPARK_HEIGHT)
         spark.update(Text("\n".join(rows)))
         bars, axis = histogram_rows(conversation, top)
         self.query_one("#histogram", Static).update(Text(f"histogram (1..{top})\n{bars}\n{axis}"))
+
+
+def _acceptance_lines(label: str, stats: AcceptanceStats | None) -> list[str]:
+    """tau and the cycles it counts, as the stats panel shows them ("-" before any)."""
+    if stats is None:
+        return [f"{label:<12}{'-':>6}", f"draft cycles{'-':>6}", f"plain cycles{'-':>6}"]
+    tau = f"{stats.tau:.2f}" if stats.drafting_cycles else "-"
+    return [f"{label:<12}{tau:>6}", f"draft cycles{stats.drafting_cycles:>6}", f"plain cycles{stats.plain_cycles:>6}"]
 
 
 class ErrorScreen(Screen):

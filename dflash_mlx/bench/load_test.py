@@ -2,10 +2,11 @@
 
 For each concurrency level N, N client threads send the prompts (streaming chat or text
 completions) until all are answered, and we report requests per minute, aggregate and
-per-request tok/s, time to first token and tau. Tau is pooled from what each response
-reports (see ``dflash_mlx.openai_client``), and also taken from the change in the server's
-spec-decode counters over the whole level when it exposes them (vLLM, dflash-serve), so a Mac
-running dflash-serve and a cluster running vLLM or SGLang are measured the same way.
+per-request tok/s, time to first token and tau. Tau is pooled over the drafting cycles of what
+each response reports (``AcceptanceStats``; see ``dflash_mlx.openai_client``), and also taken
+from the change in the server's spec-decode counters over the whole level when it exposes them
+(vLLM, dflash-serve), so a Mac running dflash-serve and a cluster running vLLM or SGLang are
+measured the same way.
 """
 
 import threading
@@ -13,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from ..openai_client import DFLASH_ACCEPTED, DFLASH_DRAFTS, VLLM_ACCEPTED, VLLM_DRAFTS, RemoteClient
+from ..responses import AcceptanceStats
 
 
 @dataclass
@@ -20,13 +22,12 @@ class RequestResult:
     tokens: int
     seconds: float
     ttft: float
-    tau: float | None
-    steps: int
+    acceptance: AcceptanceStats  # as the responses counted it (no cycles: the server gave no tau)
 
 
 def _one(client: RemoteClient, row: dict, max_tokens: int, temperature: float) -> RequestResult:
     tic = time.perf_counter()
-    first, tokens, tau, steps = None, 0, None, 0
+    first, tokens, acceptance = None, 0, AcceptanceStats()
     params = {"max_tokens": max_tokens, "temperature": temperature}
     if row.get("raw") and "prompt" in row:
         responses = client.stream_completion(row["prompt"], **params)
@@ -37,9 +38,9 @@ def _one(client: RemoteClient, row: dict, max_tokens: int, temperature: float) -
             first = time.perf_counter()
         tokens = r.generation_tokens
         if r.cycle > 0:
-            tau, steps = r.mean_acceptance_length, r.cycle
+            acceptance = AcceptanceStats.from_totals(r.mean_acceptance_length, r.drafting_cycles, r.plain_cycles)
     end = time.perf_counter()
-    return RequestResult(tokens, end - tic, (first or end) - tic, tau, steps)
+    return RequestResult(tokens, end - tic, (first or end) - tic, acceptance)
 
 
 def _counters(client: RemoteClient) -> tuple[float, float] | None:
@@ -85,8 +86,9 @@ def run_level(client: RemoteClient, rows: list[dict], concurrency: int, max_toke
     wall = time.perf_counter() - tic
     after = _counters(client)
     tokens = sum(r.tokens for r in results)
-    steps = sum(r.steps for r in results if r.tau is not None)
-    pooled = sum(r.tau * r.steps for r in results if r.tau is not None) / steps if steps else None
+    pooled = AcceptanceStats()
+    for r in results:
+        pooled.merge(r.acceptance)
     counter_tau = None
     if before and after and after[0] > before[0]:
         counter_tau = 1 + (after[1] - before[1]) / (after[0] - before[0])
@@ -101,7 +103,9 @@ def run_level(client: RemoteClient, rows: list[dict], concurrency: int, max_toke
         "tok_s": tokens / wall if wall > 0 else 0.0,
         "tok_s_per_request": sum(r.tokens / r.seconds for r in results) / n if n else 0.0,
         "ttft_s": sum(r.ttft for r in results) / n if n else 0.0,
-        "tau": pooled,
+        "tau": pooled.tau if pooled.drafting_cycles else None,
+        "drafting_cycles": pooled.drafting_cycles,
+        "plain_cycles": pooled.plain_cycles,
         "tau_counters": counter_tau,
     }
 

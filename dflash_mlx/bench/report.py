@@ -54,9 +54,9 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         f"Machine: {meta['machine']} ({meta['device']}); BLAS: {meta['blas']}; mlx {meta['mlx']}, "
         f"mlx-lm {meta['mlx_lm']}; commit {meta['commit']}; {meta['date']}",
         "",
-        "| method | block | gen tok/s | speedup | tau | verified | prompt tok/s | limit | efficiency | loop eff. "
-        "| peak GB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | block | gen tok/s | speedup | tau | drafting / plain cycles | verified | prompt tok/s | limit "
+        "| efficiency | loop eff. | peak GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         limit = f"{r['limit']:.2f}x" if "limit" in r else ""
@@ -64,14 +64,18 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         loop = f"{100 * r['loop_efficiency']:.0f}%" if "loop_efficiency" in r else ""
         verified = f"{r['verify_size']:.2f}" if "verify_size" in r else ""
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else ""
+        tau = f"{r['tau']:.2f}" if r["drafting_cycles"] else "-"
         lines.append(
-            f"| {r['method']} | {r['block_size']} | {r['generation_tps']:.1f} | {speedup} | "
-            f"{r['tau']:.2f} | {verified} | {r['prompt_tps']:.0f} | {limit} | {eff} | {loop} | "
-            f"{r['peak_memory_gb']:.2f} |"
+            f"| {r['method']} | {r['block_size']} | {r['generation_tps']:.1f} | {speedup} | {tau} | "
+            f"{r['drafting_cycles']} / {r['plain_cycles']} | {verified} | {r['prompt_tps']:.0f} | {limit} | {eff} | "
+            f"{loop} | {r['peak_memory_gb']:.2f} |"
         )
     lines += [
         "",
-        "speedup: generation tok/s over the baseline's. tau: mean acceptance length. verified: tokens the "
+        "speedup: generation tok/s over the baseline's. tau: mean acceptance length, the tokens drafting cycles "
+        "emitted over the drafting cycles (those that verified at least one draft), pooled over the prompts; "
+        "plain cycles (no draft: a prompt-lookup miss, a last cycle with no room, every baseline step) emit one "
+        "token each and are counted apart. verified: tokens the "
         "target checked per cycle (dflash-cut stops at the drafter's first draft under --min-confidence). "
         "limit: tau x t_AR / (t_draft + t_verify), with each cycle's verify at its size, the best speedup "
         "over a bare AR step. efficiency: speedup / limit. loop eff.: measured tok/s over the ideal "
@@ -157,7 +161,8 @@ def plots(rows: list[dict], out: Path, meta: dict | None = None) -> list[Path]:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         hist = best["histogram"]
         ax.bar(list(hist), list(hist.values()))
-        ax.set(xlabel="acceptance length (tokens per cycle)", ylabel="cycles", title=f"DFlash B={best['block_size']}")
+        ax.set(xlabel="acceptance length (tokens per drafting cycle)", ylabel="drafting cycles",
+               title=f"DFlash B={best['block_size']}")
         # Both axes count things: whole tokens and whole cycles.
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))

@@ -3,6 +3,7 @@ and how close the loop comes to the best speedup its passes allow."""
 
 import statistics
 
+from ..responses import AcceptanceStats
 from .timing import DFLASH_METHODS, METHODS, RunResult
 
 # Those whose every cycle is one drafter pass and one verify, so the physical limit applies.
@@ -52,7 +53,7 @@ def summarize(results: list[RunResult], times: dict, baseline: str = "baseline")
     """Per method and block size: tok/s, speedup, tau, histogram, limit and efficiency."""
     rows = []
     def pooled_tps(group: list[RunResult]) -> float:
-        # Tokens over time summed across prompts, the same pooling as tau's mean over all cycles.
+        # Tokens over time summed across prompts, as tau pools the cycles of every prompt.
         tokens = sum(max(r.tokens - 1, 0) for r in group)
         seconds = sum(max(r.tokens - 1, 0) / r.generation_tps for r in group if r.generation_tps > 0)
         return tokens / seconds if seconds > 0 else 0.0
@@ -63,8 +64,10 @@ def summarize(results: list[RunResult], times: dict, baseline: str = "baseline")
     for method, b in keys:
         group = [r for r in results if (r.method, r.block_size) == (method, b)]
         tps = pooled_tps(group)
-        accept = [a for r in group for a in r.acceptance_lengths]
-        tau = statistics.mean(accept) if accept else 1.0
+        acceptance = AcceptanceStats()
+        for r in group:
+            acceptance.merge(r.acceptance)
+        tau = acceptance.tau
         row = {
             "method": method,
             "block_size": b,
@@ -72,8 +75,11 @@ def summarize(results: list[RunResult], times: dict, baseline: str = "baseline")
             "prompt_tps": statistics.mean(r.prompt_tps for r in group),
             # None without a baseline run (--methods without "baseline"): nothing to compare to.
             "speedup": tps / base_tps if base_tps else None,
+            # Over drafting cycles only (AcceptanceStats); plain cycles are counted apart.
             "tau": tau,
-            "histogram": {k: accept.count(k) for k in sorted(set(accept))},
+            "drafting_cycles": acceptance.drafting_cycles,
+            "plain_cycles": acceptance.plain_cycles,
+            "histogram": acceptance.lengths,
             "peak_memory_gb": max(r.peak_memory_gb for r in group),
         }
         sizes = [k for r in group for k in r.verify_sizes]

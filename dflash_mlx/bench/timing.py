@@ -13,6 +13,7 @@ from ..generate import stream_generate
 from ..lookup import PromptLookup
 from ..models import hybrid
 from ..models import target as tgt
+from ..responses import AcceptanceStats
 
 METHODS = ("baseline", "mlx-spec", "lookup", "dflash", "dflash-cut", "dflash-fallback", "dflash-auto")
 # DFlash methods: the paper's fixed block, the block cut at the drafter's first unsure draft,
@@ -39,10 +40,22 @@ class RunResult:
     output_ids: list[int] = field(default_factory=list)
     verify_sizes: list[int] = field(default_factory=list)
 
+    @property
+    def acceptance(self) -> AcceptanceStats:
+        """Its cycles counted as every tool counts them: those that verified more than one token
+        drafted; the rest decoded plainly. Without sizes, each cycle verified ``block_size``."""
+        stats, lengths = AcceptanceStats(), self.acceptance_lengths
+        for length, size in zip(lengths, self.verify_sizes or [self.block_size] * len(lengths)):
+            stats.add(size - 1, length)
+        return stats
 
-def _time_stream(responses: Iterator, get_tokens: Callable) -> tuple[list[int], float, float, list[int], list[int]]:
+
+def _time_stream(
+    responses: Iterator, get_tokens: Callable, num_draft: int = 0
+) -> tuple[list[int], float, float, list[int], list[int]]:
     """Drain a stream: (ids, seconds after the first token, seconds to the first token, acceptances,
-    tokens verified per cycle)."""
+    tokens verified per cycle). mlx-lm's streams say only which tokens were drafted: their cycles
+    verified ``num_draft`` drafts each (0: plain decoding)."""
     ids, accept, first, tic, drafted, sizes = [], [], None, time.perf_counter(), 0, []
     for r in responses:
         if first is None:
@@ -53,6 +66,7 @@ def _time_stream(responses: Iterator, get_tokens: Callable) -> tuple[list[int], 
                 drafted += 1
             else:
                 accept.append(drafted + 1)
+                sizes.append(num_draft + 1)
                 drafted = 0
         ids.extend(get_tokens(r))
         if getattr(r, "cycle", 0) > 0:
@@ -61,6 +75,7 @@ def _time_stream(responses: Iterator, get_tokens: Callable) -> tuple[list[int], 
     end = time.perf_counter()
     if drafted:
         accept.append(drafted)
+        sizes.append(num_draft + 1)
     return ids, end - (first or end), (first or end) - tic, accept, sizes
 
 
@@ -81,6 +96,7 @@ def make_runner(
         return lambda ids: _time_stream(
             mlx_lm_stream(model, tokenizer, ids, max_tokens=max_tokens, **kwargs),
             lambda r: [] if r.finish_reason == "stop" else [r.token],
+            num_draft=num_draft if method == "mlx-spec" else 0,
         )
     proposer = PromptLookup(block_size) if method == "lookup" else draft
     cutoff = min_confidence if method == "dflash-cut" else 0.0

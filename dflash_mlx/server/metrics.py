@@ -6,13 +6,14 @@ and so on), so a client that reads vLLM's counters reads ours the same way.
 
 import threading
 
-from .protocol import SpecStats
+from ..responses import AcceptanceStats
 
 PREFIX = "dflash:"
 COUNTERS = {
     "spec_decode_num_drafts_total": "Verification steps that checked at least one draft token.",
     "spec_decode_num_draft_tokens_total": "Draft tokens proposed and verified.",
     "spec_decode_num_accepted_tokens_total": "Draft tokens the target accepted.",
+    "plain_decode_num_steps_total": "Steps that verified no draft (plain decoding), left out of the drafts above.",
     "generation_tokens_total": "Tokens generated.",
     "prompt_tokens_total": "Prompt tokens received (before prefix-cache reuse).",
     "request_success_total": "Requests answered in full.",
@@ -33,13 +34,14 @@ class Metrics:
         self.values = {name: 0 for name in COUNTERS}
         self.tps = 0.0
 
-    def observe(self, *, prompt_tokens: int, generation_tokens: int, stats: SpecStats, tps: float,
+    def observe(self, *, prompt_tokens: int, generation_tokens: int, acceptance: AcceptanceStats, tps: float,
                 finished: bool) -> None:
         with self._lock:
             v = self.values
-            v["spec_decode_num_drafts_total"] += stats.num_spec_steps
-            v["spec_decode_num_draft_tokens_total"] += stats.num_draft_tokens
-            v["spec_decode_num_accepted_tokens_total"] += stats.num_accepted_draft_tokens
+            v["spec_decode_num_drafts_total"] += acceptance.drafting_cycles
+            v["spec_decode_num_draft_tokens_total"] += acceptance.draft_tokens
+            v["spec_decode_num_accepted_tokens_total"] += acceptance.accepted_drafts
+            v["plain_decode_num_steps_total"] += acceptance.plain_cycles
             v["generation_tokens_total"] += generation_tokens
             v["prompt_tokens_total"] += prompt_tokens
             v["request_success_total" if finished else "request_cancelled_total"] += 1

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cli.options import MAX_SEED
+from ..responses import AcceptanceStats
 
 CHAT, TEXT = "chat", "text"
 ROLES = ("system", "user", "assistant", "developer", "tool")
@@ -205,43 +206,31 @@ class StopMatcher:
         return out
 
 
-@dataclass
-class SpecStats:
-    """Speculative decoding statistics of one request, shaped like vLLM's per-request metrics."""
+def spec_decoding(acceptance: AcceptanceStats, num_spec_tokens: int) -> dict:
+    """One request's speculative decoding statistics, shaped like vLLM's per-request metrics.
 
-    num_spec_tokens: int = 0
-    num_spec_steps: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-    by_draft_length: dict[int, list[int]] = field(default_factory=dict)
-
-    def add(self, num_draft: int, acceptance_length: int) -> None:
-        """One cycle; cycles that verified no draft are left out, as vLLM does."""
-        if num_draft <= 0:
-            return
-        accepted = acceptance_length - 1
-        self.num_spec_steps += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_draft_tokens += accepted
-        self.by_draft_length.setdefault(num_draft, [0] * (num_draft + 1))[accepted] += 1
-
-    def as_dict(self) -> dict:
-        steps, drafted, accepted = self.num_spec_steps, self.num_draft_tokens, self.num_accepted_draft_tokens
-        k = max(self.num_spec_tokens, max(self.by_draft_length, default=0))
-        histogram = [0] * (k + 1)
-        for row in self.by_draft_length.values():
-            for j, count in enumerate(row):
-                histogram[j] += count
-        return {
-            "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
-            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-            "acceptance_histogram": histogram,
-            "acceptance_histogram_by_draft_length": {str(n): row for n, row in sorted(self.by_draft_length.items())},
-            "num_spec_steps": steps,
-            "num_accepted_draft_tokens": accepted,
-            "num_draft_tokens": drafted,
-            "num_spec_tokens": self.num_spec_tokens,
-        }
+    Steps are drafting cycles only, as vLLM counts them; ``mean_acceptance_length`` is their
+    tau (:class:`dflash_mlx.responses.AcceptanceStats`), and ``num_plain_steps`` counts the
+    cycles that verified no draft.
+    """
+    by_draft = acceptance.by_draft_length
+    k = max(num_spec_tokens, max(by_draft, default=0))
+    histogram = [0] * (k + 1)
+    for row in by_draft.values():
+        for j, count in enumerate(row):
+            histogram[j] += count
+    drafted = acceptance.draft_tokens
+    return {
+        "mean_acceptance_length": acceptance.tau,
+        "draft_acceptance_rate": acceptance.accepted_drafts / drafted if drafted else 0.0,
+        "acceptance_histogram": histogram,
+        "acceptance_histogram_by_draft_length": {str(n): row for n, row in sorted(by_draft.items())},
+        "num_spec_steps": acceptance.drafting_cycles,
+        "num_plain_steps": acceptance.plain_cycles,
+        "num_accepted_draft_tokens": acceptance.accepted_drafts,
+        "num_draft_tokens": drafted,
+        "num_spec_tokens": num_spec_tokens,
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -4,7 +4,9 @@ HTTP threads tokenize and check a request, then ``submit`` it to a bounded queue
 with a Retry-After); the worker runs ``stream_generate`` for each in turn and hands the text back
 through the job's own event queue as plain Python values. A job whose client went away is
 cancelled and stops after the cycle in flight. Conversations reuse their cache: a small LRU of
-``DFlashCache`` objects, picked by the longest cached prefix of the prompt.
+``DFlashCache`` objects, picked by the longest cached prefix of the prompt. What the adaptive
+policy measured of the pair is kept across requests (one ``PolicyState`` per drafting setup),
+so a request does not pay again to learn that drafting loses.
 """
 
 import logging
@@ -16,13 +18,15 @@ from dataclasses import dataclass, field
 
 from mlx_lm.sample_utils import make_logits_processors
 
+from ..adaptive import PolicyState
 from ..cache import DFlashCache, make_cache
 from ..chat_template import render_chat
 from ..errors import DFlashError
 from ..generate import stream_generate
+from ..responses import AcceptanceStats
 from ..sampling import make_sampler
 from .metrics import Metrics
-from .protocol import CHAT, APIError, CompletionRequest, SpecStats, StopMatcher, usage
+from .protocol import CHAT, APIError, CompletionRequest, StopMatcher, spec_decoding, usage
 
 log = logging.getLogger("dflash-serve")
 
@@ -97,6 +101,8 @@ class Worker:
         self.prefill_step_size = prefill_step_size
         self.metrics = metrics or Metrics()
         self.caches = PromptCaches(model, draft, prompt_cache_size)
+        # The adaptive policy's state per drafting setup (block size, sampling, cut, fallback).
+        self.policies: dict[tuple, PolicyState] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe across threads
         self._closing = threading.Event()
@@ -207,7 +213,9 @@ class Worker:
         req, ids = job.request, job.ids
         block_size = req.block_size if self.draft is not None else None
         # "auto" verifies up to the drafter's block size.
-        stats = SpecStats(num_spec_tokens=(block_size if isinstance(block_size, int) else self.max_block_size) - 1)
+        num_spec_tokens = (block_size if isinstance(block_size, int) else self.max_block_size) - 1
+        acceptance = AcceptanceStats()
+        setup = (block_size, req.temperature > 0, req.min_confidence, req.lookup_fallback)
         stop = StopMatcher(req.stop)
         processors = (make_logits_processors(repetition_penalty=req.repetition_penalty)
                       if req.repetition_penalty else None)
@@ -220,6 +228,7 @@ class Worker:
             min_confidence=req.min_confidence,
             lookup_fallback=req.lookup_fallback,
             seed=req.seed,
+            policy=self.policies.setdefault(setup, PolicyState()),
             prompt_cache=self.caches.take(ids),
             prefill_step_size=self.prefill_step_size,
         )
@@ -228,7 +237,7 @@ class Worker:
             for last in responses:
                 text, hit = stop.feed(last.text)
                 if last.cycle > 0:
-                    stats.add(last.num_draft, last.acceptance_length)
+                    acceptance.add(last.num_draft, last.acceptance_length)
                 finish = "stop" if hit else last.finish_reason
                 if finish and not hit:
                     text += stop.flush()
@@ -244,8 +253,9 @@ class Worker:
             responses.close()
         completion = last.generation_tokens if last else 0
         cached = len(ids) - last.prompt_tokens if last else 0
-        metrics = {"speculative_decoding": stats.as_dict() if self.draft is not None else None}
-        self.metrics.observe(prompt_tokens=len(ids), generation_tokens=completion, stats=stats,
+        spec = spec_decoding(acceptance, num_spec_tokens) if self.draft is not None else None
+        metrics = {"speculative_decoding": spec}
+        self.metrics.observe(prompt_tokens=len(ids), generation_tokens=completion, acceptance=acceptance,
                              tps=last.generation_tps if last else 0.0, finished=finish != "cancelled")
         if finish == "cancelled":
             reason = "shutting down" if self._closing.is_set() else "client gone"

@@ -20,7 +20,6 @@ import json
 import math
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -38,6 +37,7 @@ from ..errors import DFlashError
 from ..generate import dflash_generate_step
 from ..models import target as tgt
 from ..models.drafter import DraftModel, ModelArgs, default_target_layer_ids
+from ..responses import AcceptanceStats
 from ..weights.loading import (
     DTYPES,
     MASK_TOKENS,
@@ -385,18 +385,18 @@ def evaluate_acceptance(
     stop_tokens,
     block_size: int | None = None,
 ) -> tuple[float, dict[int, int]]:
-    """Mean acceptance length (``num_accepted + 1`` per cycle) with the real speculative loop."""
-    hist = Counter()
+    """Mean acceptance length (tau over drafting cycles, :class:`dflash_mlx.responses.AcceptanceStats`)
+    with the real speculative loop, and drafting cycles by acceptance length."""
+    acceptance = AcceptanceStats()
     for ids in prompts:
         steps = dflash_generate_step(
             ids, target, draft, max_tokens=max_tokens, stop_tokens=stop_tokens, block_size=block_size,
             adaptive=False,  # the drafter's own acceptance, every cycle drafted
         )
-        for step in steps:
-            if step.num_draft:
-                hist[step.num_accepted + 1] += 1
-    cycles = sum(hist.values())
-    return sum(k * v for k, v in hist.items()) / max(cycles, 1), dict(sorted(hist.items()))
+        for i, step in enumerate(steps):
+            if i > 0:  # the prefill's token is no cycle
+                acceptance.add(step.num_draft, len(step.tokens))
+    return acceptance.tau, acceptance.lengths
 
 
 def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:

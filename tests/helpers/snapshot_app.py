@@ -5,7 +5,7 @@ Run it by hand to see the app without any model: ``python tests/helpers/snapshot
 
 import threading
 
-from dflash_mlx.generate import GenerationResponse
+from dflash_mlx.responses import AcceptanceStats, GenerationResponse
 from dflash_mlx.tui.app import ChatApp
 
 REPLY = [
@@ -32,19 +32,26 @@ async def wait_until(pilot, condition, timeout: float = 30.0) -> None:
     raise AssertionError("timed out waiting for the app")
 
 
-def fake_responses(pieces: list[str] = REPLY, prompt_tokens: int = 12, stop: bool = True):
-    """``GenerationResponse``s with numbers a test can predict: 100 tok/s prefill, 50 ms a cycle."""
-    generated, total = 0, 0
+def fake_responses(pieces: list[str] = REPLY, prompt_tokens: int = 12, stop: bool = True,
+                   acceptance: list[int] = ACCEPTANCE):
+    """``GenerationResponse``s with numbers a test can predict: 100 tok/s prefill, 50 ms a cycle.
+
+    Cycle ``i`` emits ``acceptance[i - 1]`` tokens, drafting 15 (block 16); a 0 there is a
+    plain cycle (no draft, one token), as the adaptive policy runs them.
+    """
+    generated, counts = 0, AcceptanceStats()
     for cycle, text in enumerate(pieces):
-        n = 1 if cycle == 0 else ACCEPTANCE[(cycle - 1) % len(ACCEPTANCE)]
+        scripted = 1 if cycle == 0 else acceptance[(cycle - 1) % len(acceptance)]
+        n, num_draft = (1, 0) if scripted == 0 or cycle == 0 else (scripted, 15)
         generated += n
-        total += n if cycle else 0
+        if cycle:
+            counts.add(num_draft, n)
         last = cycle == len(pieces) - 1
         yield GenerationResponse(
             text=text,
             tokens=list(range(n)),
             acceptance_length=n,
-            mean_acceptance_length=total / cycle if cycle else 1.0,
+            mean_acceptance_length=counts.tau,
             cycle=cycle,
             prompt_tokens=prompt_tokens,
             prompt_tps=100.0,
@@ -52,6 +59,9 @@ def fake_responses(pieces: list[str] = REPLY, prompt_tokens: int = 12, stop: boo
             generation_tps=(generated - 1) / (CYCLE_SECONDS * cycle) if cycle else 0.0,
             peak_memory=1.25,
             finish_reason=("stop" if stop else "length") if last else None,
+            num_draft=num_draft,
+            drafting_cycles=counts.drafting_cycles,
+            plain_cycles=counts.plain_cycles,
         )
 
 
@@ -65,8 +75,8 @@ class FakeStream:
 
     timeouts: list[str] = []
 
-    def __init__(self, pieces: list[str] = REPLY, pause_after: int | None = None):
-        self.pieces, self.pause_after = pieces, pause_after
+    def __init__(self, pieces: list[str] = REPLY, pause_after: int | None = None, acceptance: list[int] = ACCEPTANCE):
+        self.pieces, self.pause_after, self.acceptance = pieces, pause_after, acceptance
         self.calls: list[tuple[list[dict], object]] = []
         self.gate = threading.Event()
         self.produced = 0
@@ -78,7 +88,7 @@ class FakeStream:
 
     def _play(self):
         try:
-            for i, response in enumerate(fake_responses(self.pieces)):
+            for i, response in enumerate(fake_responses(self.pieces, acceptance=self.acceptance)):
                 if i == self.pause_after:
                     self.wait_for(self.gate, f"the gate before response {i}")
                 self.produced += 1

@@ -1,0 +1,126 @@
+"""The adaptive policy: draft while drafting gives tokens faster than plain decoding, decode
+plainly while it does not, judged on measured time.
+
+:class:`PolicyState` holds what the policy has measured and where it is in its schedule; the
+:class:`~dflash_mlx.proposer.AdaptiveProposer` of one generation times each cycle and asks it
+whether the next one drafts. The state outlives a call: a ``DFlashCache`` carries one, and
+``policy=`` passes one to every call for a pair (a chat's replies, a server's requests), so a
+new reply starts where the last one left off instead of drafting again to find out.
+Plain Python only.
+"""
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import DFlashError
+
+
+@dataclass
+class PolicyState:
+    """Measured seconds per token of plain and drafting cycles, and the schedule they set.
+
+    A cycle of no drafts is exactly a plain decoding step, so the policy compares seconds per
+    token. It runs ``probe`` plain cycles early on and one every ``refresh`` drafting cycles to
+    know the plain step's cost. When a window of ``window`` drafting cycles (after a loss,
+    three at half plain decoding's speed or less) gives tokens more slowly, it decodes plainly
+    for a run of cycles, then drafts again: a re-probe. Each further losing window doubles the
+    run, up to ``max_run``, and a winning one resets it to one ``window``. A run is never
+    shorter than what keeps the losing window's extra time (beyond what plain decoding would
+    have taken for its tokens) within ``probe_cost`` of the run's own time, so re-probing
+    costs at most that fraction of plain decoding however slow drafting is.
+
+    Args:
+        window: Drafting cycles per judged window.
+        probe: Plain cycles run first, to time a plain step.
+        refresh: Drafting cycles between two plain ones that keep that time current.
+        max_run: The longest run of plain cycles that doubling reaches.
+        probe_cost: The most a losing window may cost, as a fraction of the plain run after it.
+        clock: Seconds; ``time.perf_counter`` by default (tests inject their own).
+    """
+
+    window: int = 8
+    probe: int = 2
+    refresh: int = 64
+    max_run: int = 256
+    probe_cost: float = 0.03
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False, compare=False)
+    # What it measured.
+    plain_time: float | None = field(default=None, init=False)  # seconds a plain token (running mean)
+    draft_time: float | None = field(default=None, init=False)  # seconds a token, last judged window
+    # Where it is.
+    plain_left: int = field(default=0, init=False)  # plain cycles to run before drafting again
+    run: int = field(default=0, init=False)  # the plain run after the next loss
+    since_plain: int = field(default=0, init=False)  # drafting cycles since the last plain one
+    warm: bool = field(default=False, init=False)  # the first cycle (graphs compiled) is not timed
+    window_seconds: float = field(default=0.0, init=False)
+    window_tokens: int = field(default=0, init=False)
+    window_cycles: int = field(default=0, init=False)
+
+    def __post_init__(self):
+        for name in ("window", "refresh", "max_run"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise DFlashError(f"PolicyState {name} must be a positive number of cycles (got {value!r}).")
+        if not isinstance(self.probe, int) or self.probe < 0:
+            raise DFlashError(f"PolicyState probe must be a number of cycles, 0 or more (got {self.probe!r}).")
+        if not isinstance(self.probe_cost, (int, float)) or self.probe_cost <= 0:
+            raise DFlashError(f"PolicyState probe_cost must be a fraction above 0 (got {self.probe_cost!r}).")
+        self.plain_left, self.run = self.probe, self.window
+
+    @property
+    def plain_tps(self) -> float | None:
+        """Plain decoding's measured tokens per second (None before the first plain cycle)."""
+        return 1.0 / self.plain_time if self.plain_time else None
+
+    @property
+    def draft_tps(self) -> float | None:
+        """Drafting cycles' tokens per second over the last judged window (None before one)."""
+        return 1.0 / self.draft_time if self.draft_time else None
+
+    def drafts_next(self) -> bool:
+        """Whether the next cycle drafts (the first one always does: it warms the drafter up)."""
+        return not self.warm or (self.plain_left == 0 and self.since_plain < self.refresh)
+
+    def record(self, seconds: float, tokens: int, drafted: bool) -> None:
+        """A cycle took ``seconds`` and gave ``tokens``; ``drafted``: it verified drafts."""
+        if not self.warm:
+            self.warm = True
+        elif drafted:
+            self._drafting_cycle(seconds, tokens)
+        else:
+            self._plain_cycle(seconds)
+
+    def _plain_cycle(self, seconds: float) -> None:
+        self.plain_time = seconds if self.plain_time is None else 0.75 * self.plain_time + 0.25 * seconds
+        self.plain_left = max(self.plain_left - 1, 0)
+        self.since_plain = 0
+        # A new window; its first cycle takes in the plain cycles' taps, a cost of resuming.
+        self.window_seconds, self.window_tokens, self.window_cycles = 0.0, 0, 0
+
+    def _drafting_cycle(self, seconds: float, tokens: int) -> None:
+        self.since_plain += 1
+        self.window_cycles += 1
+        self.window_seconds += seconds
+        self.window_tokens += tokens
+        per_token = self.window_seconds / self.window_tokens
+        # Judge a full window; once drafting has lost, three cycles already twice as slow
+        # settle it too: a probe of a drafter that loses badly (sampling at block 16) need
+        # not cost a whole window. (Not before: a few hard cycles in a row are common where
+        # drafting wins overall.)
+        lost_before = self.run > self.window
+        clear_loss = lost_before and self.window_cycles >= 3 and per_token > 2 * self.plain_time
+        if self.window_cycles < self.window and not clear_loss:
+            return
+        extra = self.window_seconds - self.window_tokens * (self.plain_time or 0.0)
+        self.draft_time = per_token
+        self.window_seconds, self.window_tokens, self.window_cycles = 0.0, 0, 0
+        if self.plain_time is None:
+            return
+        if self.draft_time > self.plain_time:
+            # Long enough that this window's extra time is at most probe_cost of the run's.
+            bound = math.ceil(extra / (self.probe_cost * self.plain_time)) if self.plain_time > 0 else 0
+            self.plain_left, self.run = max(self.run, bound), min(2 * self.run, self.max_run)
+        else:
+            self.run = self.window
