@@ -160,8 +160,17 @@ def test_the_python_api_says_once_when_mlx_runs_on_its_reference_blas(pair_dirs,
     monkeypatch.setattr(blas, "_noted", False)
     monkeypatch.setattr(blas, "blas_in_use", lambda: "reference BLAS bundled with MLX (libblas.so.3)")
     monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(blas, "find_openblas", lambda: None)
     with caplog.at_level("WARNING", logger="dflash_mlx"):
         load(pair_dirs["qwen3-tied"])
         load(pair_dirs["qwen3-tied"])
     notes = [r.getMessage() for r in caplog.records if "reference BLAS" in r.getMessage()]
     assert len(notes) == 1 and "libopenblas0-pthread" in notes[0]
+    # Installed but not preloaded in this process: the note says how to preload it.
+    monkeypatch.setattr(blas, "_noted", False)
+    monkeypatch.setattr(blas, "find_openblas", lambda: DEBIAN)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash_mlx"):
+        load(pair_dirs["qwen3-tied"])
+    (note,) = [r.getMessage() for r in caplog.records if "reference BLAS" in r.getMessage()]
+    assert f"LD_PRELOAD={DEBIAN}" in note

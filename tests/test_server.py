@@ -474,7 +474,7 @@ def test_cli_serves_and_exits_cleanly_on_sigterm(pair_dirs, tmp_path):
          "--draft", str(pair_dirs["draft"]), "--port", "0", "--served-model-name", "tiny"],
         stderr=subprocess.PIPE, text=True, env=env)
     try:
-        line = proc.stderr.readline()
+        line = _banner(proc.stderr, time.monotonic() + 60)
         assert "dflash-serve: tiny" in line and "http://127.0.0.1:" in line, line
         url = line.split(" at ")[1].split("/v1")[0]
         assert _post(url, "/v1/completions", {"prompt": "t1", "max_tokens": 3})[0] == 200
@@ -490,6 +490,15 @@ def _line_before(stream, deadline: float) -> str:
     """The next line of a child's pipe, or "" once ``deadline`` passes or the pipe ends."""
     readable, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
     return stream.readline() if readable else ""
+
+
+def _banner(stream, deadline: float) -> str:
+    """The server's "serving at" line, past any log line before it (a note on the BLAS in use, say)."""
+    for _ in range(20):
+        line = _line_before(stream, deadline)
+        if not line or "http://127.0.0.1:" in line:
+            return line
+    return line
 
 
 def _bytes_until_closed(sock: socket.socket, deadline: float) -> bytes:
@@ -517,7 +526,7 @@ def test_sigterm_mid_request_still_gives_the_client_a_well_formed_answer(pair_di
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 60
     try:
-        line = _line_before(proc.stderr, deadline)
+        line = _banner(proc.stderr, deadline)
         assert "http://127.0.0.1:" in line, line
         host, port = line.split(" at http://")[1].split("/v1")[0].split(":")
         body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 10000, "stream": stream}).encode()
