@@ -6,6 +6,7 @@ verified block were kept, with their taps. A proposal carries the distribution i
 were drawn from, or None when they are certain (greedy or looked-up drafts).
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -15,6 +16,7 @@ import mlx.nn as nn
 from .adaptive import PolicyState
 from .cache import DFlashCache
 from .cpu.speedups import CpuSpeedups
+from .models import target as tgt
 from .sampling import Sampler, sample_rows, top_probability
 
 
@@ -56,6 +58,10 @@ class DFlashProposer:
     injected through its context cache (``cache.draft``; the taps of newly committed
     positions wait in ``cache.pending`` until the next pass takes them in).
 
+    A drafter with a draft vocabulary (``draft.draft_vocab``) drafts, samples and states its
+    confidences among those ids only; ``q`` is then zero outside them, a proposal
+    distribution like any other for speculative sampling.
+
     Args:
         model: The target, whose embedding and LM head the drafter borrows.
         draft: The drafter.
@@ -84,6 +90,12 @@ class DFlashProposer:
         self.model, self.draft, self.cache = model, draft, cache
         self.sampler, self.min_confidence, self.speedups, self.width = sampler, min_confidence, speedups, width
         self.tap_ids = draft.target_layer_ids
+        vocab = draft.draft_vocab
+        if vocab is not None and sampler is not None and sampler.xtc_special_tokens:
+            # XTC's protected ids, as indices into the drafter's vocabulary.
+            where = {t: i for i, t in enumerate(vocab.tolist())}
+            special = tuple(where[t] for t in sampler.xtc_special_tokens if t in where)
+            self.sampler = dataclasses.replace(sampler, xtc_special_tokens=special)
 
     def propose(self, last: int, n: int) -> Proposal:
         # The drafter always sees its trained block, whatever n is.
@@ -91,6 +103,7 @@ class DFlashProposer:
         if self.width is not None:
             self.width.costs()  # measured before this pass's taps leave pending, if the bucket is new
         taps = self.cache.take_pending()
+        # (n, V) over the drafter's vocabulary; drafts and q index it until mapped to token ids.
         logits = self.draft.propose(self.model, block, taps, self.cache.draft, speedups=self.speedups)[0, :n]
         if self.sampler is None:
             drafts, q = mx.argmax(logits, axis=-1).astype(mx.uint32), None
@@ -102,6 +115,9 @@ class DFlashProposer:
             drafts, q = drafts[:k], None if q is None else q[:k]
         elif self.min_confidence > 0 and n > 1:
             drafts, q = self._confident_prefix(logits, drafts, q)
+        if self.draft.draft_vocab is not None:
+            drafts = self.draft.token_ids(drafts)
+            q = None if q is None else self.draft.to_target_vocab(q, tgt.vocab_size(self.model))
         # Start drafting now, so that the verify graph is built while the pass runs.
         mx.async_eval(drafts)
         return Proposal(drafts, q)

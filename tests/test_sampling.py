@@ -1,5 +1,7 @@
 """Speculative sampling keeps the target's distribution: checked against exact marginals."""
 
+import copy
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 from dflash_mlx import DFlashError, dflash_generate_step, load, verify
 from dflash_mlx.lookup import PromptLookup
+from dflash_mlx.models.drafter import DraftModel
 from dflash_mlx.sampling import make_sampler, sample_rows, speculative_accept, top_probability
 
 PROMPT = [3, 17, 42, 8, 99]
@@ -89,6 +92,16 @@ def _excess(pair, exact, proposal, sampler=None, drafter=None) -> list[float]:
 @pytest.mark.parametrize("proposal", ["greedy", "sample"])
 def test_distribution_matches_target(pair, exact, proposal):
     excess = _excess(pair, exact, proposal)
+    assert max(excess) < 0, excess
+
+
+def test_distribution_matches_target_with_a_draft_vocab(pair, exact):
+    """Drafts sampled among a subset of ids (q is 0 elsewhere, FR-Spec): still the target's distribution."""
+    model, draft, _ = pair
+    subset = DraftModel(copy.deepcopy(draft.args))
+    subset.update(draft.parameters())
+    subset.set_draft_vocab(mx.arange(VOCAB - 1, -1, -2, dtype=mx.int32))  # every other id
+    excess = _excess(pair, exact, "sample", drafter=subset)
     assert max(excess) < 0, excess
 
 

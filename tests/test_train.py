@@ -22,10 +22,22 @@ from dflash_mlx.train.data import (
     generate_responses,
     make_batch,
     position_weights,
+    read_cache,
     read_prompts,
     render_prompt,
+    usable,
 )
-from dflash_mlx.train.loop import TrainingArgs, block_logits, block_loss, block_mask, get_lr, main, train
+from dflash_mlx.train.loop import (
+    TrainingArgs,
+    block_logits,
+    block_loss,
+    block_mask,
+    get_lr,
+    head_gram,
+    main,
+    train,
+)
+from dflash_mlx.train.vocab import LossVocab, coverage, token_counts, top_tokens
 
 
 def _words(n: int, seed: int) -> str:
@@ -202,6 +214,102 @@ def test_loss_positions_trains_on_the_leading_positions_of_the_whole_block(qwen3
     ce = nn.losses.cross_entropy(full[:, :3].astype(mx.float32), labels[:, :3], reduction="none")
     assert abs(loss.item() - ce.mean().item()) < 1e-4
     assert abs(block_loss(draft, model, taps, blocks, anchors, starts, labels, weights).item() - loss.item()) > 1e-3
+
+
+def test_loss_over_a_token_subset_is_cross_entropy_of_its_columns(qwen3_pair):
+    model, draft, _ = qwen3_pair
+    B, W = draft.block_size, len(draft.target_layer_ids) * 64
+    taps, anchors, starts = mx.random.normal((1, 48, W)), mx.array([10, 30]), mx.array([0, 0])
+    blocks = mx.random.randint(0, VOCAB, (2, B))
+    ids = [7, 3, 100, 64, 12, 5, 90, 33]  # not in id order
+    vocab = LossVocab.for_target(model, mx.array(ids))
+    full = block_logits(draft, model, taps, blocks, anchors, starts)
+    assert mx.allclose(block_logits(draft, model, taps, blocks, anchors, starts, vocab=vocab), full[..., mx.array(ids)],
+                       atol=1e-5)  # fmt: skip
+    rng = np.random.default_rng(0)
+    labels = np.where(rng.random((2, B - 1)) < 0.5, rng.choice(ids, (2, B - 1)), rng.choice([1, 2, 50], (2, B - 1)))
+    weights = np.tile(position_weights(B, 7.0), (2, 1))
+    weights[1, 12:] = 0  # past a sequence's end
+    loss = block_loss(draft, model, taps, blocks, anchors, starts, mx.array(labels), mx.array(weights), vocab=vocab)
+    # By hand: cross-entropy over the sliced logits, labels outside the subset weighted 0.
+    sliced = np.array(full[..., mx.array(ids)], dtype=np.float64)
+    inside = np.isin(labels, ids)
+    index = np.where(inside, [[ids.index(t) if t in ids else 0 for t in row] for row in labels], 0)
+    top = sliced.max(axis=-1)
+    lse = top + np.log(np.exp(sliced - top[..., None]).sum(axis=-1))
+    ce = lse - np.take_along_axis(sliced, index[..., None], axis=-1)[..., 0]
+    w = weights * inside
+    assert inside.any() and not inside.all()
+    assert abs(loss.item() - (ce * w).sum() / w.sum()) < 1e-4
+    # The distillation term is the same with the subset as without it.
+    last, gram = mx.random.normal((1, 48, 64)), head_gram(model)
+    args = (draft, model, taps, blocks, anchors, starts, mx.array(labels), mx.array(weights))
+    with_subset = block_loss(*args, vocab=vocab, last=last, gram=gram, logit_mse=0.5).item() - loss.item()
+    whole = block_loss(*args, last=last, gram=gram, logit_mse=0.5).item() - block_loss(*args).item()
+    assert with_subset > 1e-3 and abs(with_subset - whole) < 1e-4
+
+
+def test_loss_vocab_is_the_top_n_by_frequency():
+    examples = [{"response_ids": [5, 5, 9, 2, 9, 7]}, {"response_ids": [7, 1]}]
+    counts = token_counts(examples, 12)
+    # Counts 2 (ids 5, 7, 9), then 1 (ids 1, 2): ties by id; ids never seen fill up by id.
+    assert top_tokens(counts, 4).tolist() == [5, 7, 9, 1]
+    assert top_tokens(counts, 7).tolist() == [5, 7, 9, 1, 2, 0, 3]
+    assert coverage(counts, top_tokens(counts, 4)) == pytest.approx(7 / 8)
+
+
+def test_loss_vocab_is_saved_for_resume_and_with_draft_vocab_in_the_drafter(setup, tmp_path, capsys):
+    root, _, cache = setup
+    n = 12
+    examples = usable(read_cache(cache), 64)
+    counts = token_counts(examples, VOCAB)
+    ranked = sorted(range(VOCAB), key=lambda t: (-counts[t], t))[:n]
+    share = sum(counts[t] for t in ranked) / counts.sum()
+    out = tmp_path / "fr"
+    train(_args(setup, out, iters=4, stop_at=2, loss_vocab=n, draft_vocab=True))
+    log = capsys.readouterr().out
+    assert (f"loss vocab: {n} of {VOCAB} token ids, {100 * share:.1f}% of the responses' tokens; the drafter "
+            "drafts among them") in log  # fmt: skip
+    assert mx.load(str(latest_checkpoint(out)[0] / "training_arrays.safetensors"))["loss_vocab"].tolist() == ranked
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == n
+    assert mx.load(str(out / "model.safetensors"))["draft_vocab"].tolist() == ranked
+    # A resumed run keeps the checkpoint's ids, even over other responses.
+    fewer = tmp_path / "fewer.jsonl"
+    fewer.write_text("".join(open(cache).readlines()[:5]))
+    train(_args(setup, out, iters=4, resume=True, loss_vocab=n, draft_vocab=True, cache=str(fewer)))
+    assert f"loss vocab: {n} of {VOCAB} token ids (the checkpoint's), " in capsys.readouterr().out
+    assert mx.load(str(out / "model.safetensors"))["draft_vocab"].tolist() == ranked
+    # ... and refuses another subset, or another choice of the drafter's.
+    err = _one_line_error(_argv(_args(setup, out, iters=6, resume=True, loss_vocab=n + 1, draft_vocab=True)), capsys)
+    assert (f"was trained with --loss-vocab {n}, but this run asks for --loss-vocab {n + 1}. Resume it with "
+            f"--loss-vocab {n}, or start a new run with another --out.") in err  # fmt: skip
+    err = _one_line_error(_argv(_args(setup, out, iters=6, resume=True, loss_vocab=n)), capsys)
+    assert "was trained with --draft-vocab, but this run asks for --no-draft-vocab" in err
+    model, draft, tokenizer = load(root / "target", out, dtype="float32")
+    assert draft.draft_vocab.tolist() == ranked
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": _words(5, 99)}], add_generation_prompt=True)
+    plain = [t for s in dflash_generate_step(prompt, model, None, max_tokens=20) for t in s.tokens]
+    spec = [t for s in dflash_generate_step(prompt, model, draft, max_tokens=20) for t in s.tokens]
+    assert spec == plain
+    # Without --draft-vocab the subset is the loss's alone: the drafter drafts over the whole vocabulary.
+    train(_args(setup, tmp_path / "loss-only", iters=2, loss_vocab=n))
+    assert "draft_vocab_size" not in json.loads((tmp_path / "loss-only" / "config.json").read_text())
+    assert "draft_vocab" not in mx.load(str(tmp_path / "loss-only" / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "extra, code, message",
+    [
+        (["--draft-vocab"], 2, "--draft-vocab saves the --loss-vocab ids with the drafter: pass --loss-vocab N"),
+        (["--loss-vocab", "0"], 2, "--loss-vocab must be at least 1 (got 0)"),
+        (["--loss-vocab", "1000"], 1, f"--loss-vocab 1000 is more than the target's {VOCAB} token ids; pass at most"),
+    ],
+)
+def test_bad_loss_vocab_is_one_line(setup, tmp_path, capsys, extra, code, message):
+    with pytest.raises(SystemExit) as e:
+        main([*_argv(_args(setup, tmp_path / "o")), *extra])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == code and message in err and "\n" not in err and err.startswith("dflash-train: error: ")
 
 
 def test_no_target_features_ablation(setup, tmp_path):

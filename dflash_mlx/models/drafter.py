@@ -129,6 +129,8 @@ class ModelArgs(BaseModelArgs):
     is_causal: bool | None = None
     # False only for the ablation drafter trained without the target's context.
     use_target_features: bool = True
+    # Drafts only among these many token ids (FR-Spec), held in the weights as ``draft_vocab``.
+    draft_vocab_size: int | None = None
     model_type: str = "qwen3"
 
     @classmethod
@@ -288,11 +290,24 @@ class DecoderLayer(nn.Module):
         return compiled_layers.after(attn, self.mlp, self.post_attention_layernorm, out, h, speedups)
 
 
+class _HeadRows:
+    # The target's head rows of the draft vocabulary, kept with what they were read from;
+    # a plain object, so that they are no parameter of the drafter.
+    def __init__(self):
+        self.source: tuple | None = None
+        self.rows: mx.array | None = None
+
+
 class DraftModel(nn.Module):
     """The DFlash drafter (v1 checkpoints, e.g. ``z-lab/Qwen3-8B-DFlash-b16``).
 
     ``__call__`` maps the embedded noisy block and the new target taps to the block's
     final hidden states; the caller applies the target's LM head to them.
+
+    With ``draft_vocab_size`` in its config the drafter drafts among a fixed set of token ids
+    only (FR-Spec, arXiv 2502.14856: the most frequent ones), its ``draft_vocab``; its logits
+    are then the hidden states times those rows of the target's head alone. The target still
+    verifies over its whole vocabulary, so the output is unchanged.
     """
 
     def __init__(self, args: ModelArgs):
@@ -304,6 +319,19 @@ class DraftModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self._head = _HeadRows()
+        size = args.draft_vocab_size
+        self.set_draft_vocab(mx.zeros((size,), dtype=mx.int32) if size else None)
+
+    def set_draft_vocab(self, ids: mx.array | None) -> None:
+        """Draft among the token ``ids`` only (``(N,)`` int32, stored with the weights as
+        ``draft_vocab``), or over the target's whole vocabulary (None)."""
+        self.args.draft_vocab_size = None if ids is None else ids.shape[0]
+        if ids is None:
+            self.draft_vocab = None
+        else:
+            self.draft_vocab = ids.astype(mx.int32)
+            self.freeze(recurse=False, keys=["draft_vocab"])  # ids, never trained
 
     @property
     def block_size(self) -> int:
@@ -382,13 +410,46 @@ class DraftModel(nn.Module):
             speedups: The CPU speedups, or None for MLX's native ops.
 
         Returns:
-            ``(1, B - 1, vocab)`` logits for block positions ``1..B-1``.
+            ``(1, B - 1, V)`` logits for block positions ``1..B-1`` over the drafter's
+            vocabulary: the target's, or the ``draft_vocab`` ids (``V = draft_vocab_size``;
+            :meth:`token_ids` maps an index back to its id).
         """
         if target_hidden is None:
             width = len(self.target_layer_ids) * self.args.hidden_size
             target_hidden = mx.zeros((1, 0, width), dtype=self.norm.weight.dtype)
         h = self(tgt.embed(model, block), target_hidden, cache, speedups=speedups)
-        return tgt.lm_head(model, h[:, 1:])
+        return self.logits(model, h[:, 1:])
+
+    def logits(self, model: nn.Module, h: mx.array) -> mx.array:
+        """The target's head on hidden states ``(..., H)``: ``(..., V)`` over the drafter's vocabulary."""
+        if self.draft_vocab is None:
+            return tgt.lm_head(model, h)
+        return h @ self.head_rows(model).T
+
+    def head_rows(self, model: nn.Module) -> mx.array:
+        """The target head's rows of ``draft_vocab``, ``(N, H)``, read once per head and vocabulary."""
+        source = (tgt.head_weight(model), self.draft_vocab)
+        cached = self._head.source
+        if cached is None or any(a is not b for a, b in zip(cached, source)):
+            self._head.rows = tgt.head_rows(model, self.draft_vocab)
+            mx.eval(self._head.rows)
+            self._head.source = source
+        return self._head.rows
+
+    def token_ids(self, index: mx.array) -> mx.array:
+        """Token ids of indices into the drafter's vocabulary (the same ids without ``draft_vocab``)."""
+        if self.draft_vocab is None:
+            return index
+        return self.draft_vocab[index].astype(index.dtype)
+
+    def to_target_vocab(self, probs: mx.array, vocab_size: int) -> mx.array:
+        """``(..., V)`` probabilities over the drafter's vocabulary as ``(..., vocab_size)``
+        over the target's: zero outside ``draft_vocab``, still a distribution to draft from."""
+        if self.draft_vocab is None:
+            return probs
+        full = mx.zeros((*probs.shape[:-1], vocab_size), dtype=probs.dtype)
+        full[..., self.draft_vocab] = probs
+        return full
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         out = {}
@@ -406,7 +467,12 @@ def save_draft(draft: DraftModel, config: dict[str, Any], path: Path) -> None:
     """Write a drafter as the z-lab layout ``load`` reads: ``config.json`` + safetensors.
 
     The one writer of this format (dflash-convert and dflash-train both use it), on mlx-lm's
-    own writers; the weights keep their dtype (and quantization, given in ``config``).
+    own writers; the weights keep their dtype (and quantization, given in ``config``). A
+    drafter with a draft vocabulary writes its ``draft_vocab_size`` into the config, and
+    ``draft_vocab`` is among its weights.
     """
+    config = {k: v for k, v in config.items() if k != "draft_vocab_size"}
+    if draft.draft_vocab is not None:
+        config["draft_vocab_size"] = draft.args.draft_vocab_size
     save_model(path, draft)
-    save_config(dict(config), path / "config.json")
+    save_config(config, path / "config.json")

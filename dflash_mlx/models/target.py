@@ -79,6 +79,38 @@ def lm_head(model: nn.Module, h: mx.array) -> mx.array:
     return text.lm_head(h)
 
 
+def _head_layer(model: nn.Module) -> nn.Module:
+    text = _text(model)
+    if getattr(text.args, "tie_word_embeddings", False):
+        return text.model.embed_tokens
+    return text.lm_head
+
+
+def head_weight(model: nn.Module) -> mx.array:
+    """The array the output head's rows are stored in (to tell when they change)."""
+    return _head_layer(model).weight
+
+
+def head_rows(model: nn.Module, ids: mx.array) -> mx.array:
+    """Rows ``ids`` of the target's output head as a ``(len(ids), H)`` matrix, whatever form
+    the head has (tied or untied, quantized or not): ``h @ rows.T`` is ``lm_head(model, h)[..., ids]``.
+
+    Only those rows are read (a quantized head's own groups, dequantized), never the whole head.
+    """
+    layer = _head_layer(model)
+    if not hasattr(layer, "scales"):
+        return layer.weight[ids]
+    biases = layer.get("biases")
+    return mx.dequantize(
+        layer.weight[ids],
+        scales=layer.scales[ids],
+        biases=biases[ids] if biases is not None else None,
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=getattr(layer, "mode", "affine"),
+    )
+
+
 def _qwen3_block(
     block: nn.Module, x: mx.array, cache: KVCache, visible: mx.array, speedups: CpuSpeedups
 ) -> mx.array:

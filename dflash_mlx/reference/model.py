@@ -300,10 +300,16 @@ def load_draft(
     """Load a z-lab-format drafter folder (config.json + *.safetensors) into a ``ReferenceDraft``.
 
     Raises:
-        DFlashError: If the folder has no config or weights, or the weights do not fit the config.
+        DFlashError: If the folder has no config or weights, the weights do not fit the config, or the
+          drafter has a draft vocabulary (``draft_vocab_size``), which the reference does not implement.
     """
     path = Path(path)
     config = _read_config(path, "drafter")
+    if config.get("draft_vocab_size") is not None:
+        raise DFlashError(
+            f"The drafter in {path} drafts among draft_vocab_size={config['draft_vocab_size']} token ids; the "
+            "PyTorch reference drafts over the whole vocabulary only. Compare a drafter without a draft vocabulary."
+        )
     draft = ReferenceDraft(DraftArgs.from_dict(config))
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -50,6 +50,7 @@ def latest_checkpoint(out: Path) -> tuple[Path, Path] | None:
 
 
 EXTRA_FILE = "training_arrays.safetensors"
+LOSS_VOCAB = "loss_vocab"  # the --loss-vocab token ids, among the extra arrays
 
 
 def save_checkpoint(
@@ -61,8 +62,8 @@ def save_checkpoint(
     random choice (examples, anchors) comes from the saved numpy generator. The checkpoint
     is complete in a temporary folder before one rename makes it ``training_state/step-N``;
     then the drafter at the top of ``out`` is swapped for its own, and older checkpoints go.
-    ``extra`` arrays (the training-time form of weights the drafter holds folded) are kept
-    with it, for :func:`load_extra`.
+    ``extra`` arrays (the training-time form of weights the drafter holds folded, the loss's
+    token subset) are kept with it, for :func:`load_extra`.
     """
     states = out / STATE_DIR
     final = states / f"step-{step:08d}"
@@ -201,14 +202,36 @@ def drafter_mismatch(saved: dict, fresh: dict) -> tuple[str, str] | None:
     return None
 
 
-def check_resume(out: Path, saved: dict, fresh: dict, saved_target: dict | None, target: dict) -> None:
-    """Refuse to resume with drafter settings or a target other than the checkpoint's."""
+# Run settings a resume must keep: the loss's token subset is the checkpoint's own.
+FIXED_SETTINGS = {"loss_vocab": None, "draft_vocab": False}
+
+
+def _fixed_flag(name: str, value) -> str:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    return f"no {flag}" if value is None else f"{flag} {value}"
+
+
+def check_resume(
+    out: Path, saved: dict, fresh: dict, saved_target: dict | None, target: dict,
+    saved_args: dict, args: dict,
+) -> None:  # fmt: skip
+    """Refuse to resume with drafter settings, ``FIXED_SETTINGS`` or a target other than the checkpoint's."""
     new_run = "to resume it, or start a new run with another --out"
     if (mismatch := drafter_mismatch(saved, fresh)) is not None:
         old, new = mismatch
         raise DFlashError(
             f"The checkpoint in {out} was trained with {old}, but this run asks for {new}. Pass {old} {new_run}."
         )
+    for name, default in FIXED_SETTINGS.items():
+        old, new = saved_args.get(name, default), args.get(name, default)
+        if old != new:
+            raise DFlashError(
+                f"The checkpoint in {out} was trained with {_fixed_flag(name, old)}, but this run asks for "
+                f"{_fixed_flag(name, new)}. Resume it with {_fixed_flag(name, old)}, or start a new run with "
+                "another --out."
+            )
     if saved_target is None:
         return
     # A target folder moved since (another machine) is the same target if its config is.

@@ -50,6 +50,7 @@ from ..weights.loading import (
     resolve,
 )
 from .checkpoint import (
+    LOSS_VOCAB,
     TrainingInterrupted,
     check_out,
     check_resume,
@@ -73,6 +74,7 @@ from .data import (
 )
 from .fc_scale import ScaledLinear, feature_scale, folded_fc
 from .taps import TapStore
+from .vocab import LossVocab, coverage, token_counts, top_tokens
 
 
 @dataclass
@@ -139,6 +141,17 @@ class TrainingArgs:
         metadata={"help": "Train on the first N drafted positions of each block only (default: all B-1). The "
                           "LM head's cost is per position; a drafter accepted a few tokens a cycle rarely "
                           "reaches the last ones."},
+    )
+    loss_vocab: int | None = field(
+        default=None,
+        metadata={"help": "Compute the loss over the N token ids most frequent in the training responses only "
+                          "(FR-Spec): the LM head's cost is N of its rows; a position whose label is not among "
+                          "them counts for nothing (default: the whole vocabulary)."},
+    )
+    draft_vocab: bool = field(
+        default=False,
+        metadata={"help": "Save the --loss-vocab ids with the drafter, which then drafts among them only (its head "
+                          "pass costs N rows too); the target still verifies over its whole vocabulary."},
     )
     val_examples: int = field(default=16, metadata={"help": "Examples held out for the validation loss."})
     eval_every: int = field(default=200, metadata={"help": "Steps between evaluations (0: only at the end)."})
@@ -212,7 +225,7 @@ def _check_args(args: TrainingArgs) -> None:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 0 (got {getattr(args, name):g}).")
     if not 0 <= args.min_lr_ratio <= 1:
         raise DFlashError(f"--min-lr-ratio must be from 0 to 1 (got {args.min_lr_ratio:g}).")
-    for name in ("intermediate_size", "stop_at", "max_prompts"):
+    for name in ("intermediate_size", "stop_at", "max_prompts", "loss_vocab"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 1 (got {value}); leave it out for the default.")
@@ -231,6 +244,8 @@ def _check_args(args: TrainingArgs) -> None:
             f"--loss-positions must be from 1 to --block-size minus 1 = {args.block_size - 1} "
             f"(got {args.loss_positions}); leave it out to train on every position."
         )
+    if args.draft_vocab and args.loss_vocab is None:
+        raise DFlashError("--draft-vocab saves the --loss-vocab ids with the drafter: pass --loss-vocab N with it.")
     if args.learning_rate <= 0:
         raise DFlashError(f"--learning-rate must be greater than 0 (got {args.learning_rate:g}).")
     if args.loss_decay < 0:
@@ -314,31 +329,45 @@ def block_hidden(draft, target, taps, blocks, anchors, starts, speedups=None) ->
     return draft(tgt.embed(target, blocks), taps, mask=mask, block_offset=anchors, speedups=speedups)
 
 
-def block_logits(draft, target, taps, blocks, anchors, starts, speedups=None, positions=None) -> mx.array:
+def block_logits(
+    draft, target, taps, blocks, anchors, starts, speedups=None, positions=None, vocab: LossVocab | None = None
+) -> mx.array:
     """Draft logits ``(nb, positions, vocab)`` of many blocks over one packed context ``taps``:
-    the first ``positions`` drafted positions (None: all ``B - 1``).
+    the first ``positions`` drafted positions (None: all ``B - 1``), over the whole vocabulary
+    or the ``vocab`` subset's ids (``(nb, positions, N)``).
 
     The whole block goes through the drafter either way, so every position sees the block
     it sees at inference.
     """
     h = block_hidden(draft, target, taps, blocks, anchors, starts, speedups)
     end = blocks.shape[1] if positions is None else 1 + positions
-    return tgt.lm_head(target, h[:, 1:end])
+    return _head(target, h[:, 1:end], vocab)
+
+
+def _head(target, h: mx.array, vocab: LossVocab | None) -> mx.array:
+    return tgt.lm_head(target, h) if vocab is None else vocab.logits(h)
 
 
 def block_loss(
     draft, target, taps, blocks, anchors, starts, labels, weights, speedups=None, positions=None,
-    last=None, gram=None, logit_mse=0.0,
+    last=None, gram=None, logit_mse=0.0, vocab: LossVocab | None = None,
 ) -> mx.array:  # fmt: skip
     """Weighted cross-entropy on the masked block positions (the first ``positions`` of them),
     plus ``logit_mse`` times :func:`logit_error` at every position when it is positive
-    (``last``: the target's packed last hidden states, ``gram``: :func:`head_gram`)."""
+    (``last``: the target's packed last hidden states, ``gram``: :func:`head_gram`).
+
+    With ``vocab`` the cross-entropy is over its ids only, and a position whose label is not
+    among them has weight 0; the distillation term is the same either way."""
     h = block_hidden(draft, target, taps, blocks, anchors, starts, speedups)
     end = blocks.shape[1] if positions is None else 1 + positions
-    logits = tgt.lm_head(target, h[:, 1:end]).astype(mx.float32)
+    logits = _head(target, h[:, 1:end], vocab).astype(mx.float32)
     n = logits.shape[1]
-    ce = nn.losses.cross_entropy(logits, labels[:, :n], reduction="none")
-    loss = (ce * weights[:, :n]).sum() / weights[:, :n].sum()
+    targets, w = labels[:, :n], weights[:, :n]
+    if vocab is not None:
+        targets, w = vocab.labels(targets, w)
+    ce = nn.losses.cross_entropy(logits, targets, reduction="none")
+    # At least one label inside the subset in a real batch; no NaN from a batch with none.
+    loss = (ce * w).sum() / mx.maximum(w.sum(), 1e-6)
     if logit_mse > 0:
         loss = loss + logit_mse * logit_error(h[:, 1:], last, anchors, gram, weights)
     return loss
@@ -412,6 +441,12 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
     target, tokenizer = load_target(target_path, dtype=args.dtype)
     tgt.check_supported(target)
     target.freeze()
+    vocab_size = tgt.vocab_size(target)
+    if args.loss_vocab is not None and args.loss_vocab > vocab_size:
+        raise DFlashError(
+            f"--loss-vocab {args.loss_vocab} is more than the target's {vocab_size} token ids; pass at most "
+            f"{vocab_size}, or leave it out for the whole vocabulary."
+        )
     # Built before the data step, so that bad drafter settings fail before it runs.
     config = None if args.data_only else draft_config(target, tokenizer, args)
     target_info = target_record(target_path)
@@ -419,7 +454,8 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
     if checkpoint is not None:
         saved_state = json.loads((checkpoint[0] / "state.json").read_text())
         saved_config = read_config(checkpoint[1], "drafter")
-        check_resume(out, saved_config, config, saved_state.get("target"), target_info)
+        check_resume(out, saved_config, config, saved_state.get("target"), target_info,
+                     saved_state.get("args", {}), dataclasses.asdict(args))  # fmt: skip
         config = saved_config
     elif args.init_draft is not None and config is not None:
         init_path = resolve(args.init_draft, what="drafter")
@@ -497,9 +533,28 @@ def _training_data(args: TrainingArgs, target: nn.Module, tokenizer, out: Path) 
     return _Data(train_ex, val_ex, eval_prompts)
 
 
-def _drafter_and_optimizer(args: TrainingArgs, config: dict, checkpoint, init: DraftModel | None) -> tuple:
+def _loss_vocab(args: TrainingArgs, target: nn.Module, data: _Data, resumed_from: Path | None) -> LossVocab | None:
+    """The --loss-vocab subset: the top N token ids of the cached responses, or the checkpoint's
+    own when resuming; logged with the share of the responses' tokens it covers."""
+    if args.loss_vocab is None:
+        return None
+    vocab_size = tgt.vocab_size(target)
+    counts = token_counts(data.train + data.val, vocab_size)
+    saved = load_extra(resumed_from).get(LOSS_VOCAB) if resumed_from is not None else None
+    ids = np.array(saved) if saved is not None else top_tokens(counts, args.loss_vocab)
+    source = " (the checkpoint's)" if saved is not None else ""
+    drafts = "; the drafter drafts among them" if args.draft_vocab else ""
+    print(f"loss vocab: {len(ids)} of {vocab_size} token ids{source}, "
+          f"{100 * coverage(counts, ids):.1f}% of the responses' tokens{drafts}", flush=True)  # fmt: skip
+    return LossVocab.for_target(target, mx.array(ids))
+
+
+def _drafter_and_optimizer(
+    args: TrainingArgs, config: dict, checkpoint, init: DraftModel | None, draft_vocab: mx.array | None = None
+) -> tuple:
     """A fresh drafter from ``config`` (or ``init``, the --init-draft weights), or the
-    checkpoint's with its optimizer state, step and data RNG."""
+    checkpoint's with its optimizer state, step and data RNG; it drafts among ``draft_vocab``
+    (None: the whole vocabulary)."""
     mx.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
     if checkpoint is not None:
@@ -510,6 +565,7 @@ def _drafter_and_optimizer(args: TrainingArgs, config: dict, checkpoint, init: D
     else:
         draft = DraftModel(ModelArgs.from_dict(config))
         draft.set_dtype(DTYPES[args.dtype])
+    draft.set_draft_vocab(draft_vocab)
     draft.train()
     optimizer = optim.AdamW(
         learning_rate=args.learning_rate, betas=[0.9, 0.95], weight_decay=args.weight_decay
@@ -538,7 +594,7 @@ def _drafter_and_optimizer(args: TrainingArgs, config: dict, checkpoint, init: D
 
 
 def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data, config, target_info,
-                resumed_from: Path | None = None):  # fmt: skip
+                resumed_from: Path | None = None, vocab: LossVocab | None = None):  # fmt: skip
     """The optimizer steps, with progress lines, evaluations and checkpoints."""
     B, mask_id, tap_ids = draft.block_size, draft.mask_token_id, draft.target_layer_ids
     train_ex, val_ex, eval_prompts = data.train, data.val, data.eval_prompts
@@ -582,12 +638,15 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
 
     def training_arrays() -> dict:
         fc = draft.fc
-        return {"fc.weight": fc.weight, "fc.scale": fc.scale} if isinstance(fc, ScaledLinear) else {}
+        arrays = {"fc.weight": fc.weight, "fc.scale": fc.scale} if isinstance(fc, ScaledLinear) else {}
+        if vocab is not None:
+            arrays[LOSS_VOCAB] = vocab.ids  # a resumed run's loss is over the same ids
+        return arrays
 
     # The CPU kernels have exact gradients (custom VJPs), so training uses them too.
     gram = head_gram(target) if args.logit_mse > 0 else None
     loss_fn = partial(block_loss, draft, target, speedups=cpu_speedups(DTYPES[args.dtype]),
-                      positions=args.loss_positions, gram=gram, logit_mse=args.logit_mse)  # fmt: skip
+                      positions=args.loss_positions, gram=gram, logit_mse=args.logit_mse, vocab=vocab)  # fmt: skip
     loss_and_grad = nn.value_and_grad(draft, loss_fn)
     state = [draft.state, optimizer.state]
 
@@ -685,10 +744,12 @@ def train(args: TrainingArgs) -> DraftModel | None:
     data = _training_data(args, target, tokenizer, out)
     if data is None:
         return None
-    draft, optimizer, start, rng = _drafter_and_optimizer(args, config, checkpoint, init)
     resumed_from = checkpoint[0] if checkpoint is not None else None
+    vocab = _loss_vocab(args, target, data, resumed_from)
+    draft_vocab = vocab.ids if vocab is not None and args.draft_vocab else None
+    draft, optimizer, start, rng = _drafter_and_optimizer(args, config, checkpoint, init, draft_vocab)
     return _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data, config, target_info,
-                       resumed_from)  # fmt: skip
+                       resumed_from, vocab)  # fmt: skip
 
 
 _KEYS = ("blocks", "anchors", "starts", "labels", "weights")

@@ -14,6 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
@@ -358,8 +359,10 @@ def load_draft(
             f"The drafter config in {path} has no target_layer_ids and no num_target_layers; "
             "add dflash_config.target_layer_ids to its config.json."
         )
+    weights = _read_weights(path, "drafter")
+    _check_draft_vocab(path, args, weights)
     draft = DraftModel(args)
-    weights = draft.sanitize(_read_weights(path, "drafter"))
+    weights = draft.sanitize(weights)
     if (q := config.get("quantization")) is not None:
         nn.quantize(
             draft,
@@ -381,6 +384,43 @@ def load_draft(
     mx.eval(draft.parameters())
     draft.eval()
     return draft
+
+
+def _check_draft_vocab(path: Path, args: ModelArgs, weights: dict[str, mx.array]) -> None:
+    """A ``draft_vocab_size`` in the config and a ``draft_vocab`` tensor of as many distinct
+    token ids go together; cast to int32 in ``weights``."""
+    size, ids = args.draft_vocab_size, weights.get("draft_vocab")
+    fix = "The config and the weights do not belong together: re-save or re-convert the drafter."
+    if size is None and ids is None:
+        return
+    if size is None:
+        raise DFlashError(
+            f"The drafter weights in {path} hold a draft_vocab tensor, but its config has no draft_vocab_size. {fix}"
+        )
+    if not isinstance(size, int) or size < 1:
+        raise DFlashError(f"The drafter config in {path} has draft_vocab_size={size!r}; it must be a positive "
+                          "number of token ids, or left out to draft over the whole vocabulary.")  # fmt: skip
+    if ids is None:
+        raise DFlashError(
+            f"The drafter config in {path} has draft_vocab_size={size}, but its weights hold no draft_vocab "
+            f"tensor. {fix}"
+        )
+    if ids.ndim != 1 or ids.shape[0] != size:
+        raise DFlashError(
+            f"The drafter config in {path} has draft_vocab_size={size}, but its draft_vocab tensor has shape "
+            f"{tuple(ids.shape)}. {fix}"
+        )
+    values = np.array(ids.astype(mx.int64)) if mx.issubdtype(ids.dtype, mx.integer) else None
+    vocab = args.vocab_size
+    if values is None or values.min() < 0 or (vocab is not None and values.max() >= vocab) or (
+        len(np.unique(values)) != size
+    ):
+        upper = f"from 0 to {vocab - 1}" if vocab is not None else "of at least 0"
+        raise DFlashError(
+            f"The drafter's draft_vocab in {path} must hold {size} distinct integer token ids {upper}. "
+            "Re-save or re-convert the drafter."
+        )
+    weights["draft_vocab"] = ids.astype(mx.int32)
 
 
 def _cast(model: nn.Module, dtype: str) -> None:
@@ -475,6 +515,11 @@ def check_pair(model: nn.Module, draft: DraftModel, tokenizer: TokenizerWrapper 
         raise DFlashError(
             f"The drafter was trained on a target with num_target_layers={a.num_target_layers}, "
             f"but this target has {n_layers} layers. {fix}"
+        )
+    if draft.draft_vocab is not None and draft.draft_vocab.max().item() >= vocab:
+        raise DFlashError(
+            f"The drafter's draft_vocab holds token ids up to {draft.draft_vocab.max().item()}, but the target "
+            f"has vocab_size={vocab}. {fix}"
         )
     bad = [i for i in a.target_layer_ids if not 0 <= i < n_layers]
     if bad:
