@@ -289,6 +289,28 @@ def dflash_generate_step(
                 return Proposal(mx.zeros((0,), dtype=mx.uint32))
             return proposer.propose(last, block_size - 1)
 
+        if proposer is None and verifier.can_run_ahead:
+            # Plain decoding, pipelined as mlx-lm's generate_step: each step is queued before
+            # the host reads the one before it. A step queued past a stop token is taken back
+            # by the ``finally`` below.
+            try:
+                ahead = None
+                while not stopped and generated < max_tokens:
+                    if ahead is None:
+                        ahead = verifier.step(mx.array([last]), lambda: cache.tokens)
+                        mx.async_eval(ahead)
+                    current, ahead = ahead, None
+                    if generated + 1 < max_tokens:
+                        ahead = verifier.step(current, lambda: cache.tokens + [last])
+                        mx.async_eval(ahead)
+                    token = current.item()
+                    cache.tokens.append(last)
+                    last, generated, stopped = token, generated + 1, token in stop_tokens
+                    yield StepOutput([token], 0, 0)
+            finally:
+                if cache.offset != len(cache.tokens):
+                    cache.trim_to(len(cache.tokens))
+            return
         try:
             drafts = propose()
             while drafts is not None:

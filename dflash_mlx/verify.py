@@ -15,6 +15,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from .cache import DFlashCache
 from .cpu.speedups import CpuSpeedups
+from .models import hybrid
 from .models import target as tgt
 from .proposer import Proposal
 from .sampling import Sampler, accept_one_hot, sample_rows, speculative_accept
@@ -65,16 +66,19 @@ class Verifier:
         self.model, self.cache, self.tap_ids, self.speedups = model, cache, tap_ids, speedups
         # By type, once: an empty rotating cache still says it can be trimmed.
         self.rotating = any(isinstance(c, RotatingKVCache) for c in cache.target)
+        # A step may run ahead of the host only where one step can be taken back exactly
+        # (a stop token read late): not a rotating window, not a recurrent state.
+        self.can_run_ahead = not self.rotating and model.model_type not in hybrid.HYBRID_MODEL_TYPES
         self.greedy, self.sampler = sampler is None, sampler
         use_kernel = speedups is not None and speedups.kernels
         self.probs = partial(sampler.probs, use_kernel=use_kernel) if isinstance(sampler, Sampler) else None
         self.logits_processors = logits_processors or []
 
-    def _logits(self, logits: mx.array, block: mx.array | None = None) -> mx.array:
-        # Row i of a verified block sees the cached tokens plus block[: i + 1].
+    def _logits(self, logits: mx.array, block: mx.array | None = None, seen: list[int] | None = None) -> mx.array:
+        # Row i of a verified block sees the cached tokens (or ``seen``) plus block[: i + 1].
         if not self.logits_processors:
             return logits
-        seen = mx.array(self.cache.tokens, dtype=mx.uint32)
+        seen = mx.array(self.cache.tokens if seen is None else seen, dtype=mx.uint32)
         rows = []
         for i in range(logits.shape[0]):
             tokens = seen if block is None else mx.concatenate([seen, block[0, : i + 1]])
@@ -118,6 +122,18 @@ class Verifier:
             # mlx_lm generate runs it, since the window's state depends on how it is fed.
             return self.model(tokens, cache=self.cache.target), None
         return tgt.forward_with_taps(self.model, tokens, self.cache.target, self.tap_ids, self.speedups)
+
+    def step(self, token: mx.array, seen: Callable[[], list[int]]) -> mx.array:
+        """One plain decoding step, left unevaluated: the target's next token ``(1,)`` after
+        ``token`` ``(1,)``, which may itself be unevaluated, so that the next step is queued
+        before the host reads this one, as mlx-lm's ``generate_step`` does.
+
+        ``seen()`` gives the tokens before ``token`` (called only with logits processors).
+        """
+        block = token.astype(mx.uint32).reshape(1, 1)
+        logits, _ = self._forward(block)
+        logits = self._logits(logits[0], block, seen() if self.logits_processors else None)
+        return self._sample(logits).astype(mx.uint32)
 
     def verify(self, last: int, proposal: Proposal) -> Verdict:
         """One target pass over ``[last, drafts...]``, then the acceptance test."""

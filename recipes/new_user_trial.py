@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--prompt", default="Explain what a hash table is")
     parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="Run only the configurations whose name contains one of these (mlx_lm's always runs).")
     args = parser.parse_args()
     bin_dir = Path(sys.executable).parent
     clean = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
@@ -40,6 +42,8 @@ def main() -> None:
         "dflash-generate --blas bundled": (gen + ["--blas", "bundled"], clean),
         "dflash-generate --blas bundled --dtype bfloat16": (gen + ["--blas", "bundled", "--dtype", "bfloat16"], clean),
     }  # fmt: skip
+    if args.only:
+        configs = {k: v for i, (k, v) in enumerate(configs.items()) if i == 0 or any(o in k for o in args.only)}
     results = {name: [] for name in configs}
     for r in range(args.rounds):
         for name, (cmd, env) in configs.items():

@@ -234,6 +234,66 @@ def test_plain_decoding_without_drafter(tiny_pair):
     assert all(s.num_draft == 0 for s in cycles)
 
 
+def test_plain_decoding_queues_each_step_before_reading_the_last(qwen3_pair, monkeypatch):
+    # mlx-lm's generate_step overlaps the next step with the host; ours must too: when the
+    # caller gets a token, the step after it is already queued.
+    from dflash_mlx.verify import Verifier
+
+    model, _, _ = qwen3_pair
+    calls = []
+    real = Verifier.step
+    monkeypatch.setattr(Verifier, "step", lambda self, *a: calls.append(1) or real(self, *a))
+    steps = dflash_generate_step(_prompt(7), model, None, max_tokens=5)
+    seen = [len(calls) for _ in steps]
+    # The prefill's token (no step), then each token with the step after it queued, but none
+    # past the budget.
+    assert seen == [0, 2, 3, 4, 4]
+
+
+@pytest.mark.parametrize("stop_at", [0, 3, 9])
+def test_plain_decoding_stop_and_next_turn(qwen3_pair, stop_at):
+    # A step queued past a stop token is taken back: the cache holds what the loop emitted
+    # (all but its last token) and the next turn continues exactly.
+    model, _, _ = qwen3_pair
+    prompt = _prompt(11)
+    ref = reference(model, prompt, 40)
+    cache = make_cache(model, None)
+    out, _ = run(model, None, prompt, max_tokens=40, prompt_cache=cache, stop_tokens={ref[stop_at]})
+    assert out == _truncate_at_stop(ref, {ref[stop_at]})
+    assert cache.tokens == (prompt + out)[:-1] and cache.offset == len(cache.tokens)
+    follow = prompt + out + _prompt(4, seed=5)
+    again, _ = run(model, None, follow, max_tokens=30, prompt_cache=cache)
+    assert again == reference(model, follow, 30)
+
+
+def test_plain_decoding_left_early_continues_exactly(qwen3_pair):
+    model, _, _ = qwen3_pair
+    prompt = _prompt(20)
+    cache = make_cache(model, None)
+    steps = dflash_generate_step(prompt, model, None, max_tokens=60, prompt_cache=cache)
+    taken = [t for _, step in zip(range(6), steps) for t in step.tokens]
+    steps.close()
+    assert cache.tokens == (prompt + taken)[:-1] and cache.offset == len(cache.tokens)
+    follow = prompt + taken + _prompt(5, seed=9)
+    again, _ = run(model, None, follow, max_tokens=30, prompt_cache=cache)
+    assert again == reference(model, follow, 30)
+
+
+def test_plain_decoding_with_logits_processors(qwen3_pair):
+    # A queued step's processors see every token before it, the unread one included.
+    model, _, _ = qwen3_pair
+    prompt = _prompt(9)
+
+    def two_back(tokens, logits):
+        # Forces the token after the one two back: any token missing from ``tokens`` shows.
+        return logits + 1e4 * (mx.arange(logits.shape[-1]) == (tokens[-2] + 1) % logits.shape[-1])
+
+    processors = [two_back]
+    out, _ = run(model, None, prompt, max_tokens=40, logits_processors=processors)
+    steps = generate_step(mx.array(prompt), model, max_tokens=40, logits_processors=processors)
+    assert out == [int(tok) for tok, _ in steps]
+
+
 def test_block_size_one_with_drafter(qwen3_pair):
     model, draft, _ = qwen3_pair
     prompt = _prompt(7)
