@@ -6,12 +6,16 @@ plainly while it does not, judged on measured time.
 whether the next one drafts. The state outlives a call: a ``DFlashCache`` carries one, and
 ``policy=`` passes one to every call for a pair (a chat's replies, a server's requests), so a
 new reply starts where the last one left off instead of drafting again to find out.
+:class:`PolicyStore` keeps it on disk between processes (dflash-generate's one-shot runs).
 Plain Python only.
 """
 
+import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from .errors import DFlashError
@@ -54,6 +58,7 @@ class PolicyState:
     run: int = field(default=0, init=False)  # the plain run after the next loss
     since_plain: int = field(default=0, init=False)  # drafting cycles since the last plain one
     warm: bool = field(default=False, init=False)  # the first cycle (graphs compiled) is not timed
+    cold_drafter: bool = field(default=False, init=False)  # restored: the next drafting cycle is not timed
     window_seconds: float = field(default=0.0, init=False)
     window_tokens: int = field(default=0, init=False)
     window_cycles: int = field(default=0, init=False)
@@ -83,6 +88,34 @@ class PolicyState:
         """Whether the next cycle drafts (the first one always does: it warms the drafter up)."""
         return not self.warm or (self.plain_left == 0 and self.since_plain < self.refresh)
 
+    # What a later process starts from (the rest, a window under way, starts afresh).
+    _SAVED = ("plain_time", "draft_time", "plain_left", "run", "since_plain")
+
+    def saved(self) -> dict:
+        """What it measured and where its schedule stands, as plain JSON values."""
+        return {name: getattr(self, name) for name in self._SAVED}
+
+    @classmethod
+    def restored(cls, saved: dict, **settings) -> "PolicyState":
+        """A state that goes on from :meth:`saved`'s values (unusable ones are left fresh). Its
+        schedule goes on as saved; the first drafting cycle is not timed, since a new process
+        compiles the drafter's graphs then."""
+        state = cls(**settings)
+        for name in cls._SAVED:
+            value = saved.get(name)
+            if name.endswith("_time"):
+                if isinstance(value, (int, float)) and value > 0:
+                    setattr(state, name, float(value))
+            elif isinstance(value, int) and 0 <= value <= max(state.max_run, state.refresh, state.window):
+                setattr(state, name, value)
+        # Measured before: no warm-up cycle that drafts whatever the schedule says.
+        state.warm = state.cold_drafter = state.plain_time is not None
+        return state
+
+    def plain_follows(self) -> bool:
+        """During a plain cycle: whether the next one is plain too, once this one is recorded."""
+        return self.warm and self.plain_left > 1
+
     def record(self, seconds: float, tokens: int, drafted: bool) -> None:
         """A cycle took ``seconds`` and gave ``tokens``; ``drafted``: it verified drafts."""
         if not self.warm:
@@ -101,6 +134,9 @@ class PolicyState:
 
     def _drafting_cycle(self, seconds: float, tokens: int) -> None:
         self.since_plain += 1
+        if self.cold_drafter:
+            self.cold_drafter = False
+            return
         self.window_cycles += 1
         self.window_seconds += seconds
         self.window_tokens += tokens
@@ -124,3 +160,42 @@ class PolicyState:
             self.plain_left, self.run = max(self.run, bound), min(2 * self.run, self.max_run)
         else:
             self.run = self.window
+
+
+class PolicyStore:
+    """Policy states on disk, one JSON object keyed by machine, pair and drafting setup, so that
+    a new process starts where the last one left off instead of drafting again to find out.
+
+    Args:
+        path: The JSON file (None: ``policy.json`` in dflash-mlx's cache folder).
+    """
+
+    def __init__(self, path: str | Path | None = None):
+        if path is None:
+            from .weights.gguf import default_cache_root
+
+            path = default_cache_root() / "policy.json"
+        self.path = Path(path)
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}  # none yet, or unreadable: learn again
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str) -> PolicyState:
+        """The saved state for ``key``, or a fresh one."""
+        saved = self._read().get(key)
+        return PolicyState.restored(saved) if isinstance(saved, dict) else PolicyState()
+
+    def put(self, key: str, state: PolicyState) -> None:
+        data = self._read()
+        data[key] = state.saved()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only home: the next process learns again

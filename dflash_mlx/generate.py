@@ -5,6 +5,8 @@ Three layers, as in mlx-lm: ``dflash_generate_step`` (token ids), ``stream_gener
 """
 
 import argparse
+import hashlib
+import json
 import sys
 import time
 from typing import Callable, Generator, NamedTuple
@@ -14,8 +16,8 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import PolicyState
-from .auto_block import AutoWidth
+from .adaptive import PolicyState, PolicyStore
+from .auto_block import AutoWidth, machine_key, model_key
 from .cache import DFlashCache, check_draft_window, make_cache
 from .cli.options import add_cycle_arguments  # noqa: F401 (dflash-serve imports it from here)
 from .cli.options import (
@@ -42,7 +44,7 @@ from .plain_probe import plain_tokens_per_second
 from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, Proposal
 from .responses import AcceptanceStats, GenerationResponse
 from .sampling import can_sample_proposals, check_proposal, make_sampler
-from .verify import Verifier
+from .verify import Verdict, Verifier
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -289,33 +291,31 @@ def dflash_generate_step(
                 return Proposal(mx.zeros((0,), dtype=mx.uint32))
             return proposer.propose(last, block_size - 1)
 
-        if proposer is None and verifier.can_run_ahead:
-            # Plain decoding, pipelined as mlx-lm's generate_step: each step is queued before
-            # the host reads the one before it. A step queued past a stop token is taken back
-            # by the ``finally`` below.
-            try:
-                ahead = None
-                while not stopped and generated < max_tokens:
-                    if ahead is None:
-                        ahead = verifier.step(mx.array([last]), lambda: cache.tokens)
-                        mx.async_eval(ahead)
-                    current, ahead = ahead, None
-                    if generated + 1 < max_tokens:
-                        ahead = verifier.step(current, lambda: cache.tokens + [last])
-                        mx.async_eval(ahead)
-                    token = current.item()
-                    cache.tokens.append(last)
-                    last, generated, stopped = token, generated + 1, token in stop_tokens
-                    yield StepOutput([token], 0, 0)
-            finally:
-                if cache.offset != len(cache.tokens):
-                    cache.trim_to(len(cache.tokens))
-            return
+        def plain_follows() -> bool:
+            # During a plain cycle: whether the next one is plain too, known before its verdict.
+            return proposer is None or block_size == 1 or proposer.plain_next()
+
+        # A plain step queued before the host read the one before it, as mlx-lm's generate_step
+        # pipelines plain decoding: (its token, its taps). Taken back if unused.
+        ahead = None
         try:
             drafts = propose()
             while drafts is not None:
                 num_draft = drafts.size
-                verdict = verifier.verify(last, drafts)
+                if num_draft == 0 and verifier.can_run_ahead:
+                    if ahead is None:
+                        ahead = verifier.step(mx.array([last]), lambda: cache.tokens)
+                        mx.async_eval(ahead[0])
+                    (token, taps), ahead = ahead, None
+                    if generated + 1 < max_tokens and plain_follows():
+                        ahead = verifier.step(token, lambda: cache.tokens + [last])
+                        mx.async_eval(ahead[0])
+                    verdict = Verdict(0, [token.item()], taps)
+                else:
+                    if ahead is not None:  # the cycle drafts after all
+                        cache.trim_target(1)
+                        ahead = None
+                    verdict = verifier.verify(last, drafts)
                 room = max_tokens - generated  # the drafts past it count as neither drafted nor accepted
                 emitted = verdict.tokens[:room]
                 for j, tok in enumerate(emitted):
@@ -572,7 +572,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="{true,false}",
         help="Decode plainly while drafting is measured slower than plain decoding, drafting again later "
-        "(same distribution; default: true, false with --seed, whose output would depend on timings).",
+        "(same distribution; default: true, false with --seed, whose output would depend on timings). What it "
+        "measured is kept per pair, setup and machine in ~/.cache/dflash-mlx/policy.json, where the next run "
+        "goes on from it.",
     )
     parser.add_argument("--seed", type=int, action=InRange, low=0, high=MAX_SEED, default=None,
                         help="Random seed for sampling (default: none).")  # fmt: skip
@@ -603,6 +605,15 @@ def apply_chat_template(
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": prompt})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
+
+
+def policy_key(model: nn.Module, draft: DraftModel, setup: dict) -> str:
+    """What the adaptive policy's verdict depends on: the machine, the target's shape and dtype,
+    the drafter's weights (a checksum) and the drafting setup."""
+    weights = mx.sum(draft.fc.weight.astype(mx.float32)).item()
+    drafter = json.dumps([vars(draft.args), round(weights, 6)], sort_keys=True, default=str)
+    ident = json.dumps([machine_key(), model_key(model), drafter, setup], sort_keys=True)
+    return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
 def _window_cache(model: nn.Module, max_kv_size: int) -> DFlashCache:
@@ -642,6 +653,14 @@ def main(argv: list[str] | None = None) -> None:
         if not args.ignore_chat_template:
             prompt = apply_chat_template(tokenizer, prompt, args.system_prompt, args.chat_template_config)
         cache = _window_cache(model, args.max_kv_size) if args.max_kv_size is not None else None
+        # One-shot runs go on from what earlier ones measured of this pair on this machine.
+        adaptive = args.seed is None if args.adaptive is None else args.adaptive
+        store = key = policy = None
+        if adaptive and isinstance(draft, DraftModel):
+            setup = {k: getattr(args, k) for k in ("block_size", "temp", "top_p", "min_p", "top_k", "proposal",
+                                                   "min_confidence", "lookup_fallback", "draft_window")}  # fmt: skip
+            store, key = PolicyStore(), policy_key(model, draft, setup)
+            policy = store.get(key)
         text = generate(
             model,
             draft,
@@ -656,6 +675,7 @@ def main(argv: list[str] | None = None) -> None:
             min_confidence=args.min_confidence,
             lookup_fallback=args.lookup_fallback,
             adaptive=args.adaptive,
+            policy=policy,
             draft_window=args.draft_window,
             draft_sinks=args.draft_sinks,
             seed=args.seed,
@@ -663,6 +683,8 @@ def main(argv: list[str] | None = None) -> None:
             # mlx-lm's prefill step: with a rotating window (--max-kv-size) the chunks shape the output.
             prefill_step_size=2048 if cache is not None else 512,
         )
+        if store is not None:
+            store.put(key, policy)
         if not args.verbose:
             print(text)  # the text alone, as mlx_lm.generate does
     except DFlashError as e:

@@ -51,5 +51,8 @@ class LookupProposer:
         found = self.settings.lookup(self.history + [last], n)
         return Proposal(mx.array(found, dtype=mx.uint32), None)
 
+    def plain_next(self) -> bool:
+        return False  # whether the next lookup finds anything depends on this cycle's tokens
+
     def accept(self, num_kept: int, taps: mx.array | None) -> None:
         pass

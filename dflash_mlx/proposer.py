@@ -52,6 +52,11 @@ class Proposer(Protocol):
         ``[last, drafts...]``; ``taps`` are the block's taps (all of its positions)."""
         ...
 
+    def plain_next(self) -> bool:
+        """After a proposal of no drafts: whether the next one has none either, known before
+        this cycle's verdict (the loop then queues that plain step before reading this one)."""
+        ...
+
 
 class DFlashProposer:
     """The DFlash drafter: one pass over ``[last, MASK x (B-1)]`` with the target's taps
@@ -135,6 +140,9 @@ class DFlashProposer:
             k += 1
         return drafts[:k], None if q is None else q[:k]
 
+    def plain_next(self) -> bool:
+        return False
+
     def accept(self, num_kept: int, taps: mx.array | None) -> None:
         if self.width is not None:
             self.width.update(num_kept - 1)
@@ -165,6 +173,9 @@ class FallbackProposer:
         proposal = self.drafter.propose(last, n)
         self.drafted = proposal.size
         return proposal
+
+    def plain_next(self) -> bool:
+        return False
 
     def accept(self, num_kept: int, taps: mx.array | None) -> None:
         if self.drafted > 0:
@@ -206,6 +217,9 @@ class AdaptiveProposer:
         proposal = self.inner.propose(last, n)
         self.drafted = proposal.size
         return proposal
+
+    def plain_next(self) -> bool:
+        return self.drafted == 0 and self.policy.plain_follows()
 
     def accept(self, num_kept: int, taps: mx.array | None) -> None:
         self.inner.accept(num_kept, taps)

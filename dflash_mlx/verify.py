@@ -123,17 +123,18 @@ class Verifier:
             return self.model(tokens, cache=self.cache.target), None
         return tgt.forward_with_taps(self.model, tokens, self.cache.target, self.tap_ids, self.speedups)
 
-    def step(self, token: mx.array, seen: Callable[[], list[int]]) -> mx.array:
+    def step(self, token: mx.array, seen: Callable[[], list[int]]) -> tuple[mx.array, mx.array | None]:
         """One plain decoding step, left unevaluated: the target's next token ``(1,)`` after
-        ``token`` ``(1,)``, which may itself be unevaluated, so that the next step is queued
-        before the host reads this one, as mlx-lm's ``generate_step`` does.
+        ``token`` ``(1,)`` (itself possibly unevaluated, so that the next step is queued before
+        the host reads this one, as mlx-lm's ``generate_step`` does), and the taps of ``token``'s
+        position ``(1, 1, n_taps * H)`` or None.
 
         ``seen()`` gives the tokens before ``token`` (called only with logits processors).
         """
         block = token.astype(mx.uint32).reshape(1, 1)
-        logits, _ = self._forward(block)
+        logits, taps = self._forward(block)
         logits = self._logits(logits[0], block, seen() if self.logits_processors else None)
-        return self._sample(logits).astype(mx.uint32)
+        return self._sample(logits).astype(mx.uint32), taps
 
     def verify(self, last: int, proposal: Proposal) -> Verdict:
         """One target pass over ``[last, drafts...]``, then the acceptance test."""

@@ -7,7 +7,7 @@ import random
 import mlx.core as mx
 import pytest
 from helpers.policy import Clock, CostlyDraft
-from test_generate import MAX_REF, _prompt, reference, run
+from test_generate import MAX_REF, _prompt, _truncate_at_stop, reference, run
 
 from dflash_mlx import DFlashError, make_cache, stream_generate
 from dflash_mlx.adaptive import PolicyState
@@ -308,3 +308,103 @@ def test_verbose_says_when_drafting_loses_with_the_policy_off(qwen3_pair, capsys
     assert len(line) == 1 and "than plain decoding" in line[0] and "timed after the run" in line[0]
     generate(model, None, tokenizer, _prompt(7), verbose=True, max_tokens=8, **settings)
     assert "Drafting:" not in capsys.readouterr().out  # nothing drafted, nothing to compare
+
+
+def _two_back(tokens, logits):
+    # Forces the token after the one two back, so that a tiny random target's text varies.
+    return logits + 1e4 * (mx.arange(logits.shape[-1]) == (tokens[-2] + 1) % logits.shape[-1])
+
+
+@pytest.mark.parametrize("stops", [False, True])
+def test_plain_runs_are_pipelined_and_lossless(qwen3_pair, monkeypatch, stops):
+    # A run of plain cycles queues each step before reading the last (mlx-lm's pipelining),
+    # keeps the drafter's taps in step, and ends in a cache the next turn continues from.
+    from mlx_lm.generate import generate_step
+
+    from dflash_mlx.verify import Verifier
+
+    model, draft, _ = qwen3_pair
+    calls = []
+    real = Verifier.step
+    monkeypatch.setattr(Verifier, "step", lambda self, *a: calls.append(1) or real(self, *a))
+    prompt = _prompt(9, seed=5)
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=40, logits_processors=[_two_back])]
+    # A stop token first met inside the plain run.
+    stop = {next(t for i, t in enumerate(ref) if i >= 4 and t not in ref[:i])} if stops else set()
+    policy = PolicyState()
+    policy.warm, policy.plain_left = True, 10  # ten plain cycles, then drafting
+    cache = make_cache(model, draft)
+    out, cycles = run(model, draft, prompt, max_tokens=40, policy=policy, prompt_cache=cache, stop_tokens=stop,
+                      logits_processors=[_two_back])  # fmt: skip
+    assert out == _truncate_at_stop(ref, stop) and 5 <= len(out) < 11 if stops else out == ref
+    plain = [c for c in cycles[1:] if c.num_draft == 0]
+    assert len(plain) >= min(10, len(out) - 1) and len(calls) >= len(plain)
+    assert cache.offset == len(cache.tokens) == cache.draft_offset + cache.pending_length
+    follow = prompt + out + _prompt(5, seed=9)
+    again, _ = run(model, draft, follow, max_tokens=30, prompt_cache=cache)
+    assert again == reference(model, follow, 30)
+
+
+def test_policy_state_saved_and_restored():
+    policy = PolicyState()
+    policy.warm, policy.plain_time, policy.draft_time, policy.plain_left, policy.run = True, 0.1, 0.3, 40, 32
+    again = PolicyState.restored(policy.saved())
+    assert again.saved() == policy.saved()
+    # It goes on with its plain run at once; its next drafting cycle (the drafter's graphs
+    # compile in a new process) is not timed.
+    assert not again.drafts_next()
+    again.plain_left = 0
+    assert again.drafts_next()
+    again.record(99.0, 1, drafted=True)
+    assert again.window_cycles == 0 and again.draft_time == 0.3 and again.since_plain == 1
+    again.record(0.2, 1, drafted=True)
+    assert again.window_cycles == 1
+    # Values it cannot use are left fresh, never raised on.
+    odd = PolicyState.restored({"plain_time": -1, "draft_time": "x", "plain_left": 10**9, "run": 3.5})
+    assert odd.saved() == PolicyState().saved()
+
+
+def test_policy_store_keeps_states_by_key(tmp_path):
+    from dflash_mlx.adaptive import PolicyStore
+
+    store = PolicyStore(tmp_path / "sub" / "policy.json")
+    assert store.get("a").saved() == PolicyState().saved()  # nothing yet
+    policy = PolicyState()
+    policy.plain_time, policy.plain_left = 0.2, 17
+    store.put("a", policy)
+    store.put("b", PolicyState())
+    assert store.get("a").saved() == policy.saved() and store.get("b").saved() == PolicyState().saved()
+    (tmp_path / "sub" / "policy.json").write_text("{not json")
+    assert store.get("a").saved() == PolicyState().saved()  # unreadable: learn again
+    store.put("a", policy)  # and it is rewritten whole
+    assert store.get("a").saved() == policy.saved()
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["policy.json"]  # no partial file left
+
+
+def test_dflash_generate_goes_on_from_the_last_run(pair_dirs, tmp_path, monkeypatch, capsys):
+    # A one-shot run starts where the last run of the pair left off: here, inside a run of
+    # plain cycles that an earlier run's losing windows set up.
+    from dflash_mlx.adaptive import PolicyStore
+    from dflash_mlx.generate import main
+    from dflash_mlx.weights import gguf
+
+    monkeypatch.setattr(gguf, "default_cache_root", lambda: tmp_path)
+    args = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
+            "--prompt", "t1 t2 t3", "--max-tokens", "30", "--block-size", "4"]  # fmt: skip
+    main(args)
+    store = PolicyStore(tmp_path / "policy.json")
+    (key,) = store._read()
+    first = capsys.readouterr().out
+    saved = store.get(key)
+    saved.plain_time, saved.draft_time, saved.plain_left, saved.run = 0.01, 0.05, 200, 256
+    store.put(key, saved)
+    main(args)
+    second = capsys.readouterr().out
+    assert second.split("==========")[1] == first.split("==========")[1]  # the same text
+    # The saved run of plain cycles goes on: no cycle drafts.
+    assert "Acceptance length: no drafting cycles; 29 plain" in second
+    assert store.get(key).plain_left == 200 - 29
+    # --adaptive false and --seed leave the state alone.
+    main([*args, "--adaptive", "false"])
+    main([*args, "--seed", "3"])
+    assert store.get(key).plain_left == 200 - 29

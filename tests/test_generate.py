@@ -219,10 +219,14 @@ def test_cache_offsets_track_committed_tokens(qwen3_pair, wrong_every):
     for step in dflash_generate_step(prompt, model, oracle, max_tokens=100, prompt_cache=cache):
         emitted += len(step.tokens)
         committed = len(prompt) + emitted - 1  # the newest token is not yet run through the target
-        assert cache.offset == committed == len(cache.tokens)
-        assert all(c.offset == committed for c in cache.target)
+        assert len(cache.tokens) == committed
+        # Between plain cycles the next plain step may already be queued (mlx-lm's pipelining).
+        ahead = cache.offset - committed
+        assert ahead in (0, 1) and (ahead == 0 or step.num_draft == 0)
+        assert all(c.offset == committed + ahead for c in cache.target)
         assert cache.draft_offset + cache.pending_length == committed
         assert all(c.offset == cache.draft_offset for c in cache.draft)
+    assert cache.offset == committed  # taken back at the end
     assert cache.tokens == (prompt + ref)[:committed]
 
 
