@@ -12,13 +12,13 @@ Plain Python only.
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from .errors import DFlashError
+from .weights.files import write_text_atomic
 
 
 @dataclass
@@ -193,9 +193,6 @@ class PolicyStore:
         data = self._read()
         data[key] = state.saved()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
-            tmp.write_text(json.dumps(data, indent=1))
-            os.replace(tmp, self.path)
+            write_text_atomic(self.path, json.dumps(data, indent=1))
         except OSError:
             pass  # a read-only home: the next process learns again

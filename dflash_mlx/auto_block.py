@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import DFlashError
+from .weights.files import write_text_atomic
 from .models import hybrid
 from .models import target as tgt
 
@@ -109,10 +110,7 @@ class CostStore:
         data = self._read()
         data[key] = {"draft": costs.draft, "verify": {str(k): v for k, v in costs.verify.items()}}
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
-            tmp.write_text(json.dumps(data, indent=1))
-            os.replace(tmp, self.path)
+            write_text_atomic(self.path, json.dumps(data, indent=1))
         except OSError:
             pass  # a read-only home: the costs are measured again next time
 

@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten
 from ..chat_template import has_chat_template, render_chat
 from ..cli.options import DTYPE_CHOICES, ArgumentParser, InRange, add_blas_argument, add_window_arguments, block_size_problem
 from ..errors import DFlashError
+from ..weights.files import write_text_atomic
 from ..weights.jsonl import read_objects
 from .context import parse_lengths
 from .report import markdown, plots, stamp
@@ -404,17 +405,6 @@ def _check_outputs(json_path: str | None, markdown_path: str | None, plots_dir: 
             raise DFlashError(f"{flag} {value}: the folder {where} is not writable; pass another path.")
 
 
-def _write_text(path: str, text: str) -> None:
-    # A temporary sibling renamed into place: an interrupted write never leaves half a file.
-    tmp = Path(path).with_name(f".{Path(path).name}.partial")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -446,9 +436,9 @@ def main(argv: list[str] | None = None) -> None:
         table += f"\n### {category}\n\n" + "\n".join(markdown(rows, result["meta"], own).splitlines()[2:]) + "\n"
     print(table)
     if args.markdown:
-        _write_text(args.markdown, table)
+        write_text_atomic(args.markdown, table)
     if args.json:
-        _write_text(args.json, json.dumps(result, indent=1))
+        write_text_atomic(args.json, json.dumps(result, indent=1))
     if args.plots:
         for path in plots(result["rows"], Path(args.plots), result["meta"]):
             print(f"wrote {path}")
@@ -469,9 +459,9 @@ def _remote_main(args) -> None:
     table = load_markdown(result)
     print(table)
     if args.markdown:
-        _write_text(args.markdown, table)
+        write_text_atomic(args.markdown, table)
     if args.json:
-        _write_text(args.json, json.dumps(result, indent=1))
+        write_text_atomic(args.json, json.dumps(result, indent=1))
 
 
 def _scaling_main(args) -> None:
@@ -492,9 +482,9 @@ def _scaling_main(args) -> None:
     table += scaling_markdown(rows)
     print(table)
     if args.markdown:
-        _write_text(args.markdown, table)
+        write_text_atomic(args.markdown, table)
     if args.json:
-        _write_text(args.json, json.dumps({"meta": meta, "scaling": rows}, indent=1))
+        write_text_atomic(args.json, json.dumps({"meta": meta, "scaling": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Folders a user owns are built next to their destination and moved into place in one rename."""
+"""Files and folders a user owns are built next to their destination and moved into place in one rename."""
 
 import os
 import shutil
@@ -32,3 +32,17 @@ def install(tmp: Path, dest: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink()
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a hidden sibling renamed into place: an interrupted or
+    concurrent write never leaves half a file. Errors propagate; the sibling is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
