@@ -1,6 +1,7 @@
 """Fast greedy responses of the target for drafter training, in the cache format of dflash-train.
 
-Continuous batched greedy decoding with mlx-lm's own model (float32, ``mlx_lm.load``):
+dflash-train's own data step (``dflash_mlx.train.batch_decode``, one process) in several worker
+processes, with mlx-lm's own model (float32, ``mlx_lm.load``):
 
 * Prompts are taken in file order in windows of ``4 * batch`` prompts, sorted by length inside
   a window (so the answered set stays close to a prefix of the file) and cut into groups.
@@ -71,173 +72,11 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------- worker
 
 
-class _SlotLayer:
-    """One layer's KV cache of a :class:`SlotBatch`, with the interface mlx-lm's llama uses."""
-
-    def __init__(self, batch):
-        self.batch = batch
-        self.keys = self.values = None
-
-    @property
-    def offset(self):  # per-row RoPE position of the token being decoded
-        return self.batch.offset
-
-    def make_mask(self, N, return_array=False, window_size=None, **kwargs):
-        assert N == 1 and window_size is None
-        return self.batch.mask
-
-    def update_and_fetch(self, keys, values):
-        b = self.batch
-        self.keys[..., b.idx : b.idx + 1, :] = keys
-        self.values[..., b.idx : b.idx + 1, :] = values
-        return self.keys[..., b.start : b.idx + 1, :], self.values[..., b.start : b.idx + 1, :]
-
-    @property
-    def state(self):
-        return self.keys, self.values
-
-
-class SlotBatch:
-    """A fixed set of ``B`` decode rows sharing one write column, refilled in place.
-
-    Like mlx-lm's ``BatchKVCache`` the rows are right-aligned: every step writes column
-    ``idx`` of every row and row ``b`` holds valid keys from column ``lp[b]`` on (the mask
-    hides the rest). A finished row's slot is reused by writing a new prompt's prefilled keys
-    into it, ending at ``idx``; nothing else is copied. Attention reads the window
-    ``[start, idx]``, ``start`` the oldest live row's first column. When the buffer is full,
-    the window is copied to the front of a new one (once every ``step`` decode steps).
-    """
-
-    step = 256
-
-    def __init__(self, model, batch_size):
-        import numpy as np
-
-        self.B = batch_size
-        self.layers = [_SlotLayer(self) for _ in model.layers]
-        self.idx = self.start = self.cap = 0
-        self.lp = np.zeros(batch_size, np.int64)
-        self.live = np.zeros(batch_size, bool)
-        self.offset = self.mask = None
-
-    def _compact(self, extra_left=0):
-        import mlx.core as mx
-
-        width = self.idx - self.start
-        new_cap = extra_left + width + self.step
-        for layer in self.layers:
-            k, v = layer.keys, layer.values
-            shape = (self.B, self.kv_heads, new_cap, self.head_dim)
-            nk, nv = mx.zeros(shape, self.dtype), mx.zeros(shape, self.dtype)
-            if k is not None and width > 0:
-                nk[..., extra_left : extra_left + width, :] = k[..., self.start : self.idx, :]
-                nv[..., extra_left : extra_left + width, :] = v[..., self.start : self.idx, :]
-            layer.keys, layer.values = nk, nv
-        shift = self.start - extra_left
-        self.lp -= shift
-        self.idx, self.start, self.cap = extra_left + width, extra_left, new_cap
-        mx.eval([layer.state for layer in self.layers])
-
-    def insert(self, slots, group_cache, group_pad, width):
-        """Put a prefilled group (a BatchKVCache per layer, ``width`` columns) into ``slots``."""
-        import mlx.core as mx
-
-        k0 = group_cache[0].keys
-        self.kv_heads, self.head_dim, self.dtype = k0.shape[1], k0.shape[3], k0.dtype
-        if self.layers[0].keys is None or self.idx < width:
-            self._compact(extra_left=max(0, width - (self.idx - self.start)))
-        c0 = self.idx - width
-        index = mx.array(slots)
-        for layer, src in zip(self.layers, group_cache):
-            layer.keys[index, :, c0 : self.idx, :] = src.keys[..., :width, :]
-            layer.values[index, :, c0 : self.idx, :] = src.values[..., :width, :]
-        self.lp[slots] = c0 + group_pad
-        self.live[slots] = True
-        self.start = min(self.start, c0)
-
-    def prepare_step(self):
-        import mlx.core as mx
-        import numpy as np
-
-        if self.idx + 1 > self.cap:
-            self._compact()
-        self.start = int(self.lp[self.live].min()) if self.live.any() else self.idx
-        self.start = max(self.start, 0)
-        self.offset = mx.array(self.idx - self.lp, dtype=mx.int32)
-        cols = np.arange(self.start, self.idx + 1)
-        self.mask = mx.array((cols[None, :] >= self.lp[:, None])[:, None, None, :])
-
-
-def decode_slots(model, take_group, *, batch_size, group, max_tokens, eos, on_step=None):
-    """Continuous greedy batching: yield ``(item, response_ids, finish_reason)`` as rows finish.
-
-    ``take_group(n)`` returns up to ``n`` items ``(key, prompt_ids)`` (length-sorted) or ``[]``.
-    Free slots are refilled, ``group`` at a time, with new prompts prefilled together.
-    """
-    import mlx.core as mx
-    import numpy as np
-    from mlx_lm.models.cache import BatchKVCache
-
-    def prefill(items):
-        """Caches holding all but the last token of each prompt (left-padded), and the pads."""
-        heads = [ids[:-1] for _, ids in items]
-        width = max(len(h) for h in heads)
-        pad = [width - len(h) for h in heads]
-        cache = [BatchKVCache(pad) for _ in model.layers]
-        x = mx.array([[0] * p + h for p, h in zip(pad, heads)], dtype=mx.uint32)
-        model(x, cache=cache)
-        mx.eval([c.state for c in cache])
-        return cache, pad, width
-
-    batch = SlotBatch(model, batch_size)
-    state = ["free"] * batch_size  # free | first (input is the prompt's last token) | live
-    item = [None] * batch_size
-    out = [None] * batch_size
-    y = mx.zeros((batch_size,), mx.uint32)
-    more = True
-    while True:
-        free = [s for s in range(batch_size) if state[s] == "free"]
-        if more and len(free) >= min(group, batch_size):
-            while more and free:
-                items = take_group(min(group, len(free)))
-                if not items:
-                    more = False
-                    break
-                slots, free = free[: len(items)], free[len(items) :]
-                if min(len(ids) for _, ids in items) < 2:
-                    raise ValueError("prompts need at least 2 tokens")
-                cache, pad, width = prefill(items)
-                batch.insert(slots, cache, np.array(pad), width)
-                y[mx.array(slots)] = mx.array([ids[-1] for _, ids in items], dtype=mx.uint32)
-                for s, it in zip(slots, items):
-                    state[s], item[s], out[s] = "first", it, []
-        if not batch.live.any():
-            return
-        batch.prepare_step()
-        y_next = mx.argmax(model(y[:, None], cache=batch.layers)[:, -1, :], axis=-1).astype(mx.uint32)
-        batch.idx += 1
-        mx.async_eval(y_next)
-        toks = y.tolist()
-        useful = 0
-        for s, t in enumerate(toks):
-            if state[s] == "first":
-                state[s] = "live"
-            elif state[s] == "live":
-                out[s].append(t)
-                useful += 1
-                if t in eos or len(out[s]) >= max_tokens:
-                    yield item[s], out[s], "stop" if t in eos else "length"
-                    state[s], item[s], out[s] = "free", None, None
-                    batch.live[s] = False
-        if on_step is not None:
-            on_step(useful, int(batch.live.sum()))
-        y = y_next
-
-
 def worker_main(wid, args, task_q, result_q, stop_event):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import mlx.core as mx
     from mlx_lm import load
+
+    from dflash_mlx.train.batch_decode import decode_slots
 
     model, tokenizer = load(args.model)
     eos = frozenset(tokenizer.eos_token_ids)

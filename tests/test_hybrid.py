@@ -306,3 +306,13 @@ def test_a_layer_layout_mlx_lm_would_not_build_is_refused(hf_targets, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(DFlashError, match=r"layer_types \['linear_attention', 'full_attention', .* differ from"):
         load(folder)
+
+
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_data_step_refills_rows_only_without_recurrent_layers(pairs, kind):
+    # The data step's slot engine refills key/value rows; recurrent targets go to mlx-lm's
+    # BatchGenerator instead.
+    from dflash_mlx.train import batch_decode
+
+    model, _, _ = pairs[kind]
+    assert batch_decode.supports(model) == (kind not in HYBRID)

@@ -93,12 +93,17 @@ def test_data_step_is_greedy_and_resumable(setup, tmp_path):
     assert ex["response_ids"] == ref[: stop + 1]
 
 
-def test_batched_generation_matches_plain_loop(setup, tmp_path):
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_batched_generation_matches_plain_loop(setup, tmp_path, monkeypatch, kind):
+    from dflash_mlx.train import data as data_mod
+
     _, prompts, _ = setup
     # The module's tied target repeats its last token; an untied one gives a different response
     # per prompt, so a mixed-up or shifted batch shows.
-    write_target(tmp_path / "target", layers=4, tied=False)
+    write_target(tmp_path / "target", kind=kind, layers=4, tied=False)
     model, _, tokenizer = load(tmp_path / "target", dtype="float32")
+    # Attention-only targets take the slot engine, never mlx-lm's BatchGenerator.
+    monkeypatch.setattr(data_mod, "_generate_batched", None)
     free = generate_responses(model, tokenizer, read_prompts(prompts), tmp_path / "free.jsonl", max_tokens=30)
     # It never emits its end token in 30 tokens: stop on a token it does emit, so some responses
     # stop early (the stop token kept, nothing after it) and others run to the length limit.

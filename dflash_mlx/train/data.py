@@ -9,6 +9,7 @@ training sees exactly the target's tokens.
 """
 
 import hashlib
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..chat_template import render_chat
 from ..errors import DFlashError
 from ..generate import dflash_generate_step
+from . import batch_decode
 
 
 @dataclass
@@ -177,8 +179,28 @@ def _generate_one(model, prompt_ids, max_tokens, stop_tokens) -> list[int]:
     return [t for step in steps for t in step.tokens]
 
 
+def _generate_slots(model, prompts, max_tokens, stop_tokens, batch_size) -> Iterator[tuple[int, list[int]]]:
+    """``(index, response)`` as each finishes, from :mod:`.batch_decode` (greedy): prompts in
+    windows of ``4 * batch_size`` in file order, by length inside a window (the answered set
+    stays close to a prefix of the file; rows prefilled together pad little)."""
+    window = 4 * batch_size
+    order = []
+    for w in range(0, len(prompts), window):
+        order += sorted(range(w, min(w + window, len(prompts))), key=lambda i: len(prompts[i]))
+    queue = iter(order)
+
+    def take_group(n):
+        return [(i, prompts[i]) for i in itertools.islice(queue, n)]
+
+    for (i, _), response, _ in batch_decode.decode_slots(
+        model, take_group, batch_size=batch_size, group=8, max_tokens=max_tokens, eos=stop_tokens
+    ):
+        yield i, response
+
+
 def _generate_batched(model, prompts, max_tokens, stop_tokens, batch_size) -> Iterator[tuple[int, list[int]]]:
-    """``(index, response)`` as each finishes, from mlx-lm's continuous batching (greedy).
+    """``(index, response)`` as each finishes, from mlx-lm's continuous batching (greedy), for
+    targets :mod:`.batch_decode` cannot refill (recurrent layers).
 
     Unlike ``batch_generate``, the stop token is kept, as the plain loop keeps it.
     """
@@ -219,8 +241,9 @@ def generate_responses(
 
     Prompts already in the cache are skipped, so an interrupted run resumes where it
     stopped. With ``batch_size == 1`` decoding is the library's own plain loop
-    (``draft=None``); larger batches use mlx-lm's ``BatchGenerator``, also greedy, for
-    throughput (the same tokens up to floating-point ties).
+    (``draft=None``); larger batches decode rows side by side, refilled as they finish
+    (:mod:`dflash_mlx.train.batch_decode`; mlx-lm's ``BatchGenerator`` for targets with
+    recurrent layers), also greedy (the same tokens up to floating-point ties).
 
     Args:
         model: The target.
@@ -259,11 +282,16 @@ def generate_responses(
     with open(cache_path, "a") as f:
         if f.tell() > 0 and not cache_path.read_bytes().endswith(b"\n"):
             f.write("\n")  # end a line torn by an interrupted run, so the next one parses
-        for c in range(0, len(todo), batch_size * 4):
+        # The slot engine refills rows continuously over all the prompts; the others go in parts.
+        slots = batch_size > 1 and batch_decode.supports(model) and all(len(p) >= 2 for _, p in todo)
+        step = len(todo) if slots else batch_size * 4
+        for c in range(0, len(todo), max(step, 1)):
             if out_of_time():
                 break
-            part = todo[c : c + batch_size * 4]
-            if batch_size == 1:
+            part = todo[c : c + step]
+            if slots:
+                results = _generate_slots(model, [p for _, p in part], max_tokens, stop_tokens, batch_size)
+            elif batch_size == 1:
                 results = (
                     (i, _generate_one(model, p, max_tokens, stop_tokens)) for i, (_, p) in enumerate(part)
                 )
