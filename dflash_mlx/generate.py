@@ -17,7 +17,6 @@ from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import PolicyState, PolicyStore
-from .auto_block import AutoWidth, machine_key, model_key
 from .cache import DFlashCache, check_draft_window, make_cache
 from .cli.options import add_cycle_arguments  # noqa: F401 (dflash-serve imports it from here)
 from .cli.options import (
@@ -45,8 +44,9 @@ from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, Propos
 from .responses import AcceptanceStats, GenerationResponse
 from .sampling import can_sample_proposals, check_proposal, make_sampler
 from .verify import Verdict, Verifier
+from .verify_width import VerifyWidth, machine_key, model_key
 
-Sampler = Callable[[mx.array], mx.array]
+SampleFn = Callable[[mx.array], mx.array]  # any mlx-lm sampler: logprobs -> token ids
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 # A stream for generation on whichever thread runs the generator (CLI or TUI worker).
@@ -105,7 +105,7 @@ def _prompt_ids(prompt) -> list[int]:
     return ids
 
 
-def is_greedy(sampler: Sampler | None) -> bool:
+def is_greedy(sampler: SampleFn | None) -> bool:
     """True for samplers that take the argmax: None, ours at temperature 0, mlx-lm's own."""
     return sampler is None or sampler is greedy_sampler or getattr(sampler, "greedy", False) is True
 
@@ -130,7 +130,7 @@ def _make_proposer(
     if isinstance(draft, PromptLookup):
         return LookupProposer(draft, cache.tokens)
     sample = proposal == "sample" and can_sample_proposals(sampler)
-    width = AutoWidth(model, draft, cache, speedups) if auto else None
+    width = VerifyWidth(model, draft, cache, speedups) if auto else None
     drafter = DFlashProposer(
         model, draft, cache, sampler=sampler if sample else None, min_confidence=min_confidence, speedups=speedups,
         width=width,
@@ -148,7 +148,7 @@ def dflash_generate_step(
     *,
     block_size: int | str | None = None,
     max_tokens: int = 256,
-    sampler: Sampler | None = None,
+    sampler: SampleFn | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
     proposal: str = "sample",
     min_confidence: float = 0.0,
@@ -177,7 +177,7 @@ def dflash_generate_step(
         block_size: Tokens verified per cycle, 1..drafter's trained size (default), or
           ``"auto"``: each cycle, the number of drafts that gives the most tokens per second,
           from the measured cost of verify passes of each width at this context (kept on disk,
-          :mod:`dflash_mlx.auto_block`) and the drafter's confidences, scaled by how often they
+          :mod:`dflash_mlx.verify_width`) and the drafter's confidences, scaled by how often they
           were right so far. Same output either way.
         max_tokens: The most tokens to generate.
         sampler: ``logprobs -> token ids``: :func:`dflash_mlx.sampling.make_sampler` or any
@@ -350,7 +350,7 @@ def stream_generate(
     *,
     max_tokens: int = 256,
     block_size: int | str | None = None,
-    sampler: Sampler | None = None,
+    sampler: SampleFn | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
     proposal: str = "sample",
     min_confidence: float = 0.0,

@@ -78,7 +78,7 @@ class DFlashProposer:
           shorter block is still exact.
         speedups: The CPU speedups, or None.
         width: Choose each cycle's number of drafts (``block_size="auto"``,
-          :class:`dflash_mlx.auto_block.AutoWidth`); told of each cycle's acceptance.
+          :class:`dflash_mlx.verify_width.VerifyWidth`); told of each cycle's acceptance.
     """
 
     def __init__(

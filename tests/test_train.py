@@ -31,10 +31,10 @@ from dflash_mlx.train.loop import (
     TrainingArgs,
     block_logits,
     block_loss,
-    block_mask,
     get_lr,
     head_gram,
     main,
+    packed_block_mask,
     train,
 )
 from dflash_mlx.train.vocab import LossVocab, coverage, token_counts, top_tokens
@@ -159,11 +159,11 @@ def test_make_batch_anchors_and_labels():
         assert np.all(b["weights"][n, k:] == 0) and np.allclose(b["weights"][n, :k], w[:k])
 
 
-def test_block_mask_isolates_blocks(qwen3_pair):
+def test_packed_block_mask_isolates_blocks(qwen3_pair):
     model, draft, _ = qwen3_pair
     B, L, W = draft.block_size, 32, len(draft.target_layer_ids) * 64
     anchors, starts = mx.array([5, 20, 40, 50]), mx.array([0, 0, 32, 32])
-    mask = block_mask(anchors, starts, 2 * L, B)
+    mask = packed_block_mask(anchors, starts, 2 * L, B)
     assert mask.shape == (4, 1, B, 2 * L + B)
     assert mask[2, 0, 0, :32].sum().item() == 0 and mask[2, 0, 3, 32:40].all().item()
     assert mask[2, 0, 0, 40:64].sum().item() == 0 and mask[2, 0, 0, 64:].all().item()

@@ -308,7 +308,7 @@ def draft_config(target: nn.Module, tokenizer, args: TrainingArgs) -> dict:
     return config
 
 
-def block_mask(anchors: mx.array, starts: mx.array, context_len: int, block_size: int) -> mx.array:
+def packed_block_mask(anchors: mx.array, starts: mx.array, context_len: int, block_size: int) -> mx.array:
     """Which keys each training block may see: ``(nb, 1, B, L + B)`` booleans.
 
     Block i sees the context of its own sequence strictly before its anchor (what the
@@ -325,7 +325,7 @@ def block_mask(anchors: mx.array, starts: mx.array, context_len: int, block_size
 def block_hidden(draft, target, taps, blocks, anchors, starts, speedups=None) -> mx.array:
     """The drafter's last hidden states ``(nb, B, H)`` for many blocks over one packed context
     ``taps``; each block row gets its own RoPE position (its anchor), as in inference."""
-    mask = block_mask(anchors, starts, taps.shape[1], blocks.shape[1])
+    mask = packed_block_mask(anchors, starts, taps.shape[1], blocks.shape[1])
     return draft(tgt.embed(target, blocks), taps, mask=mask, block_offset=anchors, speedups=speedups)
 
 

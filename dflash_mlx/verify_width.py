@@ -144,7 +144,7 @@ def measure(model, draft, cache, tap_ids: list[int], widths: list[int], speedups
     return PassCosts(drafted, verify)
 
 
-class AutoWidth:
+class VerifyWidth:
     """Chooses each cycle's number of drafts, and learns how far to trust the drafter.
 
     Args:

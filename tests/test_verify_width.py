@@ -7,8 +7,8 @@ import pytest
 from helpers.decoding import run
 from test_generate import _prompt, reference
 
-from dflash_mlx import DFlashError, auto_block, dflash_generate_step, make_cache
-from dflash_mlx.auto_block import AutoWidth, CostStore, PassCosts, bucket, probe_widths
+from dflash_mlx import DFlashError, verify_width, dflash_generate_step, make_cache
+from dflash_mlx.verify_width import VerifyWidth, CostStore, PassCosts, bucket, probe_widths
 from dflash_mlx.bench.benchmark import run_benchmark
 from dflash_mlx.generate import main as generate_main
 
@@ -22,7 +22,7 @@ def test_buckets_widths_and_interpolation():
     assert costs.verify_at(12) == 0.030  # past the widest measured: its cost
 
 
-class _Fixed(AutoWidth):
+class _Fixed(VerifyWidth):
     """The policy alone, with given costs."""
 
     def __init__(self, costs: PassCosts):
@@ -89,7 +89,7 @@ def test_auto_measures_once_on_the_live_cache_and_keeps_it_on_disk(qwen3_pair, t
     cache = make_cache(model, draft)
     run(model, draft, _prompt(20), max_tokens=4, prompt_cache=cache, adaptive=False)
     offset, tokens = cache.offset, list(cache.tokens)
-    width = AutoWidth(model, draft, cache, store=store)
+    width = VerifyWidth(model, draft, cache, store=store)
     costs = width.costs()
     # The timed passes were trimmed off: the caches are where they were.
     assert cache.offset == offset and cache.tokens == tokens
@@ -100,13 +100,13 @@ def test_auto_measures_once_on_the_live_cache_and_keeps_it_on_disk(qwen3_pair, t
     def no_measure(*a, **k):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(auto_block, "measure", no_measure)
-    again = AutoWidth(model, draft, cache, store=store).costs()
+    monkeypatch.setattr(verify_width, "measure", no_measure)
+    again = VerifyWidth(model, draft, cache, store=store).costs()
     assert again == costs
     # Another context bucket is measured anew.
     run(model, draft, _prompt(300), max_tokens=2, prompt_cache=cache, adaptive=False)
     with pytest.raises(AssertionError, match="measured again"):
-        AutoWidth(model, draft, cache, store=store).costs()
+        VerifyWidth(model, draft, cache, store=store).costs()
 
 
 def test_auto_refusals(qwen3_pair):
