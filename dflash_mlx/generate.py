@@ -13,6 +13,7 @@ from typing import Callable, Generator, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import wired_limit
 from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -432,47 +433,49 @@ def stream_generate(
     )
     tic = time.perf_counter()
     prompt_tps, generated, acceptance = 0.0, 0, AcceptanceStats()
-    for step in steps:
-        now = time.perf_counter()
-        if generated == 0:
-            prompt_tps = (len(ids) - reused) / max(now - tic, 1e-9)
-            tic = now
-        else:
-            acceptance.add(step.num_draft, len(step.tokens))
-        generated += len(step.tokens)
-        finish = None
-        tokens = list(step.tokens)
-        if tokens[-1] in stop_tokens:
-            tokens.pop()
-            finish = "stop"
-        elif generated >= max_tokens:
-            finish = "length"
-        for t in tokens:
-            detokenizer.add_token(t)
-        if finish:
-            detokenizer.finalize()
-        elapsed = max(now - tic, 1e-9)
-        yield GenerationResponse(
-            text=detokenizer.last_segment,
-            tokens=tokens,
-            acceptance_length=len(step.tokens),
-            mean_acceptance_length=acceptance.tau,
-            cycle=acceptance.cycles,
-            prompt_tokens=len(ids) - reused,
-            prompt_tps=prompt_tps,
-            generation_tokens=generated,
-            generation_tps=(generated - 1) / elapsed if generated > 1 else 0.0,
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=finish,
-            num_draft=step.num_draft,
-            prompt_cached=reused,
-            plain_tps=step.plain_tps,
-            draft_tps=step.draft_tps,
-            drafting_cycles=acceptance.drafting_cycles,
-            plain_cycles=acceptance.plain_cycles,
-        )
-        if finish:
-            break
+    # On a Mac, mlx-lm's wired limit keeps the weights resident while it runs (a no-op elsewhere).
+    with wired_limit(model, [generation_stream]):
+        for step in steps:
+            now = time.perf_counter()
+            if generated == 0:
+                prompt_tps = (len(ids) - reused) / max(now - tic, 1e-9)
+                tic = now
+            else:
+                acceptance.add(step.num_draft, len(step.tokens))
+            generated += len(step.tokens)
+            finish = None
+            tokens = list(step.tokens)
+            if tokens[-1] in stop_tokens:
+                tokens.pop()
+                finish = "stop"
+            elif generated >= max_tokens:
+                finish = "length"
+            for t in tokens:
+                detokenizer.add_token(t)
+            if finish:
+                detokenizer.finalize()
+            elapsed = max(now - tic, 1e-9)
+            yield GenerationResponse(
+                text=detokenizer.last_segment,
+                tokens=tokens,
+                acceptance_length=len(step.tokens),
+                mean_acceptance_length=acceptance.tau,
+                cycle=acceptance.cycles,
+                prompt_tokens=len(ids) - reused,
+                prompt_tps=prompt_tps,
+                generation_tokens=generated,
+                generation_tps=(generated - 1) / elapsed if generated > 1 else 0.0,
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                num_draft=step.num_draft,
+                prompt_cached=reused,
+                plain_tps=step.plain_tps,
+                draft_tps=step.draft_tps,
+                drafting_cycles=acceptance.drafting_cycles,
+                plain_cycles=acceptance.plain_cycles,
+            )
+            if finish:
+                break
 
 
 def generate(

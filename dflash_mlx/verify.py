@@ -114,6 +114,8 @@ class Verifier:
             cache.append_pending(taps)
             cache.tokens.extend(chunk)
             mx.eval(logits, cache.pending, [c.state for c in cache.target])
+            if end < n:
+                mx.clear_cache()  # as mlx-lm's prefill: a long prompt's chunk buffers are not kept
         return self._sample(self._logits(logits[0, -1:])).item()
 
     def _forward(self, tokens: mx.array) -> tuple[mx.array, mx.array | None]:

@@ -388,3 +388,27 @@ def test_a_seed_mlx_cannot_take_is_one_line(qwen3_pair, seed):
     model, draft, tokenizer = qwen3_pair
     with pytest.raises(DFlashError, match=r"seed must be an integer from 0 to 18446744073709551615"):
         list(stream_generate(model, draft, tokenizer, [1, 2, 3], max_tokens=2, seed=seed))
+
+
+def test_generation_runs_under_mlx_lm_wired_limit_and_prefill_frees_chunks(qwen3_pair, monkeypatch):
+    # On a Mac, mlx-lm keeps the weights wired while it generates and frees each prefill
+    # chunk's buffers; the same calls run here (no-ops or cheap on a CPU).
+    import contextlib
+    import importlib
+
+    gen_mod = importlib.import_module("dflash_mlx.generate")
+
+    model, draft, tokenizer = qwen3_pair
+    entered, cleared = [], []
+
+    @contextlib.contextmanager
+    def wired(m, streams):
+        entered.append(m)
+        yield
+
+    monkeypatch.setattr(gen_mod, "wired_limit", wired)
+    real_clear = mx.clear_cache
+    monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(1) or real_clear())
+    list(stream_generate(model, draft, tokenizer, _prompt(20), max_tokens=5, prefill_step_size=8))
+    assert entered == [model]
+    assert len(cleared) == 2  # between the 3 chunks of 20 prompt tokens, not after the last
