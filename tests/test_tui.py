@@ -492,6 +492,37 @@ def test_engine_keeps_what_the_adaptive_policy_learned_across_replies(pair, monk
     assert len(replies[-1]) > 8 and len(engine.policies) == 1
 
 
+def test_engine_goes_on_from_the_last_sessions_policy(pair, tmp_path):
+    """With a policy store (dflash-chat's), a new session starts from what the last one
+    measured of the pair: here inside a run of plain cycles, so its first reply never drafts."""
+    from dflash_mlx.adaptive import PolicyStore
+
+    store = PolicyStore(tmp_path / "policy.json")
+    first = MLXEngine(*pair, policy_store=store)
+    first.load()
+    list(first([{"role": "user", "content": "t1 t2"}], Settings(max_tokens=10, block_size=4)))
+    first.close()
+    (key,) = store._read()
+    assert store.get(key).saved() == next(iter(first.policies.values())).saved()
+    saved = store.get(key)
+    saved.plain_time, saved.draft_time, saved.plain_left, saved.run = 0.01, 0.05, 200, 256
+    store.put(key, saved)
+
+    second = MLXEngine(*pair, policy_store=store)
+    second.load()
+    responses = list(second([{"role": "user", "content": "t3"}], Settings(max_tokens=10, block_size=4)))
+    second.close()
+    cycles = [r for r in responses if r.cycle > 0]
+    assert cycles and not any(r.num_draft for r in cycles)
+    assert store.get(key).plain_left == 200 - len(cycles)
+    # Without a store (the default), nothing is read or written.
+    third = MLXEngine(*pair)
+    third.load()
+    list(third([{"role": "user", "content": "t3"}], Settings(max_tokens=10, block_size=4)))
+    third.close()
+    assert store.get(key).plain_left == 200 - len(cycles)
+
+
 async def test_real_pair_dflash_off_gives_the_same_greedy_reply(pair):
     app = ChatApp(MLXEngine(*pair), settings=Settings(max_tokens=20))
     async with app.run_test(size=SIZE) as pilot:

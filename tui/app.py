@@ -381,9 +381,11 @@ def make_app(
     )
     if base_url:
         return ChatApp(RemoteEngine(base_url, api_key=api_key, model=model), settings=settings)
+    from ..adaptive import PolicyStore
+
     engine = MLXEngine(
         model, draft, dtype=dtype, no_draft=no_draft, extra_eos_token=extra_eos_token,
-        chat_template_config=chat_template_config,
+        chat_template_config=chat_template_config, policy_store=PolicyStore(),
     )  # fmt: skip
     return ChatApp(engine, settings=settings)
 

@@ -64,6 +64,8 @@ class MLXEngine:
         no_draft: Plain decoding even when a drafter is available.
         extra_eos_token: More tokens (text or ids) that end a reply, as ``--extra-eos-token``.
         chat_template_config: Keyword arguments for ``apply_chat_template``.
+        policy_store: Where what the adaptive policy measured is kept between sessions
+          (:class:`dflash_mlx.adaptive.PolicyStore`); None: within this session only.
     """
 
     def __init__(
@@ -75,13 +77,17 @@ class MLXEngine:
         no_draft: bool = False,
         extra_eos_token: list[str] = (),
         chat_template_config: dict[str, Any] | None = None,
+        policy_store: Any = None,
     ):
         self.model_path, self.draft_path, self.dtype, self.no_draft = model, draft, dtype, no_draft
+        self.policy_store = policy_store
         self.extra_eos_token, self.template_kwargs = list(extra_eos_token), dict(chat_template_config or {})
         self._thread = MLXThread()
         self.model = self.draft = self.tokenizer = self.cache = None
         self.context_tokens: int | None = None
         self.policies: dict[tuple, Any] = {}  # PolicyState by (block size, sampling, cutoff, fallback)
+        self._policy_keys: dict[tuple, str] = {}  # their keys in the policy store
+        self._setup: tuple | None = None
         self._closing = False
 
     def _run(self, fn: Callable, *args) -> Any:
@@ -142,7 +148,8 @@ class MLXEngine:
 
     def _start(self, messages: list[dict[str, str]], settings: Settings):
         from ..adaptive import PolicyState
-        from ..generate import stream_generate
+        from ..generate import policy_key, stream_generate
+        from ..models.drafter import DraftModel
         from ..sampling import make_sampler
 
         if self.draft is not None:
@@ -151,6 +158,13 @@ class MLXEngine:
         else:
             block_size = None
         setup = (block_size, settings.temp > 0, settings.min_confidence, settings.lookup_fallback)
+        if setup not in self.policies:
+            self.policies[setup] = PolicyState()
+            if self.policy_store is not None and isinstance(self.draft, DraftModel):
+                key = policy_key(self.model, self.draft, {"chat": list(setup)})
+                self.policies[setup] = self.policy_store.get(key)
+                self._policy_keys[setup] = key
+        self._setup = setup
         return stream_generate(
             self.model,
             self.draft,
@@ -161,7 +175,7 @@ class MLXEngine:
             sampler=make_sampler(settings.temp),
             min_confidence=settings.min_confidence,
             lookup_fallback=settings.lookup_fallback,
-            policy=self.policies.setdefault(setup, PolicyState()),
+            policy=self.policies[setup],
             prompt_cache=self.cache,
         )
 
@@ -178,6 +192,9 @@ class MLXEngine:
         finally:
             self._run(responses.close)
             self.context_tokens = self._run(lambda: len(self.cache.tokens))
+            key = self._policy_keys.get(self._setup)
+            if key is not None:
+                self.policy_store.put(key, self.policies[self._setup])
 
 
 class StreamEngine:
