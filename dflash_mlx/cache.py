@@ -148,6 +148,19 @@ class DFlashCache:
             n = best
         return n
 
+    def commit(self, last: int, emitted: list[int], verified: int) -> None:
+        """A cycle fed ``[last, ...]`` (``verified`` positions) and emitted ``emitted``: the target
+        keeps ``last`` and all but the newest emitted token (which the next cycle feeds) and
+        forgets the rest of the block."""
+        self.trim_target(verified - len(emitted))
+        self.tokens.append(last)
+        self.tokens.extend(emitted[:-1])
+
+    def drop_uncommitted(self) -> None:
+        """Forget target entries past ``tokens`` (a cycle cut short, a step queued ahead)."""
+        if self.offset != len(self.tokens):
+            self.trim_to(len(self.tokens))
+
     def trim_target(self, n: int) -> None:
         """Forget the target's last ``n`` entries (a verified block's rejected drafts)."""
         for c in self.target:

@@ -9,6 +9,7 @@ import hashlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable, Generator, NamedTuple
 
 import mlx.core as mx
@@ -41,7 +42,7 @@ from .lookup import LookupProposer, PromptLookup
 from .models import target as tgt
 from .models.drafter import DraftModel
 from .plain_probe import plain_tokens_per_second
-from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, Proposal
+from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, PlainProposer
 from .responses import AcceptanceStats, GenerationResponse
 from .sampling import can_sample_proposals, check_proposal, make_sampler
 from .verify import Verdict, Verifier
@@ -122,24 +123,53 @@ def _check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallbac
 
 
 def _make_proposer(
-    model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, policy, speedups, auto=False
+    model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, policy, speedups, block_size,
+    auto=False,
 ):  # fmt: skip
-    # None for plain decoding; prompt lookup alone; the drafter, with the lookup fallback,
-    # paused while it loses to plain decoding (with a policy).
+    # Plain decoding; prompt lookup alone; the drafter, with the lookup fallback, paused while
+    # it loses to plain decoding (with a policy). Block size 1 never drafts.
     if draft is None:
-        return None
+        return PlainProposer()
     if isinstance(draft, PromptLookup):
-        return LookupProposer(draft, cache.tokens)
+        lookup = LookupProposer(draft, cache.tokens)
+        return PlainProposer(lookup) if block_size == 1 else lookup
     sample = proposal == "sample" and can_sample_proposals(sampler)
     width = VerifyWidth(model, draft, cache, speedups) if auto else None
     drafter = DFlashProposer(
         model, draft, cache, sampler=sampler if sample else None, min_confidence=min_confidence, speedups=speedups,
         width=width,
     )
+    if block_size == 1:
+        return PlainProposer(drafter)
     if lookup_fallback:
         lookup = LookupProposer(PromptLookup(draft.block_size), cache.tokens)
         drafter = FallbackProposer(drafter, lookup, lookup_fallback)
     return AdaptiveProposer(drafter, policy) if policy is not None else drafter
+
+
+@dataclass
+class Budget:
+    """What a generation may still emit: up to ``max_tokens``, nothing after a stop token."""
+
+    max_tokens: int
+    stop_tokens: frozenset[int]
+    used: int = 0
+    open: bool = True
+
+    @property
+    def room(self) -> int:
+        return self.max_tokens - self.used
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        """The leading ``tokens`` that fit, cut after a stop token; counted as emitted."""
+        tokens = tokens[: self.room]
+        for j, t in enumerate(tokens):
+            if t in self.stop_tokens:
+                tokens, self.open = tokens[: j + 1], False
+                break
+        self.used += len(tokens)
+        self.open = self.open and self.used < self.max_tokens
+        return tokens
 
 
 def dflash_generate_step(
@@ -265,13 +295,17 @@ def dflash_generate_step(
         policy = cache.policy
     proposer = _make_proposer(
         model, draft, cache, sampler=sampler, proposal=proposal, min_confidence=min_confidence,
-        lookup_fallback=lookup_fallback, policy=policy, speedups=speedups, auto=auto,
+        lookup_fallback=lookup_fallback, policy=policy, speedups=speedups, block_size=block_size, auto=auto,
     )
-    tap_ids = proposer.tap_ids if proposer is not None else []
     verifier = Verifier(
-        model, cache, sampler=sampler, logits_processors=logits_processors, tap_ids=tap_ids, speedups=speedups
+        model, cache, sampler=sampler, logits_processors=logits_processors, tap_ids=proposer.tap_ids,
+        speedups=speedups,
     )
 
+    budget = Budget(max_tokens, frozenset(stop_tokens))
+    # Always the whole block, cut to the budget after verifying: a seeded run then draws the same
+    # random numbers whatever max_tokens is, so its text keeps its prefix.
+    n = block_size - 1
     with mx.stream(stream):
         if seed is not None:
             mx.random.seed(seed)
@@ -279,28 +313,14 @@ def dflash_generate_step(
         reuse = cache.reusable_prefix(ids)
         cache.trim_to(reuse)
         last = verifier.prefill(ids[reuse:], prefill_step_size)
-        yield StepOutput([last], 0, 0)
-        generated, stopped = 1, last in stop_tokens
-
-        def propose() -> Proposal | None:
-            # The next cycle's drafts, their pass already started; None when generation is over.
-            if stopped or generated >= max_tokens:
-                return None
-            # Always the whole block, cut to the budget after verifying: a seeded run then draws
-            # the same random numbers whatever max_tokens is, so its text keeps its prefix.
-            if proposer is None or block_size == 1:
-                return Proposal(mx.zeros((0,), dtype=mx.uint32))
-            return proposer.propose(last, block_size - 1)
-
-        def plain_follows() -> bool:
-            # During a plain cycle: whether the next one is plain too, known before its verdict.
-            return proposer is None or block_size == 1 or proposer.plain_next()
+        yield StepOutput(budget.emit([last]), 0, 0)
 
         # A plain step queued before the host read the one before it, as mlx-lm's generate_step
         # pipelines plain decoding: (its token, its taps). Taken back if unused.
         ahead = None
         try:
-            drafts = propose()
+            # The next cycle's drafts, their pass already started; None when generation is over.
+            drafts = proposer.propose(last, n) if budget.open else None
             while drafts is not None:
                 num_draft = drafts.size
                 if num_draft == 0 and verifier.can_run_ahead:
@@ -308,7 +328,7 @@ def dflash_generate_step(
                         ahead = verifier.step(mx.array([last]), lambda: cache.tokens)
                         mx.async_eval(ahead[0])
                     (token, taps), ahead = ahead, None
-                    if generated + 1 < max_tokens and plain_follows():
+                    if budget.room > 1 and proposer.plain_next():
                         ahead = verifier.step(token, lambda: cache.tokens + [last])
                         mx.async_eval(ahead[0])
                     verdict = Verdict(0, [token.item()], taps)
@@ -317,30 +337,20 @@ def dflash_generate_step(
                         cache.trim_target(1)
                         ahead = None
                     verdict = verifier.verify(last, drafts)
-                room = max_tokens - generated  # the drafts past it count as neither drafted nor accepted
-                emitted = verdict.tokens[:room]
-                for j, tok in enumerate(emitted):
-                    if tok in stop_tokens:
-                        emitted, stopped = emitted[: j + 1], True
-                        break
+                room = budget.room  # the drafts past it count as neither drafted nor accepted
+                emitted = budget.emit(verdict.tokens)
                 # Rewind: the target forgets the rejected drafts, the proposer keeps the taps
                 # of the kept positions.
-                cache.trim_target(num_draft + 1 - len(emitted))
-                if proposer is not None:
-                    proposer.accept(len(emitted), verdict.taps)
-                cache.tokens.append(last)
-                cache.tokens.extend(emitted[:-1])
+                cache.commit(last, emitted, verified=num_draft + 1)
+                proposer.accept(len(emitted), verdict.taps)
                 last = emitted[-1]
-                generated += len(emitted)
                 # The next drafter pass starts before this cycle's tokens are handed out, so it
                 # runs while the caller decodes and shows them.
-                drafts = propose()
+                drafts = proposer.propose(last, n) if budget.open else None
                 rates = (policy.plain_tps, policy.draft_tps) if policy is not None else (None, None)
                 yield StepOutput(emitted, min(verdict.num_accepted, room - 1), min(num_draft, room - 1), *rates)
         finally:
-            # A cycle cut short (an exception) leaves unverified entries: drop them.
-            if cache.offset != len(cache.tokens):
-                cache.trim_to(len(cache.tokens))
+            cache.drop_uncommitted()
 
 
 def stream_generate(

@@ -58,6 +58,25 @@ class Proposer(Protocol):
         ...
 
 
+class PlainProposer:
+    """No drafts: plain decoding through the same loop. ``keeps``, a proposer whose drafter must
+    still see the text (a drafter at block size 1, which never drafts), is told what was kept."""
+
+    def __init__(self, keeps: Proposer | None = None):
+        self.keeps = keeps
+        self.tap_ids = keeps.tap_ids if keeps is not None else []
+
+    def propose(self, last: int, n: int) -> Proposal:
+        return Proposal(mx.zeros((0,), dtype=mx.uint32))
+
+    def plain_next(self) -> bool:
+        return True
+
+    def accept(self, num_kept: int, taps: mx.array | None) -> None:
+        if self.keeps is not None:
+            self.keeps.accept(num_kept, taps)
+
+
 class DFlashProposer:
     """The DFlash drafter: one pass over ``[last, MASK x (B-1)]`` with the target's taps
     injected through its context cache (``cache.draft``; the taps of newly committed
