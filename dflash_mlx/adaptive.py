@@ -59,6 +59,7 @@ class PolicyState:
     since_plain: int = field(default=0, init=False)  # drafting cycles since the last plain one
     warm: bool = field(default=False, init=False)  # the first cycle (graphs compiled) is not timed
     cold_drafter: bool = field(default=False, init=False)  # restored: the next drafting cycle is not timed
+    cold_extra: float = field(default=0.0, init=False)  # what that cycle cost beyond a plain step's tokens
     window_seconds: float = field(default=0.0, init=False)
     window_tokens: int = field(default=0, init=False)
     window_cycles: int = field(default=0, init=False)
@@ -106,8 +107,8 @@ class PolicyState:
             if name.endswith("_time"):
                 if isinstance(value, (int, float)) and value > 0:
                     setattr(state, name, float(value))
-            elif isinstance(value, int) and 0 <= value <= max(state.max_run, state.refresh, state.window):
-                setattr(state, name, value)
+            elif isinstance(value, int) and 0 <= value <= (10**6 if name == "plain_left" else state.max_run):
+                setattr(state, name, value)  # a plain run may outgrow max_run (see _drafting_cycle)
         # Measured before: no warm-up cycle that drafts whatever the schedule says.
         state.warm = state.cold_drafter = state.plain_time is not None
         return state
@@ -135,7 +136,10 @@ class PolicyState:
     def _drafting_cycle(self, seconds: float, tokens: int) -> None:
         self.since_plain += 1
         if self.cold_drafter:
+            # Not judged (it compiles the drafter's graphs), but paid: a losing probe counts its
+            # cost, so runs between probes grow long enough to cover a new process's start too.
             self.cold_drafter = False
+            self.cold_extra = max(seconds - tokens * (self.plain_time or 0.0), 0.0)
             return
         self.window_cycles += 1
         self.window_seconds += seconds
@@ -149,7 +153,8 @@ class PolicyState:
         clear_loss = lost_before and self.window_cycles >= 3 and per_token > 2 * self.plain_time
         if self.window_cycles < self.window and not clear_loss:
             return
-        extra = self.window_seconds - self.window_tokens * (self.plain_time or 0.0)
+        extra = self.window_seconds - self.window_tokens * (self.plain_time or 0.0) + self.cold_extra
+        self.cold_extra = 0.0
         self.draft_time = per_token
         self.window_seconds, self.window_tokens, self.window_cycles = 0.0, 0, 0
         if self.plain_time is None:

@@ -359,6 +359,25 @@ def test_policy_state_saved_and_restored():
     assert again.window_cycles == 0 and again.draft_time == 0.3 and again.since_plain == 1
     again.record(0.2, 1, drafted=True)
     assert again.window_cycles == 1
+
+
+def test_a_restored_states_cold_cycle_lengthens_the_plain_run_after_a_loss():
+    # The untimed first drafting cycle of a new process (graphs compile) is still paid for: when
+    # the probe loses, the plain run that follows covers it at probe_cost, so one-shot runs stay
+    # within a few percent of plain decoding.
+    def probe(cold_seconds):
+        policy = PolicyState()
+        policy.warm, policy.plain_time, policy.draft_time, policy.run = True, 0.1, 0.3, 256
+        state = PolicyState.restored(policy.saved())
+        state.plain_left = 0
+        state.record(cold_seconds, 1, drafted=True)
+        for _ in range(3):  # three cycles twice as slow settle a probe after a loss
+            state.record(0.5, 1, drafted=True)
+        return state.plain_left
+
+    base = probe(0.1)  # a cold cycle no dearer than a plain step
+    assert abs(base - 3 * 0.4 / (0.03 * 0.1)) <= 1  # the three losing cycles' extra 0.4 s each
+    assert abs(probe(3.1) - (3 * 0.4 + 3.0) / (0.03 * 0.1)) <= 1  # and the cold cycle's extra 3 s
     # Values it cannot use are left fresh, never raised on.
     odd = PolicyState.restored({"plain_time": -1, "draft_time": "x", "plain_left": 10**9, "run": 3.5})
     assert odd.saved() == PolicyState().saved()
