@@ -10,7 +10,6 @@ new reply starts where the last one left off instead of drafting again to find o
 Plain Python only.
 """
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import DFlashError
-from .weights.files import write_text_atomic
+from .weights.files import JsonStore
 
 
 @dataclass
@@ -167,7 +166,7 @@ class PolicyState:
             self.run = self.window
 
 
-class PolicyStore:
+class PolicyStore(JsonStore):
     """Policy states on disk, one JSON object keyed by machine, pair and drafting setup, so that
     a new process starts where the last one left off instead of drafting again to find out.
 
@@ -176,28 +175,12 @@ class PolicyStore:
     """
 
     def __init__(self, path: str | Path | None = None):
-        if path is None:
-            from .weights.gguf import default_cache_root
-
-            path = default_cache_root() / "policy.json"
-        self.path = Path(path)
-
-    def _read(self) -> dict:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}  # none yet, or unreadable: learn again
-        return data if isinstance(data, dict) else {}
+        super().__init__("policy.json", path)
 
     def get(self, key: str) -> PolicyState:
         """The saved state for ``key``, or a fresh one."""
-        saved = self._read().get(key)
+        saved = self.read().get(key)
         return PolicyState.restored(saved) if isinstance(saved, dict) else PolicyState()
 
     def put(self, key: str, state: PolicyState) -> None:
-        data = self._read()
-        data[key] = state.saved()
-        try:
-            write_text_atomic(self.path, json.dumps(data, indent=1))
-        except OSError:
-            pass  # a read-only home: the next process learns again
+        self.write(key, state.saved())

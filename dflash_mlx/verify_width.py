@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import DFlashError
-from .weights.files import write_text_atomic
+from .weights.files import JsonStore
 from .models import hybrid
 from .models import target as tgt
 
@@ -84,35 +84,20 @@ def model_key(model: nn.Module) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class CostStore:
+class CostStore(JsonStore):
     """Measured pass costs on disk: one JSON object keyed by machine, model, bucket and widths."""
 
     def __init__(self, path: str | Path | None = None):
-        if path is None:
-            from .weights.gguf import default_cache_root
-
-            path = default_cache_root() / "pass-costs.json"
-        self.path = Path(path)
-
-    def _read(self) -> dict:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}  # none yet, or unreadable: measure again
+        super().__init__("pass-costs.json", path)
 
     def get(self, key: str) -> PassCosts | None:
-        entry = self._read().get(key)
+        entry = self.read().get(key)
         if not entry:
             return None
         return PassCosts(entry["draft"], {int(k): v for k, v in entry["verify"].items()})
 
     def put(self, key: str, costs: PassCosts) -> None:
-        data = self._read()
-        data[key] = {"draft": costs.draft, "verify": {str(k): v for k, v in costs.verify.items()}}
-        try:
-            write_text_atomic(self.path, json.dumps(data, indent=1))
-        except OSError:
-            pass  # a read-only home: the costs are measured again next time
+        self.write(key, {"draft": costs.draft, "verify": {str(k): v for k, v in costs.verify.items()}})
 
 
 def measure(model, draft, cache, tap_ids: list[int], widths: list[int], speedups, repeats: int = 2) -> PassCosts:

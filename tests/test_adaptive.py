@@ -412,7 +412,7 @@ def test_dflash_generate_goes_on_from_the_last_run(pair_dirs, tmp_path, monkeypa
             "--prompt", "t1 t2 t3", "--max-tokens", "30", "--block-size", "4"]  # fmt: skip
     main(args)
     store = PolicyStore(tmp_path / "policy.json")
-    (key,) = store._read()
+    (key,) = store.read()
     first = capsys.readouterr().out
     saved = store.get(key)
     saved.plain_time, saved.draft_time, saved.plain_left, saved.run = 0.01, 0.05, 200, 256

@@ -502,7 +502,7 @@ def test_engine_goes_on_from_the_last_sessions_policy(pair, tmp_path):
     first.load()
     list(first([{"role": "user", "content": "t1 t2"}], Settings(max_tokens=10, block_size=4)))
     first.close()
-    (key,) = store._read()
+    (key,) = store.read()
     assert store.get(key).saved() == next(iter(first.policies.values())).saved()
     saved = store.get(key)
     saved.plain_time, saved.draft_time, saved.plain_left, saved.run = 0.01, 0.05, 200, 256

@@ -1,5 +1,6 @@
 """Files and folders a user owns are built next to their destination and moved into place in one rename."""
 
+import json
 import os
 import shutil
 import uuid
@@ -46,3 +47,31 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+class JsonStore:
+    """One JSON object kept in a file (by default ``name`` in dflash-mlx's cache folder), read and
+    written whole. Missing or unreadable reads as empty; a write that fails (a read-only home) is
+    dropped: what it held is measured again next time."""
+
+    def __init__(self, name: str, path: str | Path | None = None):
+        if path is None:
+            from .gguf import default_cache_root
+
+            path = default_cache_root() / name
+        self.path = Path(path)
+
+    def read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def write(self, key: str, value) -> None:
+        data = self.read()
+        data[key] = value
+        try:
+            write_text_atomic(self.path, json.dumps(data, indent=1))
+        except OSError:
+            pass
