@@ -36,8 +36,13 @@ import hashlib
 import json
 import random
 import re
+import sys
 from collections import Counter, defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from smollm2_prompts import write_jsonl  # noqa: E402  (the first prompt set's writer)
 
 HERE = Path(__file__).resolve().parent
 BUCKETS = 12
@@ -268,14 +273,6 @@ def balanced_order(records: list[dict], seed: int) -> list[dict]:
         out.append(q[taken[k]])
         taken[k] += 1
     return out
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name("." + path.name + ".partial")
-    with open(tmp, "w") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(path)
 
 
 def table(train: list[dict], heldout: list[dict]) -> str:
