@@ -1,5 +1,6 @@
-"""The adaptive policy: draft while drafting gives tokens faster than plain decoding, decode
-plainly while it does not, judged on measured time.
+"""The adaptive policy: draft while drafting gives tokens faster than decoding without the
+drafter, pause the drafter while it does not, judged on measured time. While paused, a cycle
+verifies what prompt lookup finds (a draft that costs nothing to propose) or is a plain step.
 
 :class:`PolicyState` holds what the policy has measured and where it is in its schedule; the
 :class:`~dflash_mlx.proposer.AdaptiveProposer` of one generation times each cycle and asks it
@@ -22,11 +23,13 @@ from .weights.files import JsonStore
 
 @dataclass
 class PolicyState:
-    """Measured seconds per token of plain and drafting cycles, and the schedule they set.
+    """Measured seconds per token of paused and drafting cycles, and the schedule they set.
 
-    A cycle of no drafts is exactly a plain decoding step, so the policy compares seconds per
-    token. It runs ``probe`` plain cycles early on and one every ``refresh`` drafting cycles to
-    know the plain step's cost. When a window of ``window`` drafting cycles (after a loss,
+    A paused cycle runs no drafter pass: it verifies up to ``lookup`` prompt-lookup drafts, or
+    is a plain decoding step when lookup finds nothing (always with ``lookup`` 0). The policy
+    compares seconds per token, so drafting must beat what the paused cycles give, lookup's
+    accepted drafts included. ("Plain" below means paused.) It runs ``probe`` plain cycles
+    early on and one every ``refresh`` drafting cycles to know the plain cost. When a window of ``window`` drafting cycles (after a loss,
     three at half plain decoding's speed or less) gives tokens more slowly, it decodes plainly
     for a run of cycles, then drafts again: a re-probe. Each further losing window doubles the
     run, up to ``max_run``, and a winning one resets it to one ``window``. A run is never
@@ -40,6 +43,9 @@ class PolicyState:
         refresh: Drafting cycles between two plain ones that keep that time current.
         max_run: The longest run of plain cycles that doubling reaches.
         probe_cost: The most a losing window may cost, as a fraction of the plain run after it.
+        lookup: Prompt-lookup drafts verified in a paused cycle (0: plain steps). On a small
+          CPU target a verify of two tokens costs about one step, so the default 1 draft
+          makes paused cycles faster than plain decoding wherever the text repeats itself.
         clock: Seconds; ``time.perf_counter`` by default (tests inject their own).
     """
 
@@ -48,9 +54,11 @@ class PolicyState:
     refresh: int = 64
     max_run: int = 256
     probe_cost: float = 0.03
+    lookup: int = 1
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False, compare=False)
     # What it measured.
-    plain_time: float | None = field(default=None, init=False)  # seconds a plain token (running mean)
+    plain_time: float | None = field(default=None, init=False)  # seconds a paused token (running means)
+    plain_sums: tuple[float, float] | None = field(default=None, init=False)  # (seconds, tokens) behind it
     draft_time: float | None = field(default=None, init=False)  # seconds a token, last judged window
     # Where it is.
     plain_left: int = field(default=0, init=False)  # plain cycles to run before drafting again
@@ -68,6 +76,8 @@ class PolicyState:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise DFlashError(f"PolicyState {name} must be a positive number of cycles (got {value!r}).")
+        if not isinstance(self.lookup, int) or isinstance(self.lookup, bool) or self.lookup < 0:
+            raise DFlashError(f"PolicyState lookup must be a number of drafts, 0 or more (got {self.lookup!r}).")
         if not isinstance(self.probe, int) or self.probe < 0:
             raise DFlashError(f"PolicyState probe must be a number of cycles, 0 or more (got {self.probe!r}).")
         if not isinstance(self.probe_cost, (int, float)) or self.probe_cost <= 0:
@@ -76,7 +86,7 @@ class PolicyState:
 
     @property
     def plain_tps(self) -> float | None:
-        """Plain decoding's measured tokens per second (None before the first plain cycle)."""
+        """Paused cycles' measured tokens per second (None before the first plain cycle)."""
         return 1.0 / self.plain_time if self.plain_time else None
 
     @property
@@ -123,10 +133,17 @@ class PolicyState:
         elif drafted:
             self._drafting_cycle(seconds, tokens)
         else:
-            self._plain_cycle(seconds)
+            self._plain_cycle(seconds, tokens)
 
-    def _plain_cycle(self, seconds: float) -> None:
-        self.plain_time = seconds if self.plain_time is None else 0.75 * self.plain_time + 0.25 * seconds
+    def _plain_cycle(self, seconds: float, tokens: int) -> None:
+        # Running means of seconds and of tokens, and their ratio: a lookup hit's two tokens
+        # weigh twice a miss's one, as they do in the time the cycles take.
+        if self.plain_time is None:
+            self.plain_sums = (seconds, float(tokens))
+        else:
+            before = self.plain_sums or (self.plain_time, 1.0)
+            self.plain_sums = (0.75 * before[0] + 0.25 * seconds, 0.75 * before[1] + 0.25 * tokens)
+        self.plain_time = self.plain_sums[0] / self.plain_sums[1]
         self.plain_left = max(self.plain_left - 1, 0)
         self.since_plain = 0
         # A new window; its first cycle takes in the plain cycles' taps, a cost of resuming.
@@ -177,10 +194,10 @@ class PolicyStore(JsonStore):
     def __init__(self, path: str | Path | None = None):
         super().__init__("policy.json", path)
 
-    def get(self, key: str) -> PolicyState:
-        """The saved state for ``key``, or a fresh one."""
+    def get(self, key: str, **settings) -> PolicyState:
+        """The saved state for ``key``, or a fresh one, with ``settings`` (PolicyState's)."""
         saved = self.read().get(key)
-        return PolicyState.restored(saved) if isinstance(saved, dict) else PolicyState()
+        return PolicyState.restored(saved, **settings) if isinstance(saved, dict) else PolicyState(**settings)
 
     def put(self, key: str, state: PolicyState) -> None:
         self.write(key, state.saved())

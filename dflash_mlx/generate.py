@@ -144,7 +144,10 @@ def _make_proposer(
     if lookup_fallback:
         lookup = LookupProposer(PromptLookup(draft.block_size), cache.tokens)
         drafter = FallbackProposer(drafter, lookup, lookup_fallback)
-    return AdaptiveProposer(drafter, policy) if policy is not None else drafter
+    if policy is None:
+        return drafter
+    paused = LookupProposer(PromptLookup(policy.lookup + 1), cache.tokens) if policy.lookup else None
+    return AdaptiveProposer(drafter, policy, paused)
 
 
 @dataclass
@@ -584,10 +587,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         type=boolean_words(("true",), ("false",)),
         default=None,
         metavar="{true,false}",
-        help="Decode plainly while drafting is measured slower than plain decoding, drafting again later "
-        "(same distribution; default: true, false with --seed, whose output would depend on timings). What it "
-        "measured is kept per pair, setup and machine in ~/.cache/dflash-mlx/policy.json, where the next run "
+        help="Pause the drafter while drafting is measured slower than decoding without it, drafting again "
+        "later (same distribution; default: true, false with --seed, whose output would depend on timings). What "
+        "it measured is kept per pair, setup and machine in ~/.cache/dflash-mlx/policy.json, where the next run "
         "goes on from it.",
+    )
+    parser.add_argument(
+        "--paused-lookup", type=int, action=InRange, low=0, default=1, metavar="N",
+        help="While --adaptive pauses the drafter, verify up to N prompt-lookup drafts a cycle (no drafter pass; "
+        "default: 1, which a small target verifies at about a plain step's cost; 0: plain steps).",
     )
     parser.add_argument("--seed", type=int, action=InRange, low=0, high=MAX_SEED, default=None,
                         help="Random seed for sampling (default: none).")  # fmt: skip
@@ -671,9 +679,10 @@ def main(argv: list[str] | None = None) -> None:
         store = key = policy = None
         if adaptive and isinstance(draft, DraftModel):
             setup = {k: getattr(args, k) for k in ("block_size", "temp", "top_p", "min_p", "top_k", "proposal",
-                                                   "min_confidence", "lookup_fallback", "draft_window")}  # fmt: skip
+                                                   "min_confidence", "lookup_fallback", "draft_window",
+                                                   "paused_lookup")}  # fmt: skip
             store, key = PolicyStore(), policy_key(model, draft, setup)
-            policy = store.get(key)
+            policy = store.get(key, lookup=args.paused_lookup)
         text = generate(
             model,
             draft,

@@ -48,7 +48,7 @@ class LookupProposer:
         self.settings, self.history = settings, history
 
     def propose(self, last: int, n: int) -> Proposal:
-        found = self.settings.lookup(self.history + [last], n)
+        found = self.settings.lookup(self.history + [last], min(n, self.settings.block_size - 1))
         return Proposal(mx.array(found, dtype=mx.uint32), None)
 
     def plain_next(self) -> bool:

@@ -207,42 +207,47 @@ class FallbackProposer:
 
 
 class AdaptiveProposer:
-    """Drafting while it beats plain decoding, plain decoding (cycles of no drafts) while it
-    loses, as its :class:`~dflash_mlx.adaptive.PolicyState` decides.
+    """Drafting while it beats decoding without the drafter, paused cycles while it loses, as
+    its :class:`~dflash_mlx.adaptive.PolicyState` decides.
 
     Times every cycle, from its proposal to the verdict (the caller's handling of the previous
     cycle's tokens included, as plain decoding would pay it too), and tells the state. The
     state outlives this generation, so the next one continues its schedule. The drafter's taps
-    stay pending during plain cycles, so it resumes where the text is. Either way every token
+    stay pending during paused cycles, so it resumes where the text is. Either way every token
     is the target's own sample: only the speed changes.
 
     Args:
         inner: The proposer to pause.
         policy: What was measured so far and the schedule; a fresh one when None.
+        paused: What proposes while ``inner`` is paused (prompt lookup; None: plain steps).
     """
 
-    def __init__(self, inner: Proposer, policy: PolicyState | None = None):
-        self.inner = inner
+    def __init__(self, inner: Proposer, policy: PolicyState | None = None, paused: Proposer | None = None):
+        self.inner, self.paused = inner, paused
         self.policy = policy if policy is not None else PolicyState()
         self.tap_ids = inner.tap_ids
         self.started: float | None = None  # when this cycle's proposal was asked for
-        self.drafted = 0
+        self.drafting = False  # this cycle ran the drafter
 
     def propose(self, last: int, n: int) -> Proposal:
         self.started = self.policy.clock()
-        if not self.policy.drafts_next():
-            self.drafted = 0
-            return Proposal(mx.zeros((0,), dtype=mx.uint32))
-        proposal = self.inner.propose(last, n)
-        self.drafted = proposal.size
-        return proposal
+        self.drafting = self.policy.drafts_next()
+        if self.drafting:
+            return self.inner.propose(last, n)
+        if self.paused is not None:
+            return self.paused.propose(last, n)
+        return Proposal(mx.zeros((0,), dtype=mx.uint32))
 
     def plain_next(self) -> bool:
-        return self.drafted == 0 and self.policy.plain_follows()
+        return (
+            not self.drafting
+            and (self.paused is None or self.paused.plain_next())
+            and self.policy.plain_follows()
+        )
 
     def accept(self, num_kept: int, taps: mx.array | None) -> None:
         self.inner.accept(num_kept, taps)
         if self.started is None:  # a cycle the loop proposed itself (no room for drafts)
             return
         seconds, self.started = self.policy.clock() - self.started, None
-        self.policy.record(seconds, num_kept, drafted=self.drafted > 0)
+        self.policy.record(seconds, num_kept, drafted=self.drafting)

@@ -203,7 +203,7 @@ def test_drafting_slower_is_what_the_policy_then_acts_on(qwen3_pair, slow):
     clock = Clock(step=1.0)
     drafter = CostlyDraft(draft, prompt + reference(model, prompt, 80), clock, 3.0 if slow else 1.0,
                           wrong_every=1 if slow else 0)  # fmt: skip
-    policy = PolicyState(clock=clock)
+    policy = PolicyState(clock=clock, lookup=0)  # paused cycles are plain steps: num_draft 0
     responses = list(stream_generate(model, drafter, tokenizer, prompt, block_size=4, max_tokens=60, policy=policy))
     judged = next(i for i, r in enumerate(responses) if r.draft_tps is not None)
     assert responses[judged].drafting_slower is slow
@@ -220,7 +220,7 @@ def test_later_replies_continue_the_policy(qwen3_pair, carried_by):
     model, draft, tokenizer = qwen3_pair
     clock = Clock(step=1.0)
     drafter = CostlyDraft(draft, [], clock, 3.0, wrong_every=1)
-    policy = PolicyState(clock=clock)
+    policy = PolicyState(clock=clock, lookup=0)  # paused cycles are plain steps: num_draft 0
     cache = make_cache(model, drafter)
     cache.policy = policy
     ids, turns = _prompt(7), []
@@ -249,20 +249,22 @@ def _random_policy(**settings):
     return PolicyState(clock=tick, **settings)
 
 
-@pytest.mark.parametrize("prompt_len", [1, 7, 130])
+@pytest.mark.parametrize(("prompt_len", "lookup"), [(1, 1), (7, 0), (130, 1)])
 @pytest.mark.parametrize("block_size", [2, 4, 16])
-def test_lossless_with_adaptive(tiny_pair, block_size, prompt_len):
-    """Drafting and plain cycles mixed at random, one policy across the runs: still the target's
-    own greedy output."""
-    policy = _random_policy(window=2, probe=1, refresh=5, max_run=4, probe_cost=math.inf)
+def test_lossless_with_adaptive(tiny_pair, block_size, prompt_len, lookup):
+    """Drafting and paused cycles (plain steps, or prompt-lookup drafts) mixed at random, one
+    policy across the runs: still the target's own greedy output."""
+    policy = _random_policy(window=2, probe=1, refresh=5, max_run=4, probe_cost=math.inf, lookup=lookup)
     model, draft, _ = tiny_pair
     prompt = _prompt(prompt_len)
     ref = reference(model, prompt)
     for max_tokens in (1, block_size + 1, MAX_REF):
         out, cycles = run(model, draft, prompt, block_size=block_size, max_tokens=max_tokens, policy=policy)
         assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
-    kinds = {s.num_draft > 0 for s in cycles[1:-1]}
-    assert kinds == {True, False}  # both kinds of cycle ran
+    # A drafter cycle verifies the whole block; a paused one at most ``lookup`` drafts (at block 2
+    # with lookup 1 the two look alike).
+    kinds = {s.num_draft == block_size - 1 for s in cycles[1:-1]}
+    assert kinds == {True, False} or block_size - 1 == lookup  # both kinds of cycle ran
 
 
 def test_adaptive_default_and_stats(qwen3_pair):
@@ -409,7 +411,7 @@ def test_dflash_generate_goes_on_from_the_last_run(pair_dirs, tmp_path, monkeypa
 
     monkeypatch.setattr(gguf, "default_cache_root", lambda: tmp_path)
     args = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
-            "--prompt", "t1 t2 t3", "--max-tokens", "30", "--block-size", "4"]  # fmt: skip
+            "--prompt", "t1 t2 t3", "--max-tokens", "30", "--block-size", "4", "--paused-lookup", "0"]  # fmt: skip
     main(args)
     store = PolicyStore(tmp_path / "policy.json")
     (key,) = store.read()
@@ -427,3 +429,75 @@ def test_dflash_generate_goes_on_from_the_last_run(pair_dirs, tmp_path, monkeypa
     main([*args, "--adaptive", "false"])
     main([*args, "--seed", "3"])
     assert store.get(key).plain_left == 200 - 29
+
+
+def test_paused_cycles_time_tokens_not_cycles():
+    """A paused cycle that verified a looked-up draft gives two tokens in about a step's time: the
+    paused rate is the running seconds over the running tokens (a mean of per-cycle rates would
+    weigh a one-token miss like a two-token hit)."""
+    state = PolicyState()
+    state.record(1.0, 1, drafted=True)  # warm-up, not timed
+    for tokens in (2, 1, 2, 1):
+        state.record(1.0, tokens, drafted=False)
+    seconds = tokens = 0.0
+    for s, t in ((1.0, 2), (1.0, 1), (1.0, 2), (1.0, 1)):
+        seconds, tokens = (s, t) if tokens == 0 else (0.75 * seconds + 0.25 * s, 0.75 * tokens + 0.25 * t)
+    assert state.plain_time == pytest.approx(seconds / tokens) and state.plain_time < 0.7
+
+
+class FakeLookup:
+    """Proposes one draft while paused; records that it was asked."""
+
+    tap_ids: list = []
+
+    def __init__(self):
+        self.asked = 0
+
+    def propose(self, last, n):
+        self.asked += 1
+        return Proposal(mx.zeros((1,), dtype=mx.uint32))
+
+    def plain_next(self):
+        return False
+
+    def accept(self, num_kept, taps):
+        raise AssertionError("the paused proposer keeps no state of what was kept")
+
+
+def test_paused_cycles_ask_the_paused_proposer_never_the_drafter():
+    clock = Clock()
+    inner, lookup = FakeDrafter(), FakeLookup()
+    policy = PolicyState(window=4, probe=2, max_run=16, probe_cost=math.inf, clock=clock)
+    proposer = AdaptiveProposer(inner, policy, paused=lookup)
+    drafted = []
+    for _ in range(30):
+        proposal = proposer.propose(0, 3)
+        drafted.append(proposer.drafting)
+        assert proposal.size == (3 if proposer.drafting else 1)
+        assert not proposer.plain_next()  # a lookup's next cycle is not known to be plain
+        clock.now += 3.0 if proposer.drafting else 1.0
+        proposer.accept(1, None)
+    assert len(inner.proposed) == sum(drafted) and lookup.asked == 30 - sum(drafted)
+    assert drafted[:3] == [True, False, False] and not all(drafted[3:])
+    assert len(inner.kept) == 30  # the drafter hears of every cycle's kept positions (its taps)
+
+
+def test_a_paused_drafter_lets_lookup_drafts_through_losslessly(qwen3_pair):
+    """A drafter that always loses: after its verdict it is never asked again, the paused cycles
+    verify at most one looked-up draft, some of them accepted, and the text is the target's own."""
+    model, draft, tokenizer = qwen3_pair
+    prompt = _prompt(7)
+    ref = reference(model, prompt, 80)
+    clock = Clock(step=1.0)
+    drafter = CostlyDraft(draft, prompt + ref, clock, 3.0, wrong_every=1)
+    passes = []
+    real = drafter.propose
+    drafter.propose = lambda *a, **k: passes.append(1) or real(*a, **k)
+    policy = PolicyState(clock=clock)  # lookup 1, the default
+    responses = list(stream_generate(model, drafter, tokenizer, prompt, block_size=4, max_tokens=60, policy=policy))
+    assert [t for r in responses for t in r.tokens] == ref[:60]  # the tiny tokenizer has no stop token here
+    judged = next(i for i, r in enumerate(responses) if r.draft_tps is not None)
+    before = len(passes)
+    after = responses[judged + 1 :]
+    assert all(r.num_draft <= 1 for r in after) and len(passes) == before
+    assert any(r.num_draft == 1 and r.acceptance_length == 2 for r in after)

@@ -138,7 +138,7 @@ def test_without_an_ar_draft_the_default_methods_leave_out_mlx_spec(pair_dirs, p
         block_sizes=(4,), runs=1,
     )
     assert {r["method"] for r in result["rows"]} == {"baseline", "lookup", "dflash", "dflash-cut", "dflash-fallback",
-                                                     "dflash-auto"}  # fmt: skip
+                                                     "dflash-auto", "dflash-default"}  # fmt: skip
     assert "mlx-spec left out" in capsys.readouterr().err
     assert result["meta"]["model"] == str(pair_dirs["qwen3-tied"]) and result["meta"]["ar_draft"] is None
 
@@ -155,11 +155,11 @@ def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, 
     methods = {(r["method"], r["block_size"]) for r in result["rows"]}
     assert methods == {("baseline", 1), ("mlx-spec", 1), ("lookup", 4), ("lookup", 8), ("dflash", 4), ("dflash", 8),
                        ("dflash-cut", 4), ("dflash-cut", 8), ("dflash-fallback", 4), ("dflash-fallback", 8),
-                       ("dflash-auto", 16)}  # fmt: skip
+                       ("dflash-auto", 16), ("dflash-default", 16)}  # fmt: skip
     for r in result["rows"]:
         if r["method"].startswith("dflash"):
             assert 1 <= r["verify_size"] <= r["block_size"]
-            assert (r["limit"] > 0) if r["method"] != "dflash-fallback" else "limit" not in r
+            assert (r["limit"] > 0) if r["method"] not in ("dflash-fallback", "dflash-default") else "limit" not in r
     assert set(result["by_category"]) == {"a", "b"}
     assert result["meta"]["blas"] and result["meta"]["mlx"]
     # Lossless: every method emitted the same tokens on each prompt.

@@ -240,8 +240,8 @@ def run_benchmark(
     }
     timing_seconds = time.perf_counter() - tic  # the component times are taken again at the end
     def sizes(m: str) -> tuple[int, ...]:
-        # dflash-auto picks each cycle's width up to the drafter's block size.
-        if m == "dflash-auto":
+        # dflash-auto picks each cycle's width up to the drafter's block size; dflash-default runs at it.
+        if m in ("dflash-auto", "dflash-default"):
             return (drafter.block_size,)
         return block_sizes if m in (*DFLASH_METHODS, "lookup") else (1,)
 

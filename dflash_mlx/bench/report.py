@@ -81,7 +81,9 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         "over a bare AR step. efficiency: speedup / limit. loop eff.: measured tok/s over the ideal "
         "tau / (t_draft + t_verify), the loop against its own passes timed alone; it differs from efficiency "
         "by the baseline's real step against a lone AR pass (below). "
-        "dflash-fallback has no limit: its prompt-lookup cycles run no drafter pass.",
+        "dflash-fallback has no limit: its prompt-lookup cycles run no drafter pass. dflash-default: generate's "
+        "defaults (the adaptive policy, one state across the method's runs, warm-up first, as a chat or server "
+        "keeps it; while it pauses the drafter, cycles verify one prompt-lookup draft or step plainly); no limit.",
     ]
     if times.get("verify"):
         at = f" at a {times['context']}-token context" if "context" in times else ""

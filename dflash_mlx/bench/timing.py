@@ -8,6 +8,7 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
+from ..adaptive import PolicyState
 from ..cpu.speedups import cpu_speedups
 from ..generate import stream_generate
 from ..lookup import PromptLookup
@@ -15,11 +16,14 @@ from ..models import hybrid
 from ..models import target as tgt
 from ..responses import AcceptanceStats
 
-METHODS = ("baseline", "mlx-spec", "lookup", "dflash", "dflash-cut", "dflash-fallback", "dflash-auto")
+METHODS = (
+    "baseline", "mlx-spec", "lookup", "dflash", "dflash-cut", "dflash-fallback", "dflash-auto", "dflash-default",
+)  # fmt: skip
 # DFlash methods: the paper's fixed block, the block cut at the drafter's first unsure draft,
-# the fixed block with prompt-lookup cycles after the drafter's first-draft misses, and
-# block_size="auto" (up to the largest block size: each cycle's width chosen from the passes' costs).
-DFLASH_METHODS = ("dflash", "dflash-cut", "dflash-fallback", "dflash-auto")
+# the fixed block with prompt-lookup cycles after the drafter's first-draft misses,
+# block_size="auto" (up to the largest block size: each cycle's width chosen from the passes' costs),
+# and generate's defaults (the adaptive policy, which pauses the drafter while it loses).
+DFLASH_METHODS = ("dflash", "dflash-cut", "dflash-fallback", "dflash-auto", "dflash-default")
 DEFAULT_MIN_CONFIDENCE = 0.5  # dflash-cut's cutoff
 DEFAULT_LOOKUP_FALLBACK = 4  # dflash-fallback's most lookup cycles in a row
 
@@ -97,6 +101,15 @@ def make_runner(
             mlx_lm_stream(model, tokenizer, ids, max_tokens=max_tokens, **kwargs),
             lambda r: [] if r.finish_reason == "stop" else [r.token],
             num_draft=num_draft if method == "mlx-spec" else 0,
+        )
+    if method == "dflash-default":
+        # One policy for all of the method's runs, warm-up first: what a process that answers
+        # several prompts (a chat, a server) learns once and keeps.
+        policy = PolicyState()
+        return lambda ids: _time_stream(
+            stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens, policy=policy,
+                            draft_window=draft_window, draft_sinks=draft_sinks),  # fmt: skip
+            lambda r: r.tokens,
         )
     proposer = PromptLookup(block_size) if method == "lookup" else draft
     cutoff = min_confidence if method == "dflash-cut" else 0.0
