@@ -69,7 +69,8 @@ async def test_every_surface_shows_the_same_tau(scripted, pair_dirs, capsys, tmp
     responses = list(stream_generate(model, draft, tokenizer, ids, policy=PolicyState(), **settings))
     last = responses[-1]
     tau, drafting, plain = last.mean_acceptance_length, last.drafting_cycles, last.plain_cycles
-    assert drafting > 0 and plain >= 2 and tau > 1.0
+    # (The policy's probe cycles verify a looked-up draft where one is found: drafting cycles too.)
+    assert drafting > 0 and tau > 1.0
     assert last.generation_tokens == 1 + round(tau * drafting) + plain  # the tokens add up
     assert drafting + plain == last.cycle
     expected = (round(tau, 2), drafting, plain)

@@ -162,7 +162,8 @@ def test_the_worker_keeps_what_the_adaptive_policy_learned_across_requests(qwen3
 
     model, draft, tokenizer = qwen3_pair
     clock = Clock(step=1.0)
-    monkeypatch.setattr(PolicyState, "__init__", partialmethod(PolicyState.__init__, clock=clock))
+    # Paused cycles as plain steps (no lookup drafts), so that the plain counts tell them apart.
+    monkeypatch.setattr(PolicyState, "__init__", partialmethod(PolicyState.__init__, clock=clock, lookup=0))
     worker = Worker(model, CostlyDraft(draft, [], clock, 3.0, wrong_every=1), tokenizer)
     specs = []
     for prompt in PROMPTS[:3]:
