@@ -21,7 +21,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from ..cpu.openblas import note_reference_blas
 from ..errors import DFlashError
-from ..models import hybrid
+from ..models import drafter, drafter2, hybrid
 from ..models import target as tgt
 from ..models.drafter import DraftModel, ModelArgs
 from .hub import hub_file, hub_snapshot
@@ -339,7 +339,8 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
 def load_draft(
     path: Path, *, num_target_layers: int | None = None, dtype: str | None = None
 ) -> DraftModel:
-    """Load a DFlash drafter (z-lab format: config.json + *.safetensors)."""
+    """Load a DFlash drafter (z-lab format: config.json + *.safetensors); a DFlash2 one
+    (``architectures: ["DFlash2DraftModel"]``) as :class:`dflash_mlx.models.drafter2.DraftModel`."""
     config = read_config(path, "drafter")
     if not is_drafter_config(config):
         archs = config.get("architectures")
@@ -350,8 +351,10 @@ def load_draft(
     config = dict(config)
     if num_target_layers and not config.get("num_target_layers"):
         config["num_target_layers"] = num_target_layers
+    # The architecture's module: its ModelArgs and DraftModel.
+    family = drafter2 if drafter2.is_dflash2(config) else drafter
     try:
-        args = ModelArgs.from_dict(config)
+        args = family.ModelArgs.from_dict(config)
     except TypeError as e:
         raise DFlashError(f"The drafter config {path / 'config.json'} is missing a field: {e}") from e
     if not args.target_layer_ids:
@@ -361,7 +364,7 @@ def load_draft(
         )
     weights = _read_weights(path, "drafter")
     _check_draft_vocab(path, args, weights)
-    draft = DraftModel(args)
+    draft = family.DraftModel(args)
     weights = draft.sanitize(weights)
     if (q := config.get("quantization")) is not None:
         nn.quantize(
