@@ -26,8 +26,10 @@ from safetensors.numpy import load_file, save_file
 
 from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache
 from dflash_mlx.models import drafter2
+from dflash_mlx.weights import registry
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
 
 MAX_TOKENS = 64
 KINDS = ("qwen3_5", "qwen3_moe")
@@ -98,6 +100,18 @@ def test_settings_that_need_confidences_are_refused(pair):
             next(dflash_generate_step([1, 2, 3], model, draft, **kwargs))
 
 
+def test_registry_pairs():
+    """Qwen3.8-27B's drafter is found for the target and its MLX conversions; GLM-5.3-Flash's
+    pair is known but refused, with what is missing, before anything is fetched."""
+    for name in ("Qwen/Qwen3.8-27B", "mlx-community/Qwen3.8-27B-4bit", "mlx-community/Qwen3.8-27B-8bit"):
+        assert registry.find_draft(name) == "z-lab/Qwen3.8-27B-DFlash2"
+    assert "Qwen/Qwen3.8-27B" in registry.known_targets()
+    assert "zai-org/GLM-5.3-Flash" not in registry.known_targets()
+    with pytest.raises(DFlashError, match=r"pairs with the drafter incoai/GLM-5.3-Flash-DFlash2, but DFlash cannot "
+                       r"run it yet: .*glm5_next.*No weights were downloaded"):  # fmt: skip
+        load("zai-org/GLM-5.3-Flash", "auto")
+
+
 @pytest.mark.parametrize("block_size", [2, BLOCK])
 @pytest.mark.parametrize("prompt_len", [1, 19])
 def test_greedy_is_lossless(pair, block_size, prompt_len):
@@ -158,14 +172,12 @@ def test_stop_token_inside_a_block_then_continue(pair):
 
 @pytest.fixture(scope="module")
 def authors():
-    """torch, transformers and the authors' module, or a skip that says what to install."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    """The authors' module (``dflash.model``), or a skip that says how to install it."""
     reason = "the DFlash2 parity tests need z-lab's package: pip install --no-deps dflash==0.1.0"
-    model = pytest.importorskip("dflash.model", reason=reason)
+    module = pytest.importorskip("dflash.model", reason=reason)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: more threads only contend
-    yield torch, transformers, model
+    yield module
     torch.set_num_threads(threads)
 
 
@@ -180,11 +192,12 @@ def test_block_logits_and_selector_path_match_the_authors(authors, folders, tmp_
     """Three drafting cycles over a context that grows (longer than a small window) and is
     cropped between them, as in the authors' loop: hidden states, logits, the selector's
     candidates and its path agree."""
-    torch, _, reference = authors
+    reference = authors
     ours, theirs = tmp_path / "saved", tmp_path / "published"
     torch_draft = _authors_folder(ours, dflash2_config(window, causal))
     # The published layout: the same tensors, the codebooks without ".weight".
-    weights = {k.removesuffix(".weight") if "codebook" in k else k: v for k, v in load_file(ours / "model.safetensors").items()}
+    weights = load_file(ours / "model.safetensors")
+    weights = {k.removesuffix(".weight") if "codebook" in k else k: v for k, v in weights.items()}
     theirs.mkdir()
     save_file(weights, str(theirs / "model.safetensors"), metadata={"format": "pt"})
     (theirs / "config.json").write_text((ours / "config.json").read_text())
@@ -227,7 +240,7 @@ def test_block_logits_and_selector_path_match_the_authors(authors, folders, tmp_
 def test_cycles_match_the_authors_generate(authors, folders, tmp_path, monkeypatch):
     """The authors' dflash_generate and ours, greedy at block 8 on the same tiny target and a
     drafter fitted to agree with it: the same tokens, and the same tokens per cycle."""
-    torch, _, reference = authors
+    reference = authors
     target = folders["hf"]["qwen3_moe"]
     model = load(folders["qwen3_moe"])[0]
     prompt, max_tokens = _prompt(11, seed=5), 40

@@ -314,13 +314,19 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
     :func:`load_target`.
 
     Raises:
-        DFlashError: If the target's ``model_type`` is not one DFlash can tap, or its
-          ``config.json`` cannot be had (see ``hub.hub_file``).
+        DFlashError: If the target's ``model_type`` is not one DFlash can tap, it is a known
+          pair's that DFlash cannot run yet (``KnownPair.needs``), or its ``config.json``
+          cannot be had (see ``hub.hub_file``).
     """
     text = str(model)
     if Path(text).expanduser().exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
         return
     pair = find_pair(text)
+    if pair is not None and pair.needs is not None:
+        raise DFlashError(
+            f"{text} pairs with the drafter {pair.draft}, but DFlash cannot run it yet: {pair.needs}. "
+            "No weights were downloaded."
+        )
     if pair is not None:
         model_type, where = pair.model_type, "the registry of known pairs"
     else:
