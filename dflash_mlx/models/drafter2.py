@@ -206,8 +206,8 @@ class CandidateSelector(nn.Module):
 class DraftModel(drafter.DraftModel):
     """The DFlash2 drafter (``DFlash2DraftModel`` checkpoints).
 
-    Its pass over a block is DFlash's with :class:`DecoderLayer` s; :meth:`draft_tokens` turns
-    it into drafts through the selector. It drafts over the target's whole vocabulary (no
+    Its pass over a block is DFlash's, through this module's decoder layers; :meth:`draft_tokens`
+    turns it into drafts through the selector. It drafts over the target's whole vocabulary (no
     ``draft_vocab``). Sampling drafts from the selector is not implemented: drafts are always
     the greedy path, which verification accepts exactly under any sampler.
     """
