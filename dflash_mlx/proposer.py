@@ -169,6 +169,23 @@ class DFlashProposer:
             self.cache.append_pending(taps[:, :num_kept])
 
 
+class SelectorProposer(DFlashProposer):
+    """The DFlash2 drafter: one pass over ``[last, MASK x (B-1)]`` as for DFlash, then its
+    candidate selector's greedy path as the drafts (``draft.draft_tokens``).
+
+    The drafts are certain (``q`` is None) whatever the sampler: verifying them keeps exactly
+    the drafts that equal the target's own samples, so the output follows the target's
+    distribution. Drawing drafts from the selector's distribution is not implemented.
+    """
+
+    def propose(self, last: int, n: int) -> Proposal:
+        block = mx.array([[last] + [self.draft.mask_token_id] * (self.draft.block_size - 1)], dtype=mx.uint32)
+        drafts = self.draft.draft_tokens(self.model, block, self.cache.take_pending(), self.cache.draft, self.speedups)
+        drafts = drafts[0, :n].astype(mx.uint32)
+        mx.async_eval(drafts)
+        return Proposal(drafts)
+
+
 class FallbackProposer:
     """The drafter, with prompt-lookup cycles after each of its first-draft misses.
 

@@ -42,7 +42,7 @@ def test_rope_parameters_many_taps_and_layers(tmp_path):
         ({"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention layers but sliding_window=None"),
         ({"layer_types": ["full_attention"]}, "layer_types has 1 entries for 2 layers"),
         ({"is_causal": "yes"}, "Unsupported drafter is_causal='yes'"),
-        ({"architectures": ["DFlash2DraftModel"]}, "Unsupported drafter architecture 'DFlash2DraftModel'"),
+        ({"architectures": ["DFlash3DraftModel"]}, "Unsupported drafter architecture 'DFlash3DraftModel'"),
         ({"selector_rank": 256}, r"Unsupported drafter fields \['selector_rank'\]"),
         ({"input_embedding_scale": 0.5}, "Unsupported drafter input_embedding_scale=0.5"),
     ],
@@ -58,6 +58,18 @@ def test_fields_we_cannot_honour_are_refused(tmp_path, pair_dirs, change, messag
     write_draft(tmp_path / "draft")
     (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
     with pytest.raises(DFlashError, match=message):
+        load(pair_dirs["qwen3-tied"], tmp_path / "draft")
+
+
+def test_a_dflash2_config_goes_to_its_own_drafter(tmp_path, pair_dirs):
+    """DFlash DraftModel refuses the architecture; load() reads it as DFlash2 (tests/test_dflash2.py),
+    which names the fields a DFlash drafter's config lacks."""
+    config = {**draft_config(), "architectures": ["DFlash2DraftModel"]}
+    with pytest.raises(DFlashError, match="Unsupported drafter architecture 'DFlash2DraftModel'"):
+        ModelArgs.from_dict(config)
+    write_draft(tmp_path / "draft")
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DFlashError, match="The DFlash2 drafter config lacks conv_kernel_size, conv_group_size"):
         load(pair_dirs["qwen3-tied"], tmp_path / "draft")
 
 
@@ -103,7 +115,10 @@ def test_registry_types_are_refused_without_any_request(monkeypatch, tmp_path):
 def test_every_known_pair_is_supported():
     from dflash_mlx.models import target as tgt
 
-    assert {p.model_type for p in registry.KNOWN_PAIRS} <= set(tgt.SUPPORTED_MODEL_TYPES)
+    runs = [p for p in registry.KNOWN_PAIRS if p.needs is None]
+    assert {p.model_type for p in runs} <= set(tgt.SUPPORTED_MODEL_TYPES)
+    # A pair said not to run yet is one whose target DFlash cannot tap.
+    assert all(p.model_type not in tgt.SUPPORTED_MODEL_TYPES for p in registry.KNOWN_PAIRS if p.needs)
     for kind in ("qwen3_moe", "qwen3_5", "qwen3_5_moe"):
         assert any(p.model_type == kind for p in registry.KNOWN_PAIRS)
 

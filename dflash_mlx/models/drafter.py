@@ -7,7 +7,7 @@ conditioned on the target's hidden states (the "taps"), which are projected once
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -56,6 +56,19 @@ def check_layout(config: dict) -> None:
     archs = [a for a in config.get("architectures") or [] if a != "DFlashDraftModel" and "DFlash" in a]
     if archs:
         raise DFlashError(f"Unsupported drafter architecture {archs[0]!r}: this drafter is DFlashDraftModel. {fix}")
+    check_attention_layout(config, fix)
+    nested = {**config, **(config.get("dflash_config") or {})}
+    extra = [k for k in _UNSUPPORTED_DFLASH_KEYS if nested.get(k) is not None]
+    if extra:
+        raise DFlashError(f"Unsupported drafter fields {extra} (a DFlash2 drafter?). {fix}")
+    scale = nested.get("input_embedding_scale", 1.0)
+    if scale != 1.0:
+        raise DFlashError(f"Unsupported drafter input_embedding_scale={scale!r}: only 1.0 is implemented. {fix}")
+
+
+def check_attention_layout(config: dict, fix: str) -> None:
+    """Refuse ``layer_types`` other than full and sliding attention, a sliding layer without a
+    window, and an ``is_causal`` that is not a boolean; ``fix`` ends each message."""
     layer_types = config.get("layer_types")
     if layer_types is not None:
         layers = config.get("num_hidden_layers")
@@ -69,13 +82,6 @@ def check_layout(config: dict) -> None:
             raise DFlashError(f"The drafter has sliding_attention layers but sliding_window={window!r}. {fix}")
     if config.get("is_causal") not in (None, True, False):
         raise DFlashError(f"Unsupported drafter is_causal={config['is_causal']!r}: use true or false. {fix}")
-    nested = {**config, **(config.get("dflash_config") or {})}
-    extra = [k for k in _UNSUPPORTED_DFLASH_KEYS if nested.get(k) is not None]
-    if extra:
-        raise DFlashError(f"Unsupported drafter fields {extra} (a DFlash2 drafter?). {fix}")
-    scale = nested.get("input_embedding_scale", 1.0)
-    if scale != 1.0:
-        raise DFlashError(f"Unsupported drafter input_embedding_scale={scale!r}: only 1.0 is implemented. {fix}")
 
 
 def block_mask(start: int, length: int, causal: bool, window: int | None) -> mx.array | None:
@@ -132,13 +138,16 @@ class ModelArgs(BaseModelArgs):
     # Drafts only among these many token ids (FR-Spec), held in the weights as ``draft_vocab``.
     draft_vocab_size: int | None = None
     model_type: str = "qwen3"
+    # The keys lifted from "dflash_config", and the check a config passes first.
+    nested_keys: ClassVar[tuple[str, ...]] = _DFLASH_KEYS
+    check: ClassVar = staticmethod(check_layout)
 
     @classmethod
     def from_dict(cls, params: dict) -> "ModelArgs":
-        check_layout(params)
+        cls.check(params)
         params = dict(params)
         nested = params.get("dflash_config") or {}
-        for key in _DFLASH_KEYS:
+        for key in cls.nested_keys:
             if nested.get(key) is not None:
                 params[key] = nested[key]
         return super().from_dict(params)
@@ -310,12 +319,14 @@ class DraftModel(nn.Module):
     verifies over its whole vocabulary, so the output is unchanged.
     """
 
+    layer_class: ClassVar[type] = DecoderLayer
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
         n_taps = len(args.target_layer_ids) or args.num_hidden_layers
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.layers = [self.layer_class(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
@@ -414,11 +425,26 @@ class DraftModel(nn.Module):
             vocabulary: the target's, or the ``draft_vocab`` ids (``V = draft_vocab_size``;
             :meth:`token_ids` maps an index back to its id).
         """
+        return self.logits(model, self.block_hidden(model, block, target_hidden, cache, speedups)[:, 1:])
+
+    def block_hidden(
+        self,
+        model: nn.Module,
+        block: mx.array,
+        target_hidden: mx.array | None,
+        cache: list[Any],
+        speedups: CpuSpeedups | None = None,
+    ) -> mx.array:
+        """The drafter's pass over ``block`` (``(1, B)`` ids), with the arguments of
+        :meth:`propose`: ``(1, B, H)`` hidden states of all its positions."""
         if target_hidden is None:
             width = len(self.target_layer_ids) * self.args.hidden_size
             target_hidden = mx.zeros((1, 0, width), dtype=self.norm.weight.dtype)
-        h = self(tgt.embed(model, block), target_hidden, cache, speedups=speedups)
-        return self.logits(model, h[:, 1:])
+        return self(self.embed(model, block), target_hidden, cache, speedups=speedups)
+
+    def embed(self, model: nn.Module, block: mx.array) -> mx.array:
+        """The noisy block's input: the target's embedding of its ids."""
+        return tgt.embed(model, block)
 
     def logits(self, model: nn.Module, h: mx.array) -> mx.array:
         """The target's head on hidden states ``(..., H)``: ``(..., V)`` over the drafter's vocabulary."""

@@ -21,7 +21,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from ..cpu.openblas import note_reference_blas
 from ..errors import DFlashError
-from ..models import hybrid
+from ..models import drafter, drafter2, hybrid
 from ..models import target as tgt
 from ..models.drafter import DraftModel, ModelArgs
 from .hub import hub_file, hub_snapshot
@@ -314,13 +314,19 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
     :func:`load_target`.
 
     Raises:
-        DFlashError: If the target's ``model_type`` is not one DFlash can tap, or its
-          ``config.json`` cannot be had (see ``hub.hub_file``).
+        DFlashError: If the target's ``model_type`` is not one DFlash can tap, it is a known
+          pair's that DFlash cannot run yet (``KnownPair.needs``), or its ``config.json``
+          cannot be had (see ``hub.hub_file``).
     """
     text = str(model)
     if Path(text).expanduser().exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
         return
     pair = find_pair(text)
+    if pair is not None and pair.needs is not None:
+        raise DFlashError(
+            f"{text} pairs with the drafter {pair.draft}, but DFlash cannot run it yet: {pair.needs}. "
+            "No weights were downloaded."
+        )
     if pair is not None:
         model_type, where = pair.model_type, "the registry of known pairs"
     else:
@@ -339,7 +345,8 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
 def load_draft(
     path: Path, *, num_target_layers: int | None = None, dtype: str | None = None
 ) -> DraftModel:
-    """Load a DFlash drafter (z-lab format: config.json + *.safetensors)."""
+    """Load a DFlash drafter (z-lab format: config.json + *.safetensors); a DFlash2 one
+    (``architectures: ["DFlash2DraftModel"]``) as :class:`dflash_mlx.models.drafter2.DraftModel`."""
     config = read_config(path, "drafter")
     if not is_drafter_config(config):
         archs = config.get("architectures")
@@ -350,8 +357,10 @@ def load_draft(
     config = dict(config)
     if num_target_layers and not config.get("num_target_layers"):
         config["num_target_layers"] = num_target_layers
+    # The architecture's module: its ModelArgs and DraftModel.
+    family = drafter2 if drafter2.is_dflash2(config) else drafter
     try:
-        args = ModelArgs.from_dict(config)
+        args = family.ModelArgs.from_dict(config)
     except TypeError as e:
         raise DFlashError(f"The drafter config {path / 'config.json'} is missing a field: {e}") from e
     if not args.target_layer_ids:
@@ -361,7 +370,7 @@ def load_draft(
         )
     weights = _read_weights(path, "drafter")
     _check_draft_vocab(path, args, weights)
-    draft = DraftModel(args)
+    draft = family.DraftModel(args)
     weights = draft.sanitize(weights)
     if (q := config.get("quantization")) is not None:
         nn.quantize(

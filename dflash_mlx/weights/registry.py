@@ -36,6 +36,8 @@ class KnownPair:
         aliases: Other repository names of the same target (e.g. MLX community naming).
         mlx_ids: Published MLX conversions of the target known to exist, for the docs;
           any other ``<name>-<bits>bit`` conversion is matched too.
+        needs: What DFlash still lacks to run the pair, said to whoever asks for it; None
+          when it runs today.
     """
 
     target: str
@@ -43,6 +45,7 @@ class KnownPair:
     model_type: str
     aliases: tuple[str, ...] = ()
     mlx_ids: tuple[str, ...] = ()
+    needs: str | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -113,6 +116,23 @@ KNOWN_PAIRS: tuple[KnownPair, ...] = (
     KnownPair("Qwen/Qwen3.5-397B-A17B", "z-lab/Qwen3.5-397B-A17B-DFlash", "qwen3_5_moe"),
     KnownPair("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash", "qwen3_5"),
     KnownPair("Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash", "qwen3_5_moe"),
+    # DFlash2 drafters (dflash_mlx.models.drafter2). Qwen3.8 is a Qwen3.5-architecture model; z-lab's
+    # drafter is a mirror of incoai/Qwen3.8-27B-DFlash2.
+    KnownPair(
+        "Qwen/Qwen3.8-27B",
+        "z-lab/Qwen3.8-27B-DFlash2",
+        "qwen3_5",
+        mlx_ids=("mlx-community/Qwen3.8-27B-4bit",),
+    ),
+    KnownPair(
+        "zai-org/GLM-5.3-Flash",
+        "incoai/GLM-5.3-Flash-DFlash2",
+        "glm5_next",
+        needs=(
+            "its target's architecture (model_type glm5_next: Kimi delta attention and mHC layers) is not in "
+            "mlx-lm 0.32, and DFlash has no taps or rollback for it"
+        ),
+    ),
 )
 
 
@@ -181,5 +201,5 @@ def find_draft(model: str | Path) -> str | None:
 
 
 def known_targets() -> list[str]:
-    """The Hugging Face ids of every target with a known drafter."""
-    return [p.target for p in KNOWN_PAIRS]
+    """The Hugging Face ids of every target with a known drafter that DFlash runs today."""
+    return [p.target for p in KNOWN_PAIRS if p.needs is None]
