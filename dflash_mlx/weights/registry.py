@@ -113,6 +113,16 @@ KNOWN_PAIRS: tuple[KnownPair, ...] = (
     KnownPair("Qwen/Qwen3.5-397B-A17B", "z-lab/Qwen3.5-397B-A17B-DFlash", "qwen3_5_moe"),
     KnownPair("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash", "qwen3_5"),
     KnownPair("Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash", "qwen3_5_moe"),
+    KnownPair(
+        "Qwen/Qwen3-Coder-Next",
+        "z-lab/Qwen3-Coder-Next-DFlash",
+        "qwen3_next",
+        mlx_ids=(
+            "mlx-community/Qwen3-Coder-Next-4bit",
+            "mlx-community/Qwen3-Coder-Next-5bit",
+            "mlx-community/Qwen3-Coder-Next-8bit",
+        ),
+    ),
 )
 
 
