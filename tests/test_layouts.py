@@ -252,3 +252,14 @@ def test_sliding_layers_keep_a_bounded_cache_with_the_same_output():
         got, want = draft(noise, ctx[:, lo:hi], bounded), draft(noise, ctx[:, lo:hi], full)
         assert mx.allclose(got, want, atol=1e-5).item(), (lo, hi)
         assert bounded[0].stored <= 5 and bounded[0].offset == full[0].offset == hi
+
+
+def test_dflash_convert_refuses_such_a_hub_target_before_download(tmp_path, monkeypatch):
+    from dflash_mlx.convert import convert
+
+    repo = "someone/qwen3-next-fp8"
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    fetched = _no_downloads(monkeypatch, {"dir": tmp_path, repo: _qwen3_next_config(quantization_config=fp8)})
+    with pytest.raises(DFlashError, match=f"^{repo}: The target is an FP8 checkpoint.* No weights were downloaded"):
+        convert(repo, str(tmp_path / "out"), draft_hf_path="z-lab/Qwen3-Coder-Next-DFlash", verbose=False)
+    assert fetched == [repo] and not (tmp_path / "out").exists()
