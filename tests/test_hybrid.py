@@ -227,7 +227,9 @@ def test_generation_left_early_then_continue(pairs, kind):
     assert again == reference(model, follow, 40)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+# Qwen3-Next's check runs with -m slow: its rollback and acceptance are the code Qwen3.5's check
+# covers, and each takes about a minute.
+@pytest.fixture(scope="module", params=["qwen3_5", pytest.param("qwen3_next", marks=pytest.mark.slow)])
 def hybrid_marginals(pairs, request):
     """A hybrid pair of each layout and the exact marginals of its first sampled tokens."""
     from test_sampling import _exact_marginals
@@ -279,6 +281,32 @@ def test_convert_load_generate_chat(hf_targets, kind, tmp_path, capsys):
     assert second == reply(fresh, turns)
     chat.close()
     fresh.close()
+
+
+def test_quantized_mlx_conversion_of_qwen3_next(hf_targets, tmp_path):
+    """A 4-bit conversion in mlx-lm's layout (as mlx-community publishes Qwen3-Coder-Next: experts
+    stacked, norms shifted, quantized weights): it loads as it is and DFlash stays lossless
+    against the quantized target's own greedy decoding."""
+    import mlx.nn as nn
+
+    from dflash_mlx.convert import convert
+
+    pair = tmp_path / "pair"
+    result = convert(str(hf_targets["qwen3_next"][0]), str(pair), draft_hf_path=str(hf_targets["draft"][0]),
+                     quantize=True, q_bits=4, q_group_size=32, check_tokens=16, verbose=False)  # fmt: skip
+    assert result.check.tokens_match
+    stored = mx.load(str(pair / "target" / "model.safetensors"))
+    assert "model.layers.0.mlp.switch_mlp.up_proj.scales" in stored
+    assert not any(".experts." in k for k in stored)
+    model, draft, _ = load(pair)
+    layer = model.model.layers[0]
+    assert isinstance(layer.linear_attn.in_proj_qkvz, nn.QuantizedLinear)
+    assert isinstance(model.model.layers[3].self_attn.q_proj, nn.QuantizedLinear)
+    for prompt_len in (7, 40):
+        prompt = _prompt(prompt_len)
+        ref = reference(model, prompt)
+        for block_size in (4, 16):
+            assert run(model, draft, prompt, block_size=block_size, max_tokens=MAX_REF)[0] == ref
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
