@@ -343,7 +343,8 @@ def _edited(hf_targets, kind, tmp_path, edit) -> Path:
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_a_layer_layout_mlx_lm_would_not_build_is_refused(hf_targets, kind, tmp_path):
-    folder = _edited(hf_targets, kind, tmp_path, lambda c: c.update(layer_types=["linear_attention", "full_attention"] * 2))
+    alternating = ["linear_attention", "full_attention"] * 2
+    folder = _edited(hf_targets, kind, tmp_path, lambda c: c.update(layer_types=alternating))
     with pytest.raises(DFlashError, match=r"layer_types \['linear_attention', 'full_attention', .* differ from"):
         load(folder)
 
