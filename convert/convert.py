@@ -32,6 +32,7 @@ from ..cli.options import add_blas_argument
 from ..cli.progress import Progress
 from ..errors import DFlashError
 from ..generate import apply_chat_template, dflash_generate_step
+from ..models import hybrid
 from ..models import target as tgt
 from ..models.drafter import DraftModel, save_draft
 from ..responses import AcceptanceStats
@@ -42,6 +43,7 @@ from ..weights.loading import (
     DTYPES,
     PAIR_MANIFEST,
     check_pair,
+    check_target_type,
     check_tokenizer_files,
     default_pair_draft,
     is_drafter_config,
@@ -146,6 +148,7 @@ def _check_arguments(
 
 
 def _target_source(hf_path: str, revision: str | None) -> tuple[Path, dict[str, Any]]:
+    check_target_type(hf_path, revision)  # a hub target mlx-lm cannot load: refused before its download
     path = resolve(hf_path, what="target", revision=revision)
     if read_pair_manifest(path) is not None:
         raise DFlashError(
@@ -163,6 +166,8 @@ def _target_source(hf_path: str, revision: str | None) -> tuple[Path, dict[str, 
             f"Unsupported target architecture model_type={model_type!r} in {hf_path}: DFlash supports "
             f"{', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets."
         )
+    if model_type in hybrid.HYBRID_MODEL_TYPES:
+        hybrid.check_layout(config)
     return path, config
 
 

@@ -428,6 +428,10 @@ def test_broken_target_is_one_line_in_convert_and_generate(hf, tmp_path, capsys,
         ("mlx-community/Qwen3-Coder-30B-A3B-Instruct-4bit-DWQ", "z-lab/Qwen3-Coder-30B-A3B-DFlash"),
         ("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash"),
         ("mlx-community/Qwen3.5-35B-A3B-4bit", "z-lab/Qwen3.5-35B-A3B-DFlash"),
+        ("Qwen/Qwen3-Coder-Next", "z-lab/Qwen3-Coder-Next-DFlash"),
+        ("mlx-community/Qwen3-Coder-Next-4bit", "z-lab/Qwen3-Coder-Next-DFlash"),
+        ("mlx-community/Qwen3-Coder-Next-mxfp4", "z-lab/Qwen3-Coder-Next-DFlash"),
+        ("/cache/models--Qwen--Qwen3-Coder-Next/snapshots/abc123", "z-lab/Qwen3-Coder-Next-DFlash"),
         ("/cache/models--Qwen--Qwen3-4B/snapshots/abc123", "z-lab/Qwen3-4B-DFlash-b16"),
         # Fine-tunes and other sizes are different models.
         ("Qwen/Qwen3-4B-Instruct-2507", None),
@@ -435,6 +439,9 @@ def test_broken_target_is_one_line_in_convert_and_generate(hf, tmp_path, capsys,
         ("mlx-community/Qwen3.5-27B-heretic-8bit", None),
         ("Qwen/Qwen3-14B", None),
         ("Qwen/Qwen3.5-4B-Base", None),
+        # The base model, and an FP8 checkpoint mlx-lm cannot load (refused from its config).
+        ("Qwen/Qwen3-Coder-Next-Base", None),
+        ("Qwen/Qwen3-Coder-Next-FP8", None),
         ("./Qwen3-4B", None),
         ("/models/Qwen3-4B", None),
     ],
@@ -445,7 +452,8 @@ def test_registry_lookup(name, draft):
 
 def test_registry_lists_the_official_pairs():
     targets = known_targets()
-    for t in ("Qwen/Qwen3-4B", "Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen3.5-27B"):
+    for t in ("Qwen/Qwen3-4B", "Qwen/Qwen3-8B", "meta-llama/Llama-3.1-8B-Instruct", "Qwen/Qwen3.5-27B",
+              "Qwen/Qwen3-Coder-Next"):  # fmt: skip
         assert t in targets
     assert len(set(targets)) == len(targets)
     # Every listed MLX conversion maps back to its own pair.

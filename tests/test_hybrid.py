@@ -1,6 +1,11 @@
-"""MoE (qwen3_moe) and hybrid (qwen3_5, qwen3_5_moe) targets, written by transformers' own
-classes: mlx-lm against transformers, our taps against HF's hidden states, and DFlash
-against mlx-lm's greedy decoding, through every rollback length of the recurrent state."""
+"""MoE (qwen3_moe) and hybrid (qwen3_5, qwen3_5_moe, qwen3_next) targets, written by
+transformers' own classes: mlx-lm against transformers, our taps against HF's hidden states,
+and DFlash against mlx-lm's greedy decoding, through every rollback length of the recurrent
+state."""
+
+import json
+import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -97,8 +102,9 @@ def test_recurrent_trim_equals_a_shorter_pass(pairs, kind):
         assert mx.allclose(a, b, atol=1e-4).item(), n
 
 
-def test_recurrent_trim_past_the_last_pass_is_refused(pairs):
-    model = pairs["qwen3_5"][0]
+@pytest.mark.parametrize("kind", HYBRID)
+def test_recurrent_trim_past_the_last_pass_is_refused(pairs, kind):
+    model = pairs[kind][0]
     cache = make_cache(model).target
     tgt.forward_with_taps(model, mx.array([_prompt(5)]), cache, [])
     tgt.forward_with_taps(model, mx.array([_prompt(3)]), cache, [])
@@ -207,8 +213,9 @@ def test_multi_turn_reuse_equals_a_fresh_run(pairs, kind):
     assert fourth == reference(model, other, 30)
 
 
-def test_generation_left_early_then_continue(pairs):
-    model, draft, _ = pairs["qwen3_5"]
+@pytest.mark.parametrize("kind", HYBRID)
+def test_generation_left_early_then_continue(pairs, kind):
+    model, draft, _ = pairs[kind]
     prompt = _prompt(20)
     cache = make_cache(model, draft)
     steps = dflash_generate_step(prompt, model, draft, max_tokens=60, prompt_cache=cache, lookup_fallback=4)
@@ -220,14 +227,16 @@ def test_generation_left_early_then_continue(pairs):
     assert again == reference(model, follow, 40)
 
 
-@pytest.fixture(scope="module")
-def hybrid_marginals(pairs):
-    """The qwen3_5 pair and the exact marginals of its first sampled tokens."""
+# Qwen3-Next's check runs with -m slow: its rollback and acceptance are the code Qwen3.5's check
+# covers, and each takes about a minute.
+@pytest.fixture(scope="module", params=["qwen3_5", pytest.param("qwen3_next", marks=pytest.mark.slow)])
+def hybrid_marginals(pairs, request):
+    """A hybrid pair of each layout and the exact marginals of its first sampled tokens."""
     from test_sampling import _exact_marginals
 
-    exact = _exact_marginals(pairs["qwen3_5"][0])
+    exact = _exact_marginals(pairs[request.param][0])
     assert all(p.max() < 0.5 for p in exact)  # no near-certain token: the check has teeth
-    return pairs["qwen3_5"], exact
+    return pairs[request.param], exact
 
 
 @pytest.mark.parametrize("proposal", ["greedy", "sample"])
@@ -239,10 +248,10 @@ def test_sampling_keeps_the_hybrid_targets_distribution(hybrid_marginals, propos
     assert max(excess) < 0, excess
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5", "qwen3_next"])
 def test_convert_load_generate_chat(hf_targets, kind, tmp_path, capsys):
-    """dflash-convert -> load -> dflash-generate -> the chat engine's turns, for an MoE and a
-    hybrid pair; the chat's second turn (reusing the cache) equals a fresh run of it."""
+    """dflash-convert -> load -> dflash-generate -> the chat engine's turns, for an MoE pair and
+    a hybrid pair of each layout; the chat's second turn (reusing the cache) equals a fresh run."""
     from dflash_mlx.convert import convert
     from dflash_mlx.generate import main as generate_main
     from dflash_mlx.tui.commands import Settings
@@ -274,14 +283,41 @@ def test_convert_load_generate_chat(hf_targets, kind, tmp_path, capsys):
     fresh.close()
 
 
-def test_component_times_include_the_rollback(pairs):
+def test_quantized_mlx_conversion_of_qwen3_next(hf_targets, tmp_path):
+    """A 4-bit conversion in mlx-lm's layout (as mlx-community publishes Qwen3-Coder-Next: experts
+    stacked, norms shifted, quantized weights): it loads as it is and DFlash stays lossless
+    against the quantized target's own greedy decoding."""
+    import mlx.nn as nn
+
+    from dflash_mlx.convert import convert
+
+    pair = tmp_path / "pair"
+    result = convert(str(hf_targets["qwen3_next"][0]), str(pair), draft_hf_path=str(hf_targets["draft"][0]),
+                     quantize=True, q_bits=4, q_group_size=32, check_tokens=16, verbose=False)  # fmt: skip
+    assert result.check.tokens_match
+    stored = mx.load(str(pair / "target" / "model.safetensors"))
+    assert "model.layers.0.mlp.switch_mlp.up_proj.scales" in stored
+    assert not any(".experts." in k for k in stored)
+    model, draft, _ = load(pair)
+    layer = model.model.layers[0]
+    assert isinstance(layer.linear_attn.in_proj_qkvz, nn.QuantizedLinear)
+    assert isinstance(model.model.layers[3].self_attn.q_proj, nn.QuantizedLinear)
+    for prompt_len in (7, 40):
+        prompt = _prompt(prompt_len)
+        ref = reference(model, prompt)
+        for block_size in (4, 16):
+            assert run(model, draft, prompt, block_size=block_size, max_tokens=MAX_REF)[0] == ref
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_component_times_include_the_rollback(pairs, kind):
     """dflash-bench times the loop's own rewind of a hybrid target per block size, and its limit
     counts it; a MoE target (attention only) has none to time."""
     from dflash_mlx.bench.report import markdown
     from dflash_mlx.bench.stats import physical_limit, summarize
     from dflash_mlx.bench.timing import RunResult, component_times
 
-    model, draft, _ = pairs["qwen3_5"]
+    model, draft, _ = pairs[kind]
     times = component_times(model, draft, [4, 8], context=12, repeats=2)
     assert {b: sorted(by_k) for b, by_k in times["rollback"].items()} == {4: [0, 2, 3], 8: [0, 4, 6, 7]}
     assert all(t > 0 for by_k in times["rollback"].values() for t in by_k.values())
@@ -295,17 +331,46 @@ def test_component_times_include_the_rollback(pairs):
     assert "rollback" not in component_times(*pairs["qwen3_moe"][:2], [4], context=12, repeats=1)
 
 
-def test_a_layer_layout_mlx_lm_would_not_build_is_refused(hf_targets, tmp_path):
-    import json
-    import shutil
-
+def _edited(hf_targets, kind, tmp_path, edit) -> Path:
+    """A copy of ``kind``'s folder with ``edit`` applied to its (text) config."""
     folder = tmp_path / "target"
-    shutil.copytree(hf_targets["qwen3_5"][0], folder)
+    shutil.copytree(hf_targets[kind][0], folder)
     config = json.loads((folder / "config.json").read_text())
-    config["text_config"]["layer_types"] = ["linear_attention", "full_attention"] * 2
+    edit(config.get("text_config") or config)
     (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_a_layer_layout_mlx_lm_would_not_build_is_refused(hf_targets, kind, tmp_path):
+    alternating = ["linear_attention", "full_attention"] * 2
+    folder = _edited(hf_targets, kind, tmp_path, lambda c: c.update(layer_types=alternating))
     with pytest.raises(DFlashError, match=r"layer_types \['linear_attention', 'full_attention', .* differ from"):
         load(folder)
+
+
+@pytest.mark.parametrize(
+    "kind, edit, message",
+    [
+        ("qwen3_5", lambda c: c.update(num_hidden_layers=3, layer_types=["linear_attention"] * 3),
+         "has 3 layers and full_attention_interval=4: mlx-lm builds no full attention layer"),
+        ("qwen3_next", lambda c: c.update(num_hidden_layers=3, layer_types=["linear_attention"] * 3),
+         "has 3 layers and full_attention_interval=4: mlx-lm builds no full attention layer"),
+        # As transformers 5 saves a Qwen3-Next config: its RoPE fields under rope_parameters.
+        ("qwen3_next", lambda c: c.update(rope_parameters={"rope_theta": c.pop("rope_theta"), "rope_type": "default",
+                                                           "partial_rotary_factor": c.pop("partial_rotary_factor")}),
+         "lacks rope_theta, partial_rotary_factor, which mlx-lm needs: copy rope_theta and partial_rotary_factor "
+         "out of its rope_parameters"),
+        ("qwen3_next", lambda c: c.pop("mlp_only_layers"), "lacks mlp_only_layers, which mlx-lm needs: re-download"),
+        ("qwen3_next", lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+         r"FP8 checkpoint \(weight_block_size=\[128, 128\]\), which mlx-lm cannot load for qwen3_next"),
+    ],
+)  # fmt: skip
+def test_a_config_mlx_lm_cannot_load_is_refused_in_one_line(hf_targets, kind, edit, message, tmp_path):
+    folder = _edited(hf_targets, kind, tmp_path, edit)
+    with pytest.raises(DFlashError, match=message) as e:
+        load(folder)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("kind", HF_KINDS)

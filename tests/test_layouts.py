@@ -119,8 +119,53 @@ def test_every_known_pair_is_supported():
     assert {p.model_type for p in runs} <= set(tgt.SUPPORTED_MODEL_TYPES)
     # A pair said not to run yet is one whose target DFlash cannot tap.
     assert all(p.model_type not in tgt.SUPPORTED_MODEL_TYPES for p in registry.KNOWN_PAIRS if p.needs)
-    for kind in ("qwen3_moe", "qwen3_5", "qwen3_5_moe"):
+    for kind in ("qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"):
         assert any(p.model_type == kind for p in registry.KNOWN_PAIRS)
+
+
+def test_qwen3_coder_next_pair():
+    pair = registry.find_pair("mlx-community/Qwen3-Coder-Next-4bit")
+    assert (pair.target, pair.draft, pair.model_type) == (
+        "Qwen/Qwen3-Coder-Next", "z-lab/Qwen3-Coder-Next-DFlash", "qwen3_next"
+    )  # fmt: skip
+
+
+def _qwen3_next_config(**change) -> dict:
+    """A config with every field mlx-lm's qwen3_next needs (the published ones' values where it
+    matters here); ``None`` in ``change`` drops a field."""
+    from dataclasses import MISSING, fields
+
+    from mlx_lm.models import qwen3_next
+
+    config = {f.name: 1 for f in fields(qwen3_next.ModelArgs) if f.default is MISSING}
+    config.update(model_type="qwen3_next", num_hidden_layers=48, full_attention_interval=4, rope_theta=5000000,
+                  partial_rotary_factor=0.25, mlp_only_layers=[])  # fmt: skip
+    config.update(change)
+    return {k: v for k, v in config.items() if v is not None}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # As Qwen/Qwen3-Coder-Next-FP8 is quantized.
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+         r"FP8 checkpoint \(weight_block_size=\[128, 128\]\), which mlx-lm cannot load for qwen3_next"),
+        ({"layer_types": ["linear_attention", "full_attention"] * 24}, "differ from the layers mlx-lm builds"),
+        # As transformers 5 saves a Qwen3-Next config.
+        ({"rope_parameters": {"rope_theta": 5000000, "partial_rotary_factor": 0.25}, "rope_theta": None,
+          "partial_rotary_factor": None}, "lacks rope_theta, partial_rotary_factor, which mlx-lm needs"),
+    ],
+)  # fmt: skip
+def test_a_hybrid_hub_target_mlx_lm_cannot_load_is_refused_before_download(tmp_path, monkeypatch, change, message):
+    repo = "someone/qwen3-next-x"
+    fetched = _no_downloads(monkeypatch, {"dir": tmp_path, repo: _qwen3_next_config(**change)})
+    with pytest.raises(DFlashError, match=f"^{repo}: .*{message}.* No weights were downloaded") as e:
+        load(repo)
+    assert fetched == [repo] and "\n" not in str(e.value)
+    # As published, the same target goes on to the download.
+    _no_downloads(monkeypatch, {"dir": tmp_path, repo: _qwen3_next_config()})
+    with pytest.raises(DFlashError, match="snapshot_download"):
+        load(repo)
 
 
 def test_supported_hub_target_goes_on_to_download(tmp_path, monkeypatch):
@@ -222,3 +267,14 @@ def test_sliding_layers_keep_a_bounded_cache_with_the_same_output():
         got, want = draft(noise, ctx[:, lo:hi], bounded), draft(noise, ctx[:, lo:hi], full)
         assert mx.allclose(got, want, atol=1e-5).item(), (lo, hi)
         assert bounded[0].stored <= 5 and bounded[0].offset == full[0].offset == hi
+
+
+def test_dflash_convert_refuses_such_a_hub_target_before_download(tmp_path, monkeypatch):
+    from dflash_mlx.convert import convert
+
+    repo = "someone/qwen3-next-fp8"
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    fetched = _no_downloads(monkeypatch, {"dir": tmp_path, repo: _qwen3_next_config(quantization_config=fp8)})
+    with pytest.raises(DFlashError, match=f"^{repo}: The target is an FP8 checkpoint.* No weights were downloaded"):
+        convert(repo, str(tmp_path / "out"), draft_hf_path="z-lab/Qwen3-Coder-Next-DFlash", verbose=False)
+    assert fetched == [repo] and not (tmp_path / "out").exists()

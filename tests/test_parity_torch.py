@@ -39,8 +39,10 @@ from dflash_mlx.reference import (  # noqa: E402
 DEVICE = default_device()
 ATOL = 1e-4
 DENSE = ["qwen3-tied", "qwen3-untied", "llama"]
-# A MoE target, and a hybrid one whose recurrent state the reference loop rolls back its own way.
-KINDS = DENSE + ["qwen3_moe", "qwen3_5"]
+# A MoE target, and hybrid ones (Qwen3.5's layout and Qwen3-Next's) whose recurrent state the
+# reference loop rolls back its own way.
+KINDS = DENSE + ["qwen3_moe", "qwen3_5", "qwen3_next"]
+HF = ("qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 MAX_TOKENS = 48
 
 
@@ -60,9 +62,9 @@ def dirs(pair_dirs, tmp_path_factory):
     """conftest's folders, plus a drafter made for blocks of 4 and drafters fitted to each target."""
     root = tmp_path_factory.mktemp("parity")
     write_draft(root / "draft4", block_size=4)
-    for kind in ("qwen3_moe", "qwen3_5", "qwen3_5_moe"):
+    for kind in HF:
         write_hf_target(root / kind, kind)
-    hf = {kind: root / kind for kind in ("qwen3_moe", "qwen3_5", "qwen3_5_moe")}
+    hf = {kind: root / kind for kind in HF}
     return {**pair_dirs, **hf, "draft16": pair_dirs["draft"], "draft4": root / "draft4", "root": root}
 
 

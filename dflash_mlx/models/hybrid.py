@@ -1,5 +1,16 @@
-"""Hybrid targets (Qwen3.5 / Qwen3.6: Gated DeltaNet linear attention with full attention
-every few layers): their taps, and a recurrent cache that rolls back like a ``KVCache``.
+"""Hybrid targets (Qwen3.5 / Qwen3.6 and Qwen3-Next / Qwen3-Coder-Next: Gated DeltaNet
+linear attention with gated full attention every few layers): their taps, and a recurrent
+cache that rolls back like a ``KVCache``.
+
+mlx-lm builds both families' decoders alike: ``model.model`` holds the layers, each with
+``is_linear``, an ``input_layernorm`` and either a ``linear_attn(x, mask, cache)`` over an
+``ArraysCache`` of ``[conv_state, recurrent_state]`` or a ``self_attn`` over a ``KVCache``,
+and the ids of a layer of each kind for the masks (``ssm_idx``, ``fa_idx``). They differ
+around that: Qwen3.5 is a vision-language model whose text model sits under
+``language_model`` (``model.model`` reaches it), its projections are split
+(``in_proj_qkv``, ``in_proj_z``, ...) where Qwen3-Next fuses them (``in_proj_qkvz``,
+``in_proj_ba``), and Qwen3-Next picks a layer's experts by ``decoder_sparse_step`` and
+``mlp_only_layers``. Nothing here depends on those.
 
 A Gated DeltaNet layer keeps a conv state and a recurrent state (mlx-lm's ``ArraysCache``)
 instead of per-token keys and values, so a rejected draft cannot be cut off its state.
@@ -15,16 +26,18 @@ pass nothing was trimmed from: the ends of prefills, which is where a chat's nex
 may want to return to. ``DFlashCache.reusable_prefix`` limits prefix reuse to them.
 """
 
+import dataclasses
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import qwen3_next
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..errors import DFlashError
 
-HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 # States kept per layer for prefix reuse across calls (each one is a layer's conv and
 # recurrent state: ~2 MB in fp32 for a Qwen3.5-4B layer).
@@ -90,8 +103,9 @@ class RecurrentCache(ArraysCache):
         keep = self.offset - n - start
         self.cache, self.offset = list(state), start
         if keep > 0:
-            # The layer's own modules on its own inputs: the linear attention sets the conv
-            # and recurrent states and advances the offset. Its output is never evaluated.
+            # The layer's own modules on its own inputs (the same two calls in Qwen3.5's and
+            # Qwen3-Next's decoder layers): the linear attention sets the conv and recurrent
+            # states and advances the offset. Its output is never evaluated.
             layer = self._layer
             layer.linear_attn(layer.input_layernorm(self._inputs[:, :keep]), None, self)
         self._before = self._inputs = None
@@ -144,18 +158,53 @@ def trim_to(caches: list[Any], length: int) -> None:
 
 
 def check_layout(config: dict) -> None:
-    """Refuse a hybrid checkpoint whose ``layer_types`` mlx-lm would not build as written:
-    mlx-lm places a full attention layer every ``full_attention_interval`` layers."""
+    """Refuse, from its config alone, a hybrid checkpoint that mlx-lm would not build or load
+    as written (so that a hub target is refused before its weights are downloaded).
+
+    mlx-lm places a full attention layer every ``full_attention_interval`` layers whatever
+    ``layer_types`` says, looks up the first of them in every pass, reads Qwen3-Next's RoPE
+    settings from the top of the config only (transformers 5 writes them under
+    ``rope_parameters``), and dequantizes no FP8 checkpoint of these families.
+    """
     text = config.get("text_config") or config
-    layer_types = text.get("layer_types")
-    if layer_types is None:
-        return
+    model_type = config.get("model_type")
     interval = text.get("full_attention_interval", 4)
-    built = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(layer_types))]
-    if list(layer_types) != built:
+    layer_types = text.get("layer_types")
+    if layer_types is not None:
+        built = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(layer_types))]
+        if list(layer_types) != built:
+            raise DFlashError(
+                f"The target's layer_types {list(layer_types)} differ from the layers mlx-lm builds ({built}: "
+                f"full attention every full_attention_interval={interval} layers). Set full_attention_interval "
+                "to match."
+            )
+    layers = text.get("num_hidden_layers")
+    if isinstance(layers, int) and layers < interval:
         raise DFlashError(
-            f"The target's layer_types {list(layer_types)} differ from the layers mlx-lm builds ({built}: "
-            f"full attention every full_attention_interval={interval} layers). Set full_attention_interval to match."
+            f"The target has {layers} layers and full_attention_interval={interval}: mlx-lm builds no full "
+            "attention layer for it and cannot run it. Use a checkpoint with at least one full attention layer."
+        )
+    if model_type == "qwen3_next":
+        required = [
+            f.name for f in dataclasses.fields(qwen3_next.ModelArgs)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]  # fmt: skip
+        missing = [name for name in required if name not in config]
+        if missing:
+            fix = (
+                "copy rope_theta and partial_rotary_factor out of its rope_parameters to the top of config.json"
+                if "rope_parameters" in config and {"rope_theta", "partial_rotary_factor"} & set(missing)
+                else "re-download the original checkpoint or add them to config.json"
+            )
+            raise DFlashError(
+                f"The qwen3_next target config lacks {', '.join(missing)}, which mlx-lm needs: {fix}."
+            )
+    quant = text.get("quantization_config") or config.get("quantization_config") or {}
+    fp8_blocks = list(quant.get("weight_block_size") or ())
+    if quant.get("quant_method") == "fp8" and not (quant.get("scale_fmt") == "ue8m0" and fp8_blocks == [32, 32]):
+        raise DFlashError(
+            f"The target is an FP8 checkpoint (weight_block_size={fp8_blocks}), which mlx-lm cannot load for "
+            f"{model_type}. Use the BF16 original or an MLX conversion (e.g. mlx-community's 4bit/8bit)."
         )
 
 
@@ -167,7 +216,7 @@ def forward_with_taps(
     Each linear attention layer's cache is told the layer's input first (see
     ``RecurrentCache.begin``); the layers themselves run unchanged.
     """
-    inner = model.language_model.model
+    inner = model.model  # Qwen3.5's text model too (its Model's ``model`` property)
     h = inner.embed_tokens(tokens)
     fa_mask = create_attention_mask(h, cache[inner.fa_idx])
     ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])

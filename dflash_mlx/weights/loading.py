@@ -315,8 +315,9 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
 
     Raises:
         DFlashError: If the target's ``model_type`` is not one DFlash can tap, it is a known
-          pair's that DFlash cannot run yet (``KnownPair.needs``), or its ``config.json``
-          cannot be had (see ``hub.hub_file``).
+          pair's that DFlash cannot run yet (``KnownPair.needs``), a hybrid target's config is
+          one mlx-lm cannot load (``hybrid.check_layout``), or its ``config.json`` cannot be had
+          (see ``hub.hub_file``).
     """
     text = str(model)
     if Path(text).expanduser().exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
@@ -327,6 +328,7 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
             f"{text} pairs with the drafter {pair.draft}, but DFlash cannot run it yet: {pair.needs}. "
             "No weights were downloaded."
         )
+    config = None
     if pair is not None:
         model_type, where = pair.model_type, "the registry of known pairs"
     else:
@@ -334,12 +336,19 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
             config = json.loads(hub_file(text, "config.json", what="target", revision=revision).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             return  # load_target() says what is wrong with the file
+        if not isinstance(config, dict):
+            return
         model_type, where = config.get("model_type"), "its config.json"
     if model_type not in tgt.SUPPORTED_MODEL_TYPES:
         raise DFlashError(
             f"Unsupported target architecture model_type={model_type!r} for {text} (from {where}): "
             f"DFlash supports {', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets. No weights were downloaded."
         )
+    if config is not None and model_type in hybrid.HYBRID_MODEL_TYPES:
+        try:
+            hybrid.check_layout(config)
+        except DFlashError as e:
+            raise DFlashError(f"{text}: {e} No weights were downloaded.") from e
 
 
 def load_draft(

@@ -133,6 +133,16 @@ KNOWN_PAIRS: tuple[KnownPair, ...] = (
             "mlx-lm 0.32, and DFlash has no taps or rollback for it"
         ),
     ),
+    KnownPair(
+        "Qwen/Qwen3-Coder-Next",
+        "z-lab/Qwen3-Coder-Next-DFlash",
+        "qwen3_next",
+        mlx_ids=(
+            "mlx-community/Qwen3-Coder-Next-4bit",
+            "mlx-community/Qwen3-Coder-Next-5bit",
+            "mlx-community/Qwen3-Coder-Next-8bit",
+        ),
+    ),
 )
 
 

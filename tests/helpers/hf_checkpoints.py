@@ -2,7 +2,9 @@
 
 ``qwen3_moe`` is a Qwen3MoeForCausalLM; ``qwen3_5`` and ``qwen3_5_moe`` are the
 ForConditionalGeneration classes the published Qwen3.5 / Qwen3.6 checkpoints use, with a
-one-block vision tower that mlx-lm drops on load.
+one-block vision tower that mlx-lm drops on load; ``qwen3_next`` is a Qwen3NextForCausalLM
+(Qwen3-Next / Qwen3-Coder-Next: linear attention, gated full attention every 4th layer, and
+experts with a gated shared expert in every layer).
 """
 
 import json
@@ -10,7 +12,7 @@ from pathlib import Path
 
 from helpers.checkpoints import EOS_ID, HIDDEN, VOCAB, write_tokenizer
 
-HF_KINDS = ("qwen3_moe", "qwen3_5", "qwen3_5_moe")
+HF_KINDS = ("qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 _COMMON = {
     "vocab_size": VOCAB,
@@ -70,6 +72,13 @@ def hf_model(kind: str, layers: int = 4, seed: int = 0):
             text.update(_MOE, shared_expert_intermediate_size=32)
             config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=_VISION, tie_word_embeddings=True)
             model = tf.Qwen3_5MoeForConditionalGeneration(config)
+    elif kind == "qwen3_next":
+        config = tf.Qwen3NextConfig(
+            **_COMMON, **_MOE, **_LINEAR, num_hidden_layers=layers, decoder_sparse_step=1, norm_topk_prob=True,
+            shared_expert_intermediate_size=32,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        )  # fmt: skip
+        model = tf.Qwen3NextForCausalLM(config)
     else:
         raise ValueError(kind)
     with torch.no_grad():
@@ -113,6 +122,12 @@ def write_hf_target(path: Path, kind: str, layers: int = 4, seed: int = 0):
         # use the older ones.
         config["num_experts"] = config.pop("num_local_experts")
         config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    elif kind == "qwen3_next":
+        # As the published Qwen3-Next configs have them (and mlx-lm reads them): the RoPE
+        # fields at the top and the interval of full attention layers.
+        rope = config.pop("rope_parameters")
+        config.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"],
+                      full_attention_interval=4)  # fmt: skip
     (path / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(path)
     return model
