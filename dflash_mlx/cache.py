@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cach
 
 from .adaptive import PolicyState
 from .errors import DFlashError
-from .models import hybrid
+from .models import gemma, hybrid
 from .models.drafter import DraftModel
 
 
@@ -210,6 +210,8 @@ def make_cache(
     check_draft_window(draft_window, draft_sinks)
     if getattr(target, "model_type", None) in hybrid.HYBRID_MODEL_TYPES:
         target_cache = hybrid.make_cache(target)
+    elif getattr(target, "model_type", None) in gemma.GEMMA_MODEL_TYPES:
+        target_cache = gemma.make_cache(target)
     else:
         target_cache = make_prompt_cache(target)
     if not can_trim_prompt_cache(target_cache):

@@ -1,0 +1,115 @@
+"""Gemma 4 targets (mlx-lm's ``gemma4_text``, and ``gemma4`` / ``gemma4_unified`` with the text
+model under ``language_model``; mlx-lm builds both of those with its gemma4 module): their taps, their caches, and the layouts mlx-lm cannot build.
+
+Gemma 4 differs from the Qwen-style decoder in what surrounds the layers: the embedding is
+scaled by ``sqrt(hidden_size)``; the small models add a per-layer input to every layer and let
+their last layers reuse the keys and values of an earlier layer of the same type; sliding
+window layers and full attention layers take masks of their own; the logits are softcapped.
+:func:`forward_with_taps` walks mlx-lm's ``Gemma4TextModel.__call__`` step for step, with
+the model's own helpers for the per-layer inputs and the masks.
+
+mlx-lm gives the sliding layers a ``RotatingKVCache``, which cannot drop a rejected draft once
+it has wrapped around. Here every layer that keeps keys and values gets a plain ``KVCache``;
+the sliding window is then the mask alone (``create_attention_mask(..., window_size=)``), so
+each layer sees the same keys as with mlx-lm's cache, and ``trim(n)`` is exact at any length.
+The price is memory: the sliding layers keep every position, as the full attention layers do.
+"""
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.gemma4_text import logit_softcap
+
+from ..errors import DFlashError
+
+GEMMA_MODEL_TYPES = ("gemma4_text", "gemma4", "gemma4_unified")
+
+# What mlx-lm 0.32's gemma4_text.ModelArgs assumes when a config leaves a field out.
+_MLX_GLOBAL_HEAD_DIM = 512
+_MLX_VOCAB_SIZE = 262144
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The ``gemma4_text.Model`` (a ``gemma4`` checkpoint keeps it under ``language_model``)."""
+    return getattr(model, "language_model", model)
+
+
+def make_cache(model: nn.Module) -> list[Any]:
+    """A ``KVCache`` for every layer that keeps keys and values (not the layers that reuse an
+    earlier layer's), sliding or not: see the module docstring."""
+    args = text_model(model).args
+    return [KVCache() for _ in range(args.num_hidden_layers - args.num_kv_shared_layers)]
+
+
+def softcap(model: nn.Module, logits: mx.array) -> mx.array:
+    """The target's final logit softcapping, as mlx-lm applies it (none if not configured)."""
+    cap = text_model(model).final_logit_softcapping
+    return logits if cap is None else logit_softcap(cap, logits)
+
+
+def check_layout(config: dict) -> None:
+    """Refuse a Gemma 4 checkpoint that mlx-lm would build differently from its config.
+
+    transformers 5.24 writes the full attention layers' head size and key/value heads as a
+    ``per_layer_config``, which mlx-lm does not read: it would build those layers with
+    ``global_head_dim`` (default 512). A ``gemma4`` (or ``gemma4_unified``) config without a top-level ``vocab_size``
+    gets mlx-lm's 262144. Bidirectional text attention is not implemented by mlx-lm.
+    """
+    text = config.get("text_config") or config
+    fix = "Use the checkpoint as published, or add the field to its config.json."
+    for layer, override in sorted((text.get("per_layer_config") or {}).items(), key=lambda kv: int(kv[0])):
+        for key, mlx_key, default in (
+            ("head_dim", "global_head_dim", _MLX_GLOBAL_HEAD_DIM),
+            ("num_key_value_heads", "num_global_key_value_heads", text.get("num_key_value_heads")),
+        ):
+            if key in override and override[key] != text.get(mlx_key, default):
+                raise DFlashError(
+                    f"The target's per_layer_config gives layer {layer} {key}={override[key]}, which mlx-lm does "
+                    f"not read: it builds that layer from {mlx_key}={text.get(mlx_key, default)}. Set "
+                    f"{mlx_key}={override[key]} in its config.json (the published Gemma 4 configs have it)."
+                )
+    if config.get("model_type") in ("gemma4", "gemma4_unified"):
+        vocab, text_vocab = config.get("vocab_size", _MLX_VOCAB_SIZE), text.get("vocab_size", _MLX_VOCAB_SIZE)
+        if vocab != text_vocab:
+            raise DFlashError(
+                f"The target's text_config has vocab_size={text_vocab}, but mlx-lm builds a gemma4 model "
+                f"from the top-level vocab_size={vocab}. {fix}"
+            )
+    if text.get("use_bidirectional_attention") == "all":
+        raise DFlashError(
+            "The target has use_bidirectional_attention='all', which mlx-lm does not implement "
+            "(it runs Gemma 4 causally). Use a causal Gemma 4 checkpoint."
+        )
+
+
+def forward_with_taps(
+    model: nn.Module, tokens: mx.array, cache: list[Any], tap_ids: list[int], start_every: int = 0
+) -> tuple[mx.array, dict[int, mx.array]]:
+    """The Gemma 4 decoder walked layer by layer, as mlx-lm's ``Gemma4TextModel.__call__``:
+    ``(last layer's output, {layer: its output})``, before the final norm."""
+    inner = text_model(model).model
+    embedding = inner.embed_tokens(tokens)
+    h = embedding * inner.embed_scale
+    n = len(inner.layers)
+    per_layer = [None] * n
+    if inner.hidden_size_per_layer_input:
+        inputs = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(tokens, embedding))
+        per_layer = [inputs[:, :, i, :] for i in range(n)]  # (B, L, hidden_size_per_layer_input) each
+    # Layers that reuse an earlier layer's keys and values keep no cache of their own.
+    cache = list(cache) + [None] * (n - len(cache))
+    masks = inner._make_masks(h, cache)
+    shared = [(None, None)] * n  # each layer's (keys, values) and RoPE offset, for the layers reusing them
+    wanted, captured = set(tap_ids), {}
+    for i, (layer, c, mask, source, layer_input) in enumerate(
+        zip(inner.layers, cache, masks, inner.previous_kvs, per_layer)
+    ):
+        kvs, offset = shared[source]
+        h, kvs, offset = layer(h, mask, c, per_layer_input=layer_input, shared_kv=kvs, offset=offset)
+        shared[i] = (kvs, offset)
+        if i in wanted:
+            captured[i] = h
+        if start_every and (i + 1) % start_every == 0 and i + 1 < n:
+            mx.async_eval(h)
+    return h, captured
