@@ -241,6 +241,15 @@ def test_layouts_mlx_lm_cannot_build_are_refused_in_one_line(gemma_targets, kind
         refused(lambda c, t: c.pop("vocab_size"), r"text_config has vocab_size=128, but mlx-lm builds .* vocab_size=262144")
 
 
+def test_the_published_gemma_pairs_are_known():
+    from dflash_mlx.weights import registry
+
+    assert registry.find_pair("mlx-community/gemma-4-31B-it-4bit").draft == "z-lab/gemma-4-31B-it-DFlash"
+    assert registry.find_pair("google/gemma-4-26B-A4B-it").draft == "z-lab/gemma-4-26B-A4B-it-DFlash"
+    assert registry.find_pair("google/gemma-4-12B-it").model_type == "gemma4_unified"
+    assert registry.find_pair("google/gemma-4-E4B-it") is None
+
+
 def test_published_drafter_configs_load(gemma_targets, gemma_pairs, tmp_path):
     """z-lab's Gemma 4 drafter config: rope_theta at the top level, as published, or only under
     rope_parameters, as transformers 5 writes it; its softcap is the target's."""
@@ -267,3 +276,38 @@ def test_published_drafter_configs_load(gemma_targets, gemma_pairs, tmp_path):
     per_type = {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}
     with pytest.raises(DFlashError, match=r"rope_parameters per layer type \['full_attention', 'sliding_attention'\]"):
         ModelArgs.from_dict(dict(v5, rope_parameters=per_type))
+
+
+@pytest.mark.parametrize("kind", GEMMA_KINDS)
+def test_convert_load_generate_chat(gemma_targets, kind, tmp_path, capsys):
+    """dflash-convert -> load -> dflash-generate -> the chat engine's turns; the chat's second
+    turn (reusing the cache) equals a fresh run of it."""
+    from dflash_mlx.convert import convert
+    from dflash_mlx.generate import main as generate_main
+    from dflash_mlx.tui.commands import Settings
+    from dflash_mlx.tui.engine import MLXEngine
+
+    pair = tmp_path / "pair"
+    result = convert(str(gemma_targets[kind][0]), str(pair), draft_hf_path=str(gemma_targets["draft"][0]),
+                     dtype="float32", check_tokens=16, verbose=False)  # fmt: skip
+    assert result.check.tokens_match
+    model, draft, _ = load(pair)
+    prompt = _prompt(20)
+    assert run(model, draft, prompt, max_tokens=24)[0] == reference(model, prompt, 24)
+    generate_main(["--model", str(pair), "--prompt", "t1 t2 t3", "--max-tokens", "8"])
+    assert "Acceptance length" in capsys.readouterr().out
+
+    def reply(engine, messages):
+        return "".join(r.text for r in engine(messages, Settings(max_tokens=10)))
+
+    chat = MLXEngine(str(pair))
+    chat.load()
+    turns = [{"role": "user", "content": "t1 t2 t3"}]
+    turns.append({"role": "assistant", "content": reply(chat, turns)})
+    turns.append({"role": "user", "content": "t4 t5"})
+    second = reply(chat, turns)
+    fresh = MLXEngine(str(pair))
+    fresh.load()
+    assert second == reply(fresh, turns)
+    chat.close()
+    fresh.close()

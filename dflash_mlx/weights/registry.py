@@ -113,6 +113,10 @@ KNOWN_PAIRS: tuple[KnownPair, ...] = (
     KnownPair("Qwen/Qwen3.5-397B-A17B", "z-lab/Qwen3.5-397B-A17B-DFlash", "qwen3_5_moe"),
     KnownPair("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash", "qwen3_5"),
     KnownPair("Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash", "qwen3_5_moe"),
+    KnownPair("google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash", "gemma4"),
+    KnownPair("google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash", "gemma4"),
+    # The 12B's drafter is named gemma4-, not gemma-4-, on the hub.
+    KnownPair("google/gemma-4-12B-it", "z-lab/gemma4-12B-it-DFlash", "gemma4_unified"),
 )
 
 
