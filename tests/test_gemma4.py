@@ -15,12 +15,22 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import DFlashError, load, make_cache
+from dflash_mlx.models import gemma
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.drafter import ModelArgs
 
 torch = pytest.importorskip("torch")
 
 MAX_REF = 64
+SLACK = 16  # the largest rollback here: a block of 16's rejected drafts, plus one
+
+
+@pytest.fixture(autouse=True)
+def small_sliding_caches(monkeypatch):
+    """Sliding caches that drop old positions within these short runs (every 8 past the
+    window and a slack of 16), so that the tests go through what long conversations do."""
+    monkeypatch.setattr(gemma, "SLIDING_SLACK", SLACK)
+    monkeypatch.setattr(gemma.SlidingKVCache, "step", 8)
 
 
 def gemma_draft_config() -> dict:
@@ -102,20 +112,23 @@ def test_a_draft_vocabulary_is_softcapped_like_the_head(gemma_targets):
     assert mx.allclose(draft.logits(model, h), tgt.lm_head(model, h)[..., ids], atol=1e-5).item()
 
 
+@pytest.mark.parametrize("prompt_len", [11, 40])
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
-def test_caches_roll_back_at_every_length(gemma_pairs, kind):
-    """Every layer that keeps keys and values has a plain KVCache (the sliding window is in the
-    mask); after a pass of 16 tokens, trim(n) leaves what a pass of 16 - n tokens leaves."""
+def test_caches_roll_back_at_every_length(gemma_pairs, kind, prompt_len):
+    """Sliding layers keep a SlidingKVCache, the others a KVCache, the layers that reuse keys and
+    values none; after a pass of 16 tokens, trim(n) leaves what a pass of 16 - n tokens leaves,
+    also once the sliding caches have dropped their oldest positions."""
     model = gemma_pairs[kind][0]
     cache = make_cache(model).target
-    layers = tgt.num_layers(model)
-    assert all(type(c) is KVCache for c in cache) and len(cache) == (layers // 2 if kind == "gemma4_text" else layers)
-    prompt, block = _prompt(11), _prompt(16, seed=7)
+    own = 2 if kind == "gemma4_text" else 4
+    assert [type(c) for c in cache] == [gemma.SlidingKVCache, KVCache] * (own // 2)
+    prompt, block = _prompt(prompt_len), _prompt(16, seed=7)
     nxt = mx.array([[5, 6, 7]])
     for n in range(0, 17):
         cache = make_cache(model).target
         tgt.forward_with_taps(model, mx.array([prompt]), cache, [])
         tgt.forward_with_taps(model, mx.array([block]), cache, [])
+        assert (cache[0].start > 0) == (prompt_len == 40)
         for c in cache:
             c.trim(n)
         straight = make_cache(model).target
@@ -124,6 +137,22 @@ def test_caches_roll_back_at_every_length(gemma_pairs, kind):
         a, taps_a = tgt.forward_with_taps(model, nxt, cache, [0, 2])
         b, taps_b = tgt.forward_with_taps(model, nxt, straight, [0, 2])
         assert mx.allclose(a, b, atol=1e-4).item() and mx.allclose(taps_a, taps_b, atol=1e-4).item(), n
+
+
+def test_a_sliding_cache_keeps_its_window_and_slack(gemma_pairs):
+    model = gemma_pairs["gemma4"][0]
+    cache = make_cache(model).target
+    for _ in range(20):
+        tgt.forward_with_taps(model, mx.array([_prompt(7)]), cache, [])
+        sliding = cache[0]
+        assert GEMMA_WINDOW - 1 + SLACK + 7 <= sliding.stored <= GEMMA_WINDOW - 1 + SLACK + 8 + 7 or sliding.start == 0
+        assert sliding.keys_and_values()[0].shape[2] == sliding.stored and cache[1].offset == sliding.offset == 7 * (_ + 1)
+    floor = sliding.floor
+    assert floor == sliding.start + GEMMA_WINDOW - 1 and floor <= sliding.offset - SLACK - 7
+    with pytest.raises(DFlashError, match=f"cannot go back to {floor - 1} tokens: it keeps positions from "):
+        sliding.trim(sliding.offset - floor + 1)
+    sliding.trim(sliding.offset)
+    assert sliding.offset == sliding.start == sliding.stored == 0
 
 
 @pytest.mark.parametrize("prompt_len", [1, 7, 40])
@@ -193,14 +222,19 @@ def test_multi_turn_reuse_equals_a_fresh_run(gemma_pairs, kind):
     oracle.sequence = follow + reference(model, follow, 40)
     second, _ = run(model, oracle, follow, max_tokens=40, prompt_cache=cache)
     assert second == reference(model, follow, 40)
-    # A turn that rewrites the previous answer goes back further than any sliding window.
-    edited = follow + second[:3] + [1, 2] + _prompt(4, seed=11)
-    assert cache.reusable_prefix(edited) == len(follow) + 3
+    # A turn that rewrites the end of the previous answer: the sliding layers go back that far.
+    edited = follow + second[:30] + [1, 2] + _prompt(4, seed=11)
+    assert cache.reusable_prefix(edited) == len(follow) + 30 and cache.reuse_note is None
     third, _ = run(model, draft, edited, max_tokens=30, prompt_cache=cache)
     assert third == reference(model, edited, 30)
+    # One that rewrites it from its start: further back than the sliding layers keep, so all is prefilled again.
+    again = follow + second[:3] + [1, 2] + _prompt(4, seed=12)
+    assert cache.reusable_prefix(again) == 0 and "sliding-window layers keep only" in cache.reuse_note
+    fourth, _ = run(model, draft, again, max_tokens=30, prompt_cache=cache)
+    assert fourth == reference(model, again, 30)
     other = prompt[:5] + _prompt(9, seed=13)
-    fourth, _ = run(model, draft, other, max_tokens=30, prompt_cache=cache)
-    assert fourth == reference(model, other, 30)
+    fifth, _ = run(model, draft, other, max_tokens=30, prompt_cache=cache)
+    assert fifth == reference(model, other, 30)
 
 
 def test_gemma4_unified_is_built_by_mlx_lms_gemma4_module(gemma_targets, gemma_pairs, tmp_path):
