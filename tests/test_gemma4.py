@@ -142,11 +142,12 @@ def test_caches_roll_back_at_every_length(gemma_pairs, kind, prompt_len):
 def test_a_sliding_cache_keeps_its_window_and_slack(gemma_pairs):
     model = gemma_pairs["gemma4"][0]
     cache = make_cache(model).target
-    for _ in range(20):
+    for passes in range(1, 21):
         tgt.forward_with_taps(model, mx.array([_prompt(7)]), cache, [])
         sliding = cache[0]
         assert GEMMA_WINDOW - 1 + SLACK + 7 <= sliding.stored <= GEMMA_WINDOW - 1 + SLACK + 8 + 7 or sliding.start == 0
-        assert sliding.keys_and_values()[0].shape[2] == sliding.stored and cache[1].offset == sliding.offset == 7 * (_ + 1)
+        assert sliding.keys_and_values()[0].shape[2] == sliding.stored
+        assert cache[1].offset == sliding.offset == 7 * passes
     floor = sliding.floor
     assert floor == sliding.start + GEMMA_WINDOW - 1 and floor <= sliding.offset - SLACK - 7
     with pytest.raises(DFlashError, match=f"cannot go back to {floor - 1} tokens: it keeps positions from "):
@@ -272,7 +273,8 @@ def test_layouts_mlx_lm_cannot_build_are_refused_in_one_line(gemma_targets, kind
                               r"Set global_head_dim=32")  # fmt: skip
     refused(lambda c, t: t.update(use_bidirectional_attention="all"), "use_bidirectional_attention='all'")
     if kind == "gemma4":
-        refused(lambda c, t: c.pop("vocab_size"), r"text_config has vocab_size=128, but mlx-lm builds .* vocab_size=262144")
+        message = r"text_config has vocab_size=128, but mlx-lm builds .* vocab_size=262144"
+        refused(lambda c, t: c.pop("vocab_size"), message)
 
 
 def test_the_published_gemma_pairs_are_known():
