@@ -112,6 +112,16 @@ def test_a_draft_vocabulary_is_softcapped_like_the_head(gemma_targets):
     assert mx.allclose(draft.logits(model, h), tgt.lm_head(model, h)[..., ids], atol=1e-5).item()
 
 
+def test_the_training_loss_reads_the_head_without_its_softcap(gemma_pairs):
+    """dflash-train's logit loss reads W^T off the head applied to the identity."""
+    from dflash_mlx.train.loop import head_gram
+
+    model = gemma_pairs["gemma4"][0]
+    w = model.language_model.model.embed_tokens.weight.T  # (H, V): the head is tied
+    w = w - w.mean(axis=1, keepdims=True)
+    assert mx.allclose(head_gram(model), (w @ w.T) / w.shape[1], atol=1e-6).item()
+
+
 @pytest.mark.parametrize("prompt_len", [11, 40])
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
 def test_caches_roll_back_at_every_length(gemma_pairs, kind, prompt_len):

@@ -83,10 +83,15 @@ def embed(model: nn.Module, tokens: mx.array) -> mx.array:
 def lm_head(model: nn.Module, h: mx.array) -> mx.array:
     """The target's output head (tied or untied, softcapped where the target is), shared with
     the drafter: exactly the target's own logits."""
+    return softcap(model, head_linear(model, h))
+
+
+def head_linear(model: nn.Module, h: mx.array) -> mx.array:
+    """The head's linear map alone, before any softcap: ``head_linear(model, I)`` is ``W^T``."""
     text = _text(model)
     if getattr(text.args, "tie_word_embeddings", False):
-        return softcap(model, text.model.embed_tokens.as_linear(h))
-    return softcap(model, text.lm_head(h))
+        return text.model.embed_tokens.as_linear(h)
+    return text.lm_head(h)
 
 
 def softcap(model: nn.Module, logits: mx.array) -> mx.array:
