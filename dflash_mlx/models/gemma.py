@@ -12,10 +12,10 @@ the model's own helpers for the per-layer inputs and the masks.
 
 mlx-lm gives the sliding layers a ``RotatingKVCache``, which cannot drop a rejected draft once
 it has wrapped around. Here the full attention layers get a plain ``KVCache`` and the sliding
-layers a :class:`SlidingKVCache`: the latest ``sliding_window - 1 + SLIDING_SLACK`` positions, in
-order, with a mask over exactly those. Each query sees the same keys as with mlx-lm's cache,
-and ``trim(n)`` is exact for any ``n`` up to the slack (a verified block's rejected drafts, a
-step taken back). Returning further back, as a later chat turn that rewrites the answer may,
+layers a :class:`SlidingKVCache`: the last pass and the ``sliding_window - 1 + SLIDING_SLACK``
+positions before it, in order, with a mask over exactly those. Each query sees the same keys as
+with mlx-lm's cache, and ``trim(n)`` is exact back to ``SLIDING_SLACK`` positions before the last
+pass (a verified block's rejected drafts, a step taken back). Returning further back, as a later chat turn that rewrites the answer may,
 starts the sliding layers over: ``DFlashCache.reusable_prefix`` then reuses nothing.
 """
 
