@@ -282,6 +282,8 @@ def test_layouts_mlx_lm_cannot_build_are_refused_in_one_line(gemma_targets, kind
     refused(per_layer_config, r"per_layer_config gives layer 1 head_dim=32, which mlx-lm does not read: .* "
                               r"Set global_head_dim=32")  # fmt: skip
     refused(lambda c, t: t.update(use_bidirectional_attention="all"), "use_bidirectional_attention='all'")
+    refused(lambda c, t: t.pop("num_kv_shared_layers"), "no num_kv_shared_layers: transformers reads that as 0, mlx")
+    refused(lambda c, t: t.pop("final_logit_softcapping"), "no final_logit_softcapping: transformers reads that as None")
     if kind == "gemma4":
         message = r"text_config has vocab_size=128, but mlx-lm builds .* vocab_size=262144"
         refused(lambda c, t: c.pop("vocab_size"), message)

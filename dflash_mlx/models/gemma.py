@@ -37,6 +37,8 @@ SLIDING_SLACK = 256
 # What mlx-lm 0.32's gemma4_text.ModelArgs assumes when a config leaves a field out.
 _MLX_GLOBAL_HEAD_DIM = 512
 _MLX_VOCAB_SIZE = 262144
+# Fields whose default differs between mlx-lm and transformers: (mlx-lm's, transformers').
+_DEFAULTS_THAT_DIFFER = {"num_kv_shared_layers": (20, 0), "final_logit_softcapping": (30.0, None)}
 
 
 def text_model(model: nn.Module) -> nn.Module:
@@ -149,10 +151,18 @@ def check_layout(config: dict) -> None:
     transformers 5.24 writes the full attention layers' head size and key/value heads as a
     ``per_layer_config``, which mlx-lm does not read: it would build those layers with
     ``global_head_dim`` (default 512). A ``gemma4`` (or ``gemma4_unified``) config without a top-level ``vocab_size``
-    gets mlx-lm's 262144. Bidirectional text attention is not implemented by mlx-lm.
+    gets mlx-lm's 262144. A config without ``num_kv_shared_layers`` or ``final_logit_softcapping``
+    means 0 / none to transformers, 20 / 30.0 to mlx-lm. Bidirectional text attention is not
+    implemented by mlx-lm.
     """
     text = config.get("text_config") or config
     fix = "Use the checkpoint as published, or add the field to its config.json."
+    for key, (mlx_default, hf_default) in _DEFAULTS_THAT_DIFFER.items():
+        if key not in text:
+            raise DFlashError(
+                f"The target config has no {key}: transformers reads that as {hf_default}, mlx-lm as "
+                f"{mlx_default}. Add \"{key}\" to its config.json."
+            )
     for layer, override in sorted((text.get("per_layer_config") or {}).items(), key=lambda kv: int(kv[0])):
         for key, mlx_key, default in (
             ("head_dim", "global_head_dim", _MLX_GLOBAL_HEAD_DIM),
