@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cach
 
 from .adaptive import PolicyState
 from .errors import DFlashError
-from .models import hybrid
+from .models import gemma, hybrid
 from .models.drafter import DraftModel
 
 
@@ -146,6 +146,13 @@ class DFlashCache:
                 f"at {sorted(restorable)[-6:]} only, so the rest is prefilled again"
             )
             n = best
+        floor = gemma.rollback_floor(self.target)
+        if 0 < n < floor:
+            self.reuse_note = (
+                f"reused 0 of {n} cached tokens: the target's sliding-window layers keep only the positions a "
+                f"length of {floor} or more needs, so the whole prompt is prefilled again"
+            )
+            n = 0
         return n
 
     def commit(self, last: int, emitted: list[int], verified: int) -> None:
@@ -210,6 +217,8 @@ def make_cache(
     check_draft_window(draft_window, draft_sinks)
     if getattr(target, "model_type", None) in hybrid.HYBRID_MODEL_TYPES:
         target_cache = hybrid.make_cache(target)
+    elif getattr(target, "model_type", None) in gemma.GEMMA_MODEL_TYPES:
+        target_cache = gemma.make_cache(target)
     else:
         target_cache = make_prompt_cache(target)
     if not can_trim_prompt_cache(target_cache):

@@ -76,10 +76,8 @@ def machine_key() -> str:
 
 def model_key(model: nn.Module) -> str:
     """The target's shape, dtype and quantization: what its passes cost depends on, not its weights."""
-    args = {k: v for k, v in sorted(vars(model.args).items()) if isinstance(v, (int, float, str, bool, list))}
-    quantized = hasattr(model.model.embed_tokens, "scales") or any(
-        hasattr(m, "scales") for _, m in model.named_modules()
-    )
+    args = {k: v for k, v in sorted(vars(tgt.text_args(model)).items()) if isinstance(v, (int, float, str, bool, list))}
+    quantized = any(hasattr(m, "scales") for _, m in model.named_modules())
     text = json.dumps([model.model_type, args, str(tgt.compute_dtype(model)), quantized], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -31,12 +31,13 @@ _DFLASH_KEYS = (
 
 # Fields of newer drafters (DFlash2: a convolution, a token selector, scaled logits and
 # embeddings) that change what the model computes; this drafter implements none of them.
+# (A top-level final_logit_softcapping is the target's, as Gemma 4's drafters carry it: the
+# drafter borrows the target's head, softcap included, and the pair check compares the two.)
 _UNSUPPORTED_DFLASH_KEYS = (
     "conv_kernel_size",
     "conv_group_size",
     "selector_rank",
     "selector_top_k",
-    "final_logit_softcapping",
     "output_multiplier",
 )
 
@@ -80,6 +81,13 @@ def check_attention_layout(config: dict, fix: str) -> None:
         window = config.get("sliding_window")
         if "sliding_attention" in layer_types and not (isinstance(window, int) and window > 0):
             raise DFlashError(f"The drafter has sliding_attention layers but sliding_window={window!r}. {fix}")
+    rope = config.get("rope_parameters") or {}
+    per_type = sorted(k for k, v in rope.items() if isinstance(v, dict))
+    if per_type:
+        raise DFlashError(
+            f"Unsupported drafter rope_parameters per layer type {per_type}: this drafter takes one RoPE "
+            "for all its layers: give rope_parameters a rope_theta (and rope_type) of its own."
+        )
     if config.get("is_causal") not in (None, True, False):
         raise DFlashError(f"Unsupported drafter is_causal={config['is_causal']!r}: use true or false. {fix}")
 
@@ -137,6 +145,8 @@ class ModelArgs(BaseModelArgs):
     use_target_features: bool = True
     # Drafts only among these many token ids (FR-Spec), held in the weights as ``draft_vocab``.
     draft_vocab_size: int | None = None
+    # The target head's softcapping the drafter was trained through (None: not stated).
+    final_logit_softcapping: float | None = None
     model_type: str = "qwen3"
     # The keys lifted from "dflash_config", and the check a config passes first.
     nested_keys: ClassVar[tuple[str, ...]] = _DFLASH_KEYS
@@ -450,7 +460,7 @@ class DraftModel(nn.Module):
         """The target's head on hidden states ``(..., H)``: ``(..., V)`` over the drafter's vocabulary."""
         if self.draft_vocab is None:
             return tgt.lm_head(model, h)
-        return h @ self.head_rows(model).T
+        return tgt.softcap(model, h @ self.head_rows(model).T)
 
     def head_rows(self, model: nn.Module) -> mx.array:
         """The target head's rows of ``draft_vocab``, ``(N, H)``, read once per head and vocabulary."""

@@ -16,14 +16,14 @@ from mlx_lm.models.cache import KVCache
 from ..cpu import compiled_layers, fast_math
 from ..cpu.speedups import CpuSpeedups
 from ..errors import DFlashError
-from . import hybrid
+from . import gemma, hybrid
 
 # mlx-lm model families whose decoder we know how to walk layer by layer.
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe") + hybrid.HYBRID_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe") + hybrid.HYBRID_MODEL_TYPES + gemma.GEMMA_MODEL_TYPES
 
 
 def _text(model: nn.Module) -> nn.Module:
-    # Qwen3.5 checkpoints are vision-language models: the text model sits one level down.
+    # Qwen3.5 and Gemma 4 checkpoints are vision-language models: the text model sits one level down.
     return getattr(model, "language_model", model)
 
 
@@ -48,8 +48,13 @@ def check_supported(model: nn.Module, name: str = "target") -> None:
         )
 
 
+def text_args(model: nn.Module) -> Any:
+    """The text model's ``ModelArgs`` (a vision-language checkpoint's, not its wrapper's)."""
+    return _text(model).args
+
+
 def num_layers(model: nn.Module) -> int:
-    return len(model.model.layers)
+    return len(_text(model).model.layers)
 
 
 def hidden_size(model: nn.Module) -> int:
@@ -62,21 +67,38 @@ def vocab_size(model: nn.Module) -> int:
 
 def compute_dtype(model: nn.Module) -> mx.Dtype:
     """The dtype the target's activations are in (a quantized embedding's scales')."""
-    emb = model.model.embed_tokens
+    emb = _text(model).model.embed_tokens
     return emb.scales.dtype if hasattr(emb, "scales") else emb.weight.dtype
 
 
 def embed(model: nn.Module, tokens: mx.array) -> mx.array:
-    """The target's input embedding, shared with the drafter."""
-    return model.model.embed_tokens(tokens)
+    """The target's input embedding, shared with the drafter (scaled as the target's own
+    first layer gets it: Gemma's by ``sqrt(hidden_size)``, as in HF's embedding module)."""
+    inner = _text(model).model
+    if model.model_type in gemma.GEMMA_MODEL_TYPES:
+        return inner.embed_tokens(tokens) * inner.embed_scale
+    return inner.embed_tokens(tokens)
 
 
 def lm_head(model: nn.Module, h: mx.array) -> mx.array:
-    """The target's output head (tied or untied), shared with the drafter."""
+    """The target's output head (tied or untied, softcapped where the target is), shared with
+    the drafter: exactly the target's own logits."""
+    return softcap(model, head_linear(model, h))
+
+
+def head_linear(model: nn.Module, h: mx.array) -> mx.array:
+    """The head's linear map alone, before any softcap: ``head_linear(model, I)`` is ``W^T``."""
     text = _text(model)
     if getattr(text.args, "tie_word_embeddings", False):
         return text.model.embed_tokens.as_linear(h)
     return text.lm_head(h)
+
+
+def softcap(model: nn.Module, logits: mx.array) -> mx.array:
+    """The target's final logit softcapping (Gemma's) on logits of its head's rows; others have none."""
+    if model.model_type in gemma.GEMMA_MODEL_TYPES:
+        return gemma.softcap(model, logits)
+    return logits
 
 
 def _head_layer(model: nn.Module) -> nn.Module:
@@ -93,7 +115,8 @@ def head_weight(model: nn.Module) -> mx.array:
 
 def head_rows(model: nn.Module, ids: mx.array) -> mx.array:
     """Rows ``ids`` of the target's output head as a ``(len(ids), H)`` matrix, whatever form
-    the head has (tied or untied, quantized or not): ``h @ rows.T`` is ``lm_head(model, h)[..., ids]``.
+    the head has (tied or untied, quantized or not): ``softcap(model, h @ rows.T)`` is
+    ``lm_head(model, h)[..., ids]``.
 
     Only those rows are read (a quantized head's own groups, dequantized), never the whole head.
     """
@@ -171,6 +194,9 @@ def forward_with_taps(
     if model.model_type in hybrid.HYBRID_MODEL_TYPES:
         h, captured = hybrid.forward_with_taps(model, tokens, cache, tap_ids, start_every)
         return _head(model, h, captured, tap_ids)
+    if model.model_type in gemma.GEMMA_MODEL_TYPES:
+        h, captured = gemma.forward_with_taps(model, tokens, cache, tap_ids, start_every)
+        return _head(model, h, captured, tap_ids)
     inner = model.model
     h = inner.embed_tokens(tokens)
     masks = _layer_masks(model, h, cache)
@@ -189,7 +215,7 @@ def forward_with_taps(
 
 
 def _head(model: nn.Module, h: mx.array, captured: dict, tap_ids: list[int]) -> tuple[mx.array, mx.array | None]:
-    inner = model.model
+    inner = _text(model).model
     h = inner.norm(h)
     wanted = set(tap_ids)
     # HF's last hidden state is taken after the final norm; drafters were trained on that.

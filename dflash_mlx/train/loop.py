@@ -382,7 +382,7 @@ def head_gram(target: nn.Module) -> mx.array:
     """
     eye = mx.eye(tgt.hidden_size(target), dtype=mx.float32)
     # The head applied to the identity is W^T, whatever form (tied, quantized) it has.
-    w = tgt.lm_head(target, eye.astype(tgt.compute_dtype(target))).astype(mx.float32)  # (H, V)
+    w = tgt.head_linear(target, eye.astype(tgt.compute_dtype(target))).astype(mx.float32)  # (H, V)
     w = w - w.mean(axis=1, keepdims=True)
     return mx.stop_gradient((w @ w.T) / w.shape[1])
 

@@ -21,7 +21,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from ..cpu.openblas import note_reference_blas
 from ..errors import DFlashError
-from ..models import drafter, drafter2, hybrid
+from ..models import drafter, drafter2, gemma, hybrid
 from ..models import target as tgt
 from ..models.drafter import DraftModel, ModelArgs
 from .hub import hub_file, hub_snapshot
@@ -289,6 +289,8 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
         )
     if config.get("model_type") in hybrid.HYBRID_MODEL_TYPES:
         hybrid.check_layout(config)
+    if config.get("model_type") in gemma.GEMMA_MODEL_TYPES:
+        gemma.check_layout(config)
     _read_weights(path, "target")  # a clear message for missing or corrupt files
     check_tokenizer_files(path)
     model, config = load_target_model(path)
@@ -449,9 +451,7 @@ def _cast(model: nn.Module, dtype: str) -> None:
 
 
 def _compute_dtype(model: nn.Module) -> str | None:
-    emb = model.model.embed_tokens
-    w = getattr(emb, "scales", emb.weight)
-    return {v: k for k, v in DTYPES.items()}.get(w.dtype)
+    return {v: k for k, v in DTYPES.items()}.get(tgt.compute_dtype(model))
 
 
 def available_memory() -> int | None:
@@ -547,6 +547,13 @@ def check_pair(model: nn.Module, draft: DraftModel, tokenizer: TokenizerWrapper 
         )
     if a.block_size < 2:
         raise DFlashError(f"The drafter's block_size must be at least 2 (got {a.block_size}). {fix}")
+    # A drafter borrows the target's head, softcap included: its own value only names the target's.
+    cap = getattr(tgt.text_args(model), "final_logit_softcapping", None)
+    if a.final_logit_softcapping is not None and a.final_logit_softcapping != cap:
+        raise DFlashError(
+            f"The drafter was made for a target head with final_logit_softcapping={a.final_logit_softcapping}, "
+            f"but this target's is {cap}. {fix}"
+        )
     if a.mask_token_id is None and tokenizer is not None:
         vocab_map = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         a.mask_token_id = next((vocab_map[t] for t in MASK_TOKENS if t in vocab_map), None)

@@ -143,6 +143,10 @@ KNOWN_PAIRS: tuple[KnownPair, ...] = (
             "mlx-community/Qwen3-Coder-Next-8bit",
         ),
     ),
+    KnownPair("google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash", "gemma4"),
+    KnownPair("google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash", "gemma4"),
+    # The 12B's drafter is named gemma4-, not gemma-4-, on the hub.
+    KnownPair("google/gemma-4-12B-it", "z-lab/gemma4-12B-it-DFlash", "gemma4_unified"),
 )
 
 

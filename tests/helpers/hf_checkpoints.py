@@ -1,10 +1,16 @@
-"""Tiny random MoE and hybrid targets, written by transformers' own classes (exact HF format).
+"""Tiny random MoE, hybrid and Gemma 4 targets, written by transformers' own classes (exact HF format).
 
 ``qwen3_moe`` is a Qwen3MoeForCausalLM; ``qwen3_5`` and ``qwen3_5_moe`` are the
 ForConditionalGeneration classes the published Qwen3.5 / Qwen3.6 checkpoints use, with a
 one-block vision tower that mlx-lm drops on load; ``qwen3_next`` is a Qwen3NextForCausalLM
 (Qwen3-Next / Qwen3-Coder-Next: linear attention, gated full attention every 4th layer, and
 experts with a gated shared expert in every layer).
+
+``gemma4_text`` is a Gemma4ForCausalLM with the small Gemma 4 models' features (per-layer
+inputs, layers that reuse an earlier layer's keys and values, double-wide MLPs); ``gemma4``
+is a Gemma4ForConditionalGeneration with the large ones' (experts, keys equal to values on
+full attention layers). Both mix sliding-window layers (a window of ``GEMMA_WINDOW``) with
+full attention layers of a wider head, and softcap their logits.
 """
 
 import json
@@ -13,6 +19,8 @@ from pathlib import Path
 from helpers.checkpoints import EOS_ID, HIDDEN, VOCAB, write_tokenizer
 
 HF_KINDS = ("qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+GEMMA_KINDS = ("gemma4_text", "gemma4")
+GEMMA_WINDOW = 6
 
 _COMMON = {
     "vocab_size": VOCAB,
@@ -34,6 +42,20 @@ _LINEAR = {
     "linear_value_head_dim": 16,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
+}
+_GEMMA = {
+    **{k: v for k, v in _COMMON.items() if k != "tie_word_embeddings"},
+    "intermediate_size": 64,
+    "global_head_dim": 32,
+    "sliding_window": GEMMA_WINDOW,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    # Small enough to bend the logits of these tiny models, so a head without it shows.
+    "final_logit_softcapping": 5.0,
+    "pad_token_id": 0,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+    },
 }
 _VISION = {
     "depth": 1,
@@ -79,6 +101,19 @@ def hf_model(kind: str, layers: int = 4, seed: int = 0):
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         )  # fmt: skip
         model = tf.Qwen3NextForCausalLM(config)
+    elif kind == "gemma4_text":
+        config = tf.Gemma4TextConfig(
+            **_GEMMA, num_hidden_layers=layers, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+            num_kv_shared_layers=layers // 2, use_double_wide_mlp=True,
+        )
+        model = tf.Gemma4ForCausalLM(config)
+    elif kind == "gemma4":
+        text = {
+            **_GEMMA, "num_hidden_layers": layers, "hidden_size_per_layer_input": 0, "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+            "moe_intermediate_size": 16,
+        }
+        model = tf.Gemma4ForConditionalGeneration(tf.Gemma4Config(text_config=text, vision_config=None))
     else:
         raise ValueError(kind)
     with torch.no_grad():
@@ -87,13 +122,19 @@ def hf_model(kind: str, layers: int = 4, seed: int = 0):
         # 1/sqrt(fan_in) scale (4x in the attention and linear attention), larger embeddings
         # (logits far from ties) and sharper attention, so that the output depends on the
         # whole context and a rollback bug shows.
-        model.get_input_embeddings().weight.normal_(0.0, 0.5)
+        model.get_input_embeddings().weight.normal_(0.0, 0.15 if kind in GEMMA_KINDS else 0.5)
         for name, p in model.named_parameters():
             if "visual" in name or "embed_tokens" in name or "lm_head" in name:
                 continue
-            if name.endswith(("proj.weight", "gate_up_proj", "down_proj", "gate.weight")) and p.ndim >= 2:
+            if name.endswith(("proj.weight", "gate_up_proj", "down_proj", "gate.weight", "proj")) and p.ndim >= 2:
                 sharp = 4.0 if "attn" in name else 1.0
                 p.normal_(0.0, sharp * p.shape[-1] ** -0.5)
+            elif name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")) and (
+                kind in GEMMA_KINDS
+            ):
+                # Gemma norms each block's output, and scales its embedding up by sqrt(hidden):
+                # larger outputs keep the blocks from being drowned by the token's own embedding.
+                p.mul_(4.0)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.mul_(3.0) if kind == "qwen3_moe" else p.add_(2.0)
     return model.float().eval()
@@ -117,6 +158,17 @@ def write_hf_target(path: Path, kind: str, layers: int = 4, seed: int = 0):
         model.save_pretrained(str(path))
     config = json.loads((path / "config.json").read_text())
     config["torch_dtype"] = "float32"
+    if kind in GEMMA_KINDS:
+        # transformers 5.24 saves the full attention layers' head size and key/value heads
+        # as a per_layer_config; the published Gemma 4 configs (and mlx-lm) use
+        # global_head_dim and num_global_key_value_heads, and mlx-lm reads the vocabulary
+        # size of a gemma4 checkpoint from its top level.
+        text = config.get("text_config", config)
+        text.pop("per_layer_config")
+        text["global_head_dim"] = _GEMMA["global_head_dim"]
+        if text.get("attention_k_eq_v"):
+            text["num_global_key_value_heads"] = 1
+        config["vocab_size"] = VOCAB
     if kind == "qwen3_moe":
         # transformers 5 saves its own names; the published Qwen3 MoE configs (and mlx-lm)
         # use the older ones.

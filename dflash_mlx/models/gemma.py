@@ -1,0 +1,219 @@
+"""Gemma 4 targets: their taps, their caches, and the layouts mlx-lm cannot build.
+
+mlx-lm's ``gemma4_text``, and ``gemma4`` / ``gemma4_unified`` (both built by mlx-lm's gemma4
+module) with the text model under ``language_model``.
+
+Gemma 4 differs from the Qwen-style decoder in what surrounds the layers: the embedding is
+scaled by ``sqrt(hidden_size)``; the small models add a per-layer input to every layer and let
+their last layers reuse the keys and values of an earlier layer of the same type; sliding
+window layers and full attention layers take masks of their own; the logits are softcapped.
+:func:`forward_with_taps` walks mlx-lm's ``Gemma4TextModel.__call__`` step for step, with
+the model's own helpers for the per-layer inputs and the masks.
+
+mlx-lm gives the sliding layers a ``RotatingKVCache``, which cannot drop a rejected draft once
+it has wrapped around. Here the full attention layers get a plain ``KVCache`` and the sliding
+layers a :class:`SlidingKVCache`: the last pass and the ``sliding_window - 1 + SLIDING_SLACK``
+positions before it, in order, with a mask over exactly those. Each query sees the same keys as
+with mlx-lm's cache, and ``trim(n)`` is exact back to ``SLIDING_SLACK`` positions before the last
+pass (a verified block's rejected drafts, a step taken back). Returning further back, as a later chat turn that rewrites the answer may,
+starts the sliding layers over: ``DFlashCache.reusable_prefix`` then reuses nothing.
+"""
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.gemma4_text import logit_softcap
+
+from ..errors import DFlashError
+
+GEMMA_MODEL_TYPES = ("gemma4_text", "gemma4", "gemma4_unified")
+
+# Positions a sliding layer keeps beyond its window, so that any verify block (and the
+# timing passes of block_size="auto") can be trimmed off again.
+SLIDING_SLACK = 256
+
+# What mlx-lm 0.32's gemma4_text.ModelArgs assumes when a config leaves a field out.
+_MLX_GLOBAL_HEAD_DIM = 512
+_MLX_VOCAB_SIZE = 262144
+# Fields whose default differs between mlx-lm and transformers: (mlx-lm's, transformers').
+_DEFAULTS_THAT_DIFFER = {"num_kv_shared_layers": (20, 0), "final_logit_softcapping": (30.0, None)}
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The ``gemma4_text.Model`` (a ``gemma4`` checkpoint keeps it under ``language_model``)."""
+    return getattr(model, "language_model", model)
+
+
+class SlidingKVCache(KVCache):
+    """A sliding-window layer's keys and values that can be trimmed: positions ``[start, offset)``,
+    stored in order from ``keys[..., 0, :]``. After a pass of ``n`` positions, at least the
+    latest ``window - 1 + slack + n`` are kept: trimming any part of that pass leaves a cache
+    that can still go back ``slack`` positions.
+
+    Positions that no later query can see are dropped after a pass, ``step`` at a time, so the
+    mask a pass was built with (:meth:`make_mask`, before the pass) fits the keys it gets.
+    """
+
+    def __init__(self, window: int, slack: int | None = None):
+        super().__init__()
+        self.window = window
+        self.slack = SLIDING_SLACK if slack is None else slack
+        self.start = 0
+
+    @property
+    def stored(self) -> int:
+        return self.offset - self.start
+
+    @property
+    def floor(self) -> int:
+        """The shortest length above 0 this cache can be trimmed to: every query from there on
+        must still find the ``window - 1`` positions before it."""
+        return 0 if self.start == 0 else self.start + self.window - 1
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        used, n = self.stored, keys.shape[2]
+        if self.keys is None or used + n > self.keys.shape[2]:
+            self._reserve(keys, values, used + n)
+        self.keys[..., used : used + n, :] = keys
+        self.values[..., used : used + n, :] = values
+        self.offset += n
+        fetched = self.keys[..., : used + n, :], self.values[..., : used + n, :]
+        # Whatever of this pass is trimmed off again, the slack before it stays.
+        keep = self.window - 1 + self.slack + n
+        if used + n > keep + self.step:
+            self._reserve(keys, values, keep, drop=used + n - keep)
+            self.start += used + n - keep
+        return fetched
+
+    def _reserve(self, keys: mx.array, values: mx.array, length: int, drop: int = 0) -> None:
+        # A buffer of whole steps for ``length`` positions, holding the stored ones after ``drop``.
+        B, n_kv_heads, _, k_head_dim = keys.shape
+        size = (length // self.step + 1) * self.step
+        new_k = mx.zeros((B, n_kv_heads, size, k_head_dim), keys.dtype)
+        new_v = mx.zeros((B, n_kv_heads, size, values.shape[3]), values.dtype)
+        kept = self.stored - drop if self.keys is not None else 0
+        if kept > 0:
+            new_k[..., :kept, :] = self.keys[..., drop : drop + kept, :]
+            new_v[..., :kept, :] = self.values[..., drop : drop + kept, :]
+        self.keys, self.values = new_k, new_v
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        return self.keys[..., : self.stored, :], self.values[..., : self.stored, :]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        # (N, stored + N): the next N queries against the stored keys and their own.
+        q = mx.arange(self.offset, self.offset + N)[:, None]
+        k = mx.arange(self.start, self.offset + N)[None]
+        return (k <= q) & (q < k + (window_size or self.window))
+
+    def trim(self, n: int) -> int:
+        n = min(n, self.offset)
+        length = self.offset - n
+        if length == 0:
+            self.keys = self.values = None
+            self.offset = self.start = 0
+        elif length < self.floor:
+            raise DFlashError(
+                f"A sliding-window target layer cannot go back to {length} tokens: it keeps positions from "
+                f"{self.start} on, enough for lengths from {self.floor}. Start from a fresh cache (make_cache)."
+            )
+        else:
+            self.offset = length
+        return n
+
+
+def make_cache(model: nn.Module) -> list[Any]:
+    """The caches of the layers that keep keys and values (not the layers that reuse an earlier
+    layer's): a :class:`SlidingKVCache` for a sliding-window layer, a ``KVCache`` for the others."""
+    args = text_model(model).args
+    return [
+        SlidingKVCache(args.sliding_window) if kind == "sliding_attention" else KVCache()
+        for kind in args.layer_types[: args.num_hidden_layers - args.num_kv_shared_layers]
+    ]
+
+
+def rollback_floor(caches: list[Any]) -> int:
+    """The shortest length above 0 every sliding cache can be trimmed to (0: any length)."""
+    return max((c.floor for c in caches if isinstance(c, SlidingKVCache)), default=0)
+
+
+def softcap(model: nn.Module, logits: mx.array) -> mx.array:
+    """The target's final logit softcapping, as mlx-lm applies it (none if not configured)."""
+    cap = text_model(model).final_logit_softcapping
+    return logits if cap is None else logit_softcap(cap, logits)
+
+
+def check_layout(config: dict) -> None:
+    """Refuse a Gemma 4 checkpoint that mlx-lm would build differently from its config.
+
+    transformers 5.24 writes the full attention layers' head size and key/value heads as a
+    ``per_layer_config``, which mlx-lm does not read: it would build those layers with
+    ``global_head_dim`` (default 512). A ``gemma4`` (or ``gemma4_unified``) config without a top-level ``vocab_size``
+    gets mlx-lm's 262144. A config without ``num_kv_shared_layers`` or ``final_logit_softcapping``
+    means 0 / none to transformers, 20 / 30.0 to mlx-lm. Bidirectional text attention is not
+    implemented by mlx-lm.
+    """
+    text = config.get("text_config") or config
+    fix = "Use the checkpoint as published, or add the field to its config.json."
+    for key, (mlx_default, hf_default) in _DEFAULTS_THAT_DIFFER.items():
+        if key not in text:
+            raise DFlashError(
+                f"The target config has no {key}: transformers reads that as {hf_default}, mlx-lm as "
+                f"{mlx_default}. Add \"{key}\" to its config.json."
+            )
+    for layer, override in sorted((text.get("per_layer_config") or {}).items(), key=lambda kv: int(kv[0])):
+        for key, mlx_key, default in (
+            ("head_dim", "global_head_dim", _MLX_GLOBAL_HEAD_DIM),
+            ("num_key_value_heads", "num_global_key_value_heads", text.get("num_key_value_heads")),
+        ):
+            if key in override and override[key] != text.get(mlx_key, default):
+                raise DFlashError(
+                    f"The target's per_layer_config gives layer {layer} {key}={override[key]}, which mlx-lm does "
+                    f"not read: it builds that layer from {mlx_key}={text.get(mlx_key, default)}. Set "
+                    f"{mlx_key}={override[key]} in its config.json (the published Gemma 4 configs have it)."
+                )
+    if config.get("model_type") in ("gemma4", "gemma4_unified"):
+        vocab, text_vocab = config.get("vocab_size", _MLX_VOCAB_SIZE), text.get("vocab_size", _MLX_VOCAB_SIZE)
+        if vocab != text_vocab:
+            raise DFlashError(
+                f"The target's text_config has vocab_size={text_vocab}, but mlx-lm builds a gemma4 model "
+                f"from the top-level vocab_size={vocab}. {fix}"
+            )
+    if text.get("use_bidirectional_attention") == "all":
+        raise DFlashError(
+            "The target has use_bidirectional_attention='all', which mlx-lm does not implement "
+            "(it runs Gemma 4 causally). Use a causal Gemma 4 checkpoint."
+        )
+
+
+def forward_with_taps(
+    model: nn.Module, tokens: mx.array, cache: list[Any], tap_ids: list[int], start_every: int = 0
+) -> tuple[mx.array, dict[int, mx.array]]:
+    """The Gemma 4 decoder walked layer by layer, as mlx-lm's ``Gemma4TextModel.__call__``:
+    ``(last layer's output, {layer: its output})``, before the final norm."""
+    inner = text_model(model).model
+    embedding = inner.embed_tokens(tokens)
+    h = embedding * inner.embed_scale
+    n = len(inner.layers)
+    per_layer = [None] * n
+    if inner.hidden_size_per_layer_input:
+        inputs = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(tokens, embedding))
+        per_layer = [inputs[:, :, i, :] for i in range(n)]  # (B, L, hidden_size_per_layer_input) each
+    # Layers that reuse an earlier layer's keys and values keep no cache of their own.
+    cache = list(cache) + [None] * (n - len(cache))
+    masks = inner._make_masks(h, cache)
+    shared = [(None, None)] * n  # each layer's (keys, values) and RoPE offset, for the layers reusing them
+    wanted, captured = set(tap_ids), {}
+    for i, (layer, c, mask, source, layer_input) in enumerate(
+        zip(inner.layers, cache, masks, inner.previous_kvs, per_layer)
+    ):
+        kvs, offset = shared[source]
+        h, kvs, offset = layer(h, mask, c, per_layer_input=layer_input, shared_kv=kvs, offset=offset)
+        shared[i] = (kvs, offset)
+        if i in wanted:
+            captured[i] = h
+        if start_every and (i + 1) % start_every == 0 and i + 1 < n:
+            mx.async_eval(h)
+    return h, captured
