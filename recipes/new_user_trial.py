@@ -38,6 +38,7 @@ def main() -> None:
              "--max-tokens", str(args.max_tokens)], preloaded),
         "dflash-generate (defaults)": (gen, clean),
         "dflash-generate --no-draft": (gen + ["--no-draft"], clean),
+        "dflash-generate --paused-lookup 0": (gen + ["--paused-lookup", "0"], clean),
         "dflash-generate --dtype bfloat16": (gen + ["--dtype", "bfloat16"], clean),
         "dflash-generate --blas bundled": (gen + ["--blas", "bundled"], clean),
         "dflash-generate --blas bundled --dtype bfloat16": (gen + ["--blas", "bundled", "--dtype", "bfloat16"], clean),
