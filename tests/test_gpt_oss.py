@@ -295,3 +295,58 @@ def test_registry_knows_the_gpt_oss_pairs():
     assert find_draft("lmstudio-community/gpt-oss-120b-MLX-8bit") == "z-lab/gpt-oss-120b-DFlash"
     assert find_pair("openai/gpt-oss-20b").model_type == "gpt_oss"
     assert find_draft("openai/gpt-oss-20b-finetune") is None
+
+
+def test_convert_lists_the_gpt_oss_pairs(capsys):
+    from dflash_mlx.convert.convert import main
+
+    main(["--list"])
+    lines = capsys.readouterr().out.splitlines()
+    for target, draft in (("openai/gpt-oss-20b", "z-lab/gpt-oss-20b-DFlash"),
+                          ("openai/gpt-oss-120b", "z-lab/gpt-oss-120b-DFlash")):  # fmt: skip
+        assert any(line.split()[:3] == [target, "->", draft] for line in lines), (target, lines)
+
+
+def _fake_hub(monkeypatch, tmp_path, files: dict[str, dict]):
+    """The hub client: ``files[repo/filename]`` as JSON; a snapshot download fails the test."""
+    import huggingface_hub
+
+    fetched = []
+
+    def hf_hub_download(repo_id, filename, revision=None, **kwargs):
+        fetched.append(f"{repo_id}/{filename}")
+        if f"{repo_id}/{filename}" not in files:
+            from huggingface_hub.errors import EntryNotFoundError
+
+            raise EntryNotFoundError(f"no {filename}")
+        path = tmp_path / repo_id.replace("/", "--") / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(files[f"{repo_id}/{filename}"]))
+        return str(path)
+
+    def snapshot_download(*args, **kwargs):
+        raise AssertionError("snapshot_download was called")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return fetched
+
+
+def test_hub_layouts_mlx_lm_would_misread_are_refused_before_download(tmp_path, monkeypatch):
+    config = {"model_type": "gpt_oss", "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0}}
+    dequantized = {"weight_map": {"model.layers.0.mlp.experts.gate_up_proj": "model-00001.safetensors"}}
+    mxfp4 = {"weight_map": {"model.layers.0.mlp.experts.gate_up_proj_blocks": "model-00001.safetensors"}}
+    rope5 = {"model_type": "gpt_oss", "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000, "factor": 32.0}}
+    fetched = _fake_hub(monkeypatch, tmp_path, {
+        "someone/gpt-oss-bf16/config.json": config, "someone/gpt-oss-bf16/model.safetensors.index.json": dequantized,
+        "someone/gpt-oss-rope5/config.json": rope5,
+        "someone/gpt-oss-fine/config.json": config, "someone/gpt-oss-fine/model.safetensors.index.json": mxfp4,
+    })  # fmt: skip
+    for repo, message in (("someone/gpt-oss-bf16", "experts as transformers holds them"),
+                          ("someone/gpt-oss-rope5", "rope_parameters but no rope_scaling")):  # fmt: skip
+        with pytest.raises(DFlashError, match=f"{message}.*no weights were downloaded|no weights were downloaded.*{message}"):
+            load(repo)
+    # The published MXFP4 layout goes on to download its weights.
+    with pytest.raises(DFlashError, match="snapshot_download was called"):
+        load("someone/gpt-oss-fine")
+    assert "someone/gpt-oss-fine/model.safetensors.index.json" in fetched

@@ -39,8 +39,9 @@ from dflash_mlx.reference import (  # noqa: E402
 DEVICE = default_device()
 ATOL = 1e-4
 DENSE = ["qwen3-tied", "qwen3-untied", "llama"]
-# A MoE target, and a hybrid one whose recurrent state the reference loop rolls back its own way.
-KINDS = DENSE + ["qwen3_moe", "qwen3_5"]
+# A MoE target, a hybrid one whose recurrent state the reference loop rolls back its own way, and
+# gpt-oss (sliding-window layers, a window shorter than the prompts; MXFP4 experts).
+KINDS = DENSE + ["qwen3_moe", "qwen3_5", "gpt_oss"]
 MAX_TOKENS = 48
 
 
@@ -60,9 +61,9 @@ def dirs(pair_dirs, tmp_path_factory):
     """conftest's folders, plus a drafter made for blocks of 4 and drafters fitted to each target."""
     root = tmp_path_factory.mktemp("parity")
     write_draft(root / "draft4", block_size=4)
-    for kind in ("qwen3_moe", "qwen3_5", "qwen3_5_moe"):
+    for kind in ("qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss"):
         write_hf_target(root / kind, kind)
-    hf = {kind: root / kind for kind in ("qwen3_moe", "qwen3_5", "qwen3_5_moe")}
+    hf = {kind: root / kind for kind in ("qwen3_moe", "qwen3_5", "qwen3_5_moe", "gpt_oss")}
     return {**pair_dirs, **hf, "draft16": pair_dirs["draft"], "draft4": root / "draft4", "root": root}
 
 
