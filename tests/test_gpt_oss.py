@@ -240,6 +240,33 @@ def test_block_size_auto_is_lossless(pair):
     assert out == reference(model, prompt, 40)
 
 
+def test_a_drafter_shaped_like_the_published_one(folders, tmp_path):
+    """z-lab/gpt-oss-20b-DFlash's config, scaled down: model_type gpt_oss, attention biases, blocks
+    of 8, five taps, no num_target_layers and YaRN; it loads, pairs with the target and is lossless."""
+    from helpers.checkpoints import draft_config
+    from mlx.utils import tree_flatten
+
+    from dflash_mlx.models.drafter import DraftModel, ModelArgs
+
+    config = draft_config(block_size=8, target_layer_ids=(0, 1, 1, 2, 3))
+    del config["num_target_layers"], config["auto_map"]
+    config.update(model_type="gpt_oss", attention_bias=True, initial_context_length=4096, rope_theta=150000,
+                  rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "original_max_position_embeddings": 4096})  # fmt: skip
+    mx.random.seed(2)
+    built = DraftModel(ModelArgs.from_dict(config))
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(built.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    model, draft, _ = load(folders[0], folder)
+    assert draft.block_size == 8 and draft.target_layer_ids == [0, 1, 1, 2, 3]
+    assert "layers.0.self_attn.q_proj.bias" in dict(tree_flatten(draft.parameters()))
+    for prompt_len in (3, 25):
+        prompt = _prompt(prompt_len)
+        assert run(model, draft, prompt, max_tokens=40)[0] == reference(model, prompt, 40)
+
+
 def test_convert_load_generate(folders, tmp_path, capsys):
     """dflash-convert -> load -> generate, for the MXFP4 checkpoint: the pair folder holds mlx-lm's
     own conversion (the layout of the mlx-community gpt-oss repositories)."""
