@@ -44,6 +44,7 @@ class SlidingKVCache:
         return min(self.stored, self.window - 1)
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        # window_size is the layer's own window, the one this cache was made with.
         seen = self._seen()
         if return_array or seen + N > self.window:
             return create_causal_mask(N, seen, window_size=self.window)
