@@ -126,8 +126,6 @@ def make_cache(model: nn.Module) -> list[Any]:
     return [RecurrentCache() if layer.is_linear else KVCache() for layer in model.layers]
 
 
-
-
 def check_layout(config: dict) -> None:
     """Refuse a hybrid checkpoint whose ``layer_types`` mlx-lm would not build as written:
     mlx-lm places a full attention layer every ``full_attention_interval`` layers."""

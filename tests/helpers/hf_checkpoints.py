@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-
 from helpers.checkpoints import EOS_ID, HIDDEN, VOCAB, write_tokenizer
 
 HF_KINDS = ("qwen3_moe", "qwen3_5", "qwen3_5_moe")
