@@ -264,19 +264,24 @@ def test_a_drafter_shaped_like_the_published_one(folders, tmp_path):
         assert run(model, draft, prompt, max_tokens=40)[0] == reference(model, prompt, 40)
 
 
-def test_convert_load_generate(folders, tmp_path, capsys):
+@pytest.mark.parametrize("q_bits", [None, 8])
+def test_convert_load_generate(folders, tmp_path, capsys, q_bits):
     """dflash-convert -> load -> generate, for the MXFP4 checkpoint: the pair folder holds mlx-lm's
-    own conversion (the layout of the mlx-community gpt-oss repositories)."""
+    own conversion, with the MXFP4 experts kept and (``q_bits``) the other layers quantized too,
+    the layout of mlx-community's gpt-oss-*-MXFP4-Q8 repositories."""
     from dflash_mlx.convert import convert
     from dflash_mlx.generate import main as generate_main
 
     target, _, draft_folder = folders
     pair = tmp_path / "pair"
+    quantize = dict(quantize=True, q_bits=q_bits, q_group_size=32) if q_bits else {}
     result = convert(str(target), str(pair), draft_hf_path=str(draft_folder), dtype="float32", check_tokens=16,
-                     verbose=False)  # fmt: skip
+                     verbose=False, **quantize)  # fmt: skip
     assert result.check.tokens_match
-    config = json.loads((pair / "target" / "config.json").read_text())
-    assert config["quantization"]["mode"] == "mxfp4"
+    quantization = json.loads((pair / "target" / "config.json").read_text())["quantization"]
+    assert quantization["mode"] == "mxfp4"
+    if q_bits:
+        assert quantization["model.layers.0.self_attn.q_proj"] == {"group_size": 32, "bits": 8, "mode": "affine"}
     model, draft, _ = load(pair)
     prompt = _prompt(19)
     assert run(model, draft, prompt, max_tokens=24)[0] == reference(model, prompt, 24)
