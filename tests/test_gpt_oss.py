@@ -14,6 +14,7 @@ from helpers.hf_checkpoints import GPT_OSS_WINDOW, hf_model, write_hf_target
 from helpers.oracles import AcceptExactlyDraft, ScriptedDraft
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from dflash_mlx import DFlashError, load, make_cache
 from dflash_mlx.models import target as tgt
@@ -59,7 +60,9 @@ def test_the_checkpoint_is_the_published_layout(folders, pair):
     assert model.model_type == "gpt_oss" and type(model.model.layers[0].mlp.experts.gate_proj).__name__ == (
         "QuantizedSwitchLinear"
     )
-    assert [type(c) for c in make_cache(model).target] == [SlidingKVCache, type(make_cache(model).target[1])] * 2
+    # The sliding layers' rotating buffers (mlx-lm's make_cache) become caches that roll back.
+    assert [type(c) for c in model.make_cache()] == [RotatingKVCache, KVCache] * 2
+    assert [type(c) for c in make_cache(model).target] == [SlidingKVCache, KVCache] * 2
 
 
 @pytest.mark.parametrize("length", [3, 30])
