@@ -1,8 +1,11 @@
 """Caches for a target + drafter pair, and their rollback.
 
 The target cache is mlx-lm's own per-layer ``KVCache``; rolling back a rejected draft
-is ``trim``. The drafter's cache holds context keys/values only (the noisy block is never
-cached), so its rollback is a trim to the committed length too.
+is ``trim``. Layers that mlx-lm gives state that cannot be cut (a hybrid target's recurrent
+state, a sliding window's rotating buffer) get caches of ours with the same ``trim``
+(``hybrid.RecurrentCache``, ``sliding.SlidingKVCache``), which return only to some lengths.
+The drafter's cache holds context keys/values only (the noisy block is never cached), so its
+rollback is a trim to the committed length too.
 """
 
 from dataclasses import dataclass, field
@@ -10,12 +13,16 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
 from .adaptive import PolicyState
 from .errors import DFlashError
 from .models import gemma, hybrid
 from .models.drafter import DraftModel
+from .models.sliding import SlidingKVCache
+
+# Target caches that return only to some lengths (``restorable_lengths``), the rest through a checkpoint.
+RESTORING_CACHES = (hybrid.RecurrentCache, SlidingKVCache)
 
 
 class WindowedKVCache:
@@ -137,12 +144,14 @@ class DFlashCache:
                 break
             n += 1
         self.reuse_note = None
-        restorable = hybrid.restorable_lengths(self.target)
+        restorable = restorable_lengths(self.target)
         if restorable is not None and n not in restorable:
-            # A recurrent state returns only to where it was saved: reuse the nearest one.
+            # A recurrent state or a window returns only to where it was saved: reuse the nearest one.
             best = max(k for k in restorable if k <= n)
+            recurrent = any(isinstance(c, hybrid.RecurrentCache) for c in self.target)
+            kind = "recurrent state" if recurrent else "sliding window"
             self.reuse_note = (
-                f"reused {best} of {n} cached tokens: the target's recurrent state was saved "
+                f"reused {best} of {n} cached tokens: the target's {kind} was saved "
                 f"at {sorted(restorable)[-6:]} only, so the rest is prefilled again"
             )
             n = best
@@ -176,7 +185,7 @@ class DFlashCache:
     def trim_to(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens."""
         length = max(0, min(length, len(self.tokens)))
-        hybrid.trim_to(self.target, length)
+        trim_to(self.target, length)
         if self.draft:
             d = self.draft_offset
             if length >= d:
@@ -201,6 +210,39 @@ class DFlashCache:
         return taps
 
 
+def restorable_lengths(caches: list[Any]) -> set[int] | None:
+    """Lengths every target layer can return to, or None if every layer can return anywhere."""
+    sets = [c.restorable_lengths() for c in caches if isinstance(c, RESTORING_CACHES)]
+    return set.intersection(*sets) if sets else None
+
+
+def trim_to(caches: list[Any], length: int) -> None:
+    """Trim every target layer to ``length``, through a checkpoint where a trim cannot reach."""
+    for c in caches:
+        if isinstance(c, RESTORING_CACHES) and not c.can_trim(c.offset - length):
+            c.restore(length)
+        else:
+            c.trim(c.offset - length)
+        if isinstance(c, RESTORING_CACHES):
+            # Where a generation starts (the end of the previous turn): a later turn may
+            # return here even after this one's prefill and cycles.
+            c.checkpoint()
+
+
+def make_target_cache(target: nn.Module) -> list[Any]:
+    """The target's per-layer caches, each one that can be rolled back after a rejected draft.
+
+    mlx-lm's own, except recurrent layers (``hybrid.RecurrentCache``) and sliding-window
+    layers, whose rotating buffer becomes a ``sliding.SlidingKVCache`` of the same window.
+    """
+    if getattr(target, "model_type", None) in hybrid.HYBRID_MODEL_TYPES:
+        return hybrid.make_cache(target)
+    if getattr(target, "model_type", None) in gemma.GEMMA_MODEL_TYPES:
+        return gemma.make_cache(target)
+    caches = make_prompt_cache(target)
+    return [SlidingKVCache(c.max_size) if type(c) is RotatingKVCache and c.keep == 0 else c for c in caches]
+
+
 def make_cache(
     target: nn.Module, draft: nn.Module | None = None, *, draft_window: int | None = None, draft_sinks: int = 4
 ) -> DFlashCache:
@@ -215,12 +257,7 @@ def make_cache(
           or on a bad window.
     """
     check_draft_window(draft_window, draft_sinks)
-    if getattr(target, "model_type", None) in hybrid.HYBRID_MODEL_TYPES:
-        target_cache = hybrid.make_cache(target)
-    elif getattr(target, "model_type", None) in gemma.GEMMA_MODEL_TYPES:
-        target_cache = gemma.make_cache(target)
-    else:
-        target_cache = make_prompt_cache(target)
+    target_cache = make_target_cache(target)
     if not can_trim_prompt_cache(target_cache):
         types = {type(c).__name__ for c in target_cache if not c.is_trimmable()}
         raise DFlashError(

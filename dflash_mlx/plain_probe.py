@@ -26,7 +26,7 @@ def plain_tokens_per_second(
     cannot be timed without losing state: an empty cache, or a hybrid target whose recurrent
     state cannot be rolled back to an arbitrary position.
     """
-    if not cache.tokens or hybrid.restorable_lengths(cache.target) is not None:
+    if not cache.tokens or any(isinstance(c, hybrid.RecurrentCache) for c in cache.target):
         return None
     token = mx.array([[cache.tokens[-1]]], dtype=mx.uint32)
     times = []

@@ -39,10 +39,11 @@ from dflash_mlx.reference import (  # noqa: E402
 DEVICE = default_device()
 ATOL = 1e-4
 DENSE = ["qwen3-tied", "qwen3-untied", "llama"]
-# A MoE target, and hybrid ones (Qwen3.5's layout and Qwen3-Next's) whose recurrent state the
-# reference loop rolls back its own way.
-KINDS = DENSE + ["qwen3_moe", "qwen3_5", "qwen3_next"]
-HF = ("qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+# A MoE target, hybrid ones (Qwen3.5's layout and Qwen3-Next's) whose recurrent state the
+# reference loop rolls back its own way, and gpt-oss (sliding-window layers, a window shorter than
+# the prompts; MXFP4 experts).
+KINDS = DENSE + ["qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss"]
+HF = ("qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss")
 MAX_TOKENS = 48
 
 

@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from ..adaptive import PolicyState
+from ..cache import trim_to
 from ..cpu.speedups import cpu_speedups
 from ..generate import stream_generate
 from ..lookup import PromptLookup
@@ -195,7 +196,7 @@ def component_times(
         def rollback(b, k):
             def verify():
                 # Back to `context` (through its checkpoint), then the pass the rewind undoes.
-                hybrid.trim_to(cache.target, context)
+                trim_to(cache.target, context)
                 out, t = tgt.forward_with_taps(model, mx.array([[1] * b]), cache.target, taps_ids, speedups)
                 mx.eval(out, t, [c.state for c in cache.target])
 

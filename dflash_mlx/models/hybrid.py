@@ -23,7 +23,8 @@ the kept tokens.
 
 It also keeps a few earlier states ("checkpoints"), at the start of passes that followed a
 pass nothing was trimmed from: the ends of prefills, which is where a chat's next turn
-may want to return to. ``DFlashCache.reusable_prefix`` limits prefix reuse to them.
+may want to return to. ``DFlashCache.reusable_prefix`` limits prefix reuse to them
+(``dflash_mlx.cache.restorable_lengths``).
 """
 
 import dataclasses
@@ -111,6 +112,13 @@ class RecurrentCache(ArraysCache):
         self._before = self._inputs = None
         return n
 
+    def restorable_lengths(self) -> set[int]:
+        """Every length :meth:`trim` or :meth:`restore` can return this state to."""
+        lengths = {0, self.offset} | set(self.checkpoints)
+        if self._before is not None:
+            lengths |= set(range(self._before[1], self.offset + 1))
+        return lengths
+
     def restore(self, offset: int) -> None:
         """Return to the checkpoint at ``offset`` (0: the empty state)."""
         self.cache = [None, None] if offset == 0 else list(self.checkpoints[offset])
@@ -130,31 +138,6 @@ class RecurrentCache(ArraysCache):
 def make_cache(model: nn.Module) -> list[Any]:
     """The per-layer caches of a hybrid target: recurrent ones for linear attention layers."""
     return [RecurrentCache() if layer.is_linear else KVCache() for layer in model.layers]
-
-
-def restorable_lengths(caches: list[Any]) -> set[int] | None:
-    """Lengths every recurrent cache can return to, or None if none of them is recurrent."""
-    recurrent = [c for c in caches if isinstance(c, RecurrentCache)]
-    if not recurrent:
-        return None
-    lengths = {0, recurrent[0].offset}
-    if recurrent[0]._before is not None:
-        lengths |= set(range(recurrent[0]._before[1], recurrent[0].offset + 1))
-    lengths |= set(recurrent[0].checkpoints)
-    return lengths
-
-
-def trim_to(caches: list[Any], length: int) -> None:
-    """Trim every layer to ``length``, through a checkpoint where a replay cannot reach."""
-    for c in caches:
-        if isinstance(c, RecurrentCache) and not c.can_trim(c.offset - length):
-            c.restore(length)
-        else:
-            c.trim(c.offset - length)
-        if isinstance(c, RecurrentCache):
-            # Where a generation starts (the end of the previous turn): a later turn may
-            # return here even after this one's prefill and cycles.
-            c.checkpoint()
 
 
 def check_layout(config: dict) -> None:

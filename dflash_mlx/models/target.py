@@ -19,7 +19,9 @@ from ..errors import DFlashError
 from . import gemma, hybrid
 
 # mlx-lm model families whose decoder we know how to walk layer by layer.
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe") + hybrid.HYBRID_MODEL_TYPES + gemma.GEMMA_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = (
+    ("qwen3", "qwen2", "llama", "qwen3_moe", "gpt_oss") + hybrid.HYBRID_MODEL_TYPES + gemma.GEMMA_MODEL_TYPES
+)
 
 
 def _text(model: nn.Module) -> nn.Module:
@@ -27,8 +29,18 @@ def _text(model: nn.Module) -> nn.Module:
     return getattr(model, "language_model", model)
 
 
+def _gpt_oss_masks(inner: nn.Module, h: mx.array, cache: list[Any]) -> list:
+    # gpt-oss alternates sliding-window and full attention layers (its layer_types), as
+    # mlx-lm's GptOssMoeModel builds them: one mask of each kind, from a layer of that kind.
+    full = create_attention_mask(h, cache[inner.ga_idx])
+    swa = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.window_size)
+    return [full if kind == "full_attention" else swa for kind in inner.layer_types]
+
+
 def _layer_masks(model: nn.Module, h: mx.array, cache: list[Any]) -> list:
     inner = model.model
+    if model.model_type == "gpt_oss":
+        return _gpt_oss_masks(inner, h, cache)
     if model.model_type == "llama":
         fa = create_attention_mask(h, cache[inner.fa_idx])
         if inner.swa_idx is None:

@@ -4,10 +4,11 @@ Greedy only: it mirrors ``dflash_mlx.generate.dflash_generate_step`` step for st
 acceptance rule, same rollback, same handling of ``max_tokens`` and stop tokens), so the two
 can be compared token for token and cycle for cycle.
 
-A hybrid target (Qwen3.5: linear attention layers with a recurrent state) cannot crop its
-cache. There the loop copies the cache before each verify pass and, after a rejection, goes
-back to the copy and runs the target again over the kept tokens: slower than the MLX side's
-replay of the linear attention alone, and independent of it.
+A sliding-window layer (gpt-oss) keeps its last pass until the crop after it, as transformers'
+assisted decoding has it keep it. A hybrid target (Qwen3.5: linear attention layers with a
+recurrent state) cannot crop its cache. There the loop copies the cache before each verify
+pass and, after a rejection, goes back to the copy and runs the target again over the kept
+tokens: slower than the MLX side's replay of the linear attention alone, and independent of it.
 """
 
 import copy
@@ -116,8 +117,13 @@ def reference_generate_step(
             "load both with load_reference(..., device=...)."
         )
     tap_ids = draft.target_layer_ids if draft is not None else []
-    # The config gives a hybrid target its linear attention layers' caches.
+    # The config gives a hybrid target its linear attention layers' caches, and gpt-oss its
+    # sliding-window layers', which keep the last pass until a crop (as in transformers' own
+    # assisted decoding), so that a rejected draft can be cropped off past the window.
     cache = DynamicCache(config=target.config)
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            layer.activate_past_recording()
     draft_cache = draft.make_cache() if draft is not None else None
 
     def _verify(tokens: list[int]) -> tuple[list[int], torch.Tensor | None]:

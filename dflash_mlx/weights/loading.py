@@ -291,7 +291,8 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
         hybrid.check_layout(config)
     if config.get("model_type") in gemma.GEMMA_MODEL_TYPES:
         gemma.check_layout(config)
-    _read_weights(path, "target")  # a clear message for missing or corrupt files
+    names = _read_weights(path, "target").keys()  # a clear message for missing or corrupt files
+    check_gpt_oss_layout(config, names, str(path))
     check_tokenizer_files(path)
     model, config = load_target_model(path)
     try:
@@ -306,6 +307,36 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
     if dtype is not None:
         _cast(model, dtype)
     return model, tokenizer
+
+
+def check_gpt_oss_layout(config: dict[str, Any], weight_names, where: str) -> None:
+    """Refuse a gpt-oss checkpoint that mlx-lm's ``gpt_oss`` would load wrongly.
+
+    mlx-lm reads the published layouts: openai/gpt-oss-*'s MXFP4 experts (``*_blocks`` /
+    ``*_scales``, each expert's matrix stored output-major) and its own conversions
+    (``gate_proj`` / ``up_proj`` / ``down_proj``). transformers' ``save_pretrained`` writes the
+    experts dequantized as it holds them in memory, input-major, which mlx-lm would slice along
+    the wrong axis; and transformers 5 writes RoPE as ``rope_parameters``, which mlx-lm's
+    ``gpt_oss`` does not read (it would run without YaRN).
+
+    Raises:
+        DFlashError: Naming the field or tensor and the layouts that load.
+    """
+    if config.get("model_type") != "gpt_oss":
+        return
+    published = "Use the published checkpoint (openai/gpt-oss-20b, openai/gpt-oss-120b) or an MLX conversion of it."
+    fused = next((n for n in weight_names if n.endswith(("experts.gate_up_proj", "experts.down_proj"))), None)
+    if fused is not None:
+        raise DFlashError(
+            f"The gpt-oss target {where} stores its experts as transformers holds them ({fused}, dequantized and "
+            f"input-major), which mlx-lm's gpt_oss loader misreads. {published}"
+        )
+    if "rope_parameters" in config and "rope_scaling" not in config:
+        raise DFlashError(
+            f"The gpt-oss target {where} gives its RoPE as rope_parameters but no rope_scaling and rope_theta, "
+            "the fields mlx-lm reads (it would run without YaRN). Move rope_parameters' rope_theta to rope_theta "
+            f"and the rest to rope_scaling in its config.json. {published}"
+        )
 
 
 def check_target_type(model: str | Path, revision: str | None = None) -> None:
@@ -351,6 +382,17 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
             hybrid.check_layout(config)
         except DFlashError as e:
             raise DFlashError(f"{text}: {e} No weights were downloaded.") from e
+    if pair is None and model_type == "gpt_oss":
+        check_gpt_oss_layout(config, _hub_weight_names(text, revision), f"{text} (no weights were downloaded)")
+
+
+def _hub_weight_names(repo: str, revision: str | None) -> list[str]:
+    # The tensor names a sharded checkpoint's index lists; a single-file one has no index.
+    try:
+        index = json.loads(hub_file(repo, "model.safetensors.index.json", what="target", revision=revision).read_text())
+    except (DFlashError, json.JSONDecodeError, UnicodeDecodeError):
+        return []
+    return list(index.get("weight_map", {})) if isinstance(index, dict) else []
 
 
 def load_draft(

@@ -114,6 +114,22 @@ KNOWN_PAIRS: tuple[KnownPair, ...] = (
         mlx_ids=("mlx-community/Qwen3.5-122B-A10B-4bit",),
     ),
     KnownPair("Qwen/Qwen3.5-397B-A17B", "z-lab/Qwen3.5-397B-A17B-DFlash", "qwen3_5_moe"),
+    KnownPair(
+        "openai/gpt-oss-20b",
+        "z-lab/gpt-oss-20b-DFlash",
+        "gpt_oss",
+        mlx_ids=("mlx-community/gpt-oss-20b-MXFP4-Q8", "mlx-community/gpt-oss-20b-MXFP4-Q4"),
+    ),
+    KnownPair(
+        "openai/gpt-oss-120b",
+        "z-lab/gpt-oss-120b-DFlash",
+        "gpt_oss",
+        mlx_ids=(
+            "mlx-community/gpt-oss-120b-MXFP4-Q8",
+            "mlx-community/gpt-oss-120b-MXFP4-Q4",
+            "mlx-community/gpt-oss-120b-4bit",
+        ),
+    ),
     KnownPair("Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash", "qwen3_5"),
     KnownPair("Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash", "qwen3_5_moe"),
     # DFlash2 drafters (dflash_mlx.models.drafter2). Qwen3.8 is a Qwen3.5-architecture model; z-lab's

@@ -4,7 +4,9 @@
 ForConditionalGeneration classes the published Qwen3.5 / Qwen3.6 checkpoints use, with a
 one-block vision tower that mlx-lm drops on load; ``qwen3_next`` is a Qwen3NextForCausalLM
 (Qwen3-Next / Qwen3-Coder-Next: linear attention, gated full attention every 4th layer, and
-experts with a gated shared expert in every layer).
+experts with a gated shared expert in every layer). ``gpt_oss`` is a GptOssForCausalLM
+(sliding-window and full attention layers with attention sinks, MoE MLP) saved as
+openai/gpt-oss-* are published: expert weights in MXFP4 (``*_blocks`` / ``*_scales``).
 
 ``gemma4_text`` is a Gemma4ForCausalLM with the small Gemma 4 models' features (per-layer
 inputs, layers that reuse an earlier layer's keys and values, double-wide MLPs); ``gemma4``
@@ -16,11 +18,16 @@ full attention layers of a wider head, and softcap their logits.
 import json
 from pathlib import Path
 
+import numpy as np
 from helpers.checkpoints import EOS_ID, HIDDEN, VOCAB, write_tokenizer
 
 HF_KINDS = ("qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 GEMMA_KINDS = ("gemma4_text", "gemma4")
 GEMMA_WINDOW = 6
+# gpt-oss's sliding window: shorter than most test prompts, so the window is exercised.
+GPT_OSS_WINDOW = 6
+# MXFP4's 4-bit values (e2m1); a code's top bit is the sign.
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=np.float32)
 
 _COMMON = {
     "vocab_size": VOCAB,
@@ -114,6 +121,8 @@ def hf_model(kind: str, layers: int = 4, seed: int = 0):
             "moe_intermediate_size": 16,
         }
         model = tf.Gemma4ForConditionalGeneration(tf.Gemma4Config(text_config=text, vision_config=None))
+    elif kind == "gpt_oss":
+        return _gpt_oss_model(layers)
     else:
         raise ValueError(kind)
     with torch.no_grad():
@@ -140,6 +149,94 @@ def hf_model(kind: str, layers: int = 4, seed: int = 0):
     return model.float().eval()
 
 
+def _gpt_oss_model(layers: int):
+    import torch
+    import transformers as tf
+
+    config = tf.GptOssConfig(
+        **{k: v for k, v in _COMMON.items() if k != "intermediate_size"}, intermediate_size=96,
+        num_hidden_layers=layers, num_local_experts=4, num_experts_per_tok=2, sliding_window=GPT_OSS_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        # The published YaRN settings, but with transformers' default truncate=True: mlx-lm's YaRN
+        # always rounds the correction range, as truncate=True does.
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 4096},
+    )  # fmt: skip
+    config.tie_word_embeddings = False
+    model = tf.GptOssForCausalLM(config)
+    with torch.no_grad():
+        # As hf_model's scales (see there), an untied head whose logits are far from ties, and
+        # sinks far from zero so that they matter.
+        model.get_input_embeddings().weight.normal_(0.0, 0.5)
+        model.lm_head.weight.normal_(0.0, 4.0 * HIDDEN**-0.5)
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name or "lm_head" in name or "norm" in name:
+                continue
+            if name.endswith(("gate_up_proj", "down_proj")):
+                # (E, in, out): quantized to MXFP4 values, as the published experts are.
+                p.normal_(0.0, p.shape[-2] ** -0.5)
+                p.copy_(torch.from_numpy(_mxfp4_round(p.numpy().swapaxes(-1, -2)).swapaxes(-1, -2).copy()))
+            elif name.endswith("proj.weight") or name.endswith("router.weight"):
+                p.normal_(0.0, (4.0 if "attn" in name else 1.0) * p.shape[-1] ** -0.5)
+            elif name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return model.float().eval()
+
+
+def _mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``w`` (..., out, in) in MXFP4: (codes (..., out, in) uint8, exponents (..., out, in // 32) int)."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    amax = np.abs(groups).max(axis=-1, keepdims=True)
+    exp = np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)).astype(np.int32)
+    scaled = np.abs(groups) / np.exp2(exp)
+    codes = np.abs(scaled[..., None] - _E2M1).argmin(axis=-1).astype(np.uint8)
+    codes |= (groups < 0).astype(np.uint8) << 3
+    return codes.reshape(w.shape), exp[..., 0]
+
+
+def _mxfp4_round(w: np.ndarray) -> np.ndarray:
+    codes, exp = _mxfp4(w)
+    values = _E2M1[codes & 7] * np.where(codes & 8, -1.0, 1.0)
+    return (values.reshape(*exp.shape, 32) * np.exp2(exp)[..., None]).reshape(w.shape).astype(np.float32)
+
+
+def _mxfp4_tensors(name: str, w: np.ndarray) -> dict[str, np.ndarray]:
+    # openai/gpt-oss-*'s layout: (E, out, in // 32, 16) bytes, two values a byte (the even one in
+    # the low nibble), and one power-of-two scale a group of 32 stored as exponent + 127.
+    codes, exp = _mxfp4(w)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    # (save_file writes an array's buffer as it lies in memory: make both C-ordered.)
+    return {
+        f"{name}_blocks": np.ascontiguousarray(packed.reshape(*w.shape[:-1], -1, 16)),
+        f"{name}_scales": np.ascontiguousarray(exp + 127, dtype=np.uint8),
+    }
+
+
+def _write_gpt_oss(path: Path, model) -> None:
+    from safetensors.numpy import save_file
+
+    model.config.save_pretrained(str(path))
+    weights = {}
+    for k, v in model.state_dict().items():
+        v = v.detach().numpy()
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            weights.update(_mxfp4_tensors(k, v.swapaxes(-1, -2)))  # transformers holds (E, in, out)
+        else:
+            weights[k] = np.ascontiguousarray(v)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    # The published config's names (and mlx-lm's): rope_theta and rope_scaling, not rope_parameters.
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def write_hf_target(path: Path, kind: str, layers: int = 4, seed: int = 0):
     """``kind``'s HF folder (config.json, safetensors, tokenizer) via ``save_pretrained``.
     Returns the transformers model."""
@@ -154,6 +251,8 @@ def write_hf_target(path: Path, kind: str, layers: int = 4, seed: int = 0):
         model.config.save_pretrained(str(path))
         weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
         save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    elif kind == "gpt_oss":
+        _write_gpt_oss(path, model)
     else:
         model.save_pretrained(str(path))
     config = json.loads((path / "config.json").read_text())
