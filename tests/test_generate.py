@@ -68,7 +68,8 @@ def test_lossless_scripted_drafters(qwen3_pair, block_size, wrong_every):
     ref = reference(model, prompt)
     oracle = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=wrong_every)
     for max_tokens in (1, block_size - 1, block_size + 1, MAX_REF):
-        out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=max(max_tokens, 1))
+        # adaptive=False: every cycle is the scripted drafter's (no policy probe, no looked-up draft).
+        out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=max(max_tokens, 1), adaptive=False)
         assert out == ref[: len(out)] and len(out) == max(max_tokens, 1)
     for step in cycles[1:]:
         if wrong_every == 0:

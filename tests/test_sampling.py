@@ -183,21 +183,27 @@ def test_distribution_matches_target_with_lookup_fallback(pair, exact, monkeypat
     assert len(proposed) > RUNS // 2 and accepted > 0
 
 
-def test_distribution_matches_target_with_adaptive(pair, exact):
-    """The adaptive policy's plain cycles (no drafts; the drafter's taps left pending) after a
-    sampled drafting cycle keep the distribution: its first cycle drafts, the next ones probe
-    plain decoding's speed."""
+@pytest.mark.parametrize("lookup", [0, 1])
+def test_distribution_matches_target_with_adaptive(pair, exact, lookup):
+    """The adaptive policy's paused cycles after a sampled drafting cycle (the drafter's taps left
+    pending) keep the distribution: its first cycle drafts, the next ones probe the paused rate,
+    as plain steps (lookup 0) or verifying a looked-up draft where the text has one (lookup 1)."""
+    from dflash_mlx.adaptive import PolicyState
+
     model, draft, _ = pair
     counts, sampler, kinds = np.zeros((DEPTH, VOCAB)), make_sampler(TEMP), set()
     for seed in range(RUNS):
         steps = list(dflash_generate_step(PROMPT, model, draft, sampler=sampler, seed=seed, block_size=DEPTH,
-                                          max_tokens=DEPTH + 1, adaptive=True))  # fmt: skip
-        kinds.update((i, s.num_draft > 0) for i, s in enumerate(steps[1:3]))
+                                          max_tokens=DEPTH + 1, adaptive=True,
+                                          policy=PolicyState(lookup=lookup)))  # fmt: skip
+        kinds.update((i, s.num_draft) for i, s in enumerate(steps[1:3]))
         for pos, tok in enumerate([t for s in steps for t in s.tokens][:DEPTH]):
             counts[pos, tok] += 1
     excess = [_tv(counts[p], exact[p]) - _tv_bound(exact[p], RUNS) for p in range(DEPTH)]
     assert max(excess) < 0, excess
-    assert kinds == {(0, True), (1, False)}
+    # The drafter's whole block first, then paused cycles: no draft, or one looked-up draft.
+    assert {k for k in kinds if k[0] == 0} == {(0, DEPTH - 1)}
+    assert {n for i, n in kinds if i == 1} == ({0} if lookup == 0 else {0, 1})
 
 
 @pytest.mark.parametrize("proposal", ["greedy", "sample"])

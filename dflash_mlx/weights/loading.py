@@ -589,9 +589,11 @@ def check_pair(model: nn.Module, draft: DraftModel, tokenizer: TokenizerWrapper 
         )
     if a.block_size < 2:
         raise DFlashError(f"The drafter's block_size must be at least 2 (got {a.block_size}). {fix}")
-    # A drafter borrows the target's head, softcap included: its own value only names the target's.
+    # A DFlash drafter borrows the target's head, softcap included: its own value only names the
+    # target's. (A DFlash2 drafter's softcap is its own, applied to its scaled logits.)
     cap = getattr(tgt.text_args(model), "final_logit_softcapping", None)
-    if a.final_logit_softcapping is not None and a.final_logit_softcapping != cap:
+    own_cap = isinstance(draft, drafter2.DraftModel)
+    if not own_cap and a.final_logit_softcapping is not None and a.final_logit_softcapping != cap:
         raise DFlashError(
             f"The drafter was made for a target head with final_logit_softcapping={a.final_logit_softcapping}, "
             f"but this target's is {cap}. {fix}"
