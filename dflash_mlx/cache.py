@@ -155,13 +155,6 @@ class DFlashCache:
                 f"at {sorted(restorable)[-6:]} only, so the rest is prefilled again"
             )
             n = best
-        floor = gemma.rollback_floor(self.target)
-        if 0 < n < floor:
-            self.reuse_note = (
-                f"reused 0 of {n} cached tokens: the target's sliding-window layers keep only the positions a "
-                f"length of {floor} or more needs, so the whole prompt is prefilled again"
-            )
-            n = 0
         return n
 
     def commit(self, last: int, emitted: list[int], verified: int) -> None:

@@ -15,7 +15,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import DFlashError, load, make_cache
-from dflash_mlx.models import gemma
+from dflash_mlx.models import gemma, sliding
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.drafter import ModelArgs
 
@@ -29,8 +29,8 @@ SLACK = 16  # the largest rollback here: a block of 16's rejected drafts, plus o
 def small_sliding_caches(monkeypatch):
     """Sliding caches that drop old positions within these short runs (every 8 past the
     window and a slack of 16), so that the tests go through what long conversations do."""
-    monkeypatch.setattr(gemma, "SLIDING_SLACK", SLACK)
-    monkeypatch.setattr(gemma.SlidingKVCache, "step", 8)
+    monkeypatch.setattr(sliding, "SLIDING_SLACK", SLACK)
+    monkeypatch.setattr(sliding.SlidingKVCache, "step", 8)
 
 
 def gemma_draft_config() -> dict:
@@ -131,7 +131,7 @@ def test_caches_roll_back_at_every_length(gemma_pairs, kind, prompt_len):
     model = gemma_pairs[kind][0]
     cache = make_cache(model).target
     own = 2 if kind == "gemma4_text" else 4
-    assert [type(c) for c in cache] == [gemma.SlidingKVCache, KVCache] * (own // 2)
+    assert [type(c) for c in cache] == [sliding.SlidingKVCache, KVCache] * (own // 2)
     prompt, block = _prompt(prompt_len), _prompt(16, seed=7)
     nxt = mx.array([[5, 6, 7]])
     for n in range(0, 17):
@@ -238,12 +238,15 @@ def test_multi_turn_reuse_equals_a_fresh_run(gemma_pairs, kind):
     assert cache.reusable_prefix(edited) == len(follow) + 30 and cache.reuse_note is None
     third, _ = run(model, draft, edited, max_tokens=30, prompt_cache=cache)
     assert third == reference(model, edited, 30)
-    # One that rewrites it from its start: further back than the sliding layers keep, so all is prefilled again.
+    # One that rewrites it from its start, further back than the sliding layers keep: they return to
+    # the window saved at the end of that turn's prompt.
     again = follow + second[:3] + [1, 2] + _prompt(4, seed=12)
-    assert cache.reusable_prefix(again) == 0 and "sliding-window layers keep only" in cache.reuse_note
+    assert cache.reusable_prefix(again) == len(follow) and "sliding window was saved" in cache.reuse_note
     fourth, _ = run(model, draft, again, max_tokens=30, prompt_cache=cache)
     assert fourth == reference(model, again, 30)
+    # A prompt that leaves the conversation early: nothing saved before it, prefilled whole.
     other = prompt[:5] + _prompt(9, seed=13)
+    assert cache.reusable_prefix(other) == 0 and "reused 0 of 5" in cache.reuse_note
     fifth, _ = run(model, draft, other, max_tokens=30, prompt_cache=cache)
     assert fifth == reference(model, other, 30)
 

@@ -19,12 +19,22 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from dflash_mlx import DFlashError, load, make_cache
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.drafter import DraftModel, ModelArgs
+from dflash_mlx.models import sliding
 from dflash_mlx.models.sliding import SlidingKVCache
 
 torch = pytest.importorskip("torch")
 
 MAX_REF = 64
 W = GPT_OSS_WINDOW
+SLACK = 16  # the largest rollback here: a block of 16's rejected drafts, plus one
+
+
+@pytest.fixture(autouse=True)
+def small_sliding_caches(monkeypatch):
+    """Sliding caches that drop old positions within these short runs (every 8 past the
+    window and a slack of 16), so that the tests go through what long conversations do."""
+    monkeypatch.setattr(sliding, "SLIDING_SLACK", SLACK)
+    monkeypatch.setattr(SlidingKVCache, "step", 8)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +113,7 @@ def test_taps_in_chunks_equal_one_pass(pair):
     for a, b in ((0, 4), (4, 5), (5, 16), (16, 29)):
         parts.append(tgt.forward_with_taps(model, mx.array([prompt[a:b]]), cache, [0, 3])[1])
     assert mx.allclose(mx.concatenate(parts, axis=1), whole, atol=1e-5).item()
-    assert all(c.stored <= W - 1 + 13 for c in cache if isinstance(c, SlidingKVCache))
+    assert all(c.stored <= W - 1 + SLACK + 8 + 13 for c in cache if isinstance(c, SlidingKVCache))
 
 
 @pytest.mark.parametrize("prompt_len", [3, 11, 40])
@@ -133,13 +143,16 @@ def test_sliding_trim_equals_a_shorter_pass(pair, prompt_len):
 
 
 def test_sliding_trim_past_what_the_window_keeps_is_refused(pair):
+    """A trim back over the last pass and the slack before it is exact; one further is refused."""
     model = pair[0]
     cache = make_cache(model).target
-    tgt.forward_with_taps(model, mx.array([_prompt(20)]), cache, [])
+    tgt.forward_with_taps(model, mx.array([_prompt(40)]), cache, [])
     tgt.forward_with_taps(model, mx.array([_prompt(3)]), cache, [])
-    assert cache[0].stored == W - 1 + 3
-    with pytest.raises(DFlashError, match=f"cannot drop 4 tokens: it keeps only the last {W + 2} positions"):
-        cache[0].trim(4)
+    layer = cache[0]
+    assert layer.stored == W - 1 + SLACK + 3 and layer.floor == 43 - SLACK - 3
+    assert layer.can_trim(SLACK + 3) and not layer.can_trim(SLACK + 4)
+    with pytest.raises(DFlashError, match=f"cannot go back to {layer.floor - 1} tokens: it keeps positions from 19 on"):
+        layer.trim(SLACK + 4)
 
 
 @pytest.mark.parametrize("prompt_len", [1, 5, 40])

@@ -12,11 +12,7 @@ the model's own helpers for the per-layer inputs and the masks.
 
 mlx-lm gives the sliding layers a ``RotatingKVCache``, which cannot drop a rejected draft once
 it has wrapped around. Here the full attention layers get a plain ``KVCache`` and the sliding
-layers a :class:`SlidingKVCache`: the last pass and the ``sliding_window - 1 + SLIDING_SLACK``
-positions before it, in order, with a mask over exactly those. Each query sees the same keys as
-with mlx-lm's cache, and ``trim(n)`` is exact back to ``SLIDING_SLACK`` positions before the last
-pass (a verified block's rejected drafts, a step taken back). Returning further back, as a later chat turn that rewrites the answer may,
-starts the sliding layers over: ``DFlashCache.reusable_prefix`` then reuses nothing.
+layers the :class:`~dflash_mlx.models.sliding.SlidingKVCache` that gpt-oss targets use too.
 """
 
 from typing import Any
@@ -27,12 +23,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gemma4_text import logit_softcap
 
 from ..errors import DFlashError
+from .sliding import SlidingKVCache
 
 GEMMA_MODEL_TYPES = ("gemma4_text", "gemma4", "gemma4_unified")
-
-# Positions a sliding layer keeps beyond its window, so that any verify block (and the
-# timing passes of block_size="auto") can be trimmed off again.
-SLIDING_SLACK = 256
 
 # What mlx-lm 0.32's gemma4_text.ModelArgs assumes when a config leaves a field out.
 _MLX_GLOBAL_HEAD_DIM = 512
@@ -46,84 +39,6 @@ def text_model(model: nn.Module) -> nn.Module:
     return getattr(model, "language_model", model)
 
 
-class SlidingKVCache(KVCache):
-    """A sliding-window layer's keys and values that can be trimmed: positions ``[start, offset)``,
-    stored in order from ``keys[..., 0, :]``. After a pass of ``n`` positions, at least the
-    latest ``window - 1 + slack + n`` are kept: trimming any part of that pass leaves a cache
-    that can still go back ``slack`` positions.
-
-    Positions that no later query can see are dropped after a pass, ``step`` at a time, so the
-    mask a pass was built with (:meth:`make_mask`, before the pass) fits the keys it gets.
-    """
-
-    def __init__(self, window: int, slack: int | None = None):
-        super().__init__()
-        self.window = window
-        self.slack = SLIDING_SLACK if slack is None else slack
-        self.start = 0
-
-    @property
-    def stored(self) -> int:
-        return self.offset - self.start
-
-    @property
-    def floor(self) -> int:
-        """The shortest length above 0 this cache can be trimmed to: every query from there on
-        must still find the ``window - 1`` positions before it."""
-        return 0 if self.start == 0 else self.start + self.window - 1
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        used, n = self.stored, keys.shape[2]
-        if self.keys is None or used + n > self.keys.shape[2]:
-            self._reserve(keys, values, used + n)
-        self.keys[..., used : used + n, :] = keys
-        self.values[..., used : used + n, :] = values
-        self.offset += n
-        fetched = self.keys[..., : used + n, :], self.values[..., : used + n, :]
-        # Whatever of this pass is trimmed off again, the slack before it stays.
-        keep = self.window - 1 + self.slack + n
-        if used + n > keep + self.step:
-            self._reserve(keys, values, keep, drop=used + n - keep)
-            self.start += used + n - keep
-        return fetched
-
-    def _reserve(self, keys: mx.array, values: mx.array, length: int, drop: int = 0) -> None:
-        # A buffer of whole steps for ``length`` positions, holding the stored ones after ``drop``.
-        B, n_kv_heads, _, k_head_dim = keys.shape
-        size = (length // self.step + 1) * self.step
-        new_k = mx.zeros((B, n_kv_heads, size, k_head_dim), keys.dtype)
-        new_v = mx.zeros((B, n_kv_heads, size, values.shape[3]), values.dtype)
-        kept = self.stored - drop if self.keys is not None else 0
-        if kept > 0:
-            new_k[..., :kept, :] = self.keys[..., drop : drop + kept, :]
-            new_v[..., :kept, :] = self.values[..., drop : drop + kept, :]
-        self.keys, self.values = new_k, new_v
-
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        return self.keys[..., : self.stored, :], self.values[..., : self.stored, :]
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
-        # (N, stored + N): the next N queries against the stored keys and their own.
-        q = mx.arange(self.offset, self.offset + N)[:, None]
-        k = mx.arange(self.start, self.offset + N)[None]
-        return (k <= q) & (q < k + (window_size or self.window))
-
-    def trim(self, n: int) -> int:
-        n = min(n, self.offset)
-        length = self.offset - n
-        if length == 0:
-            self.keys = self.values = None
-            self.offset = self.start = 0
-        elif length < self.floor:
-            raise DFlashError(
-                f"A sliding-window target layer cannot go back to {length} tokens: it keeps positions from "
-                f"{self.start} on, enough for lengths from {self.floor}. Start from a fresh cache (make_cache)."
-            )
-        else:
-            self.offset = length
-        return n
-
-
 def make_cache(model: nn.Module) -> list[Any]:
     """The caches of the layers that keep keys and values (not the layers that reuse an earlier
     layer's): a :class:`SlidingKVCache` for a sliding-window layer, a ``KVCache`` for the others."""
@@ -132,11 +47,6 @@ def make_cache(model: nn.Module) -> list[Any]:
         SlidingKVCache(args.sliding_window) if kind == "sliding_attention" else KVCache()
         for kind in args.layer_types[: args.num_hidden_layers - args.num_kv_shared_layers]
     ]
-
-
-def rollback_floor(caches: list[Any]) -> int:
-    """The shortest length above 0 every sliding cache can be trimmed to (0: any length)."""
-    return max((c.floor for c in caches if isinstance(c, SlidingKVCache)), default=0)
 
 
 def softcap(model: nn.Module, logits: mx.array) -> mx.array:

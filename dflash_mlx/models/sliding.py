@@ -1,12 +1,13 @@
-"""Sliding-window attention layers (gpt-oss; Llama variants with sliding layers): a window
-cache that rolls back exactly.
+"""Sliding-window attention layers (gpt-oss, Llama variants with sliding layers, Gemma 4): a
+window cache that rolls back exactly.
 
 mlx-lm gives these layers a ``RotatingKVCache``, which overwrites the oldest entries in place
 once the window is full, so a rejected draft can no longer be cut off it. ``SlidingKVCache``
-keeps its keys in order instead: before each pass it drops all but the last ``window - 1``
-positions (all a new query can still see), so after a pass it holds those plus the pass, and
-``trim(n)`` of up to the whole last pass leaves exactly what a shorter pass would have left.
-Its memory stays bounded by the window plus one pass, as mlx-lm's does.
+keeps its keys in order in a buffer written in place (a step does not copy the window): the
+last pass and at least the ``window - 1 + SLIDING_SLACK`` positions before it. ``trim(n)`` of the
+last pass, and of up to the slack before it, leaves exactly what a shorter pass would have
+left. Positions no query or trim can need are dropped when the buffer is renewed, about every
+``step`` positions, so its memory stays bounded by the window, the slack and one pass.
 
 Like the recurrent cache of hybrid targets it also keeps a few earlier states
 ("checkpoints") at the ends of prefills, where a chat's next turn may want to return to.
@@ -19,25 +20,50 @@ from ..errors import DFlashError
 
 # States kept per layer for prefix reuse across calls, as for a hybrid target's recurrent state.
 MAX_CHECKPOINTS = 4
+# Positions kept beyond the window, so that a trim can go back that far before the last pass
+# (the timing passes of block_size="auto", the end of an answer a next turn rewrites).
+SLIDING_SLACK = 256
+
+
+def _fresh(x: mx.array, size: int) -> mx.array:
+    # A new buffer of ``size`` positions that starts with ``x`` (B, n_kv_heads, L, head_dim).
+    buf = mx.zeros((*x.shape[:2], size, x.shape[3]), x.dtype)
+    buf[..., : x.shape[2], :] = x
+    return buf
 
 
 class SlidingKVCache:
     """Keys and values of a layer that attends to its last ``window`` positions only.
 
-    It also builds that layer's mask (mlx-lm asks the cache, ``make_mask``) for the keys its
-    ``update_and_fetch`` returns: the last ``window - 1`` positions before the pass and the pass.
+    It stores positions ``[start, offset)`` from ``keys[..., 0, :]``. ``update_and_fetch`` returns
+    what the pass can see (the last ``window - 1`` positions before it and the pass), and
+    ``make_mask`` (mlx-lm asks the cache) builds the mask for exactly those keys.
+
+    Args:
+        window: The layer's ``sliding_window``.
+        slack: Positions kept beyond the window (default ``SLIDING_SLACK``).
     """
 
-    def __init__(self, window: int):
+    step = 256
+
+    def __init__(self, window: int, slack: int | None = None):
         self.window = window
+        self.slack = SLIDING_SLACK if slack is None else slack
         self.keys = self.values = None
         self.offset = 0
+        self.start = 0
         self.checkpoints: dict[int, tuple] = {}
         self._passed = False  # a pass since the last trim (a prefill, not a verified block)
 
     @property
     def stored(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return self.offset - self.start
+
+    @property
+    def floor(self) -> int:
+        """The shortest length above 0 a trim can reach: every query from there on must still
+        find the ``window - 1`` positions before it."""
+        return 0 if self.start == 0 else self.start + self.window - 1
 
     def _seen(self) -> int:
         # Positions before the next pass that its first query sees.
@@ -56,52 +82,81 @@ class SlidingKVCache:
             # trimmed after), so this offset is where a generation started.
             self.checkpoint()
         self._passed = True
-        self.offset += keys.shape[2]
-        if self.keys is not None:
-            seen = self._seen()
-            keys = mx.concatenate([self.keys[..., self.stored - seen :, :], keys], axis=2)
-            values = mx.concatenate([self.values[..., self.stored - seen :, :], values], axis=2)
-        self.keys, self.values = keys, values
-        return keys, values
+        used, n = self.stored, keys.shape[2]
+        keep = self.window - 1 + self.slack
+        if self.keys is None or used + n > self.keys.shape[2] or used > keep + self.step:
+            # A new buffer, holding only what a trim back over the slack needs, with room for the pass.
+            drop = max(0, used - keep)
+            size = (used - drop + n) // self.step * self.step + self.step
+            old_k, old_v = (keys, values) if self.keys is None else (self.keys, self.values)
+            self.keys = _fresh(old_k[..., drop:used, :], size)
+            self.values = _fresh(old_v[..., drop:used, :], size)
+            self.start += drop
+            used -= drop
+        self.keys[..., used : used + n, :] = keys
+        self.values[..., used : used + n, :] = values
+        self.offset += n
+        seen = min(used, self.window - 1)
+        return self.keys[..., used - seen : used + n, :], self.values[..., used - seen : used + n, :]
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        return self.keys[..., : self.stored, :], self.values[..., : self.stored, :]
 
     def is_trimmable(self) -> bool:
         return True
 
     def can_trim(self, n: int) -> bool:
         """Whether ``trim(n)`` keeps every position the next query can see."""
-        new = self.offset - min(max(n, 0), self.offset)
-        return self.offset - self.stored <= max(0, new - (self.window - 1))
+        length = self.offset - min(max(n, 0), self.offset)
+        return length == 0 or length >= self.floor
 
     def trim(self, n: int) -> int:
         n = min(max(n, 0), self.offset)
         self._passed = False
         if n == 0:
             return 0
+        length = self.offset - n
         if not self.can_trim(n):
             raise DFlashError(
-                f"A sliding-window target cache cannot drop {n} tokens: it keeps only the last "
-                f"{self.stored} positions. Start from a fresh cache (make_cache)."
+                f"A sliding-window target layer cannot go back to {length} tokens: it keeps positions from "
+                f"{self.start} on, enough for lengths from {self.floor}. Start from a fresh cache (make_cache)."
             )
-        self.keys, self.values = self.keys[..., : self.stored - n, :], self.values[..., : self.stored - n, :]
-        self.offset -= n
+        if length == 0:
+            self.keys = self.values = None
+            self.start = 0
+        self.offset = length
+        # A checkpoint past the new end would stand for tokens that the next passes replace.
+        self.checkpoints = {k: v for k, v in self.checkpoints.items() if k <= length}
         return n
 
     def checkpoint(self) -> None:
-        """Keep the current state for :meth:`restore` (the newest ``MAX_CHECKPOINTS``)."""
+        """Keep the current state for :meth:`restore` (the newest ``MAX_CHECKPOINTS``): a copy of
+        the positions a next query sees, not a view that would keep the whole buffer alive."""
         if self.offset > 0:
-            self.checkpoints[self.offset] = (self.keys, self.values)
+            kept = self._seen()
+            a = self.stored - kept
+            self.checkpoints[self.offset] = (
+                _fresh(self.keys[..., a : self.stored, :], kept),
+                _fresh(self.values[..., a : self.stored, :], kept),
+            )
             while len(self.checkpoints) > MAX_CHECKPOINTS:
                 del self.checkpoints[min(self.checkpoints)]
 
     def restorable_lengths(self) -> set[int]:
         """Every length :meth:`trim` or :meth:`restore` can return this cache to."""
-        start = self.offset - self.stored  # the first position kept
-        lowest = start + self.window - 1 if start > 0 else 0
-        return {0} | set(range(lowest, self.offset + 1)) | set(self.checkpoints)
+        return {0} | set(range(self.floor, self.offset + 1)) | set(self.checkpoints)
 
     def restore(self, offset: int) -> None:
         """Return to the checkpoint at ``offset`` (0: the empty state)."""
-        self.keys, self.values = (None, None) if offset == 0 else self.checkpoints[offset]
+        if offset == 0:
+            self.keys = self.values = None
+            self.start = 0
+        else:
+            # Slices, so that writing into the buffer never changes the checkpoint; it is full,
+            # so the next pass renews it anyway.
+            keys, values = self.checkpoints[offset]
+            self.keys, self.values = keys[..., :, :], values[..., :, :]
+            self.start = offset - keys.shape[2]
         self.offset, self._passed = offset, False
         self.checkpoints = {k: v for k, v in self.checkpoints.items() if k <= offset}
 
