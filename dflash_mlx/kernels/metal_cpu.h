@@ -199,7 +199,7 @@ inline bool release() {
     }
     if (waiting == 0 || waiting != lane_live) continue;
     if (!same) {
-      fail("simd_* calls reached at different places by the lanes of one simdgroup");
+      fail("simd_* calls reached on different source lines by the lanes of one simdgroup");
       return false;
     }
     for (int i = base; i < end; ++i) {
