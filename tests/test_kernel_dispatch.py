@@ -173,3 +173,26 @@ def test_greedy_accept_twin_every_acceptance_length(rows):
         target = mx.argmax(logits, axis=-1).astype(mx.int32)
         drafts = mx.where(mx.arange(rows - 1) < n, target[:-1], (target[:-1] + 7) % 40)
         assert accept.greedy_accept_ops(logits, drafts).tolist() == [n, target[n].item()]
+
+
+def test_measure_cli(capsys):
+    from dflash_mlx.kernels import measure
+
+    with pytest.raises(SystemExit):
+        measure.main(["--help"])
+    assert "--save" in capsys.readouterr().out
+    if not on_metal():
+        with pytest.raises(SystemExit, match="No Metal device"):
+            measure.main([])
+
+
+def test_kernel_that_cannot_run_here_falls_back(tmp_path):
+    # The real kernel on MLX's CPU backend: mx.fast.metal_kernel refuses, the verdict says so.
+    if on_metal():
+        pytest.skip("off Metal only")
+    d = accept.greedy_accept.with_store(KernelStore(tmp_path / "k.json"))
+    d._metal = True
+    logits = mx.random.normal((4, 50))
+    drafts = mx.argmax(logits, axis=-1)[:-1]
+    assert d(logits, drafts).tolist() == accept.greedy_accept_ops(logits, drafts).tolist()
+    assert d.verdict(logits, drafts).reason.startswith("failed")

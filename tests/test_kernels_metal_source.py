@@ -236,23 +236,13 @@ def test_greedy_accept_kernel_on_metal(rows, vocab):
 @pytest.mark.metal
 @needs_metal
 def test_dispatchers_check_themselves_on_metal(tmp_path):
-    from dflash_mlx.kernels.dispatch import KernelStore, SelfChecked
+    from dflash_mlx.kernels.dispatch import KernelStore
 
     for dispatcher, args in [
         (accept.greedy_accept, _block(16, 32000, 7, mx.bfloat16, seed=0)),
         (qmm.verify_qmm, _quantized(16, 4096, 4096, 4, 64, mx.bfloat16, seed=0)),
     ]:
-        fresh = SelfChecked(
-            dispatcher.name,
-            dispatcher.kernel,
-            dispatcher.twin,
-            shape_class=dispatcher.shape_class,
-            example=dispatcher.example,
-            close=dispatcher.close,
-            reference=dispatcher.reference,
-            supports=dispatcher.supports,
-            store=KernelStore(tmp_path / "kernels.json"),
-        )
+        fresh = dispatcher.with_store(KernelStore(tmp_path / "kernels.json"))
         verdict = fresh.verdict(*args)
         print(dispatcher.name, verdict)
         assert "differs" not in verdict.reason and "failed" not in verdict.reason

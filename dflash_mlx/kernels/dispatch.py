@@ -7,6 +7,7 @@ version and shape class in ``kernels.json`` (dflash-mlx's cache folder), so a la
 does not measure again. Anywhere else, and wherever a kernel lost, the twin runs.
 """
 
+import copy
 import logging
 import platform
 import statistics
@@ -118,6 +119,12 @@ class SelfChecked:
         self._store, self.clock, self._metal, self._machine = store, clock, metal, machine
         self.repeats, self.reference = repeats, reference or twin
         self.verdicts: dict[str, Verdict] = {}
+
+    def with_store(self, store: KernelStore) -> "SelfChecked":
+        """The same kernel and twin, judged afresh against ``store``."""
+        other = copy.copy(self)
+        other._store, other.verdicts = store, {}
+        return other
 
     @property
     def metal(self) -> bool:
