@@ -83,8 +83,8 @@ def test_greedy_accept_index_off_by_one_is_caught():
 @needs_compiler
 def test_greedy_accept_missing_barrier_is_caught():
     # Without the barrier, simdgroup 0 reads the other simdgroups' partial maxima before they are written.
-    bar = "if (lane == 0) { part_val[sg] = m; part_idx[sg] = first; }\n        threadgroup_barrier(mem_flags::mem_threadgroup);"
-    bug = _planted(accept.SOURCE, bar, "if (lane == 0) { part_val[sg] = m; part_idx[sg] = first; }")
+    write = "if (lane == 0) { part_val[sg] = m; part_idx[sg] = first; }"
+    bug = _planted(accept.SOURCE, write + "\n        threadgroup_barrier(mem_flags::mem_threadgroup);", write)
     logits, drafts = _block(6, 2000, 3, mx.float32, seed=2)
     assert _accept_on_cpu(logits, drafts, bug).tolist() != accept.greedy_accept_ops(logits, drafts).tolist()
 
@@ -111,7 +111,13 @@ def test_simd_calls_on_different_lines_are_an_error():
     """
     kernel = harness.cpu_metal_kernel("divergent_simd", ["x"], ["out"], source)
     with pytest.raises(harness.KernelError, match="different source lines"):
-        kernel(inputs=[mx.ones((32,))], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(32,)], output_dtypes=[mx.float32])
+        kernel(
+            inputs=[mx.ones((32,))],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(32,)],
+            output_dtypes=[mx.float32],
+        )
 
 
 @needs_compiler
@@ -155,10 +161,12 @@ def test_harness_threads_and_simd_ops():
 
 @needs_compiler
 def test_unwritten_output_reads_as_poison():
-    kernel = harness.cpu_metal_kernel("half_write", ["x"], ["out"], "if (thread_position_in_grid.x % 2 == 0) out[thread_position_in_grid.x] = x[0];")
-    (out,) = kernel(inputs=[mx.zeros((1,))], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)], output_dtypes=[mx.float32])
+    source = "if (thread_position_in_grid.x % 2 == 0) out[thread_position_in_grid.x] = x[0];"
+    kernel = harness.cpu_metal_kernel("half_write", ["x"], ["out"], source)
+    launch = dict(grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)], output_dtypes=[mx.float32])
+    (out,) = kernel(inputs=[mx.zeros((1,))], **launch)
     assert out[0].item() == 0.0 and out[1].item() > 1e38
-    (out,) = kernel(inputs=[mx.zeros((1,))], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)], output_dtypes=[mx.float32], init_value=-1.0)
+    (out,) = kernel(inputs=[mx.zeros((1,))], init_value=-1.0, **launch)
     assert out.tolist() == [0.0, -1.0, 0.0, -1.0]
 
 
@@ -230,7 +238,8 @@ def test_greedy_accept_kernel_on_metal(rows, vocab):
     for dtype in HALF_TYPES:
         for num_accepted in sorted({0, (rows - 1) // 2, rows - 1}):
             logits, drafts = _block(rows, vocab, num_accepted, dtype, seed=rows + num_accepted)
-            assert accept.greedy_accept_kernel(logits, drafts).tolist() == accept.greedy_accept_ops(logits, drafts).tolist()
+            want = accept.greedy_accept_ops(logits, drafts)
+            assert accept.greedy_accept_kernel(logits, drafts).tolist() == want.tolist()
 
 
 @pytest.mark.metal
@@ -246,3 +255,59 @@ def test_dispatchers_check_themselves_on_metal(tmp_path):
         verdict = fresh.verdict(*args)
         print(dispatcher.name, verdict)
         assert "differs" not in verdict.reason and "failed" not in verdict.reason
+
+
+@needs_compiler
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_generation_with_the_emulated_kernel_is_lossless(qwen3_pair, block_size, monkeypatch, tmp_path):
+    """The loop's greedy acceptance through a dispatcher that enabled the kernel (run here by the
+    harness): still the target's own greedy output, with every kind of acceptance."""
+    from functools import partial
+
+    from helpers.checkpoints import VOCAB
+    from helpers.decoding import run
+    from helpers.oracles import ScriptedDraft
+    from mlx_lm.generate import generate_step
+
+    from dflash_mlx import verify
+    from dflash_mlx.kernels.dispatch import KernelStore, SelfChecked
+
+    ticks = [0.0]
+    calls = []
+
+    def timed(fn, cost, name):
+        def call(*args):
+            ticks[0] += cost
+            calls.append(name)
+            return fn(*args)
+
+        return call
+
+    dispatcher = SelfChecked(
+        "greedy_accept",
+        timed(partial(accept.greedy_accept_kernel, factory=harness.cpu_metal_kernel), 1.0, "kernel"),
+        timed(accept.greedy_accept_ops, 2.0, "twin"),
+        shape_class=accept.shape_class,
+        example=accept.greedy_accept.example,
+        close=accept.greedy_accept.close,
+        store=KernelStore(tmp_path / "kernels.json"),
+        clock=lambda: ticks[0],
+        metal=True,
+        machine="emulated",
+        repeats=1,
+    )
+    monkeypatch.setattr(verify, "greedy_accept", dispatcher)
+    model, draft, _ = qwen3_pair
+    prompt = mx.random.randint(0, VOCAB - 4, (7,), key=mx.random.key(3)).tolist()
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=60)]
+    mixed = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=3)
+    seen = set()
+    for drafter in (draft, mixed):
+        calls.clear()
+        out, cycles = run(model, drafter, prompt, block_size=block_size, max_tokens=60)
+        assert out == ref
+        # Past each shape class's check, only the kernel runs.
+        assert calls.count("kernel") > calls.count("twin")
+        seen |= {s.num_accepted for s in cycles[1:]}
+    assert all(v.enabled for v in dispatcher.verdicts.values())
+    assert 0 in seen and len(seen) >= 3

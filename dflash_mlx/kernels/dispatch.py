@@ -162,7 +162,9 @@ class SelfChecked:
             verdict = self._check(self.example(*args))
             self.store.put(key, verdict)
             if not verdict.enabled:
-                logger.info("Kernel %s at %s: %s; its MLX-ops twin runs instead.", self.name, shape_class, verdict.reason)
+                logger.info(
+                    "Kernel %s at %s: %s; its MLX-ops twin runs instead.", self.name, shape_class, verdict.reason
+                )
         self.verdicts[shape_class] = verdict
         return verdict
 
@@ -177,9 +179,10 @@ class SelfChecked:
         if not self.close(got, want):
             return Verdict(False, "differs from its twin")
         kernel_s, twin_s = self._time(self.kernel, inputs), self._time(self.twin, inputs)
+        times = f"{kernel_s * 1e6:.1f} vs {twin_s * 1e6:.1f} us"
         if kernel_s >= twin_s:
-            return Verdict(False, f"slower than its twin ({kernel_s * 1e6:.1f} vs {twin_s * 1e6:.1f} us)", kernel_s, twin_s)
-        return Verdict(True, f"matches its twin, faster ({kernel_s * 1e6:.1f} vs {twin_s * 1e6:.1f} us)", kernel_s, twin_s)
+            return Verdict(False, f"slower than its twin ({times})", kernel_s, twin_s)
+        return Verdict(True, f"matches its twin, faster ({times})", kernel_s, twin_s)
 
     def _time(self, fn: Callable[..., mx.array], inputs: tuple) -> float:
         mx.eval(fn(*inputs))  # warm: builds the kernel or the graph

@@ -7,7 +7,7 @@ address spaces, vector types, half and bfloat, threadgroup memory, barriers and 
 with a simdgroup of 32), compiles it with g++ into a shared library cached by a hash of its
 text, and runs the grid: the threads of one threadgroup as fibers that switch at every barrier
 and simd_* call, threadgroups one after another. A missing barrier reads poison, not the other
-threads' writes (see ``metal_cpu.h``), so it changes the results; a barrier that not every live
+threads' writes (see ``metal_cpu.h``), so it changes the results; a barrier that not every
 thread reaches is an error. It is a test tool: slow, one call at a time.
 """
 
