@@ -196,3 +196,14 @@ def test_kernel_that_cannot_run_here_falls_back(tmp_path):
     drafts = mx.argmax(logits, axis=-1)[:-1]
     assert d(logits, drafts).tolist() == accept.greedy_accept_ops(logits, drafts).tolist()
     assert d.verdict(logits, drafts).reason.startswith("failed")
+
+
+def test_checks_leave_the_random_state_alone():
+    logits = mx.zeros((4, 50))
+    w, s, b = mx.quantize(mx.zeros((8, 64)), group_size=32, bits=4)
+    mx.random.seed(5)
+    want = mx.random.uniform(shape=(3,)).tolist()
+    mx.random.seed(5)
+    accept.greedy_accept.example(logits, mx.zeros((3,), dtype=mx.int32))
+    qmm.verify_qmm.example(mx.zeros((2, 64)), w, s, b, 32, 4)
+    assert mx.random.uniform(shape=(3,)).tolist() == want

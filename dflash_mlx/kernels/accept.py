@@ -110,8 +110,9 @@ def shape_class(logits: mx.array, drafts: mx.array) -> str:
 
 def _example(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
     # Random logits of the same class whose drafts match about half the block, as a drafter might.
+    # A key of its own: a check in the middle of a generation leaves the caller's random state alone.
     rows, vocab = logits.shape
-    x = (mx.random.normal((rows, vocab)) * 4).astype(logits.dtype)
+    x = (mx.random.normal((rows, vocab), key=mx.random.key(0)) * 4).astype(logits.dtype)
     target = mx.argmax(x, axis=-1).astype(mx.int32)
     keep = mx.arange(rows - 1) < (rows - 1) // 2
     return x, mx.where(keep, target[:-1], (target[:-1] + 1) % vocab)

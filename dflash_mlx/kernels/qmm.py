@@ -120,9 +120,11 @@ def shape_class(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, gr
 
 
 def _example(x, w, scales, biases, group_size, bits) -> tuple:
-    weight = mx.random.normal((w.shape[0], x.shape[1])) * 0.05
+    key_w, key_x = mx.random.split(mx.random.key(0))  # the caller's random state is left alone
+    weight = mx.random.normal((w.shape[0], x.shape[1]), key=key_w) * 0.05
     wq, s, b = mx.quantize(weight, group_size=group_size, bits=bits)
-    return mx.random.normal(x.shape).astype(x.dtype), wq, s.astype(x.dtype), b.astype(x.dtype), group_size, bits
+    rows = mx.random.normal(x.shape, key=key_x).astype(x.dtype)
+    return rows, wq, s.astype(x.dtype), b.astype(x.dtype), group_size, bits
 
 
 def verify_qmm_reference(x, w, scales, biases, group_size, bits) -> mx.array:
