@@ -15,6 +15,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from .cache import DFlashCache
 from .cpu.speedups import CpuSpeedups
+from .kernels import greedy_accept
 from .models import hybrid
 from .models import target as tgt
 from .proposer import Proposal
@@ -143,6 +144,12 @@ class Verifier:
         block = mx.concatenate([mx.array([last], dtype=mx.uint32), proposal.tokens])[None]
         logits, taps = self._forward(block)
         logits = self._logits(logits[0], block)
+        if proposal.q is None and self.greedy:
+            # On an Apple GPU one kernel, where it checked itself here; elsewhere its MLX-ops twin.
+            accepted = greedy_accept(logits, proposal.tokens)  # (2,): num_accepted, bonus token
+            mx.eval(block, accepted)
+            n, bonus = accepted.tolist()
+            return Verdict(n, block.tolist()[0][1 : n + 1] + [bonus], taps)
         if proposal.q is None:
             target_tokens = self._sample(logits)  # (n + 1,)
             passed = accept_one_hot(block[0, 1:], target_tokens)

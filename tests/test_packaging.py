@@ -65,6 +65,8 @@ def test_installed_package_is_imported_not_the_source(venv, tmp_path):
     for pair in ("smollm2", "dflash-tiny"):
         assert (assets / pair / "prompts.jsonl").is_file() and (assets / pair / "draft" / "model.safetensors").is_file()
     assert not (assets / "smollm2" / "data").exists()
+    # The CPU harness compiles kernel sources against this header.
+    assert (site / "dflash_mlx" / "kernels" / "metal_cpu.h").is_file()
 
 
 def test_tools_run_from_the_wheel(venv, tmp_path):

@@ -1,0 +1,19 @@
+"""Metal kernels for Apple GPUs, each with its MLX-ops twin (the truth) and a dispatcher.
+
+A kernel runs only on a Metal device and only at a shape class where it has checked itself
+against its twin and was faster (``dispatch``); everywhere else the twin runs. ``harness`` runs
+a kernel's Metal source on a CPU, which is how the tests check it off a Mac."""
+
+from .accept import greedy_accept, greedy_accept_ops
+from .dispatch import KernelStore, SelfChecked, Verdict
+from .qmm import verify_qmm, verify_qmm_ops
+
+__all__ = [
+    "KernelStore",
+    "SelfChecked",
+    "Verdict",
+    "greedy_accept",
+    "greedy_accept_ops",
+    "verify_qmm",
+    "verify_qmm_ops",
+]

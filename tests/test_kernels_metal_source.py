@@ -1,0 +1,313 @@
+"""Each Metal kernel's own source, run on the CPU by the harness, against its MLX-ops twin; and
+planted bugs (an index off by one, a removed barrier) that the comparison must catch. The
+``metal`` tests run the real kernels through ``mx.fast.metal_kernel`` on a Mac."""
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx.kernels import accept, harness, qmm
+from dflash_mlx.kernels.dispatch import on_metal
+
+needs_compiler = pytest.mark.skipif(harness.compiler_missing() is not None, reason=str(harness.compiler_missing()))
+needs_metal = pytest.mark.skipif(not on_metal(), reason="needs an Apple GPU: MLX's default device is not Metal")
+
+HALF_TYPES = [mx.float32, mx.float16, mx.bfloat16]
+
+
+def _block(rows: int, vocab: int, num_accepted: int, dtype, seed: int) -> tuple[mx.array, mx.array]:
+    """Logits whose row maxima sit on the edges of the vocabulary and of the threads' tiles, with
+    ties (the lowest index must win), and drafts that match the first ``num_accepted`` rows."""
+    key = mx.random.key(seed)
+    x = mx.random.normal((rows, vocab), key=key)
+    spots = [0, vocab - 1, min(1023, vocab - 1), min(1024, vocab - 1), vocab // 2]
+    for r in range(rows):
+        spot = spots[r % len(spots)]
+        x[r, spot] = 10.0
+        if r % 3 == 2 and spot + 1 < vocab:
+            x[r, spot + 1] = 10.0  # a tie: argmax is the first
+    x = x.astype(dtype)
+    target = mx.argmax(x, axis=-1).astype(mx.int32)
+    drafts = mx.where(mx.arange(rows - 1) < num_accepted, target[:-1], (target[:-1] + 1) % vocab)
+    return x, drafts
+
+
+def _accept_on_cpu(logits, drafts, source=accept.SOURCE):
+    kernel = harness.cpu_metal_kernel("greedy_accept_test", ["logits", "drafts"], ["out"], source)
+    (out,) = kernel(
+        inputs=[logits, drafts.astype(mx.int32)],
+        template=[("T", logits.dtype)],
+        grid=(accept.THREADS, 1, 1),
+        threadgroup=(accept.THREADS, 1, 1),
+        output_shapes=[(2,)],
+        output_dtypes=[mx.int32],
+    )
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+@pytest.mark.parametrize("rows, vocab", [(1, 1), (2, 31), (5, 1024), (9, 1025), (17, 3001)])
+def test_greedy_accept_source_matches_twin(rows, vocab, dtype):
+    for num_accepted in sorted({0, (rows - 1) // 2, rows - 1}):
+        logits, drafts = _block(rows, vocab, num_accepted, dtype, seed=rows * vocab + num_accepted)
+        want = accept.greedy_accept_ops(logits, drafts)
+        assert want[0].item() == num_accepted
+        got = accept.greedy_accept_kernel(logits, drafts, factory=harness.cpu_metal_kernel)
+        assert got.tolist() == want.tolist()
+
+
+@needs_compiler
+def test_greedy_accept_source_on_random_logits():
+    for seed in range(4):
+        logits = mx.random.normal((16, 777), key=mx.random.key(seed))
+        target = mx.argmax(logits, axis=-1).astype(mx.int32)
+        drafts = mx.where(mx.random.uniform(shape=(15,), key=mx.random.key(100 + seed)) < 0.8, target[:-1], 0)
+        got = accept.greedy_accept_kernel(logits, drafts, factory=harness.cpu_metal_kernel)
+        assert got.tolist() == accept.greedy_accept_ops(logits, drafts).tolist()
+
+
+def _planted(source: str, old: str, new: str) -> str:
+    assert source.count(old) == 1, f"the planted bug's anchor {old!r} is not in the source once"
+    return source.replace(old, new)
+
+
+@needs_compiler
+def test_greedy_accept_index_off_by_one_is_caught():
+    # Each thread starts its slice one element late: the maxima planted at index 0 are missed.
+    bug = _planted(accept.SOURCE, "for (uint i = tid;", "for (uint i = tid + 1;")
+    logits, drafts = _block(6, 2000, 5, mx.float32, seed=1)
+    assert _accept_on_cpu(logits, drafts).tolist() == accept.greedy_accept_ops(logits, drafts).tolist()
+    assert _accept_on_cpu(logits, drafts, bug).tolist() != accept.greedy_accept_ops(logits, drafts).tolist()
+
+
+@needs_compiler
+def test_greedy_accept_missing_barrier_is_caught():
+    # Without the barrier, simdgroup 0 reads the other simdgroups' partial maxima before they are written.
+    write = "if (lane == 0) { part_val[sg] = m; part_idx[sg] = first; }"
+    bug = _planted(accept.SOURCE, write + "\n        threadgroup_barrier(mem_flags::mem_threadgroup);", write)
+    logits, drafts = _block(6, 2000, 3, mx.float32, seed=2)
+    assert _accept_on_cpu(logits, drafts, bug).tolist() != accept.greedy_accept_ops(logits, drafts).tolist()
+
+
+@needs_compiler
+def test_barrier_not_every_thread_reaches_is_an_error():
+    bug = _planted(accept.SOURCE, "if (done >= 0) break;", "if (done >= 0) break;\n        if (tid == 40) return;")
+    logits, drafts = _block(6, 2000, 3, mx.float32, seed=3)
+    with pytest.raises(harness.KernelError, match="not reached by every thread"):
+        _accept_on_cpu(logits, drafts, bug)
+
+
+@needs_compiler
+def test_simd_calls_on_different_lines_are_an_error():
+    source = """
+    uint lane = thread_index_in_simdgroup;
+    float v = x[thread_position_in_grid.x];
+    if (lane < 16) {
+        v = simd_sum(v);
+    } else {
+        v = simd_max(v);
+    }
+    out[thread_position_in_grid.x] = v;
+    """
+    kernel = harness.cpu_metal_kernel("divergent_simd", ["x"], ["out"], source)
+    with pytest.raises(harness.KernelError, match="different source lines"):
+        kernel(
+            inputs=[mx.ones((32,))],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(32,)],
+            output_dtypes=[mx.float32],
+        )
+
+
+@needs_compiler
+def test_harness_threads_and_simd_ops():
+    # A tree reduction in threadgroup memory over edge-sized groups, simd shuffles, and the ids.
+    source = """
+    uint t = thread_position_in_threadgroup.x;
+    uint n = threads_per_threadgroup.x;
+    uint g = thread_position_in_grid.x;
+    threadgroup float buf[128];
+    buf[t] = x[g];
+    for (uint stride = 64; stride > 0; stride /= 2) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (t < stride && t + stride < n) buf[t] += buf[t + stride];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (t == 0) sums[threadgroup_position_in_grid.x] = buf[0];
+    down[g] = simd_shuffle_down(x[g], 1);
+    xr[g] = simd_shuffle_xor(x[g], 3);
+    lanes[g] = thread_index_in_simdgroup + 100 * simdgroup_index_in_threadgroup;
+    """
+    kernel = harness.cpu_metal_kernel("tree_sum", ["x"], ["sums", "down", "xr", "lanes"], source)
+    x = mx.arange(300).astype(mx.float32)
+    sums, down, xr, lanes = kernel(
+        inputs=[x],
+        grid=(300, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[(3,), (300,), (300,), (300,)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, mx.uint32],
+    )
+    assert sums.tolist() == [sum(range(0, 128)), sum(range(128, 256)), sum(range(256, 300))]
+    g = list(range(300))
+    # The last group holds 44 threads: a simdgroup of 32 and one of 12 lanes.
+    size = lambda i: 12 if i >= 288 else 32  # noqa: E731
+    want_down = [i + 1 if (i % 128) % 32 + 1 < size(i) else i for i in g]
+    assert down.tolist() == want_down
+    want_xr = [i ^ 3 if ((i % 128) % 32 ^ 3) < size(i) else i for i in g]
+    assert xr.tolist() == want_xr
+    assert lanes.tolist() == [(i % 128) % 32 + 100 * ((i % 128) // 32) for i in g]
+
+
+@needs_compiler
+def test_unwritten_output_reads_as_poison():
+    source = "if (thread_position_in_grid.x % 2 == 0) out[thread_position_in_grid.x] = x[0];"
+    kernel = harness.cpu_metal_kernel("half_write", ["x"], ["out"], source)
+    launch = dict(grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)], output_dtypes=[mx.float32])
+    (out,) = kernel(inputs=[mx.zeros((1,))], **launch)
+    assert out[0].item() == 0.0 and out[1].item() > 1e38
+    (out,) = kernel(inputs=[mx.zeros((1,))], init_value=-1.0, **launch)
+    assert out.tolist() == [0.0, -1.0, 0.0, -1.0]
+
+
+def _quantized(M, N, K, bits, group_size, dtype, seed):
+    key_w, key_x = mx.random.split(mx.random.key(seed))
+    w, scales, biases = mx.quantize(mx.random.normal((N, K), key=key_w) * 0.1, group_size=group_size, bits=bits)
+    x = mx.random.normal((M, K), key=key_x).astype(dtype)
+    return x, w, scales.astype(dtype), biases.astype(dtype), group_size, bits
+
+
+# Odd N leaves the last threadgroup one simdgroup; K / (32 / bits) words not a multiple of 32 lanes.
+QMM_CASES = [
+    (2, 5, 64, 4, 32, mx.float32),
+    (5, 3, 320, 4, 64, mx.float32),
+    (16, 7, 192, 8, 64, mx.float32),
+    (3, 9, 96, 8, 32, mx.float32),
+    (4, 11, 512, 4, 32, mx.float16),
+    (8, 6, 256, 8, 64, mx.bfloat16),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("M, N, K, bits, group_size, dtype", QMM_CASES)
+def test_verify_qmm_source_matches_twin(M, N, K, bits, group_size, dtype):
+    args = _quantized(M, N, K, bits, group_size, dtype, seed=M * N + K)
+    got = qmm.verify_qmm_kernel(*args, factory=harness.cpu_metal_kernel)
+    assert qmm.close(got, qmm.verify_qmm_reference(*args))
+    if dtype == mx.float32:
+        assert qmm.close(got, qmm.verify_qmm_ops(*args))
+
+
+@needs_compiler
+def test_verify_qmm_index_off_by_one_is_caught():
+    # The unpacking loop stops one element short of each word.
+    bug = _planted(qmm.SOURCE, "for (uint j = 0; j < PER_WORD; ++j)", "for (uint j = 0; j + 1 < PER_WORD; ++j)")
+    args = _quantized(3, 5, 128, 4, 32, mx.float32, seed=7)
+    kernel = harness.cpu_metal_kernel("verify_qmm_test", ["x", "w", "scales", "biases"], ["out"], bug)
+    (got,) = kernel(
+        inputs=list(args[:4]),
+        template=[("T", mx.float32), ("M", 3), ("BITS", 4), ("GS", 32), ("SIMDS", qmm.SIMDS_PER_GROUP)],
+        grid=(32 * 5, 1, 1),
+        threadgroup=(32 * qmm.SIMDS_PER_GROUP, 1, 1),
+        output_shapes=[(3, 5)],
+        output_dtypes=[mx.float32],
+    )
+    assert not qmm.close(got, qmm.verify_qmm_ops(*args))
+
+
+@pytest.mark.parametrize("M, bits, group_size", [(1, 4, 32), (16, 8, 64), (17, 4, 32), (4, 3, 32), (4, 4, 128)])
+def test_verify_qmm_supports(M, bits, group_size):
+    x = mx.zeros((M, 128))
+    w = mx.zeros((8, 128 * bits // 32), dtype=mx.uint32)
+    expected = M <= 16 and bits in (4, 8) and group_size in (32, 64)
+    assert qmm.supports(x, w, None, None, group_size, bits) == expected
+
+
+@pytest.mark.parametrize("M, N, K, bits, group_size, dtype", QMM_CASES[:1] + QMM_CASES[-2:])
+@pytest.mark.metal
+@needs_metal
+def test_verify_qmm_kernel_on_metal(M, N, K, bits, group_size, dtype):
+    args = _quantized(M, N, K, bits, group_size, dtype, seed=M * N + K)
+    assert qmm.close(qmm.verify_qmm_kernel(*args), qmm.verify_qmm_reference(*args))
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 1), (9, 1025), (16, 151936)])
+@pytest.mark.metal
+@needs_metal
+def test_greedy_accept_kernel_on_metal(rows, vocab):
+    for dtype in HALF_TYPES:
+        for num_accepted in sorted({0, (rows - 1) // 2, rows - 1}):
+            logits, drafts = _block(rows, vocab, num_accepted, dtype, seed=rows + num_accepted)
+            want = accept.greedy_accept_ops(logits, drafts)
+            assert accept.greedy_accept_kernel(logits, drafts).tolist() == want.tolist()
+
+
+@pytest.mark.metal
+@needs_metal
+def test_dispatchers_check_themselves_on_metal(tmp_path):
+    from dflash_mlx.kernels.dispatch import KernelStore
+
+    for dispatcher, args in [
+        (accept.greedy_accept, _block(16, 32000, 7, mx.bfloat16, seed=0)),
+        (qmm.verify_qmm, _quantized(16, 4096, 4096, 4, 64, mx.bfloat16, seed=0)),
+    ]:
+        fresh = dispatcher.with_store(KernelStore(tmp_path / "kernels.json"))
+        verdict = fresh.verdict(*args)
+        print(dispatcher.name, verdict)
+        assert "differs" not in verdict.reason and "failed" not in verdict.reason
+
+
+@needs_compiler
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_generation_with_the_emulated_kernel_is_lossless(qwen3_pair, block_size, monkeypatch, tmp_path):
+    """The loop's greedy acceptance through a dispatcher that enabled the kernel (run here by the
+    harness): still the target's own greedy output, with every kind of acceptance."""
+    from functools import partial
+
+    from helpers.checkpoints import VOCAB
+    from helpers.decoding import run
+    from helpers.oracles import ScriptedDraft
+    from mlx_lm.generate import generate_step
+
+    from dflash_mlx import verify
+    from dflash_mlx.kernels.dispatch import KernelStore, SelfChecked
+
+    ticks = [0.0]
+    calls = []
+
+    def timed(fn, cost, name):
+        def call(*args):
+            ticks[0] += cost
+            calls.append(name)
+            return fn(*args)
+
+        return call
+
+    dispatcher = SelfChecked(
+        "greedy_accept",
+        timed(partial(accept.greedy_accept_kernel, factory=harness.cpu_metal_kernel), 1.0, "kernel"),
+        timed(accept.greedy_accept_ops, 2.0, "twin"),
+        shape_class=accept.shape_class,
+        example=accept.greedy_accept.example,
+        close=accept.greedy_accept.close,
+        store=KernelStore(tmp_path / "kernels.json"),
+        clock=lambda: ticks[0],
+        metal=True,
+        machine="emulated",
+        repeats=1,
+    )
+    monkeypatch.setattr(verify, "greedy_accept", dispatcher)
+    model, draft, _ = qwen3_pair
+    prompt = mx.random.randint(0, VOCAB - 4, (7,), key=mx.random.key(3)).tolist()
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=60)]
+    mixed = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=3)
+    seen = set()
+    for drafter in (draft, mixed):
+        calls.clear()
+        out, cycles = run(model, drafter, prompt, block_size=block_size, max_tokens=60)
+        assert out == ref
+        # Past each shape class's check, only the kernel runs.
+        assert calls.count("kernel") > calls.count("twin")
+        seen |= {s.num_accepted for s in cycles[1:]}
+    assert all(v.enabled for v in dispatcher.verdicts.values())
+    assert 0 in seen and len(seen) >= 3
