@@ -144,9 +144,11 @@ class _AcceptExactly(drafter2.DraftModel):
 def test_every_acceptance_length(pair):
     model, draft, _ = pair
     prompt = _prompt(7)
-    ref = _reference(model, prompt, 200)
+    # Two rounds of the schedule need 72 tokens; past ~150 the tiny MoE target meets an fp32 near-tie that a
+    # block pass and a one-token step can break differently under OpenBLAS.
+    ref = _reference(model, prompt, 100)
     schedule = list(range(BLOCK))
-    out, cycles = run(model, _AcceptExactly(draft, prompt + ref, schedule), prompt, max_tokens=200, adaptive=False)
+    out, cycles = run(model, _AcceptExactly(draft, prompt + ref, schedule), prompt, max_tokens=100, adaptive=False)
     assert out == ref
     drafted = [s for s in cycles[1:] if s.num_draft == BLOCK - 1]
     assert [s.num_accepted for s in drafted][: 2 * BLOCK] == schedule * 2

@@ -146,7 +146,9 @@ def test_caches_roll_back_at_every_length(gemma_pairs, kind, prompt_len):
         assert all(c.offset == s.offset == len(prompt) + 16 - n for c, s in zip(cache, straight))
         a, taps_a = tgt.forward_with_taps(model, nxt, cache, [0, 2])
         b, taps_b = tgt.forward_with_taps(model, nxt, straight, [0, 2])
-        assert mx.allclose(a, b, atol=1e-4).item() and mx.allclose(taps_a, taps_b, atol=1e-4).item(), n
+        # Passes of different lengths: OpenBLAS sums in another order (measured up to 3e-4 on logits of ~14).
+        assert mx.allclose(a, b, rtol=1e-4, atol=1e-3).item(), n
+        assert mx.allclose(taps_a, taps_b, rtol=1e-4, atol=2e-3).item(), n
 
 
 def test_a_sliding_cache_keeps_its_window_and_slack(gemma_pairs):
