@@ -8,7 +8,8 @@ greedy loop and reports how many cached responses (made by the batched generator
 token for token:
 
     python recipes/smollm2_data_stats.py --target runs/smollm2/target \
-        --prompts assets/smollm2/data/prompts_train.jsonl --cache runs/smollm2/data/responses.jsonl
+        --prompts assets/smollm2/data/prompts_train.jsonl assets/smollm2/data/prompts_train2.jsonl \
+        --cache runs/smollm2/data/responses.jsonl
 """
 
 import argparse
@@ -46,7 +47,7 @@ def greedy(model, prompt_ids: list[int], max_tokens: int, eos: set[int]) -> list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, help="The target folder the cache was made with.")
-    parser.add_argument("--prompts", required=True, help="The prompt JSONL the cache was made from.")
+    parser.add_argument("--prompts", required=True, nargs="+", help="The prompt JSONL file(s) the cache was made from.")
     parser.add_argument("--cache", required=True, help="The response cache JSONL.")
     parser.add_argument("--agreement", type=int, default=0, help="Re-decode this many cached prompts.")
     parser.add_argument("--max-tokens", type=int, default=256, help="--gen-max-tokens of the cache.")
@@ -54,9 +55,10 @@ def main() -> None:
     args = parser.parse_args()
 
     model, tokenizer = load(args.target)
-    records = [json.loads(line) for line in open(args.prompts) if line.strip()]
-    prompts = read_prompts(args.prompts)
-    meta = {_key(render_prompt(tokenizer, p)): r for p, r in zip(prompts, records)}
+    meta = {}
+    for path in args.prompts:
+        records = [json.loads(line) for line in open(path) if line.strip()]
+        meta.update({_key(render_prompt(tokenizer, p)): r for p, r in zip(read_prompts(path), records)})
     examples = read_cache(args.cache)
 
     by = defaultdict(lambda: defaultdict(lambda: [0, 0, 0, 0]))  # n, tokens, repeated, grams
