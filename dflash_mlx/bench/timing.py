@@ -103,23 +103,18 @@ def make_runner(
             lambda r: [] if r.finish_reason == "stop" else [r.token],
             num_draft=num_draft if method == "mlx-spec" else 0,
         )
-    if method == "dflash-default":
-        # One policy for all of the method's runs, warm-up first: what a process that answers
-        # several prompts (a chat, a server) learns once and keeps.
-        policy = PolicyState()
-        return lambda ids: _time_stream(
-            stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens, policy=policy,
-                            draft_window=draft_window, draft_sinks=draft_sinks),  # fmt: skip
-            lambda r: r.tokens,
-        )
     proposer = PromptLookup(block_size) if method == "lookup" else draft
     cutoff = min_confidence if method == "dflash-cut" else 0.0
     fallback = lookup_fallback if method == "dflash-fallback" else 0
     width = "auto" if method == "dflash-auto" else block_size
+    # Each method as published, a draft every cycle; dflash-default as generate runs it, with one
+    # policy for all of the method's runs, warm-up first, as a chat or a server keeps it.
+    default = method == "dflash-default"
+    policy = PolicyState() if default else None
     return lambda ids: _time_stream(
         stream_generate(
             model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=width, min_confidence=cutoff,
-            lookup_fallback=fallback, adaptive=False,  # each method as published: a draft every cycle
+            lookup_fallback=fallback, adaptive=default, policy=policy,
             draft_window=draft_window if method != "lookup" else None, draft_sinks=draft_sinks,
         ),
         lambda r: r.tokens,
