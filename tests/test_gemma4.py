@@ -190,7 +190,8 @@ def test_every_acceptance_length(gemma_pairs, kind, block_size):
     schedule = list(range(block_size))
     oracle = AcceptExactlyDraft(draft, prompt + ref, VOCAB, schedule)
     cache = make_cache(model, oracle)
-    out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=200, prompt_cache=cache)
+    out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=200, prompt_cache=cache,
+                      adaptive=False)
     assert out == ref
     drafted = [s for s in cycles[1:] if s.num_draft == block_size - 1]
     assert [s.num_accepted for s in drafted][: 2 * block_size] == (schedule * 2)[: len(drafted[: 2 * block_size])]
