@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers.checkpoints import MASK_ID, VOCAB, write_draft, write_target
+from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB, write_draft, write_target
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
@@ -672,12 +672,36 @@ def test_init_draft_starts_from_a_drafter_with_a_fresh_optimizer(setup, tmp_path
     assert not mx.allclose(dict(tree_flatten(fresh.parameters()))["fc.weight"], w["fc.weight"], atol=1e-3)
     assert json.loads((tmp_path / "again" / "config.json").read_text())["num_hidden_layers"] == 1
     # Another shape, or both ways of starting at once: one line, before any training.
-    with pytest.raises(DFlashError, match=r"--init-draft .* was trained with --num-layers 1, but this run asks "
-                                          r"for --num-layers 2\. Pass --num-layers 1 to start from it\."):  # fmt: skip
-        train(_args(setup, tmp_path / "other", num_layers=2, init_draft=str(tmp_path / "first")))
+    with pytest.raises(DFlashError, match=r"--init-draft .* was trained with --intermediate-size 64, but this run "
+                                          r"asks for --intermediate-size 32\. Pass --intermediate-size 64 to start "
+                                          r"from it\."):  # fmt: skip
+        train(_args(setup, tmp_path / "other", intermediate_size=32, init_draft=str(tmp_path / "first")))
     with pytest.raises(DFlashError, match="Pass one of them"):
         train(_args(setup, tmp_path / "first", resume=True, init_draft=str(tmp_path / "first")))
     assert (root / "target").is_dir()
+
+
+def test_a_deeper_init_draft_run_grows_the_drafter_and_drafts_as_it_did(setup, tmp_path, capsys):
+    first = train(_args(setup, tmp_path / "first", iters=6))
+    grown = train(_args(setup, tmp_path / "grown", iters=1, warmup=1, learning_rate=1e-9, num_layers=3,
+                        init_draft=str(tmp_path / "first")))  # fmt: skip
+    assert "growing" in capsys.readouterr().out
+    assert json.loads((tmp_path / "grown" / "config.json").read_text())["num_hidden_layers"] == 3
+    w = dict(tree_flatten(grown.parameters()))
+    for name, value in tree_flatten(first.parameters()):
+        assert mx.allclose(value, w[name], atol=1e-6), name
+    # The added layers add (almost) nothing yet: the same block hidden states, hence the same drafts.
+    assert float(mx.abs(w["layers.1.mlp.down_proj.weight"]).max()) < 1e-6
+    model, _, _ = load(setup[0] / "target", dtype="float32")
+    reloaded = load(setup[0] / "target", tmp_path / "grown", dtype="float32")[1]
+    block = mx.array([[5] + [reloaded.mask_token_id] * 3])
+    taps = mx.random.normal((1, 7, 2 * HIDDEN))
+    a = first.block_hidden(model, block, taps, make_draft_cache(first))
+    b = reloaded.block_hidden(model, block, taps, make_draft_cache(reloaded))
+    assert mx.allclose(a, b, atol=1e-5)
+    # Growing is the only change of shape allowed: a shallower run is refused in one line.
+    with pytest.raises(DFlashError, match=r"was trained with --num-layers 3, but this run asks for --num-layers 2"):
+        train(_args(setup, tmp_path / "less", num_layers=2, init_draft=str(tmp_path / "grown")))
 
 
 def test_preconditioned_fc_is_saved_folded_as_a_plain_drafter(setup, tmp_path):

@@ -73,6 +73,7 @@ from .data import (
     usable,
 )
 from .fc_scale import ScaledLinear, feature_scale, folded_fc
+from .grow import deepen
 from .taps import TapStore
 from .vocab import LossVocab, coverage, token_counts, top_tokens
 
@@ -166,7 +167,9 @@ class TrainingArgs:
     init_draft: str | None = field(
         default=None,
         metadata={"help": "Start from this drafter's weights (folder or hub id; its settings must match this "
-                          "run's) with a fresh optimizer, e.g. to train a shipped drafter further on new data."},
+                          "run's, except a larger --num-layers, which grows it: the added layers go after its own "
+                          "and start as identities) with a fresh optimizer, e.g. to train a shipped drafter "
+                          "further on new data."},
     )
     cache_taps: bool = field(default=True, metadata={"help": "Keep each example's taps in memory."})
     tap_cache: str | None = field(
@@ -462,12 +465,20 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
         init = load_draft(init_path, num_target_layers=tgt.num_layers(target), dtype=args.dtype)
         check_pair(target, init, tokenizer)
         init_config = read_config(init_path, "drafter")
-        if (mismatch := drafter_mismatch(init_config, config)) is not None:
+        # More layers than the starting drafter's: it is grown (dflash_mlx.train.grow).
+        depth = config["num_hidden_layers"]
+        grows = depth > len(init.layers)
+        same_depth = {**config, "num_hidden_layers": len(init.layers)} if grows else config
+        if (mismatch := drafter_mismatch(init_config, same_depth)) is not None:
             raise DFlashError(
                 f"--init-draft {args.init_draft} was trained with {mismatch[0]}, but this run asks for "
                 f"{mismatch[1]}. Pass {mismatch[0]} to start from it."
             )
-        config = init_config
+        if grows:
+            print(f"growing {args.init_draft} from {len(init.layers)} to {depth} layers, the new ones starting "
+                  "as identities", flush=True)  # fmt: skip
+            init = deepen(init, depth)
+        config = {**init_config, "num_hidden_layers": len(init.layers)}
     return target, tokenizer, config, target_info, init
 
 
