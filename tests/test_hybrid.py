@@ -102,6 +102,20 @@ def test_recurrent_trim_equals_a_shorter_pass(pairs, kind):
         assert mx.allclose(a, b, atol=1e-4).item(), n
 
 
+def test_trim_forgets_states_kept_past_the_new_end(pairs):
+    """A checkpoint of dropped tokens is never offered for reuse (it is another continuation)."""
+    model = pairs["qwen3_5"][0]
+    cache = make_cache(model).target
+    tgt.forward_with_taps(model, mx.array([_prompt(11)]), cache, [])
+    tgt.forward_with_taps(model, mx.array([_prompt(16, seed=7)]), cache, [])
+    recurrent = [c for c in cache if isinstance(c, RecurrentCache)]
+    for c in recurrent:
+        c.checkpoint()
+        assert 27 in c.checkpoints
+        c.trim(5)
+        assert max(c.checkpoints) <= 22 and 27 not in c.restorable_lengths()
+
+
 @pytest.mark.parametrize("kind", HYBRID)
 def test_recurrent_trim_past_the_last_pass_is_refused(pairs, kind):
     model = pairs[kind][0]

@@ -110,6 +110,8 @@ class RecurrentCache(ArraysCache):
             layer = self._layer
             layer.linear_attn(layer.input_layernorm(self._inputs[:, :keep]), None, self)
         self._before = self._inputs = None
+        # A state kept past the new end is one of the dropped tokens: never one to return to.
+        self.checkpoints = {k: v for k, v in self.checkpoints.items() if k <= self.offset}
         return n
 
     def restorable_lengths(self) -> set[int]:
