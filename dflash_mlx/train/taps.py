@@ -19,6 +19,7 @@ import mlx.nn as nn
 from ..cli.progress import Progress
 from ..errors import DFlashError
 from ..models import target as tgt
+from ..weights.files import write_text_atomic
 
 _FORMAT = 1
 
@@ -75,7 +76,8 @@ class TapStore:
             )
         else:
             self.folder.mkdir(parents=True, exist_ok=True)
-            file.write_text(json.dumps(meta, indent=1))
+            # Whole or absent: a torn meta.json would make the folder unusable ("unreadable") next run.
+            write_text_atomic(file, json.dumps(meta, indent=1))
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.safetensors"
