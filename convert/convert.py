@@ -54,6 +54,7 @@ from ..weights.loading import (
     read_config,
     read_pair_manifest,
     resolve,
+    tokenizer_mask_token,
 )
 from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft
 
@@ -496,9 +497,10 @@ def _load_checked_draft(target_src: Path, draft_src: Path, dtype: str | None) ->
         tokenizer = load_tokenizer(target_src)
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         raise DFlashError(f"Could not load the tokenizer from {target_src} ({type(e).__name__}: {e}).") from e
-    draft = load_draft(draft_src, num_target_layers=tgt.num_layers(target_skeleton), dtype=dtype)
-    # Also fills a missing mask_token_id from the tokenizer, for the normalized config.
-    check_pair(target_skeleton, draft, tokenizer)
+    # A missing mask_token_id comes from the tokenizer, for the normalized config.
+    draft = load_draft(draft_src, num_target_layers=tgt.num_layers(target_skeleton),
+                       mask_token_id=tokenizer_mask_token(tokenizer), dtype=dtype)  # fmt: skip
+    check_pair(target_skeleton, draft)
     return draft
 
 

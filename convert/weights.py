@@ -72,7 +72,7 @@ def normalized_config(
 
     Args:
         config: The source ``config.json`` as read.
-        draft: The loaded drafter (after ``check_pair``, which fills a missing mask token).
+        draft: The loaded drafter (its mask token filled from the tokenizer where the config has none).
         dtype: The dtype the weights are stored in.
         quantization: The ``quantization`` entry, if the drafter was quantized.
 

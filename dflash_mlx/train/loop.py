@@ -48,6 +48,7 @@ from ..weights.loading import (
     load_target,
     read_config,
     resolve,
+    tokenizer_mask_token,
 )
 from .checkpoint import (
     LOSS_VOCAB,
@@ -274,10 +275,7 @@ def draft_config(target: nn.Module, tokenizer, args: TrainingArgs) -> dict:
             f"--target-layer-ids {' '.join(map(str, ids))} must be distinct layers of the target (0..{n_layers - 1}); "
             f"pass fewer --num-taps or valid --target-layer-ids."
         )
-    mask_id = args.mask_token_id
-    if mask_id is None:
-        vocab = tokenizer.get_vocab()
-        mask_id = next((vocab[t] for t in MASK_TOKENS if t in vocab), None)
+    mask_id = tokenizer_mask_token(tokenizer) if args.mask_token_id is None else args.mask_token_id
     if mask_id is None or not 0 <= mask_id < a.vocab_size:
         raise DFlashError(
             f"No usable mask token (got {mask_id}): the tokenizer has none of {', '.join(MASK_TOKENS)}. "
@@ -462,8 +460,9 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
         config = saved_config
     elif args.init_draft is not None and config is not None:
         init_path = resolve(args.init_draft, what="drafter")
-        init = load_draft(init_path, num_target_layers=tgt.num_layers(target), dtype=args.dtype)
-        check_pair(target, init, tokenizer)
+        init = load_draft(init_path, num_target_layers=tgt.num_layers(target),
+                          mask_token_id=tokenizer_mask_token(tokenizer), dtype=args.dtype)  # fmt: skip
+        check_pair(target, init)
         init_config = read_config(init_path, "drafter")
         # More layers than the starting drafter's: it is grown (dflash_mlx.train.grow).
         depth = config["num_hidden_layers"]

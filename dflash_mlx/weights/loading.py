@@ -396,10 +396,16 @@ def _hub_weight_names(repo: str, revision: str | None) -> list[str]:
 
 
 def load_draft(
-    path: Path, *, num_target_layers: int | None = None, dtype: str | None = None
+    path: Path,
+    *,
+    num_target_layers: int | None = None,
+    mask_token_id: int | None = None,
+    dtype: str | None = None,
 ) -> DraftModel:
     """Load a DFlash drafter (z-lab format: config.json + *.safetensors); a DFlash2 one
-    (``architectures: ["DFlash2DraftModel"]``) as :class:`dflash_mlx.models.drafter2.DraftModel`."""
+    (``architectures: ["DFlash2DraftModel"]``) as :class:`dflash_mlx.models.drafter2.DraftModel`.
+    ``num_target_layers`` and ``mask_token_id`` (the tokenizer's, :func:`tokenizer_mask_token`)
+    stand in where the config names none."""
     config = read_config(path, "drafter")
     if not is_drafter_config(config):
         archs = config.get("architectures")
@@ -410,6 +416,8 @@ def load_draft(
     config = dict(config)
     if num_target_layers and not config.get("num_target_layers"):
         config["num_target_layers"] = num_target_layers
+    if mask_token_id is not None and config.get("dflash_config", {}).get("mask_token_id", config.get("mask_token_id")) is None:
+        config["mask_token_id"] = mask_token_id
     # The architecture's module: its ModelArgs and DraftModel.
     family = drafter2 if drafter2.is_dflash2(config) else drafter
     try:
@@ -554,7 +562,13 @@ def default_dtype(
     return None, hint
 
 
-def check_pair(model: nn.Module, draft: DraftModel, tokenizer: TokenizerWrapper | None = None) -> None:
+def tokenizer_mask_token(tokenizer: TokenizerWrapper) -> int | None:
+    """The id of the tokenizer's mask token (one of ``MASK_TOKENS``), or None."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return next((vocab[t] for t in MASK_TOKENS if t in vocab), None)
+
+
+def check_pair(model: nn.Module, draft: DraftModel) -> None:
     """Check once, at load, that ``draft`` was made for ``model``.
 
     Raises:
@@ -598,9 +612,6 @@ def check_pair(model: nn.Module, draft: DraftModel, tokenizer: TokenizerWrapper 
             f"The drafter was made for a target head with final_logit_softcapping={a.final_logit_softcapping}, "
             f"but this target's is {cap}. {fix}"
         )
-    if a.mask_token_id is None and tokenizer is not None:
-        vocab_map = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        a.mask_token_id = next((vocab_map[t] for t in MASK_TOKENS if t in vocab_map), None)
     if a.mask_token_id is None:
         raise DFlashError(
             "The drafter config has no mask_token_id and the tokenizer has no mask token; "
@@ -671,8 +682,9 @@ def load(
         if (manifest := read_pair_manifest(draft_path)) is not None:
             draft_path = draft_path / manifest["draft"]
         # Cast once, below: a float32 drafter must not pass through the target's bfloat16.
-        draft_model = load_draft(draft_path, num_target_layers=tgt.num_layers(target_model), dtype=dtype)
-        check_pair(target_model, draft_model, tokenizer)
+        draft_model = load_draft(draft_path, num_target_layers=tgt.num_layers(target_model),
+                                 mask_token_id=tokenizer_mask_token(tokenizer), dtype=dtype)  # fmt: skip
+        check_pair(target_model, draft_model)
     if dtype is None:
         dtype, hint = default_dtype(target_model, draft_model)
         if dtype is not None:
