@@ -98,35 +98,23 @@ def authors_draft(config: dict, seed: int = 0):
 
 
 def train_authors_draft(draft, target, sequence: list[int], *, steps: int = 60, lr: float = 3e-3, seed: int = 0):
-    """Fit the authors' drafter (in place) to denoise blocks of ``sequence``, the target's
-    greedy text, as it is used: context = taps of positions ``< p``, block
-    ``[sequence[p], mask, ...]`` at position ``p``, labels ``sequence[p + 1 : p + B]``."""
+    """The authors' drafter fitted to ``sequence``, the target's greedy text (:func:`fit_to_sequence`)."""
     import torch
     import torch.nn.functional as F
     from dflash.model import extract_context_feature
 
-    B, mask_id = draft.block_size, draft.mask_token_id
+    from .torch_oracles import fit_to_sequence
+
     scale = float(draft.config.dflash_config.get("input_embedding_scale", 1.0))
     with torch.no_grad():
         out = target(torch.tensor([sequence]), output_hidden_states=True)
         taps = extract_context_feature(out.hidden_states, draft.target_layer_ids)
         embedding = target.get_input_embeddings().weight.detach()
     head = target.get_output_embeddings()
-    anchors = list(range(1, len(sequence) - B))
-    gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(draft.parameters(), lr=lr)
-    draft.train()
-    for _ in range(steps):
-        loss = 0.0
-        for i in torch.randperm(len(anchors), generator=gen)[:4].tolist():
-            p = anchors[i]
-            block = torch.tensor([[sequence[p]] + [mask_id] * (B - 1)])
-            noise = F.embedding(block, embedding) * scale
-            h = draft(position_ids=torch.arange(p + B)[None], noise_embedding=noise, target_hidden=taps[:, :p])
-            logits = draft.compute_logits(h[0, 1:], head)
-            loss = loss + F.cross_entropy(logits, torch.tensor(sequence[p + 1 : p + B]))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    draft.zero_grad(set_to_none=True)
-    return draft.eval()
+
+    def block_logits(p, block):
+        noise = F.embedding(block, embedding) * scale
+        h = draft(position_ids=torch.arange(p + draft.block_size)[None], noise_embedding=noise, target_hidden=taps[:, :p])
+        return draft.compute_logits(h[0, 1:], head)
+
+    return fit_to_sequence(draft, block_logits, sequence, steps=steps, lr=lr, seed=seed)

@@ -30,22 +30,14 @@ class ScriptedReferenceDraft(ReferenceDraft):
         return torch.eye(self.vocab, device=block.device)[ids][None] * 10.0
 
 
-def train_agreeing_draft(
-    draft: ReferenceDraft, target, sequence: list[int], *, steps: int = 60, lr: float = 3e-3, seed: int = 0
-) -> ReferenceDraft:
+def fit_to_sequence(draft, block_logits, sequence: list[int], *, steps: int, lr: float, seed: int, device=None):
     """Fit ``draft`` (in place) to denoise blocks of ``sequence``, the target's own greedy text.
 
     Each anchor ``p`` is trained exactly as it is used: context = taps of positions ``< p``,
-    block = ``[sequence[p], mask, ...]`` at position ``p``, labels ``sequence[p+1 : p+B]``.
+    block = ``[sequence[p], mask, ...]`` at position ``p``, labels ``sequence[p+1 : p+B]``;
+    ``block_logits(p, block)`` runs the drafter that way and returns ``(B - 1, vocab)`` logits.
     """
-    device = draft.fc.weight.device
     B, mask_id = draft.block_size, draft.mask_token_id
-    with torch.no_grad():
-        _, taps = forward_with_taps(
-            target, torch.tensor([sequence], device=device), DynamicCache(config=target.config), draft.target_layer_ids
-        )
-        embed = target.get_input_embeddings()
-        head_weight = target.get_output_embeddings().weight.detach()
     anchors = list(range(1, len(sequence) - B))
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(draft.parameters(), lr=lr)
@@ -55,14 +47,30 @@ def train_agreeing_draft(
         for i in torch.randperm(len(anchors), generator=gen)[:4].tolist():
             p = anchors[i]
             block = torch.tensor([[sequence[p]] + [mask_id] * (B - 1)], device=device)
-            with torch.no_grad():
-                noise = embed(block)
-            h = draft(noise, taps[:, :p])
-            logits = F.linear(h[0, 1:], head_weight)  # (B - 1, vocab)
             labels = torch.tensor(sequence[p + 1 : p + B], device=device)
-            loss = loss + F.cross_entropy(logits, labels)
+            loss = loss + F.cross_entropy(block_logits(p, block), labels)
         opt.zero_grad()
         loss.backward()
         opt.step()
     draft.zero_grad(set_to_none=True)
     return draft.eval()
+
+
+def train_agreeing_draft(
+    draft: ReferenceDraft, target, sequence: list[int], *, steps: int = 60, lr: float = 3e-3, seed: int = 0
+) -> ReferenceDraft:
+    """Our PyTorch reference drafter fitted to ``sequence`` (:func:`fit_to_sequence`)."""
+    device = draft.fc.weight.device
+    with torch.no_grad():
+        _, taps = forward_with_taps(
+            target, torch.tensor([sequence], device=device), DynamicCache(config=target.config), draft.target_layer_ids
+        )
+        embed = target.get_input_embeddings()
+        head_weight = target.get_output_embeddings().weight.detach()
+
+    def block_logits(p, block):
+        with torch.no_grad():
+            noise = embed(block)
+        return F.linear(draft(noise, taps[:, :p])[0, 1:], head_weight)
+
+    return fit_to_sequence(draft, block_logits, sequence, steps=steps, lr=lr, seed=seed, device=device)
