@@ -128,7 +128,7 @@ class DFlashProposer:
             self.width.costs()  # measured before this pass's taps leave pending, if the bucket is new
         taps = self.cache.take_pending()
         # (n, V) over the drafter's vocabulary; drafts and q index it until mapped to token ids.
-        logits = self.draft.propose(self.model, block, taps, self.cache.draft, speedups=self.speedups)[0, :n]
+        logits = self.draft.propose(self.model, block, taps, self.cache.draft, self.speedups, num_drafts=n)[0, :n]
         if self.sampler is None:
             drafts, q = mx.argmax(logits, axis=-1).astype(mx.uint32), None
         else:

@@ -105,3 +105,26 @@ def test_cached_drafting_through_the_compiled_steps_matches_the_layers(monkeypat
     for ours, theirs in zip(compiled, cycles(None)):
         assert mx.abs(ours - theirs).max().item() < 1e-5
     assert len(calls) == 3 * len(draft.layers)
+
+
+def test_the_head_runs_only_for_the_drafts_asked_for(qwen3_pair, monkeypatch):
+    """num_drafts=n: the first n rows of the full pass, with the head applied to n rows only."""
+    from dflash_mlx.models import target as tgt
+    from dflash_mlx.cache import make_cache
+    from dflash_mlx.proposer import DFlashProposer
+
+    model, draft, _ = qwen3_pair
+    block = mx.array([[3] + [draft.mask_token_id] * (draft.block_size - 1)])
+    taps = mx.random.normal((1, 9, len(draft.target_layer_ids) * draft.args.hidden_size))
+    full = draft.propose(model, block, taps, make_draft_cache(draft))
+    rows, head = [], tgt.lm_head
+    monkeypatch.setattr(tgt, "lm_head", lambda m, h: rows.append(h.shape[-2]) or head(m, h))
+    part = draft.propose(model, block, taps, make_draft_cache(draft), num_drafts=3)
+    assert rows == [3] and part.shape[1] == 3
+    assert mx.allclose(part, full[:, :3], atol=1e-5)
+    # The proposer asks for the drafts it will verify.
+    cache = make_cache(model, draft)
+    cache.append_pending(taps)
+    rows.clear()
+    DFlashProposer(model, draft, cache).propose(3, 2)
+    assert rows == [2]

@@ -420,6 +420,7 @@ class DraftModel(nn.Module):
         target_hidden: mx.array | None,
         cache: list[Any],
         speedups: CpuSpeedups | None = None,
+        num_drafts: int | None = None,
     ) -> mx.array:
         """Draft logits for a block, through the target's embedding and LM head.
 
@@ -429,13 +430,18 @@ class DraftModel(nn.Module):
             target_hidden: Taps of context positions not yet in ``cache`` (or None).
             cache: The drafter's per-layer context caches.
             speedups: The CPU speedups, or None for MLX's native ops.
+            num_drafts: Logits for only the first this many positions (None: all ``B - 1``).
+              The head is the largest matmul of a draft pass, so slots that will not be
+              verified (a smaller verify width, the end of a reply) are not paid for.
 
         Returns:
-            ``(1, B - 1, V)`` logits for block positions ``1..B-1`` over the drafter's
-            vocabulary: the target's, or the ``draft_vocab`` ids (``V = draft_vocab_size``;
-            :meth:`token_ids` maps an index back to its id).
+            ``(1, num_drafts or B - 1, V)`` logits for block positions ``1..`` over the
+            drafter's vocabulary: the target's, or the ``draft_vocab`` ids
+            (``V = draft_vocab_size``; :meth:`token_ids` maps an index back to its id).
         """
-        return self.logits(model, self.block_hidden(model, block, target_hidden, cache, speedups)[:, 1:])
+        h = self.block_hidden(model, block, target_hidden, cache, speedups)
+        end = h.shape[1] if num_drafts is None else 1 + num_drafts
+        return self.logits(model, h[:, 1:end])
 
     def block_hidden(
         self,
