@@ -390,7 +390,7 @@ def test_help_shows_the_defaults():
 
     text = " ".join(setup_arg_parser().format_help().split())
     for default in ("Most tokens per prompt and run (default: 128)", "(default: 4 8 16)", "(default: all; mlx-spec only with an AR draft",
-                    "(default: float32"):  # fmt: skip
+                    "(default: the one dflash-generate uses: float32 on a CPU"):  # fmt: skip
         assert default in text
 
 
@@ -490,3 +490,23 @@ def test_ar_draft_that_borrows_the_targets_embedding(pair_dirs, prompts, tmp_pat
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(DFlashError, match="borrows model.nowhere from the target, which has no such module"):
         _load_ar_draft(str(folder), target, given=True, dtype="float32")
+
+
+def test_the_default_dtype_is_the_one_generate_uses(pair_dirs, prompts, monkeypatch):
+    """float32 on this CPU; where load keeps the checkpoint's dtype (a GPU), the benchmark runs in it too."""
+    import dflash_mlx.weights.loading as loading
+
+    kwargs = dict(model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts),
+                  num_prompts=1, max_tokens=4, block_sizes=(4,), runs=1, methods=("baseline", "dflash"),
+                  progress=False)  # fmt: skip
+    assert run_benchmark(**kwargs)["meta"]["dtype"] == "float32"
+    loaded = []
+    real_load = loading.load
+
+    def gpu_like_load(model, draft, dtype=None):
+        target, drafter, tokenizer = real_load(model, draft, dtype=dtype or "bfloat16")
+        loaded.append(dtype)
+        return target, drafter, tokenizer
+
+    monkeypatch.setattr(loading, "load", gpu_like_load)
+    assert run_benchmark(**kwargs)["meta"]["dtype"] == "bfloat16" and loaded == [None]

@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten
 from ..chat_template import has_chat_template, render_chat
 from ..cli.options import DTYPE_CHOICES, ArgumentParser, InRange, add_blas_argument, add_window_arguments, block_size_problem
 from ..errors import DFlashError
+from ..models import target as tgt
 from ..weights.files import write_text_atomic
 from ..weights.jsonl import read_objects
 from .context import parse_lengths
@@ -152,7 +153,7 @@ def run_benchmark(
     methods: tuple[str, ...] | None = None,
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
     lookup_fallback: int = DEFAULT_LOOKUP_FALLBACK,
-    dtype: str | None = "float32",
+    dtype: str | None = None,
     context: list[int] | None = None,
     documents: str | None = None,
     draft_window: int | None = None,
@@ -169,7 +170,7 @@ def run_benchmark(
     """
     from ..cache import check_draft_window
     from ..models.hybrid import HYBRID_MODEL_TYPES
-    from ..weights.loading import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair, load
+    from ..weights.loading import DEFAULT_PAIR, DTYPES, embedded_pair_path, is_embedded_pair, load
     from .context import context_rows, label, load_documents
 
     if runs < 1 or max_tokens < 1:
@@ -198,6 +199,9 @@ def run_benchmark(
     if bad:
         raise DFlashError(f"Unknown method {bad[0]!r}; choose from {', '.join(METHODS)}.")
     target, drafter, tokenizer = load(model, draft, dtype=dtype)
+    # None: what load chose (float32 on a CPU, the checkpoint's dtype on a GPU), named for the AR
+    # draft, which must compute in it too, and for the results.
+    dtype = dtype or next(name for name, d in DTYPES.items() if d == tgt.compute_dtype(target))
     if any(m in DFLASH_METHODS for m in methods) and drafter is None:
         raise DFlashError("The dflash method needs a drafter: pass --draft.")
     if drafter is not None:
@@ -364,10 +368,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-fallback", type=int, action=InRange, low=0, default=DEFAULT_LOOKUP_FALLBACK,
                    help="dflash-fallback: the most prompt-lookup cycles after the drafter misses its first draft "
                    f"(default: {DEFAULT_LOOKUP_FALLBACK}; 0 never falls back).")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
-                   help="Compute dtype of the models (default: float32, in which greedy output is the same for "
-                   "every method, as the benchmark checks; generate and chat default to the checkpoint's dtype on "
-                   "a GPU).")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                   help="Compute dtype of the models (default: the one dflash-generate uses: float32 on a CPU, "
+                   "where greedy output is the same for every method, as the benchmark checks; the checkpoint's "
+                   "on a GPU, what users run there).")
     add_blas_argument(p)
     p.add_argument("--scaling", nargs="+", default=None, metavar="SHAPE",
                    help="Scaling mode on random-weight targets of these shapes (qwen3-0.6b, qwen3-1.7b).")
