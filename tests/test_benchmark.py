@@ -390,7 +390,7 @@ def test_help_shows_the_defaults():
 
     text = " ".join(setup_arg_parser().format_help().split())
     for default in ("Most tokens per prompt and run (default: 128)", "(default: 4 8 16)", "(default: all; mlx-spec only with an AR draft",
-                    "(default: the one dflash-generate uses: float32 on a CPU"):  # fmt: skip
+                    "generate uses: float32 on a CPU"):  # fmt: skip
         assert default in text
 
 
