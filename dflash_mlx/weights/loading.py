@@ -21,7 +21,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from ..cpu.openblas import note_reference_blas
 from ..errors import DFlashError
-from ..models import drafter, drafter2, gemma, hybrid
+from ..models import drafter, drafter2, gemma, hybrid, kimi
 from ..models import target as tgt
 from ..models.drafter import DraftModel, ModelArgs
 from .hub import hub_file, hub_snapshot
@@ -291,6 +291,8 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
         hybrid.check_layout(config)
     if config.get("model_type") in gemma.GEMMA_MODEL_TYPES:
         gemma.check_layout(config)
+    if config.get("model_type") in kimi.KIMI_MODEL_TYPES:
+        kimi.check_layout(config)
     names = _read_weights(path, "target").keys()  # a clear message for missing or corrupt files
     check_gpt_oss_layout(config, names, str(path))
     check_tokenizer_files(path)
@@ -348,9 +350,9 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
 
     Raises:
         DFlashError: If the target's ``model_type`` is not one DFlash can tap, it is a known
-          pair's that DFlash cannot run yet (``KnownPair.needs``), a hybrid target's config is
-          one mlx-lm cannot load (``hybrid.check_layout``), or its ``config.json`` cannot be had
-          (see ``hub.hub_file``).
+          pair's that DFlash cannot run yet (``KnownPair.needs``), a hybrid or Kimi target's config
+          is one mlx-lm cannot load (``hybrid.check_layout``, ``kimi.check_layout``), or its
+          ``config.json`` cannot be had (see ``hub.hub_file``).
     """
     text = str(model)
     if Path(text).expanduser().exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
@@ -377,9 +379,10 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
             f"Unsupported target architecture model_type={model_type!r} for {text} (from {where}): "
             f"DFlash supports {', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets. No weights were downloaded."
         )
-    if config is not None and model_type in hybrid.HYBRID_MODEL_TYPES:
+    if config is not None and model_type in hybrid.HYBRID_MODEL_TYPES + kimi.KIMI_MODEL_TYPES:
+        check_layout = hybrid.check_layout if model_type in hybrid.HYBRID_MODEL_TYPES else kimi.check_layout
         try:
-            hybrid.check_layout(config)
+            check_layout(config)
         except DFlashError as e:
             raise DFlashError(f"{text}: {e} No weights were downloaded.") from e
     if pair is None and model_type == "gpt_oss":
