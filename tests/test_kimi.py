@@ -248,6 +248,14 @@ def test_convert_load_generate(folders, tmp_path, capsys, q_bits):
     assert "Acceptance length" in capsys.readouterr().out
 
 
+def test_bfloat16_keeps_the_router_bias_in_float32(folders):
+    """A cast keeps what mlx-lm's cast_predicate keeps: the score bias that picks a token's experts."""
+    model, _, _ = load(folders[0], dtype="bfloat16")
+    mlp = model.language_model.model.layers[1].mlp
+    assert mlp.gate.e_score_correction_bias.dtype == mx.float32 and mlp.gate.weight.dtype == mx.bfloat16
+    assert tgt.compute_dtype(model) == mx.bfloat16
+
+
 def _refused(folders, tmp_path, change, message):
     folder = tmp_path / f"t{len(list(tmp_path.iterdir()))}"
     shutil.copytree(folders[0], folder)

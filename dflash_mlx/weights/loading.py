@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
@@ -499,8 +499,13 @@ def _check_draft_vocab(path: Path, args: ModelArgs, weights: dict[str, mx.array]
 def _cast(model: nn.Module, dtype: str) -> None:
     if dtype not in DTYPES:
         raise DFlashError(f"Unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
-    # Quantized weights and their integer tensors keep their types.
-    model.apply(lambda x: x.astype(DTYPES[dtype]) if mx.issubdtype(x.dtype, mx.floating) else x)
+    # Quantized weights and their integer tensors keep their types, and so do the parameters
+    # mlx-lm's cast_predicate keeps (a MoE router's score bias, whose rounding would change
+    # which experts a token goes to), as mlx-lm's own convert does.
+    keep = getattr(model, "cast_predicate", lambda _: True)
+    cast = [(k, v.astype(DTYPES[dtype])) for k, v in tree_flatten(model.parameters())
+            if mx.issubdtype(v.dtype, mx.floating) and keep(k)]  # fmt: skip
+    model.update(tree_unflatten(cast))
 
 
 def _compute_dtype(model: nn.Module) -> str | None:
