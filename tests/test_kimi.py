@@ -320,3 +320,17 @@ def test_hub_layouts_are_refused_before_download(tmp_path, monkeypatch):
     # The published layout goes on to download its weights.
     with pytest.raises(DFlashError, match="snapshot_download was called"):
         load("someone/kimi-mirror")
+
+
+def test_registry_knows_the_kimi_pair(capsys):
+    from dflash_mlx.convert.convert import main
+    from dflash_mlx.weights.registry import find_draft, find_pair, known_targets
+
+    assert find_draft("moonshotai/Kimi-K2.5") == "z-lab/Kimi-K2.5-DFlash"
+    assert find_draft("mlx-community/Kimi-K2.5-4bit") == "z-lab/Kimi-K2.5-DFlash"
+    assert find_pair("moonshotai/Kimi-K2.5").model_type == "kimi_k25" and "moonshotai/Kimi-K2.5" in known_targets()
+    assert find_draft("moonshotai/Kimi-K2-Instruct") is None
+    main(["--list"])
+    lines = capsys.readouterr().out.splitlines()
+    line = next(line for line in lines if line.split()[:3] == ["moonshotai/Kimi-K2.5", "->", "z-lab/Kimi-K2.5-DFlash"])
+    assert "needs" not in line
