@@ -32,7 +32,7 @@ from ..cli.options import add_blas_argument
 from ..cli.progress import Progress
 from ..errors import DFlashError
 from ..generate import apply_chat_template, dflash_generate_step
-from ..models import hybrid
+from ..models import hybrid, kimi
 from ..models import target as tgt
 from ..models.drafter import DraftModel, save_draft
 from ..responses import AcceptanceStats
@@ -169,6 +169,8 @@ def _target_source(hf_path: str, revision: str | None) -> tuple[Path, dict[str, 
         )
     if model_type in hybrid.HYBRID_MODEL_TYPES:
         hybrid.check_layout(config)
+    if model_type in kimi.KIMI_MODEL_TYPES:
+        kimi.check_layout(config)
     return path, config
 
 

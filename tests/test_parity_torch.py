@@ -40,10 +40,11 @@ DEVICE = default_device()
 ATOL = 1e-4
 DENSE = ["qwen3-tied", "qwen3-untied", "llama"]
 # A MoE target, hybrid ones (Qwen3.5's layout and Qwen3-Next's) whose recurrent state the
-# reference loop rolls back its own way, and gpt-oss (sliding-window layers, a window shorter than
-# the prompts; MXFP4 experts).
-KINDS = DENSE + ["qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss"]
-HF = ("qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss")
+# reference loop rolls back its own way, gpt-oss (sliding-window layers, a window shorter than
+# the prompts; MXFP4 experts) and Kimi K2.5 (latent attention; its experts unpacked, as transformers
+# reads compressed-tensors' INT4 only with that package).
+KINDS = DENSE + ["qwen3_moe", "qwen3_5", "qwen3_next", "gpt_oss", "kimi_k25"]
+HF = ("qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss", "kimi_k25")
 MAX_TOKENS = 48
 
 
@@ -64,7 +65,7 @@ def dirs(pair_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
     write_draft(root / "draft4", block_size=4)
     for kind in HF:
-        write_hf_target(root / kind, kind)
+        write_hf_target(root / kind, kind, int4=False)
     hf = {kind: root / kind for kind in HF}
     return {**pair_dirs, **hf, "draft16": pair_dirs["draft"], "draft4": root / "draft4", "root": root}
 

@@ -16,16 +16,19 @@ from mlx_lm.models.cache import KVCache
 from ..cpu import compiled_layers, fast_math
 from ..cpu.speedups import CpuSpeedups
 from ..errors import DFlashError
-from . import gemma, hybrid
+from . import gemma, hybrid, kimi
 
 # mlx-lm model families whose decoder we know how to walk layer by layer.
 SUPPORTED_MODEL_TYPES = (
-    ("qwen3", "qwen2", "llama", "qwen3_moe", "gpt_oss") + hybrid.HYBRID_MODEL_TYPES + gemma.GEMMA_MODEL_TYPES
+    ("qwen3", "qwen2", "llama", "qwen3_moe", "gpt_oss")
+    + hybrid.HYBRID_MODEL_TYPES
+    + gemma.GEMMA_MODEL_TYPES
+    + kimi.KIMI_MODEL_TYPES
 )
 
 
 def _text(model: nn.Module) -> nn.Module:
-    # Qwen3.5 and Gemma 4 checkpoints are vision-language models: the text model sits one level down.
+    # Qwen3.5, Gemma 4 and Kimi K2.5 checkpoints are vision-language models: the text model sits one level down.
     return getattr(model, "language_model", model)
 
 
@@ -41,6 +44,8 @@ def _layer_masks(model: nn.Module, h: mx.array, cache: list[Any]) -> list:
     inner = model.model
     if model.model_type == "gpt_oss":
         return _gpt_oss_masks(inner, h, cache)
+    if model.model_type in kimi.KIMI_MODEL_TYPES:
+        return kimi.layer_masks(inner, h, cache)
     if model.model_type == "llama":
         fa = create_attention_mask(h, cache[inner.fa_idx])
         if inner.swa_idx is None:

@@ -354,18 +354,23 @@ def load_reference(
         dtype: The dtype of both models (fp32 by default, for parity checks).
 
     Returns:
-        ``(target, draft, tokenizer)``: a transformers ``AutoModelForCausalLM`` in eval mode,
+        ``(target, draft, tokenizer)``: a transformers ``AutoModelForCausalLM`` (or, for a target with
+        no causal-LM class, ``AutoModelForImageTextToText``) in eval mode,
         a ``ReferenceDraft`` (or None) and the target's tokenizer (or None if it has none).
 
     Raises:
         DFlashError: On a missing folder, or a drafter made for another target.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     device = torch.device(device) if device is not None else default_device()
     model = Path(model)
     config = _read_config(model, "target")
-    target = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, local_files_only=True)
+    # Kimi K2.5 has a vision-language class only; a text prompt goes through its text model.
+    causal = config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    auto = AutoModelForCausalLM if causal else AutoModelForImageTextToText
+    target = auto.from_pretrained(model, dtype=dtype, local_files_only=True)
     # Inference only: no gradients for the target, even when a drafter is trained against it.
     target = target.to(device).eval().requires_grad_(False)
     try:

@@ -15,13 +15,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
 from ..cpu.openblas import note_reference_blas
 from ..errors import DFlashError
-from ..models import drafter, drafter2, gemma, hybrid
+from ..models import drafter, drafter2, gemma, hybrid, kimi
 from ..models import target as tgt
 from ..models.drafter import DraftModel, ModelArgs
 from .hub import hub_file, hub_snapshot
@@ -291,6 +291,8 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
         hybrid.check_layout(config)
     if config.get("model_type") in gemma.GEMMA_MODEL_TYPES:
         gemma.check_layout(config)
+    if config.get("model_type") in kimi.KIMI_MODEL_TYPES:
+        kimi.check_layout(config)
     names = _read_weights(path, "target").keys()  # a clear message for missing or corrupt files
     check_gpt_oss_layout(config, names, str(path))
     check_tokenizer_files(path)
@@ -348,9 +350,9 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
 
     Raises:
         DFlashError: If the target's ``model_type`` is not one DFlash can tap, it is a known
-          pair's that DFlash cannot run yet (``KnownPair.needs``), a hybrid target's config is
-          one mlx-lm cannot load (``hybrid.check_layout``), or its ``config.json`` cannot be had
-          (see ``hub.hub_file``).
+          pair's that DFlash cannot run yet (``KnownPair.needs``), a hybrid or Kimi target's config
+          is one mlx-lm cannot load (``hybrid.check_layout``, ``kimi.check_layout``), or its
+          ``config.json`` cannot be had (see ``hub.hub_file``).
     """
     text = str(model)
     if Path(text).expanduser().exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
@@ -377,9 +379,10 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
             f"Unsupported target architecture model_type={model_type!r} for {text} (from {where}): "
             f"DFlash supports {', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets. No weights were downloaded."
         )
-    if config is not None and model_type in hybrid.HYBRID_MODEL_TYPES:
+    if config is not None and model_type in hybrid.HYBRID_MODEL_TYPES + kimi.KIMI_MODEL_TYPES:
+        check_layout = hybrid.check_layout if model_type in hybrid.HYBRID_MODEL_TYPES else kimi.check_layout
         try:
-            hybrid.check_layout(config)
+            check_layout(config)
         except DFlashError as e:
             raise DFlashError(f"{text}: {e} No weights were downloaded.") from e
     if pair is None and model_type == "gpt_oss":
@@ -496,8 +499,13 @@ def _check_draft_vocab(path: Path, args: ModelArgs, weights: dict[str, mx.array]
 def _cast(model: nn.Module, dtype: str) -> None:
     if dtype not in DTYPES:
         raise DFlashError(f"Unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
-    # Quantized weights and their integer tensors keep their types.
-    model.apply(lambda x: x.astype(DTYPES[dtype]) if mx.issubdtype(x.dtype, mx.floating) else x)
+    # Quantized weights and their integer tensors keep their types, and so do the parameters
+    # mlx-lm's cast_predicate keeps (a MoE router's score bias, whose rounding would change
+    # which experts a token goes to), as mlx-lm's own convert does.
+    keep = getattr(model, "cast_predicate", lambda _: True)
+    cast = [(k, v.astype(DTYPES[dtype])) for k, v in tree_flatten(model.parameters())
+            if mx.issubdtype(v.dtype, mx.floating) and keep(k)]  # fmt: skip
+    model.update(tree_unflatten(cast))
 
 
 def _compute_dtype(model: nn.Module) -> str | None:

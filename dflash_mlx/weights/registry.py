@@ -163,6 +163,8 @@ KNOWN_PAIRS: tuple[KnownPair, ...] = (
     KnownPair("google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash", "gemma4"),
     # The 12B's drafter is named gemma4-, not gemma-4-, on the hub.
     KnownPair("google/gemma-4-12B-it", "z-lab/gemma4-12B-it-DFlash", "gemma4_unified"),
+    # Published with INT4 experts (compressed-tensors), which mlx-lm reads as they are.
+    KnownPair("moonshotai/Kimi-K2.5", "z-lab/Kimi-K2.5-DFlash", "kimi_k25"),
 )
 
 

@@ -13,6 +13,11 @@ inputs, layers that reuse an earlier layer's keys and values, double-wide MLPs);
 is a Gemma4ForConditionalGeneration with the large ones' (experts, keys equal to values on
 full attention layers). Both mix sliding-window layers (a window of ``GEMMA_WINDOW``) with
 full attention layers of a wider head, and softcap their logits.
+
+``kimi_k25`` is a Kimi_K25ForConditionalGeneration (a DeepSeek-V3 text model: multi-head latent
+attention, a dense first layer and then experts with a shared one, under a one-block vision tower)
+saved as moonshotai/Kimi-K2.5 is published: ``language_model.``-prefixed names, the routed experts in
+compressed-tensors' INT4 (``weight_packed`` / ``weight_scale`` / ``weight_shape``), YaRN RoPE.
 """
 
 import json
@@ -74,6 +79,33 @@ _VISION = {
 }
 
 
+_KIMI_TEXT = {
+    "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    # Tiny MLA ranks; the published model has q_lora_rank 1536, kv_lora_rank 512, heads 128 + 64 (RoPE).
+    "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "rope_theta": 50000.0, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": EOS_ID,
+    # The published YaRN settings (the 256K context of Kimi K2.5).
+    "rope_scaling": {"type": "yarn", "factor": 64.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+}  # fmt: skip
+# compressed-tensors' INT4 groups, as moonshotai/Kimi-K2.5 quantizes its routed experts.
+KIMI_INT4_GROUP = 32
+KIMI_QUANTIZATION = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                    "group_size": KIMI_INT4_GROUP, "dynamic": False, "actorder": None, "observer": "minmax"},
+    }},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*",
+               "re:.*mlp\\.gate$", "re:.*vision_tower.*", "re:.*mm_projector.*"],
+}  # fmt: skip
+
+
 def hf_model(kind: str, layers: int = 4, seed: int = 0):
     """A seeded fp32 transformers model of ``kind`` with tiny shapes."""
     import torch
@@ -123,6 +155,8 @@ def hf_model(kind: str, layers: int = 4, seed: int = 0):
         model = tf.Gemma4ForConditionalGeneration(tf.Gemma4Config(text_config=text, vision_config=None))
     elif kind == "gpt_oss":
         return _gpt_oss_model(layers)
+    elif kind == "kimi_k25":
+        return _kimi_model(layers)
     else:
         raise ValueError(kind)
     with torch.no_grad():
@@ -185,6 +219,96 @@ def _gpt_oss_model(layers: int):
     return model.float().eval()
 
 
+def _kimi_model(layers: int):
+    import torch
+    import transformers as tf
+
+    vision = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+    text = {**_KIMI_TEXT, "num_hidden_layers": layers, "model_type": "deepseek_v3"}
+    config = tf.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
+                               tie_word_embeddings=False)  # fmt: skip
+    model = tf.Kimi_K25ForConditionalGeneration(config)
+    with torch.no_grad():
+        # As hf_model's scales (see there), an untied head far from ties, and router biases that
+        # change which experts a token gets (their rounding would show).
+        model.get_input_embeddings().weight.normal_(0.0, 0.5)
+        model.lm_head.weight.normal_(0.0, 4.0 * HIDDEN**-0.5)
+        for name, p in model.named_parameters():
+            if "language_model" not in name or "embed_tokens" in name or "norm" in name:
+                continue
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                # (E, out, in): on the INT4 grid, as the published experts are.
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+                p.copy_(_int4_round(p))
+            elif name.endswith(("proj.weight", "mqa.weight", "gate.weight")):
+                p.normal_(0.0, (2.0 if "attn" in name else 1.0) * p.shape[-1] ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    return model.float().eval()
+
+
+def _int4(w):
+    """``w`` (..., out, in) as compressed-tensors' symmetric INT4 groups: (codes int8, scales bf16).
+    Idempotent: the dequantized values give back the same codes and scales."""
+    import torch
+
+    groups = w.reshape(*w.shape[:-1], -1, KIMI_INT4_GROUP).float()
+    scale = (groups.abs().amax(dim=-1, keepdim=True) / 7).clamp(min=1e-8).to(torch.bfloat16)
+    codes = torch.clamp(torch.round(groups / scale.float()), -8, 7).to(torch.int8)
+    return codes.reshape(w.shape), scale[..., 0]
+
+
+def _int4_round(w):
+    codes, scale = _int4(w)
+    groups = codes.reshape(*w.shape[:-1], -1, KIMI_INT4_GROUP).float() * scale.float()[..., None]
+    return groups.reshape(w.shape)
+
+
+def _int4_tensors(name: str, w) -> dict:
+    # compressed-tensors' pack-quantized layout: eight codes a little-endian int32 word, each
+    # stored plus 8 (unsigned), the first in the lowest bits; a bf16 scale a group; the shape.
+    import torch
+
+    codes, scale = _int4(w)
+    nibbles = (codes.to(torch.int64) + 8).reshape(*w.shape[:-1], -1, 8)
+    words = (nibbles << (4 * torch.arange(8))).sum(dim=-1)
+    packed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    base = name.removesuffix("weight")
+    return {f"{base}weight_packed": packed, f"{base}weight_scale": scale.contiguous(),
+            f"{base}weight_shape": torch.tensor(list(w.shape), dtype=torch.int32)}  # fmt: skip
+
+
+def _write_kimi(path: Path, model, int4: bool) -> None:
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    # transformers writes the published names back, except that it renames the text model's
+    # layers as the vision tower's "blocks" and leaves the projector's norm under "model.".
+    model.save_pretrained(str(path))
+    weights = {}
+    for k, v in load_file(str(path / "model.safetensors")).items():
+        k = k.replace("language_model.model.blocks.", "language_model.model.layers.")
+        k = re.sub(r"^model\.mm_projector\.", "mm_projector.", k)
+        if int4 and re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$", k):
+            weights.update(_int4_tensors(k, v))
+        else:
+            weights[k] = v.contiguous()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    text = config["text_config"]
+    # The published config's names (and mlx-lm's): rope_theta and rope_scaling, not rope_parameters.
+    rope = text.pop("rope_parameters")
+    text["rope_theta"] = rope.pop("rope_theta")
+    text["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_type"}
+    text["model_type"] = "kimi_k2"
+    if int4:
+        text["quantization_config"] = KIMI_QUANTIZATION
+    config["architectures"] = ["KimiK25ForConditionalGeneration"]
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
 def _mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``w`` (..., out, in) in MXFP4: (codes (..., out, in) uint8, exponents (..., out, in // 32) int)."""
     groups = w.reshape(*w.shape[:-1], -1, 32)
@@ -237,9 +361,10 @@ def _write_gpt_oss(path: Path, model) -> None:
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def write_hf_target(path: Path, kind: str, layers: int = 4, seed: int = 0):
+def write_hf_target(path: Path, kind: str, layers: int = 4, seed: int = 0, int4: bool = True):
     """``kind``'s HF folder (config.json, safetensors, tokenizer) via ``save_pretrained``.
-    Returns the transformers model."""
+    ``int4=False`` stores kimi_k25's experts unpacked (the same values), which transformers reads
+    without the compressed-tensors package. Returns the transformers model."""
     model = hf_model(kind, layers, seed)
     path.mkdir(parents=True, exist_ok=True)
     if kind == "qwen3_5_moe":
@@ -253,6 +378,8 @@ def write_hf_target(path: Path, kind: str, layers: int = 4, seed: int = 0):
         save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     elif kind == "gpt_oss":
         _write_gpt_oss(path, model)
+    elif kind == "kimi_k25":
+        _write_kimi(path, model, int4)
     else:
         model.save_pretrained(str(path))
     config = json.loads((path / "config.json").read_text())
