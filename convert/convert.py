@@ -32,7 +32,7 @@ from ..cli.options import add_blas_argument
 from ..cli.progress import Progress
 from ..errors import DFlashError
 from ..generate import apply_chat_template, dflash_generate_step
-from ..models import hybrid, kimi
+from ..models import gemma, hybrid, kimi
 from ..models import target as tgt
 from ..models.drafter import DraftModel, save_draft
 from ..responses import AcceptanceStats
@@ -171,6 +171,8 @@ def _target_source(hf_path: str, revision: str | None) -> tuple[Path, dict[str, 
         hybrid.check_layout(config)
     if model_type in kimi.KIMI_MODEL_TYPES:
         kimi.check_layout(config)
+    if model_type in gemma.GEMMA_MODEL_TYPES:
+        gemma.check_layout(config)
     return path, config
 
 

@@ -270,6 +270,8 @@ def test_gemma4_unified_is_built_by_mlx_lms_gemma4_module(gemma_targets, gemma_p
 
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
 def test_layouts_mlx_lm_cannot_build_are_refused_in_one_line(gemma_targets, kind, tmp_path):
+    from dflash_mlx.convert import convert
+
     def refused(change, message):
         folder = tmp_path / f"t{len(list(tmp_path.iterdir()))}"
         shutil.copytree(gemma_targets[kind][0], folder)
@@ -279,6 +281,9 @@ def test_layouts_mlx_lm_cannot_build_are_refused_in_one_line(gemma_targets, kind
         with pytest.raises(DFlashError, match=message) as e:
             load(folder)
         assert "\n" not in str(e.value)
+        with pytest.raises(DFlashError, match=message):  # dflash-convert refuses it before writing anything
+            convert(str(folder), str(tmp_path / "pair"), draft_hf_path=str(gemma_targets["draft"][0]))
+        assert not (tmp_path / "pair").exists()
 
     def per_layer_config(config, text):
         # As transformers 5.24 saves the published layout.
