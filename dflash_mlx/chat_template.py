@@ -33,3 +33,18 @@ def render_chat(
     if not has_chat_template(tokenizer):
         return "".join(m["content"] for m in messages)
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_args or {})))
+
+
+# The keyword arguments by which chat templates switch thinking: on or off (Qwen3, Gemma 4 and
+# others read enable_thinking) and gpt-oss's level, low to high.
+THINKING_SWITCHES = ("enable_thinking", "reasoning_effort")
+
+
+def template_switches(tokenizer) -> frozenset[str]:
+    """Which of ``THINKING_SWITCHES`` the tokenizer's chat template reads (none without one)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates, as some tokenizers keep them
+        template = " ".join(str(t) for t in template.values())
+    if not isinstance(template, str):
+        return frozenset()
+    return frozenset(name for name in THINKING_SWITCHES if name in template)

@@ -44,6 +44,7 @@ from .models import target as tgt
 from .models.drafter import DraftModel
 from .plain_probe import plain_tokens_per_second
 from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, PlainProposer, SelectorProposer
+from .reasoning import join, reasoning_parser
 from .responses import AcceptanceStats, GenerationResponse
 from .sampling import can_sample_proposals, check_proposal, make_sampler
 from .verify import Verdict, Verifier
@@ -384,6 +385,7 @@ def stream_generate(
     prompt_cache: DFlashCache | None = None,
     prefill_step_size: int = 512,
     cpu_speedups: CpuSpeedups | bool | None = None,
+    parse_reasoning: bool = False,
 ) -> Generator[GenerationResponse, None, None]:
     """Stream text from ``model`` with DFlash drafting by ``draft``.
 
@@ -413,6 +415,10 @@ def stream_generate(
         prompt_cache: A ``DFlashCache`` to reuse across calls (multi-turn chat).
         prefill_step_size: Prompt tokens per prefill chunk.
         cpu_speedups: The CPU speedups (None: where they pay); see :func:`dflash_generate_step`.
+        parse_reasoning: Split the reply's reasoning from its answer, for a prompt made by the
+          chat template of a reasoning model (gpt-oss's harmony channels, ``<think>`` tags; see
+          :mod:`dflash_mlx.reasoning`): ``text`` is then the answer and ``reasoning`` the rest,
+          without their markers. A model without such a format gives the answer alone.
 
     Yields:
         GenerationResponse: One per cycle; the last one has ``finish_reason`` set.
@@ -429,6 +435,7 @@ def stream_generate(
     stop_tokens = frozenset(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
+    parser = reasoning_parser(tokenizer, ids) if parse_reasoning else None
 
     steps = dflash_generate_step(
         ids,
@@ -474,9 +481,13 @@ def stream_generate(
                 detokenizer.add_token(t)
             if finish:
                 detokenizer.finalize()
+            text, reasoning = detokenizer.last_segment, ""
+            if parser is not None:
+                text, reasoning = join(parser.feed(text) + (parser.flush() if finish else []))
             elapsed = max(now - tic, 1e-9)
             yield GenerationResponse(
-                text=detokenizer.last_segment,
+                text=text,
+                reasoning=reasoning,
                 tokens=tokens,
                 acceptance_length=len(step.tokens),
                 mean_acceptance_length=acceptance.tau,
@@ -504,9 +515,14 @@ def generate(
     tokenizer: TokenizerWrapper,
     prompt: str | list[int] | mx.array,
     verbose: bool = False,
+    show_reasoning: bool = True,
     **kwargs,
 ) -> str:
     """Generate a complete response; see :func:`stream_generate` for the arguments.
+
+    With ``parse_reasoning`` the returned text is the answer; ``verbose`` prints the reasoning
+    before it, under ``Reasoning:`` (dimmed on a terminal) and apart from the answer by a
+    line, unless ``show_reasoning`` is False.
 
     Returns:
         The generated text. With ``verbose`` it is also printed as it streams, followed
@@ -514,6 +530,8 @@ def generate(
         :class:`dflash_mlx.responses.AcceptanceStats`) and peak memory.
     """
     text, response, acceptance = "", None, AcceptanceStats()
+    dim, undim = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "")
+    in_reasoning = False
     if verbose and kwargs.get("prompt_cache") is None:
         # Kept, so that a run that never decoded plainly can time plain decoding afterwards.
         window = {k: kwargs.pop(k) for k in ("draft_window", "draft_sinks") if k in kwargs}
@@ -522,7 +540,15 @@ def generate(
         print("=" * 10)
     for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         text += response.text
-        if verbose:
+        if verbose and show_reasoning and response.reasoning:
+            if not in_reasoning:
+                print("Reasoning:", flush=True)
+                in_reasoning = True
+            print(f"{dim}{response.reasoning}{undim}", end="", flush=True)
+        if verbose and response.text:
+            if in_reasoning:
+                print("\n" + "-" * 10, flush=True)
+                in_reasoning = False
             print(response.text, end="", flush=True)
         if response.cycle > 0:
             acceptance.add(response.num_draft, response.acceptance_length)
@@ -610,6 +636,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--ignore-chat-template", action="store_true", help="Use the prompt as is, without the chat template."
     )
     parser.add_argument(
+        "--hide-reasoning", action="store_true",
+        help="Print only the answer of a reasoning model (gpt-oss's final channel, the text after </think>), "
+        "not its reasoning, which is otherwise printed first under 'Reasoning:'. With --verbose F only the "
+        "answer is printed either way.",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-kv-size", type=int, action=InRange, low=1, default=None,
         help="Keep only the last this many tokens' keys and values (a rotating cache), with --no-draft: "
         "DFlash rolls back rejected drafts, which a rotating cache cannot (default: no limit).",
@@ -678,6 +710,8 @@ def main(argv: list[str] | None = None) -> None:
                 "rejected draft, which a rotating cache cannot do once it is full."
             )
         add_stop_tokens(tokenizer, args.extra_eos_token)
+        # A reply to a chat prompt may carry reasoning; a raw prompt's text is left as it comes.
+        parse_reasoning = not args.ignore_chat_template and getattr(tokenizer, "chat_template", None) is not None
         if not args.ignore_chat_template:
             prompt = apply_chat_template(tokenizer, prompt, args.system_prompt, args.chat_template_config)
         cache = _window_cache(model, args.max_kv_size) if args.max_kv_size is not None else None
@@ -696,6 +730,8 @@ def main(argv: list[str] | None = None) -> None:
             tokenizer,
             prompt,
             verbose=args.verbose,
+            show_reasoning=not args.hide_reasoning,
+            parse_reasoning=parse_reasoning,
             max_tokens=args.max_tokens,
             block_size=args.block_size,
             sampler=make_sampler(args.temp, args.top_p, args.min_p, args.top_k),

@@ -13,7 +13,10 @@ from whatever the server reports, best first:
    (server-wide: other users' requests in the same window count too);
 4. SGLang's ``sglang:spec_accept_length`` gauge (a server-wide recent average);
 
-and otherwise it is "n/a" with the reason. Only the standard library is used.
+and otherwise it is "n/a" with the reason. A reasoning model's reasoning, which servers send
+apart from the answer (``reasoning_content``: dflash-serve, vLLM, SGLang; ``reasoning``:
+mlx_lm.server, newer vLLM), becomes the responses' ``reasoning``. Only the standard library is
+used.
 """
 
 import json
@@ -208,8 +211,10 @@ class RemoteClient:
                     finish = choice.get("finish_reason") or finish
                     message = choice.get("delta") or choice.get("message") or {}
                     text = message.get("content") or choice.get("text") or ""
+                    reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
+                    reasoning = reasoning if isinstance(reasoning, str) else ""  # not another API's object
                     cycle = obj.get("dflash")
-                    if cycle is None and not text:
+                    if cycle is None and not text and not reasoning:
                         continue
                     now = time.perf_counter()
                     first = first or now
@@ -218,7 +223,7 @@ class RemoteClient:
                     if cycle and cycle["cycle"] > 0:
                         acceptance.add(cycle["num_draft"], cycle["acceptance_length"])
                     yield GenerationResponse(
-                        text=text, tokens=[], cycle=cycle["cycle"] if cycle else 0,
+                        text=text, reasoning=reasoning, tokens=[], cycle=cycle["cycle"] if cycle else 0,
                         acceptance_length=cycle["acceptance_length"] if cycle else 1,
                         num_draft=cycle["num_draft"] if cycle else 0,
                         mean_acceptance_length=acceptance.tau, drafting_cycles=acceptance.drafting_cycles,

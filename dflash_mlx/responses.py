@@ -134,6 +134,8 @@ class GenerationResponse:
           plainly until drafting pays again.
         drafting_cycles: Cycles so far that verified at least one draft (tau's denominator).
         plain_cycles: Cycles so far that verified none.
+        reasoning: The new segment of reasoning, when ``stream_generate`` splits it from the
+          answer (``parse_reasoning``); ``text`` is then the answer's segment.
     """
 
     text: str
@@ -153,6 +155,7 @@ class GenerationResponse:
     draft_tps: float | None = None
     drafting_cycles: int = 0
     plain_cycles: int = 0
+    reasoning: str = ""
 
     @property
     def drafting_slower(self) -> bool:

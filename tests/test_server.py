@@ -234,6 +234,12 @@ BAD = [
     ("/v1/completions", {"prompt": "t1", "seed": 1.5}, 400, "seed"),
     ("/v1/completions", {"prompt": [5] * 2048}, 400, "prompt"),  # longer than the context
     ("/v1/completions", {"prompt": [5, 999]}, 400, "prompt"),  # a token id outside the vocabulary
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": "off"}, 400,
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"}, 400,
+     "reasoning_effort"),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
     ("/v1/embeddings", {"input": "x"}, 404, None),
 ]
@@ -569,3 +575,76 @@ def test_a_conversation_continues_its_cache_and_stays_exact(server, qwen3_pair):
     ids = list(tokenizer.apply_chat_template(turn2, add_generation_prompt=True))
     assert second["choices"][0]["message"]["content"] == generate(model, draft, tokenizer, ids, max_tokens=MAX_TOKENS)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
+
+
+# A gpt-oss reply in harmony, as the scripted target writes it with the tiny tokenizer's words.
+HARMONY_SCRIPT = ("<|channel|> analysis <|message|> t5 t6 <|end|> <|start|> assistant <|channel|> final <|message|> "
+                  "t7 t8 t9 <|return|>")  # fmt: skip
+
+
+def test_a_reasoning_models_reasoning_comes_back_as_reasoning_content(pair_dirs, tmp_path, monkeypatch):
+    from helpers.chat_formats import script_target, token_ids, with_tokenizer, write_harmony_tokenizer
+
+    from dflash_mlx.openai_client import RemoteClient
+    from dflash_mlx.server import worker as worker_module
+
+    target = with_tokenizer(pair_dirs["qwen3-tied"], tmp_path / "target", write_harmony_tokenizer)
+    model, draft, tokenizer = load(target, pair_dirs["draft"])
+    script = token_ids(tokenizer, HARMONY_SCRIPT)
+    script_target(monkeypatch, worker_module, script)
+    srv = DFlashServer(model, draft, tokenizer, model_name="gpt-oss", port=0).start()
+    try:
+        messages = [{"role": "user", "content": "t1 t2"}]
+        status, full, _ = _post(srv.url, "/v1/chat/completions", {"messages": messages})
+        assert status == 200
+        assert full["choices"][0]["message"] == {"role": "assistant", "content": "t7t8t9", "reasoning_content": "t5t6"}
+        events = _stream(srv.url, "/v1/chat/completions", {"messages": messages})
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        assert _stream_text(events) == "t7t8t9"
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == "t5t6"
+        # The reasoning streams first, and never as content.
+        kinds = [k for d in deltas for k in ("reasoning_content", "content") if d.get(k)]
+        assert kinds == sorted(kinds, key=lambda k: k == "content") and "reasoning_content" in kinds
+        # The next turn sends the answer back alone, as gpt-oss's template wants it.
+        turns = [*messages, {"role": "assistant", "content": "t7t8t9"}, {"role": "user", "content": "t3"}]
+        status, second, _ = _post(srv.url, "/v1/chat/completions", {"messages": turns})
+        assert status == 200 and second["choices"][0]["message"]["reasoning_content"] == "t5t6"
+        # dflash-chat --base-url gets the two apart too.
+        responses = list(RemoteClient(srv.url + "/v1").stream_chat(messages, max_tokens=32))
+        assert "".join(r.text for r in responses) == "t7t8t9" and "".join(r.reasoning for r in responses) == "t5t6"
+        # A text completion is not a chat reply: its text comes as it is.
+        status, text, _ = _post(srv.url, "/v1/completions", {"prompt": "t1 t2", "max_tokens": 32})
+        assert text["choices"][0]["text"] == tokenizer.decode(script[:-1])
+    finally:
+        srv.close()
+
+
+def test_chat_template_kwargs_and_reasoning_effort_reach_the_template(qwen3_pair, tmp_path):
+    from helpers.chat_formats import write_gemma_tokenizer, write_harmony_tokenizer
+    from mlx_lm.utils import load_tokenizer
+
+    from dflash_mlx.server.protocol import CHAT, parse_request
+    from dflash_mlx.server.worker import Worker
+
+    model, draft, _ = qwen3_pair
+    messages = [{"role": "system", "content": "t9"}, {"role": "user", "content": "t1"}]
+
+    def prompts(write, server_args, *requests) -> list[str]:
+        write(tmp_path / write.__name__)
+        tokenizer = load_tokenizer(tmp_path / write.__name__, eos_token_ids=126)
+        worker = Worker(model, draft, tokenizer, chat_template_args=server_args)
+        try:
+            return [tokenizer.decode(worker.prompt_ids(parse_request({"messages": messages, **r}, CHAT)))
+                    for r in requests]  # fmt: skip
+        finally:
+            worker.close()
+
+    # Gemma 4: the server thinks by default here; a request switches it off, keeping its system prompt.
+    on, off = prompts(write_gemma_tokenizer, {"enable_thinking": True}, {},
+                      {"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    assert on.startswith("<|turn>system<|think|>t9<turn|>") and off.startswith("<|turn>system" + "t9<turn|>")
+    # gpt-oss: reasoning_effort, as OpenAI's API spells it, or through chat_template_kwargs.
+    plain, high, low = prompts(write_harmony_tokenizer, None, {}, {"reasoning_effort": "high"},
+                               {"chat_template_kwargs": {"reasoning_effort": "low"}})  # fmt: skip
+    assert "Reasoning:" not in plain and "Reasoning:high" in high and "Reasoning:low" in low
+    assert "<|start|>developer<|message|>t9<|end|>" in high

@@ -800,3 +800,168 @@ async def test_double_slash_sends_a_message_starting_with_slash():
         await finish(pilot)
         assert fake.calls[0][0][-1]["content"] == "/etc/hosts is what?"
         assert not app.query(".note.error")
+
+
+# ---- reasoning: folded above the answer, and the thinking switches ---------------------------
+
+THOUGHTS = ["The user", " wants", " a sum.", "", ""]
+ANSWER = ["", "", "", "It is", " **3**."]
+
+
+class ReasoningStream(FakeStream):
+    """A reasoning model's replies: reasoning first, then the answer; from the third call on, the
+    answer alone."""
+
+    def __init__(self):
+        super().__init__(pieces=ANSWER)
+
+    def _play(self):
+        for response, thought in zip(super()._play(), THOUGHTS):
+            if len(self.calls) < 3:
+                response.reasoning = thought
+            yield response
+
+
+async def test_reasoning_is_folded_above_the_answer_and_not_sent_back():
+    from textual.widgets import Collapsible
+    from textual.widgets._collapsible import CollapsibleTitle
+
+    fake = ReasoningStream()
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "1+2?")
+        await finish(pilot)
+        reply = app.query_one(Reply)
+        section = reply.reasoning_section
+        assert isinstance(section, Collapsible) and section.collapsed
+        assert section.query_one(".reasoning-body").source == "The user wants a sum."
+        assert section.title == "reasoning · 5 words"
+        assert reply.body.source == "It is **3**."
+        # Shown folded: its text takes no room until opened.
+        assert not section.query_one(Collapsible.Contents).display
+        await pilot.click(section.query_one(CollapsibleTitle))
+        await pilot.pause()
+        assert not section.collapsed and section.query_one(".reasoning-body").size.height > 0
+        assert app.turns[1]["content"] == "It is **3**." and app.turns[1]["reasoning"] == "The user wants a sum."
+
+        app.query_one(PromptInput).focus()  # the click focused the section's title
+        await send(pilot, "and 2+2?")
+        await finish(pilot)
+        # The template gets the earlier answer alone, as gpt-oss's wants it.
+        assert fake.calls[1][0][1] == {"role": "assistant", "content": "It is **3**."}
+        await send(pilot, "thanks")
+        await finish(pilot)
+        last = app.query(Reply).last()
+        assert last.reasoning_section is None and last.body.source == "It is **3**."
+        assert "reasoning" not in app.turns[-1]
+
+
+async def test_a_reply_stopped_while_thinking_keeps_its_reasoning():
+    class Stuck(ReasoningStream):
+        def _play(self):
+            for i, response in enumerate(super()._play()):
+                if i == 2:
+                    self.wait_for(self.gate, "the gate after the reasoning")
+                yield response
+
+    fake = Stuck()
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hi")
+        await wait_until(pilot, lambda: app._reasoning_text == "The user wants")
+        await pilot.press("escape")
+        fake.gate.set()
+        await finish(pilot)
+        # The response in flight when Esc came is kept; no answer came.
+        assert app.turns[-1]["content"] == "" and app.turns[-1]["reasoning"] == "The user wants a sum."
+        assert app.query_one(Reply).reasoning_section.title == "reasoning · 5 words"
+        assert "stopped (Esc)" in app.turns[-1]["stats"]
+
+
+def test_save_folds_the_reasoning(tmp_path):
+    turns = [{"role": "user", "content": "1+2?"},
+             {"role": "assistant", "content": "It is 3.", "reasoning": "A sum.", "stats": "3 tok"}]  # fmt: skip
+    path = save_transcript(tmp_path / "chat.md", turns, Settings(thinking=False))
+    text = path.read_text()
+    assert "## Assistant\n\n<details><summary>Reasoning</summary>\n\nA sum.\n\n</details>\n\nIt is 3.\n" in text
+    assert "thinking off" in text
+    assert json.loads(save_transcript(tmp_path / "chat.json", turns, Settings()).read_text())["messages"] == turns
+
+
+def test_think_sets_the_switches_the_template_reads():
+    s = Settings()
+    gemma, gpt_oss = frozenset({"enable_thinking"}), frozenset({"reasoning_effort"})
+    off = parse_command("/think off", s, switches=gemma)
+    assert off.ok and off.settings.thinking is False and off.settings.template_args() == {"enable_thinking": False}
+    assert parse_command("/think ON", s, switches=gemma).settings.thinking is True
+    high = parse_command("/think high", s, switches=gpt_oss)
+    assert high.ok and high.settings.template_args() == {"reasoning_effort": "high"}
+    # A switch the template does not read is refused, naming the one it does.
+    refused = parse_command("/think off", s, switches=gpt_oss)
+    assert not refused.ok and "no thinking switch" in refused.message and "/think low|medium|high" in refused.message
+    refused = parse_command("/think low", s, switches=gemma)
+    assert not refused.ok and "no reasoning effort" in refused.message and "/think on|off" in refused.message
+    assert not parse_command("/think off", s, switches=frozenset()).ok
+    # A server's template is unknown: both are sent, for it to use or ignore.
+    assert parse_command("/think off", s, switches=None).ok and parse_command("/think low", s).ok
+    both = Settings(thinking=True, reasoning_effort="low")
+    assert parse_command("/think default", both).settings == s
+    bad = parse_command("/think maybe", s)
+    assert not bad.ok and "on, off, low, medium, high or default" in bad.message and "got 'maybe'" in bad.message
+
+
+async def test_think_reaches_the_next_reply_and_the_settings_bar():
+    fake = FakeStream()
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "/think off")
+        await pilot.pause()
+        assert "thinking off" in str(app.query_one("#settings-bar").render())
+        await send(pilot, "hi")
+        await finish(pilot)
+        assert fake.calls[0][1].thinking is False
+        await send(pilot, "/help")
+        await pilot.pause()
+        assert "/think on|off" in app.query_one(HelpNote).source
+
+
+def test_a_server_gets_only_the_thinking_switches_set():
+    from dflash_mlx.tui.engine import RemoteEngine
+
+    engine = RemoteEngine("http://127.0.0.1:9/v1")
+    sent = []
+    engine.client.stream_chat = lambda messages, **params: sent.append(params) or iter(())
+    engine([{"role": "user", "content": "hi"}], Settings())
+    engine([{"role": "user", "content": "hi"}], Settings(thinking=False, reasoning_effort="high"))
+    assert "chat_template_kwargs" not in sent[0] and "reasoning_effort" not in sent[0]
+    assert sent[1]["chat_template_kwargs"] == {"enable_thinking": False} and sent[1]["reasoning_effort"] == "high"
+
+
+async def test_real_pair_in_harmony_folds_the_analysis_channel(pair_dirs, tmp_path, monkeypatch):
+    """The engine on a real pair whose target is scripted to answer in gpt-oss's harmony format."""
+    from helpers.chat_formats import script_target, token_ids, with_tokenizer, write_harmony_tokenizer
+
+    target = with_tokenizer(pair_dirs["qwen3-tied"], tmp_path / "target", write_harmony_tokenizer)
+    engine = MLXEngine(str(target), str(pair_dirs["draft"]))
+    app = ChatApp(engine, settings=Settings(max_tokens=32))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert app.info.switches == {"reasoning_effort"}
+        script = token_ids(engine.tokenizer, "<|channel|> analysis <|message|> t5 t6 <|end|> <|start|> assistant "
+                           "<|channel|> final <|message|> t7 t8 <|return|>")  # fmt: skip
+        script_target(monkeypatch, importlib.import_module("dflash_mlx.generate"), script)
+        await send(pilot, "/think high")
+        await send(pilot, "t1 t2")
+        await finish(pilot)
+        reply = app.query_one(Reply)
+        assert reply.body.source == "t7t8" and reply.reasoning_section.query_one(".reasoning-body").source == "t5t6"
+        assert app.reply_stats.finish_reason == "stop"
+        # The second turn's template (which refuses channels in an answer) takes the first answer.
+        await send(pilot, "t3")
+        await finish(pilot)
+        assert not [n for n in notes(app) if "rejected" in n or "Error" in n]
+        assert app.turns[-1]["content"] == "t7t8"
+    engine.close()

@@ -56,6 +56,8 @@ class ChatApp(App):
         self._reply: Reply | None = None
         self._reply_text = ""
         self._stream = None
+        self._reasoning_text = ""
+        self._reasoning_stream = None
         self._stop_key = "Esc"
 
     def compose(self) -> ComposeResult:
@@ -129,6 +131,11 @@ class ChatApp(App):
         stats = self.reply_stats
         stats.add(d)
         self.conversation.add(d)
+        if d.reasoning:
+            if self._reasoning_stream is None:
+                self._reasoning_stream = Markdown.get_stream(await self._reply.reasoning())
+            self._reasoning_text += d.reasoning
+            await self._reasoning_stream.write(d.reasoning)
         if d.text:
             self._reply_text += d.text
             await self._stream.write(d.text)
@@ -137,6 +144,8 @@ class ChatApp(App):
 
     async def on_reply_done(self, message: ReplyDone) -> None:
         await self._stream.stop()
+        if self._reasoning_stream is not None:
+            await self._reasoning_stream.stop()
         self.conversation.end_reply()
         stats = self.reply_stats
         stats.context_tokens = message.context_tokens
@@ -144,11 +153,11 @@ class ChatApp(App):
             message.reason, message.reason
         )
         summary = stats.summary()
-        self._reply.set_stats(summary)
+        self._reply.set_stats(summary, reasoning_words=len(self._reasoning_text.split()))
         if message.error:
             self._note(message.error, error=True)
         self._warn_context(message.context_tokens)
-        if message.error and not self._reply_text:
+        if message.error and not self._reply_text and not self._reasoning_text:
             # Nothing came back: drop the turn and give the user their text back.
             await self._reply.remove()
             await self.query(UserMessage).last().remove()
@@ -157,8 +166,13 @@ class ChatApp(App):
             if not prompt.text:
                 prompt.load_text(user["content"])
         else:
-            self.turns.append({"role": "assistant", "content": self._reply_text, "stats": summary})
+            # The answer alone goes back to the template (gpt-oss's refuses a reply with its channels).
+            turn = {"role": "assistant", "content": self._reply_text}
+            if self._reasoning_text:
+                turn["reasoning"] = self._reasoning_text
+            self.turns.append({**turn, "stats": summary})
         self.generating, self._reply, self._stream = False, None, None
+        self._reasoning_stream = None
         self._refresh()
         self.query_one(Transcript).follow()
 
@@ -191,6 +205,7 @@ class ChatApp(App):
         transcript = self.query_one(Transcript)
         self.turns.append({"role": "user", "content": text})
         self._reply, self._reply_text = Reply(), ""
+        self._reasoning_text, self._reasoning_stream = "", None
         await transcript.mount_all([UserMessage(text), self._reply])
         self._stream = Markdown.get_stream(self._reply.body)
         s = self.settings
@@ -209,6 +224,7 @@ class ChatApp(App):
             self.settings,
             max_block_size=info.max_block_size if info else None,
             has_draft=info.has_draft if info else True,
+            switches=info.switches if info else None,
         )
         if command.action == "clear" and self.generating:
             self.notify("Stop the reply (Esc) before /clear.", severity="warning")

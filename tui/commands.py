@@ -11,12 +11,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..chat_template import THINKING_SWITCHES
 from ..cli.options import MAX_TEMP
 
 # Limits that keep a typo (``/max 1000000000``) from hanging the app.
 MAX_TOKENS_LIMIT = 32768
 MAX_FALLBACK = 1024
 SAVE_FORMATS = {".md": "markdown", ".markdown": "markdown", ".txt": "markdown", ".json": "json"}
+# gpt-oss's reasoning levels, which its chat template reads as reasoning_effort.
+EFFORTS = ("low", "medium", "high")
 
 HELP = """\
 **Keys**: `Enter` send · `Ctrl+J` or `Shift+Enter` new line · `Esc` or `Ctrl+C` stop generating · \
@@ -28,6 +31,9 @@ HELP = """\
 - `/temp T`: sampling temperature (0 = greedy, output identical to the target alone)
 - `/max N`: most tokens per reply
 - `/dflash on|off`: speculative decoding on, or plain decoding with the same model
+- `/think on|off`: thinking on or off, for models whose chat template has the switch (Qwen3,
+  Gemma 4); `/think low|medium|high`: gpt-oss's reasoning effort; `/think default`: the template's
+  own. A reply's reasoning shows folded above it: click it (or focus it and press Enter) to open it
 - `/cutoff P`: verify only the drafts the drafter gives at least probability P (0 = the whole block;
   faster on CPUs, same text)
 - `/fallback N`: after the drafter misses its first draft, draft up to N cycles by prompt lookup
@@ -52,6 +58,9 @@ class Settings:
         lookup_fallback: Draft up to this many cycles by prompt lookup after the drafter misses
           its first draft (0: never).
         system_prompt: The system message put first in the chat template, if any.
+        thinking: The chat template's ``enable_thinking``; None leaves the template's default.
+        reasoning_effort: The chat template's ``reasoning_effort`` (gpt-oss: low, medium,
+          high); None leaves the template's default.
     """
 
     block_size: int | str | None = None
@@ -61,6 +70,17 @@ class Settings:
     system_prompt: str | None = None
     min_confidence: float = 0.0
     lookup_fallback: int = 0
+    thinking: bool | None = None
+    reasoning_effort: str | None = None
+
+    def template_args(self) -> dict[str, Any]:
+        """The chat template's thinking switches these settings set."""
+        args: dict[str, Any] = {}
+        if self.thinking is not None:
+            args["enable_thinking"] = self.thinking
+        if self.reasoning_effort is not None:
+            args["reasoning_effort"] = self.reasoning_effort
+        return args
 
     def in_use(self, max_block_size: int | None) -> "Settings":
         """These settings with the drafter's block size in place of None (the trained default)."""
@@ -73,7 +93,12 @@ class Settings:
             mode += f" · cutoff {self.min_confidence:g}"
         if self.dflash and self.lookup_fallback > 0:
             mode += f" · fallback {self.lookup_fallback}"
-        return f"{mode} · temp {self.temp:g} · max {self.max_tokens}"
+        text = f"{mode} · temp {self.temp:g} · max {self.max_tokens}"
+        if self.thinking is not None:
+            text += f" · thinking {'on' if self.thinking else 'off'}"
+        if self.reasoning_effort is not None:
+            text += f" · effort {self.reasoning_effort}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -119,6 +144,7 @@ def parse_command(
     *,
     max_block_size: int | None = None,
     has_draft: bool = True,
+    switches: frozenset[str] | None = None,
 ) -> Command:
     """Parse a slash command against the current settings.
 
@@ -127,6 +153,8 @@ def parse_command(
         settings: The current settings.
         max_block_size: The drafter's trained block size, the largest ``/block`` allowed.
         has_draft: Whether a drafter is loaded (``/dflash on`` needs one).
+        switches: The thinking switches the chat template reads (``/think`` sets only
+          those); None when unknown (a server's model), which allows every one.
 
     Returns:
         Command: The new settings or an action, with a message. On bad input the action is
@@ -193,7 +221,30 @@ def parse_command(
             return error("/dflash on needs a drafter, but none is loaded. Restart with --draft.")
         state = "on: drafting blocks" if on else "off: plain decoding with the same model"
         return Command("set", replace(settings, dflash=on), f"DFlash {state}.")
+    if name == "/think":
+        return _think(arg.lower(), settings, switches, usage_error, error)
     return error(f"Unknown command {name!r}. Type /help for the list of commands.")
+
+
+def _think(arg: str, settings: Settings, switches: frozenset[str] | None, usage_error, error) -> Command:
+    known = THINKING_SWITCHES if switches is None else switches
+    if arg == "default":
+        return Command("set", replace(settings, thinking=None, reasoning_effort=None),
+                       "Thinking as the chat template sets it by default.")  # fmt: skip
+    if arg in ("on", "off"):
+        if "enable_thinking" not in known:
+            hint = " Its reasoning effort is set with /think low|medium|high." if "reasoning_effort" in known else ""
+            return error(f"This model's chat template has no thinking switch (it does not read enable_thinking).{hint}")
+        on = arg == "on"
+        return Command("set", replace(settings, thinking=on), f"Thinking {arg}: the next reply " +
+                       ("may think first." if on else "answers without thinking."))  # fmt: skip
+    if arg in EFFORTS:
+        if "reasoning_effort" not in known:
+            hint = " Thinking is switched with /think on|off." if "enable_thinking" in known else ""
+            return error(f"This model's chat template has no reasoning effort (it does not read "
+                         f"reasoning_effort).{hint}")
+        return Command("set", replace(settings, reasoning_effort=arg), f"Reasoning effort {arg}.")
+    return usage_error("on, off, low, medium, high or default", "/think off")
 
 
 def transcript_markdown(turns: list[dict[str, Any]], settings: Settings) -> str:
@@ -202,7 +253,11 @@ def transcript_markdown(turns: list[dict[str, Any]], settings: Settings) -> str:
     if settings.system_prompt:
         lines += ["## System", "", settings.system_prompt, ""]
     for turn in turns:
-        lines += [f"## {turn['role'].capitalize()}", "", turn["content"], ""]
+        lines += [f"## {turn['role'].capitalize()}", ""]
+        if turn.get("reasoning"):
+            # Folded, as the app shows it; Markdown viewers render the HTML details element.
+            lines += ["<details><summary>Reasoning</summary>", "", turn["reasoning"], "", "</details>", ""]
+        lines += [turn["content"], ""]
         if turn.get("stats"):
             lines += [f"_{turn['stats']}_", ""]
     return "\n".join(lines)

@@ -107,6 +107,7 @@ class MLXEngine:
 
     def _load(self) -> dict[str, Any]:
         from ..cache import make_cache
+        from ..chat_template import template_switches
         from ..cli.options import add_stop_tokens
         from ..weights.loading import AUTO_DRAFT, DEFAULT_PAIR, draft_for_cli, load
 
@@ -127,6 +128,7 @@ class MLXEngine:
             "max_block_size": self.draft.block_size if self.draft is not None else None,
             "chat_template": getattr(self.tokenizer, "chat_template", None) is not None,
             "context_limit": getattr(self.model.args, "max_position_embeddings", None),
+            "switches": template_switches(self.tokenizer),
         }
 
     def reset(self) -> None:
@@ -141,13 +143,16 @@ class MLXEngine:
 
         self._thread.submit(_reset)
 
-    def _prompt(self, messages: list[dict[str, str]], system_prompt: str | None) -> list[int] | str:
+    def _prompt(self, messages: list[dict[str, str]], settings: Settings) -> list[int] | str:
         from ..chat_template import render_chat
 
-        return render_chat(self.tokenizer, messages, system_prompt=system_prompt, template_args=self.template_kwargs)
+        # /think's switches over --chat-template-config's.
+        args = {**self.template_kwargs, **settings.template_args()}
+        return render_chat(self.tokenizer, messages, system_prompt=settings.system_prompt, template_args=args)
 
     def _start(self, messages: list[dict[str, str]], settings: Settings):
         from ..adaptive import PolicyState
+        from ..chat_template import has_chat_template
         from ..generate import policy_key, stream_generate
         from ..models.drafter import DraftModel
         from ..sampling import make_sampler
@@ -169,7 +174,7 @@ class MLXEngine:
             self.model,
             self.draft,
             self.tokenizer,
-            self._prompt(messages, settings.system_prompt),
+            self._prompt(messages, settings),
             max_tokens=settings.max_tokens,
             block_size=block_size,
             sampler=make_sampler(settings.temp),
@@ -177,6 +182,7 @@ class MLXEngine:
             lookup_fallback=settings.lookup_fallback,
             policy=self.policies[setup],
             prompt_cache=self.cache,
+            parse_reasoning=has_chat_template(self.tokenizer),
         )
 
     def __call__(self, messages: list[dict[str, str]], settings: Settings) -> Iterator[Any]:
@@ -259,4 +265,9 @@ class RemoteEngine:
             params.update(min_confidence=settings.min_confidence, lookup_fallback=settings.lookup_fallback)
             if block_size is not None:
                 params["block_size"] = block_size
+        # Only what /think set: a server that takes neither field would refuse the request.
+        if settings.thinking is not None:
+            params["chat_template_kwargs"] = {"enable_thinking": settings.thinking}
+        if settings.reasoning_effort is not None:
+            params["reasoning_effort"] = settings.reasoning_effort
         return self.client.stream_chat(messages, **params)

@@ -24,6 +24,7 @@ class ModelReady(Message):
     max_block_size: int | None
     chat_template: bool
     context_limit: int | None = None  # the target's trained context, in tokens (None: unknown)
+    switches: frozenset[str] | None = None  # the thinking switches the chat template reads (None: unknown)
 
 
 @dataclass
@@ -35,7 +36,8 @@ class LoadFailed(Message):
 
 @dataclass
 class Delta(Message):
-    """One generation cycle: its new text and the numbers of ``GenerationResponse``."""
+    """One generation cycle: its new text (the answer's and the reasoning's) and the numbers of
+    ``GenerationResponse``."""
 
     text: str
     num_tokens: int
@@ -53,6 +55,7 @@ class Delta(Message):
     num_draft: int = 0
     drafting_cycles: int = 0
     plain_cycles: int = 0
+    reasoning: str = ""
 
     @classmethod
     def from_response(cls, response: Any) -> "Delta":
@@ -74,6 +77,7 @@ class Delta(Message):
             num_draft=int(response.num_draft),
             drafting_cycles=int(response.drafting_cycles),
             plain_cycles=int(response.plain_cycles),
+            reasoning=getattr(response, "reasoning", ""),
         )
 
 

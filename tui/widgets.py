@@ -5,9 +5,10 @@ from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
+from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Markdown, Static, TextArea
+from textual.widgets import Collapsible, Markdown, Static, TextArea
 
 from ..responses import AcceptanceStats
 from .messages import ConversationStats, ReplyStats
@@ -122,7 +123,12 @@ class HelpNote(Markdown):
 
 
 class Reply(Vertical):
-    """One streamed reply: Markdown that grows as tokens arrive, and a stats line at the end."""
+    """One streamed reply: Markdown that grows as tokens arrive, and a stats line at the end.
+
+    A reasoning model's reasoning goes in a folded section above the answer (a ``Collapsible``,
+    like HTML's details element), made when the first of it arrives: a reply without any
+    looks as it always did.
+    """
 
     def __init__(self, title: str = "assistant") -> None:
         super().__init__(classes="reply")
@@ -134,10 +140,28 @@ class Reply(Vertical):
 
     @property
     def body(self) -> Markdown:
-        return self.query_one(Markdown)
+        return self.query_one(".body", Markdown)
 
-    def set_stats(self, line: str) -> None:
+    @property
+    def reasoning_section(self) -> Collapsible | None:
+        try:
+            return self.query_one(".reasoning", Collapsible)
+        except NoMatches:
+            return None
+
+    async def reasoning(self) -> Markdown:
+        """The Markdown of the folded reasoning section, mounted on first use."""
+        section = self.reasoning_section
+        if section is None:
+            section = Collapsible(Markdown("", classes="reasoning-body"), title="thinking…", classes="reasoning")
+            await self.mount(section, before=self.body)
+        return section.query_one(".reasoning-body", Markdown)
+
+    def set_stats(self, line: str, reasoning_words: int = 0) -> None:
         self.query_one(".reply-stats", Static).update(Text(line))
+        section = self.reasoning_section
+        if section is not None:
+            section.title = f"reasoning · {reasoning_words} words"
         self.add_class("done")
 
 

@@ -174,7 +174,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-step-size", type=int, action=InRange, low=1, default=512,
                    help="Prompt tokens per prefill chunk (default: 512).")
     p.add_argument("--chat-template-args", default="{}",
-                   help="""JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'.""")
+                   help="""JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'; a """
+                   "request's chat_template_kwargs and reasoning_effort go over them.")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="Cast both models to this dtype (default: float32 on a CPU when it fits, else the "
                    "checkpoint's).")

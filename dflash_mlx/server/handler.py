@@ -190,15 +190,17 @@ class APIHandler(BaseHTTPRequestHandler):
         if event[0] == "error":  # nothing sent yet: a proper status
             return self._send_error(event[1])
         if not req.stream:
-            text = []
+            text, reasoning = [], []
             while event[0] == "delta":
                 text.append(event[1])
+                reasoning.append(event[2])
                 if (event := self._next_event(job)) is None:
                     return
             if event[0] == "error":
                 return self._send_error(event[1])
             _, finish, usage, metrics = event
-            return self._send_json(200, full_response(req, "".join(text), finish, usage, metrics))
+            return self._send_json(200, full_response(req, "".join(text), finish, usage, metrics,
+                                                      reasoning="".join(reasoning)))
         self._stream(job, event)
 
     def _stream(self, job: Job, event) -> None:
@@ -214,7 +216,7 @@ class APIHandler(BaseHTTPRequestHandler):
             while event is not None:
                 kind = event[0]
                 if kind == "delta":
-                    self._sse(chunk(req, event[1], cycle=event[2], first=first))
+                    self._sse(chunk(req, event[1], cycle=event[3], first=first, reasoning=event[2]))
                     first = False
                 elif kind == "done":
                     _, finish, usage, metrics = event

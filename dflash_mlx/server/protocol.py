@@ -3,7 +3,10 @@
 Pure functions and plain dataclasses, no HTTP and no MLX, so every rule is testable alone.
 Parameter names and defaults follow ``mlx_lm.server`` (``max_tokens``/``max_completion_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``stop``, ``seed``);
-``block_size``, ``min_confidence`` and ``lookup_fallback`` are ours.
+``block_size``, ``min_confidence`` and ``lookup_fallback`` are ours. A chat request's
+``chat_template_kwargs`` (as vLLM and SGLang take it, e.g. ``{"enable_thinking": false}``) and
+``reasoning_effort`` (which gpt-oss's template reads) reach the chat template; a reasoning
+model's reasoning comes back apart from its answer, as ``reasoning_content`` (as vLLM sends it).
 """
 
 import time
@@ -18,6 +21,14 @@ CHAT, TEXT = "chat", "text"
 ROLES = ("system", "user", "assistant", "developer", "tool")
 # OpenAI's own limit on stop sequences.
 MAX_STOP = 4
+# The levels gpt-oss was trained on ("Reasoning: low" in its system message), as vLLM takes them.
+REASONING_EFFORTS = ("low", "medium", "high")
+# apply_chat_template's own arguments, which the server sets: a request may not replace them.
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
 
 
 class APIError(Exception):
@@ -67,6 +78,7 @@ class CompletionRequest:
     block_size: int | str | None = None  # or "auto"
     min_confidence: float = 0.0
     lookup_fallback: int = 0
+    template_args: dict[str, Any] = field(default_factory=dict)  # for the chat template
     id: str = ""
     created: int = 0
 
@@ -126,6 +138,7 @@ def parse_request(body: Any, kind: str, defaults: Defaults = Defaults()) -> Comp
             raise APIError(400, "'messages' is required: a non-empty list of {role, content} objects.",
                            param="messages")
         req.messages = [{"role": m["role"], "content": _content(m, i)} for i, m in enumerate(messages)]
+        req.template_args = _template_args(body)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -176,6 +189,24 @@ def parse_request(body: Any, kind: str, defaults: Defaults = Defaults()) -> Comp
     req.id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
     req.created = int(time.time())
     return req
+
+
+def _template_args(body: dict) -> dict[str, Any]:
+    args = body.get("chat_template_kwargs") or {}
+    if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
+        raise APIError(400, "'chat_template_kwargs' must be an object, e.g. {\"enable_thinking\": false}.",
+                       param="chat_template_kwargs")
+    reserved = sorted(RESERVED_TEMPLATE_ARGS & args.keys())
+    if reserved:
+        raise APIError(400, f"'chat_template_kwargs' may not set {', '.join(reserved)}: the server sets "
+                       "them.", param="chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise APIError(400, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)} (got "
+                           f"{effort!r}).", param="reasoning_effort")
+        args = {"reasoning_effort": effort, **args}
+    return dict(args)
 
 
 class StopMatcher:
@@ -246,11 +277,14 @@ def _envelope(req: CompletionRequest, obj: str, choices: list) -> dict:
     return {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": choices}
 
 
-def full_response(req: CompletionRequest, text: str, finish_reason: str, usage_: dict, metrics: dict) -> dict:
-    """The non-streaming answer."""
+def full_response(req: CompletionRequest, text: str, finish_reason: str, usage_: dict, metrics: dict,
+                  reasoning: str = "") -> dict:
+    """The non-streaming answer; a chat reply's reasoning goes in ``reasoning_content``."""
     if req.kind == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
         out = _envelope(req, "chat.completion", [choice])
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
@@ -261,12 +295,14 @@ def full_response(req: CompletionRequest, text: str, finish_reason: str, usage_:
 
 
 def chunk(req: CompletionRequest, text: str | None, finish_reason: str | None = None,
-          cycle: dict | None = None, first: bool = False) -> dict:
+          cycle: dict | None = None, first: bool = False, reasoning: str = "") -> dict:
     """One streamed chunk; ``cycle`` carries our per-cycle numbers (an extension field)."""
     if req.kind == CHAT:
         delta: dict = {"role": "assistant", "content": text or ""} if first else {}
         if text and not first:
             delta["content"] = text
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         out = _envelope(req, "chat.completion.chunk",
                         [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
     else:

@@ -20,7 +20,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from ..adaptive import PolicyState
 from ..cache import DFlashCache, make_cache
-from ..chat_template import render_chat
+from ..chat_template import has_chat_template, render_chat
 from ..errors import DFlashError
 from ..generate import stream_generate
 from ..responses import AcceptanceStats
@@ -35,7 +35,8 @@ log = logging.getLogger("dflash-serve")
 class Job:
     """A request in the queue, and the channel its answer comes back on.
 
-    ``events`` receives ``("delta", text, cycle)`` per generation cycle, then one
+    ``events`` receives ``("delta", text, reasoning, cycle)`` per generation cycle (``reasoning``:
+    a chat reply's reasoning, apart from its answer ``text``), then one
     ``("done", finish_reason, usage, metrics)`` or ``("error", APIError)``.
     """
 
@@ -140,7 +141,8 @@ class Worker:
         tok = self.tokenizer
         if req.kind == CHAT:
             try:
-                rendered = render_chat(tok, req.messages, template_args=self.chat_template_args)
+                rendered = render_chat(tok, req.messages, template_args={**self.chat_template_args,
+                                                                         **req.template_args})
             except Exception as e:  # a template may refuse a role order; say so, not 500
                 raise APIError(400, f"The chat template rejected these messages: {e}", param="messages")
             if not isinstance(rendered, str):
@@ -231,6 +233,7 @@ class Worker:
             policy=self.policies.setdefault(setup, PolicyState()),
             prompt_cache=self.caches.take(ids),
             prefill_step_size=self.prefill_step_size,
+            parse_reasoning=req.kind == CHAT and has_chat_template(self.tokenizer),
         )
         last, finish = None, None
         try:
@@ -243,7 +246,7 @@ class Worker:
                     text += stop.flush()
                 cycle = {"cycle": last.cycle, "tokens": len(last.tokens), "num_draft": last.num_draft,
                          "acceptance_length": last.acceptance_length}
-                job.events.put(("delta", text, cycle))
+                job.events.put(("delta", text, last.reasoning, cycle))
                 if finish:
                     break
                 if job.cancelled.is_set():
