@@ -32,7 +32,6 @@ from ..cli.options import add_blas_argument
 from ..cli.progress import Progress
 from ..errors import DFlashError
 from ..generate import apply_chat_template, dflash_generate_step
-from ..models import gemma, hybrid, kimi
 from ..models import target as tgt
 from ..models.drafter import DraftModel, save_draft
 from ..responses import AcceptanceStats
@@ -41,6 +40,7 @@ from ..weights.files import install, partial_sibling
 from ..weights.gguf import convert_gguf, find_gguf
 from ..weights.loading import (
     DTYPES,
+    LAYOUT_CHECKS,
     PAIR_MANIFEST,
     check_pair,
     check_target_type,
@@ -167,12 +167,8 @@ def _target_source(hf_path: str, revision: str | None) -> tuple[Path, dict[str, 
             f"Unsupported target architecture model_type={model_type!r} in {hf_path}: DFlash supports "
             f"{', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets."
         )
-    if model_type in hybrid.HYBRID_MODEL_TYPES:
-        hybrid.check_layout(config)
-    if model_type in kimi.KIMI_MODEL_TYPES:
-        kimi.check_layout(config)
-    if model_type in gemma.GEMMA_MODEL_TYPES:
-        gemma.check_layout(config)
+    if (check_layout := LAYOUT_CHECKS.get(model_type)) is not None:
+        check_layout(config)
     return path, config
 
 

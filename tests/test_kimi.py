@@ -299,7 +299,7 @@ def test_hub_layouts_are_refused_before_download(tmp_path, monkeypatch):
                                  "quantization_config": KIMI_QUANTIZATION}}  # fmt: skip
     nvfp4 = json.loads(json.dumps(published))
     nvfp4["text_config"]["quantization_config"]["format"] = "nvfp4-pack-quantized"
-    files = {"someone/kimi-nvfp4": nvfp4, "someone/kimi-mirror": published}
+    files = {"someone/kimi-nvfp4": nvfp4, "someone/kimi-mirror": published, "someone/Kimi-K2.5-NVFP4": nvfp4}
 
     def hf_hub_download(repo_id, filename, revision=None, **kwargs):
         if filename != "config.json":
@@ -317,6 +317,9 @@ def test_hub_layouts_are_refused_before_download(tmp_path, monkeypatch):
     with pytest.raises(DFlashError, match="format='nvfp4-pack-quantized'.*No weights were downloaded") as e:
         load("someone/kimi-nvfp4")
     assert "\n" not in str(e.value)
+    # Named like the known pair's target, it is still read first.
+    with pytest.raises(DFlashError, match="format='nvfp4-pack-quantized'.*No weights were downloaded"):
+        load("someone/Kimi-K2.5-NVFP4", None)
     # The published layout goes on to download its weights.
     with pytest.raises(DFlashError, match="snapshot_download was called"):
         load("someone/kimi-mirror")

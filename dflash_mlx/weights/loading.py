@@ -287,12 +287,8 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
             f"Unsupported target architecture model_type={config.get('model_type')!r} in {path}: "
             f"DFlash supports {', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets."
         )
-    if config.get("model_type") in hybrid.HYBRID_MODEL_TYPES:
-        hybrid.check_layout(config)
-    if config.get("model_type") in gemma.GEMMA_MODEL_TYPES:
-        gemma.check_layout(config)
-    if config.get("model_type") in kimi.KIMI_MODEL_TYPES:
-        kimi.check_layout(config)
+    if (check_layout := LAYOUT_CHECKS.get(config.get("model_type"))) is not None:
+        check_layout(config)
     names = _read_weights(path, "target").keys()  # a clear message for missing or corrupt files
     check_gpt_oss_layout(config, names, str(path))
     check_tokenizer_files(path)
@@ -341,6 +337,14 @@ def check_gpt_oss_layout(config: dict[str, Any], weight_names, where: str) -> No
         )
 
 
+# The families whose configs mlx-lm may read differently from transformers: checked before loading.
+LAYOUT_CHECKS = {
+    **{t: hybrid.check_layout for t in hybrid.HYBRID_MODEL_TYPES},
+    **{t: gemma.check_layout for t in gemma.GEMMA_MODEL_TYPES},
+    **{t: kimi.check_layout for t in kimi.KIMI_MODEL_TYPES},
+}
+
+
 def check_target_type(model: str | Path, revision: str | None = None) -> None:
     """Refuse a hub target of an unsupported type before downloading its weights.
 
@@ -364,23 +368,29 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
             "No weights were downloaded."
         )
     config = None
-    if pair is not None:
-        model_type, where = pair.model_type, "the registry of known pairs"
-    else:
+    # A known pair's target of a type DFlash cannot tap is refused without a request; for the
+    # others the config is read too: a repo named like a known target (a quantized variant,
+    # say) may hold a layout mlx-lm cannot load, which only its config shows.
+    if pair is None or pair.model_type in tgt.SUPPORTED_MODEL_TYPES:
         try:
             config = json.loads(hub_file(text, "config.json", what="target", revision=revision).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             return  # load_target() says what is wrong with the file
-        if not isinstance(config, dict):
-            return
+        except DFlashError:
+            if pair is None:
+                raise
+    if pair is not None and not isinstance(config, dict):
+        config, model_type, where = None, pair.model_type, "the registry of known pairs"
+    elif not isinstance(config, dict):
+        return
+    else:
         model_type, where = config.get("model_type"), "its config.json"
     if model_type not in tgt.SUPPORTED_MODEL_TYPES:
         raise DFlashError(
             f"Unsupported target architecture model_type={model_type!r} for {text} (from {where}): "
             f"DFlash supports {', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets. No weights were downloaded."
         )
-    if config is not None and model_type in hybrid.HYBRID_MODEL_TYPES + kimi.KIMI_MODEL_TYPES:
-        check_layout = hybrid.check_layout if model_type in hybrid.HYBRID_MODEL_TYPES else kimi.check_layout
+    if config is not None and (check_layout := LAYOUT_CHECKS.get(model_type)) is not None:
         try:
             check_layout(config)
         except DFlashError as e:
