@@ -31,7 +31,8 @@ from .. import __version__
 from ..cli.options import add_blas_argument
 from ..cli.progress import Progress
 from ..errors import DFlashError
-from ..generate import apply_chat_template, dflash_generate_step
+from ..chat_template import render_chat
+from ..generate import dflash_generate_step
 from ..models import target as tgt
 from ..models.drafter import DraftModel, save_draft
 from ..responses import AcceptanceStats
@@ -232,7 +233,7 @@ def check_converted(path: Path, prompt: str = CHECK_PROMPT, max_tokens: int = 32
         DFlashError: If the pair does not load or does not belong together.
     """
     model, draft, tokenizer = load(path)
-    ids = apply_chat_template(tokenizer, prompt)
+    ids = render_chat(tokenizer, [{"role": "user", "content": prompt}])
     if isinstance(ids, str):
         ids = tokenizer.encode(ids)
     # Each decoder runs twice and the second run is timed: the first compiles and warms caches.

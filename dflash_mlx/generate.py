@@ -20,6 +20,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import PolicyState, PolicyStore
 from .cache import DFlashCache, check_draft_window, make_cache
+from .chat_template import has_chat_template, render_chat
 from .cli.options import add_cycle_arguments  # noqa: F401 (dflash-serve imports it from here)
 from .cli.options import (
     MAX_SEED,
@@ -653,20 +654,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def apply_chat_template(
-    tokenizer, prompt: str, system_prompt: str | None = None, template_kwargs: dict | None = None
-) -> list[int] | str:
-    """The prompt as token ids in the chat template, or as is when there is none.
-
-    ``template_kwargs`` go to ``apply_chat_template`` (``--chat-template-config``).
-    """
-    if getattr(tokenizer, "chat_template", None) is None:
-        return prompt
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": prompt})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(template_kwargs or {}))
-
-
 def policy_key(model: nn.Module, draft: DraftModel, setup: dict) -> str:
     """What the adaptive policy's verdict depends on: the machine, the target's shape and dtype,
     the drafter's weights (a checksum) and the drafting setup."""
@@ -711,9 +698,10 @@ def main(argv: list[str] | None = None) -> None:
             )
         add_stop_tokens(tokenizer, args.extra_eos_token)
         # A reply to a chat prompt may carry reasoning; a raw prompt's text is left as it comes.
-        parse_reasoning = not args.ignore_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        parse_reasoning = not args.ignore_chat_template and has_chat_template(tokenizer)
         if not args.ignore_chat_template:
-            prompt = apply_chat_template(tokenizer, prompt, args.system_prompt, args.chat_template_config)
+            prompt = render_chat(tokenizer, [{"role": "user", "content": prompt}], system_prompt=args.system_prompt,
+                                 template_args=args.chat_template_config)  # fmt: skip
         cache = _window_cache(model, args.max_kv_size) if args.max_kv_size is not None else None
         # One-shot runs go on from what earlier ones measured of this pair on this machine.
         adaptive = args.seed is None if args.adaptive is None else args.adaptive

@@ -240,7 +240,7 @@ def test_help_states_the_dtype_default(tool):
     help_text = " ".join(importlib.import_module(tool).setup_arg_parser().format_help().split())
     assert "--dtype" in help_text
     if tool == "dflash_mlx.bench.benchmark":
-        assert "(default: float32" in help_text
+        assert "generate uses: float32 on a CPU" in help_text
     else:
         assert "Default: float32 on MLX's CPU backend when float32 weights take at most half" in help_text
 
