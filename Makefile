@@ -28,9 +28,12 @@ chat: $(VENV)/.chat
 	$(VENV)/bin/dflash-chat
 
 # On Linux the tests run with OpenBLAS preloaded when it is installed (MLX's bundled BLAS is several
-# times slower); otherwise one line says how to install it. The 15 slowest tests are listed at the end.
+# times slower); otherwise one line says how to install it. One worker per core (at most 4), a test file
+# per worker at a time, so that each file's models are built once. The 15 slowest tests are listed at the end.
+PYTEST := $(PY) -m dflash_mlx.cpu.openblas $(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile --durations=15
+
 test: $(VENV)/.test
-	$(PY) -m dflash_mlx.cpu.openblas $(PY) -m pytest --durations=15
+	$(PYTEST)
 
 test-all: $(VENV)/.test
-	$(PY) -m dflash_mlx.cpu.openblas $(PY) -m pytest -m "" --durations=15
+	$(PYTEST) -m ""
