@@ -136,13 +136,13 @@ def _make_proposer(
     if isinstance(draft, PromptLookup):
         lookup = LookupProposer(draft, cache.tokens)
         return PlainProposer(lookup) if block_size == 1 else lookup
+    sample = proposal == "sample" and can_sample_proposals(sampler)
     if isinstance(draft, drafter2.DraftModel):
-        # Its drafts are the selector's path, with no per-draft confidence to cut or size blocks by.
+        # Its drafts are a path through the selector, with no per-draft confidence to cut or size blocks by.
         if auto or min_confidence > 0:
             raise DFlashError("A DFlash2 drafter verifies whole blocks: use a fixed block_size and min_confidence=0.")
-        drafter = SelectorProposer(model, draft, cache, speedups=speedups)
+        drafter = SelectorProposer(model, draft, cache, sampler=sampler if sample else None, speedups=speedups)
     else:
-        sample = proposal == "sample" and can_sample_proposals(sampler)
         width = VerifyWidth(model, draft, cache, speedups) if auto else None
         drafter = DFlashProposer(
             model, draft, cache, sampler=sampler if sample else None, min_confidence=min_confidence,
@@ -229,7 +229,8 @@ def dflash_generate_step(
           the target's logits at every position with that position's preceding tokens.
         proposal: ``"sample"`` (default) draws drafts from the drafter's distribution when
           ``sampler`` is a non-greedy :class:`dflash_mlx.sampling.Sampler`; ``"greedy"``, or any
-          other sampler, drafts the drafter's argmax. At temperature 0 both are the greedy path.
+          other sampler, drafts the drafter's argmax (a DFlash2 drafter's: its selector's greedy path).
+          At temperature 0 both are the greedy path.
         min_confidence: Verify only the leading drafts to which the drafter gives at least this
           probability (always at least one). 0 (default) verifies the whole block, as in the
           paper. The output is the same either way; a cutoff pays where a verify pass costs

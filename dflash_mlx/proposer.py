@@ -8,6 +8,7 @@ were drawn from, or None when they are certain (greedy or looked-up drafts).
 
 import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import mlx.core as mx
@@ -170,20 +171,31 @@ class DFlashProposer:
 
 
 class SelectorProposer(DFlashProposer):
-    """The DFlash2 drafter: one pass over ``[last, MASK x (B-1)]`` as for DFlash, then its
-    candidate selector's greedy path as the drafts (``draft.draft_tokens``).
+    """The DFlash2 drafter: one pass over ``[last, MASK x (B-1)]`` as for DFlash, then a path
+    through its candidate selector as the drafts.
 
-    The drafts are certain (``q`` is None) whatever the sampler: verifying them keeps exactly
-    the drafts that equal the target's own samples, so the output follows the target's
-    distribution. Drawing drafts from the selector's distribution is not implemented.
+    Without ``sampler`` the drafts are the selector's greedy path (``draft.draft_tokens``) and
+    certain (``q`` is None): verification keeps exactly the drafts that equal the target's own
+    samples, under any sampler. With ``sampler``, each draft is drawn from the softmax of its
+    candidates' scores, filtered as the sampler filters the target's (``draft.sample_tokens``);
+    a draft's scores depend on the draft before it, so ``q`` holds each distribution given the
+    drafts drawn before, which is what the speculative-sampling test needs.
     """
 
     def propose(self, last: int, n: int) -> Proposal:
         block = mx.array([[last] + [self.draft.mask_token_id] * (self.draft.block_size - 1)], dtype=mx.uint32)
-        drafts = self.draft.draft_tokens(self.model, block, self.cache.take_pending(), self.cache.draft, self.speedups)
-        drafts = drafts[0, :n].astype(mx.uint32)
+        taps = self.cache.take_pending()
+        if self.sampler is None:
+            drafts, q = self.draft.draft_tokens(self.model, block, taps, self.cache.draft, self.speedups)[0, :n], None
+        else:
+            probs = partial(self.sampler.probs, use_kernel=self.speedups is not None and self.speedups.kernels)
+            drafts, q = self.draft.sample_tokens(
+                self.model, block, taps, self.cache.draft, probs, self.speedups, num_drafts=n
+            )
+            drafts, q = drafts[0], q[0]  # (n,), (n, V)
+        drafts = drafts.astype(mx.uint32)
         mx.async_eval(drafts)
-        return Proposal(drafts)
+        return Proposal(drafts, q)
 
 
 class FallbackProposer:

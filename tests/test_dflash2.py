@@ -10,7 +10,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB
+from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB, write_target
 from helpers.decoding import run
 from helpers.hf_checkpoints import write_hf_target
 from helpers.dflash2_checkpoints import (
@@ -26,6 +26,8 @@ from safetensors.numpy import load_file, save_file
 
 from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache
 from dflash_mlx.models import drafter2
+from dflash_mlx.proposer import SelectorProposer
+from dflash_mlx.sampling import make_sampler
 from dflash_mlx.weights import registry
 
 torch = pytest.importorskip("torch")
@@ -169,6 +171,106 @@ def test_stop_token_inside_a_block_then_continue(pair):
     assert more == _reference(model, prompt + out, 20)
 
 
+# ---- Sampled drafts: the selector's distribution as the proposal (tests/test_sampling.py's check) ----
+
+
+def test_sampled_drafts_state_the_distribution_given_the_drafts_before(pair):
+    """Each draft is in its distribution's support, which is its position's candidates, and
+    q[k] is the selector's distribution after the draft drawn at k - 1; greedy drafts stay
+    certain and are the selector's path."""
+    model, draft, _ = pair
+    cache, sampler = make_cache(model, draft), make_sampler(0.8, top_p=0.95)
+    # No context: every pass over the same block sees the same (empty) draft cache.
+    block = mx.array([[7] + [MASK_ID] * (BLOCK - 1)])
+    h = draft.block_hidden(model, block, None, cache.draft)[:, 1:]
+    logits = draft.logits(model, h)
+    proposal = SelectorProposer(model, draft, cache, sampler=sampler).propose(7, BLOCK - 2)
+    drafts, q = proposal.tokens.tolist(), proposal.q
+    assert q.shape == (BLOCK - 2, VOCAB) and np.allclose(np.array(q.sum(axis=-1)), 1.0, atol=1e-5)
+    _, candidates = draft.candidate_selector(h, logits, block[:, 0])
+    previous = [7] + drafts[:-1]
+    for k, d in enumerate(drafts):
+        support = set(np.nonzero(np.array(q[k]))[0].tolist())
+        assert d in support and support <= set(np.array(candidates[0, k]).tolist())
+        slot = h[:, k : k + 1], logits[:, k : k + 1], mx.array([previous[k]])
+        _, alone = draft.candidate_selector.sample(*slot, sampler.probs)
+        np.testing.assert_allclose(np.array(alone[0, 0]), np.array(q[k]), atol=1e-6)
+    greedy = SelectorProposer(model, draft, cache).propose(7, BLOCK - 1)
+    assert greedy.q is None
+    assert greedy.tokens.tolist() == draft.draft_tokens(model, block, None, cache.draft)[0].tolist()
+
+
+@pytest.fixture(scope="module")
+def sampling_pair(tmp_path_factory, folders):
+    """tests/test_sampling.py's target (small logits, so that sampling has real choices) with the DFlash2 drafter."""
+    folder = tmp_path_factory.mktemp("sampling") / "target"
+    write_target(folder, embed_scale=0.2)
+    return load(folder, folders["draft"])
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_p": 0.9, "xtc_probability": 0.5, "xtc_threshold": 0.05}])
+def test_sampled_drafts_keep_the_targets_distribution(sampling_pair, filters):
+    """The random drafter's drafts are rarely accepted, so most tokens come from the residual
+    normalize(max(p - q, 0)): a wrong q shows there too. The filters apply to the selector's
+    scores as to the target's logits."""
+    from test_sampling import TEMP, _exact_marginals, _excess
+
+    model, draft, _ = sampling_pair
+    sampler = make_sampler(TEMP, **filters)
+    excess = _excess(sampling_pair, _exact_marginals(model, sampler), "sample", sampler=sampler, drafter=draft)
+    assert max(excess) < 0, excess
+
+
+class _FirstRight(drafter2.DraftModel):
+    """Sure of the target's likeliest next token at its first draft (there its logits are the
+    target's, sharpened), with flat logits after it: its later drafts are the selector's pair
+    scores alone, so each depends strongly on the draft drawn before it."""
+
+    def __init__(self, base, prompt):
+        super().__init__(base.args)
+        self.update(base.parameters())
+        self.text = list(prompt)  # the committed tokens, as far as the drafter has seen them
+
+    def block_hidden(self, model, block, target_hidden, cache, speedups=None):
+        h = super().block_hidden(model, block, target_hidden, cache, speedups)
+        self.text = self.text[: cache[0].offset] + [block[0, 0].item()]  # offset: the position of block[0]
+        return h
+
+    def logits(self, model, h):
+        first = model(mx.array([self.text]))[:, -1:] * 10.0
+        return mx.concatenate([first, mx.zeros((1, h.shape[1] - 1, first.shape[-1]))], axis=1)
+
+
+class _Unconditioned(_FirstRight):
+    """Broken on purpose: draws along the path as it should, but states each draft's
+    distribution as if the anchor came right before it, not the draft drawn before it."""
+
+    def sample_tokens(self, model, block, target_hidden, cache, probs, speedups=None, num_drafts=None):
+        h = self.block_hidden(model, block, target_hidden, cache, speedups)[:, 1 : 1 + num_drafts]
+        logits, selector = self.logits(model, h), self.candidate_selector
+        path, _ = selector.sample(h, logits, block[:, 0], probs)
+        slots = [(h[:, i : i + 1], logits[:, i : i + 1], block[:, 0]) for i in range(h.shape[1])]
+        return path, mx.concatenate([selector.sample(*slot, probs)[1] for slot in slots], axis=1)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_q_that_ignores_the_drafts_before_fails_the_same_check(tmp_path, folders, broken):
+    """Negative control: q[k] must be conditioned on the draft drawn at k - 1. The check shows it
+    where the first draft is accepted often and the second one's distribution depends on it: a
+    target whose text does not repeat (untied head) at a low temperature, and :class:`_FirstRight`.
+    The same setting is also checked with the right q."""
+    from test_sampling import PROMPT, _exact_marginals, _excess
+
+    write_target(tmp_path / "target", tied=False, embed_scale=1.0)
+    model, draft, _ = load(tmp_path / "target", folders["draft"])
+    sampler = make_sampler(0.1)
+    exact = _exact_marginals(model, sampler)
+    assert all(p.max() < 0.6 for p in exact)  # no near-certain token: the check has teeth
+    drafter = (_Unconditioned if broken else _FirstRight)(draft, PROMPT)
+    excess = _excess((model, drafter, None), exact, "sample", sampler=sampler, drafter=drafter)
+    assert (max(excess) > 0) == broken, excess
+
+
 # ---- Parity with the authors' PyTorch class (z-lab's dflash package) ----
 
 
@@ -193,7 +295,8 @@ def _authors_folder(path, config, seed=0):
 def test_block_logits_and_selector_path_match_the_authors(authors, folders, tmp_path, window, causal):
     """Three drafting cycles over a context that grows (longer than a small window) and is
     cropped between them, as in the authors' loop: hidden states, logits, the selector's
-    candidates and its path agree."""
+    candidates and its path agree, and so does each position's sampling distribution after the
+    authors' draw before it."""
     reference = authors
     ours, theirs = tmp_path / "saved", tmp_path / "published"
     torch_draft = _authors_folder(ours, dflash2_config(window, causal))
@@ -232,6 +335,16 @@ def test_block_logits_and_selector_path_match_the_authors(authors, folders, tmp_
         assert np.array_equal(np.sort(np.array(our_candidates), -1), np.sort(candidates.numpy(), -1))
         assert np.array(our_path).tolist() == path.tolist()
         assert mx.array_equal(draft.draft_tokens(model, mx.array([block]), None, cache.draft), our_path)
+        # Sampling: each position's distribution, after the authors' own draw before it.
+        with torch.no_grad():
+            drawn, _, their_q = torch_draft.propose(h, torch.tensor(block[:1]), head, 0.7)
+        previous = block[:1] + drawn[0, :-1].tolist()
+        for i in range(BLOCK - 1):
+            their_row = np.zeros(VOCAB, dtype=np.float32)
+            their_row[candidates[0, i].numpy()] = their_q[0, i].numpy()
+            slot = our_h[:, i : i + 1], our_logits[:, i : i + 1], mx.array(previous[i : i + 1])
+            _, our_row = draft.candidate_selector.sample(*slot, make_sampler(0.7).probs)
+            np.testing.assert_allclose(np.array(our_row[0, 0]), their_row, atol=1e-5)
         off_argmax += int((path != logits.argmax(-1)).sum())
         # The next cycle: the taps of the positions the target kept.
         kept = int(rng.integers(1, BLOCK))

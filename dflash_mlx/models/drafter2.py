@@ -13,7 +13,8 @@ Three things change from DFlash (``drafter.py``), all read from the published ch
 * the drafts are not each position's argmax: a :class:`CandidateSelector` walks the block left
   to right and picks, among each position's ``selector_top_k`` likeliest tokens, the one whose
   logit plus a low-rank score of the pair (previous draft, candidate) is highest. The drafts
-  thus form a path in which each token fits the one before it.
+  thus form a path in which each token fits the one before it. When sampling, each is drawn
+  from the softmax of those scores instead, after the drafts drawn before it.
 
 The context path (taps through ``fc`` + ``hidden_norm``, injected as keys and values), the
 attention, the caches and the weight names are DFlash's. Inco AI, "DFlash 2: Keep Drafting
@@ -21,12 +22,13 @@ Parallel" (2026); z-lab's ``dflash`` package holds the reference implementation.
 """
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import DFlashError
+from ..sampling import sample_rows
 from . import drafter
 from . import target as tgt
 
@@ -188,6 +190,45 @@ class CandidateSelector(nn.Module):
             ``(path, candidates)``: ``(B, L)`` token ids and the ``(B, L, top_k)`` candidates
             they were chosen among (in no particular order).
         """
+
+        def best(scores, candidates):
+            pick = mx.argmax(scores, axis=-1)
+            return mx.take_along_axis(candidates, pick[:, None], axis=-1)[:, 0]
+
+        return self._walk(h, logits, anchor, best)
+
+    def sample(
+        self, h: mx.array, logits: mx.array, anchor: mx.array, probs: Callable[[mx.array], mx.array]
+    ) -> tuple[mx.array, mx.array]:
+        """A sampled path: each position's token drawn from ``probs`` of its candidates' scores.
+
+        A position's scores depend on the token drawn before it, so its distribution is the one
+        conditioned on the path so far: what speculative sampling needs as ``q``.
+
+        Args:
+            h, logits, anchor: As for :meth:`__call__`.
+            probs: Maps ``(B, V)`` scores (``-inf`` outside the candidates) to the distribution
+              to draw from, ``(B, V)``: a sampler's, with its temperature and filters.
+
+        Returns:
+            ``(path, q)``: ``(B, L)`` token ids and ``(B, L, V)`` the distribution each was
+            drawn from, zero outside its position's candidates.
+        """
+        B, _, V = logits.shape
+        rows = []
+
+        def draw(scores, candidates):
+            # Over the whole vocabulary, so that the sampler's filters (XTC's protected ids too)
+            # act as on the target's logits; one softmax over it per draft, as DFlash's sampled drafts.
+            full = mx.full((B, V), -mx.inf, dtype=mx.float32)
+            rows.append(probs(mx.put_along_axis(full, candidates, scores.astype(mx.float32), axis=-1)))
+            return sample_rows(rows[-1]).astype(candidates.dtype)
+
+        path, _ = self._walk(h, logits, anchor, draw)
+        return path, mx.stack(rows, axis=1)
+
+    def _walk(self, h, logits, anchor, choose) -> tuple[mx.array, mx.array]:
+        # Left to right: each position's candidates scored after the token chosen before it.
         L, k = h.shape[1], self.top_k
         candidates = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]
         unary = mx.take_along_axis(logits, candidates, axis=-1)  # (B, L, k)
@@ -197,8 +238,7 @@ class CandidateSelector(nn.Module):
         for i in range(L):
             query = self.predecessor_codebook(previous) * gate[:, i]  # (B, r)
             scores = unary[:, i] + (successors[:, i] @ query[:, :, None])[..., 0]  # (B, k)
-            pick = mx.argmax(scores, axis=-1)
-            previous = mx.take_along_axis(candidates[:, i], pick[:, None], axis=-1)[:, 0]
+            previous = choose(scores, candidates[:, i])
             path.append(previous)
         return mx.stack(path, axis=1), candidates
 
@@ -207,9 +247,9 @@ class DraftModel(drafter.DraftModel):
     """The DFlash2 drafter (``DFlash2DraftModel`` checkpoints).
 
     Its pass over a block is DFlash's, through this module's decoder layers; :meth:`draft_tokens`
-    turns it into drafts through the selector. It drafts over the target's whole vocabulary (no
-    ``draft_vocab``). Sampling drafts from the selector is not implemented: drafts are always
-    the greedy path, which verification accepts exactly under any sampler.
+    turns it into drafts through the selector (its greedy path), :meth:`sample_tokens` into drafts
+    drawn from it with their distributions. It drafts over the target's whole vocabulary (no
+    ``draft_vocab``).
     """
 
     layer_class: ClassVar[type] = DecoderLayer
@@ -236,6 +276,23 @@ class DraftModel(drafter.DraftModel):
         h = self.block_hidden(model, block, target_hidden, cache, speedups)[:, 1:]
         path, _ = self.candidate_selector(h, self.logits(model, h), block[:, 0])
         return path
+
+    def sample_tokens(
+        self,
+        model: nn.Module,
+        block: mx.array,
+        target_hidden,
+        cache,
+        probs: Callable[[mx.array], mx.array],
+        speedups=None,
+        num_drafts: int | None = None,
+    ) -> tuple[mx.array, mx.array]:
+        """Drafts for block positions ``1..num_drafts`` drawn along the selector's path
+        (:meth:`CandidateSelector.sample`): ``(1, n)`` ids and ``(1, n, V)`` the distribution
+        each was drawn from, after the drafts before it."""
+        h = self.block_hidden(model, block, target_hidden, cache, speedups)[:, 1:]
+        h = h if num_drafts is None else h[:, :num_drafts]  # later slots are not verified: not paid for
+        return self.candidate_selector.sample(h, self.logits(model, h), block[:, 0], probs)
 
     def set_draft_vocab(self, ids: mx.array | None) -> None:
         if ids is not None:
