@@ -7,11 +7,11 @@ import shutil
 
 import mlx.core as mx
 import pytest
-from helpers.checkpoints import MASK_ID, VOCAB, draft_config, write_draft
+from helpers import family
+from helpers.checkpoints import MASK_ID, draft_config, write_draft
 from helpers.decoding import run
+from helpers.family import prompt_ids, reference
 from helpers.hf_checkpoints import GEMMA_KINDS, GEMMA_WINDOW, write_hf_target
-from helpers.oracles import AcceptExactlyDraft, ScriptedDraft
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import DFlashError, load, make_cache
@@ -21,7 +21,6 @@ from dflash_mlx.models.drafter import ModelArgs
 
 torch = pytest.importorskip("torch")
 
-MAX_REF = 64
 SLACK = 16  # the largest rollback here: a block of 16's rejected drafts, plus one
 
 
@@ -60,19 +59,10 @@ def gemma_pairs(gemma_targets):
     return {kind: load(gemma_targets[kind][0], gemma_targets["draft"][0]) for kind in GEMMA_KINDS}
 
 
-def _prompt(length: int, seed: int = 3) -> list[int]:
-    return mx.random.randint(0, VOCAB - 4, (length,), key=mx.random.key(seed)).tolist()
-
-
-def reference(model, prompt, max_tokens=MAX_REF):
-    """mlx-lm's own greedy decoding, with its own (rotating) caches."""
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
-
-
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
 def test_mlx_lm_greedy_matches_transformers(gemma_targets, gemma_pairs, kind):
     hf, model = gemma_targets[kind][1], gemma_pairs[kind][0]
-    prompt = _prompt(30, seed=5)
+    prompt = prompt_ids(30, seed=5)
     assert len(prompt) > 4 * GEMMA_WINDOW
     with torch.no_grad():
         ids = torch.tensor([prompt])
@@ -84,7 +74,7 @@ def test_mlx_lm_greedy_matches_transformers(gemma_targets, gemma_pairs, kind):
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
 def test_taps_embedding_and_head_match_transformers(gemma_targets, gemma_pairs, kind):
     hf, model = gemma_targets[kind][1], gemma_pairs[kind][0]
-    prompt = _prompt(23)
+    prompt = prompt_ids(23)
     with torch.no_grad():
         out = hf(torch.tensor([prompt]), output_hidden_states=True)
         hf_embedding = hf.get_input_embeddings()(torch.tensor([prompt]))
@@ -132,7 +122,7 @@ def test_caches_roll_back_at_every_length(gemma_pairs, kind, prompt_len):
     cache = make_cache(model).target
     own = 2 if kind == "gemma4_text" else 4
     assert [type(c) for c in cache] == [sliding.SlidingKVCache, KVCache] * (own // 2)
-    prompt, block = _prompt(prompt_len), _prompt(16, seed=7)
+    prompt, block = prompt_ids(prompt_len), prompt_ids(16, seed=7)
     nxt = mx.array([[5, 6, 7]])
     for n in range(0, 17):
         cache = make_cache(model).target
@@ -155,7 +145,7 @@ def test_a_sliding_cache_keeps_its_window_and_slack(gemma_pairs):
     model = gemma_pairs["gemma4"][0]
     cache = make_cache(model).target
     for passes in range(1, 21):
-        tgt.forward_with_taps(model, mx.array([_prompt(7)]), cache, [])
+        tgt.forward_with_taps(model, mx.array([prompt_ids(7)]), cache, [])
         sliding = cache[0]
         assert GEMMA_WINDOW - 1 + SLACK + 7 <= sliding.stored <= GEMMA_WINDOW - 1 + SLACK + 8 + 7 or sliding.start == 0
         assert sliding.keys_and_values()[0].shape[2] == sliding.stored
@@ -173,85 +163,36 @@ def test_a_sliding_cache_keeps_its_window_and_slack(gemma_pairs):
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
 def test_lossless_random_drafter(gemma_pairs, kind, block_size, prompt_len):
     model, draft, _ = gemma_pairs[kind]
-    prompt = _prompt(prompt_len)
-    ref = reference(model, prompt)
-    for max_tokens in (1, block_size + 1, MAX_REF):
-        out, _ = run(model, draft, prompt, block_size=block_size, max_tokens=max_tokens)
-        assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
+    family.check_lossless(model, draft, block_size, prompt_len)
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 16])
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
 def test_every_acceptance_length(gemma_pairs, kind, block_size):
-    """A drafter right for exactly k drafts, k = 0..B-1 in turn: the target keeps exactly k."""
     model, draft, _ = gemma_pairs[kind]
-    prompt = _prompt(7)
-    ref = reference(model, prompt, 200)
-    schedule = list(range(block_size))
-    oracle = AcceptExactlyDraft(draft, prompt + ref, VOCAB, schedule)
-    cache = make_cache(model, oracle)
-    out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=200, prompt_cache=cache,
-                      adaptive=False)
-    assert out == ref
-    drafted = [s for s in cycles[1:] if s.num_draft == block_size - 1]
-    assert [s.num_accepted for s in drafted][: 2 * block_size] == (schedule * 2)[: len(drafted[: 2 * block_size])]
-    assert len(drafted) >= block_size
-    assert all(c.offset == len(cache.tokens) for c in cache.target)
+    family.check_every_acceptance_length(model, draft, block_size)
 
 
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
 def test_stop_tokens_mid_block_then_continue(gemma_pairs, kind):
     model, draft, _ = gemma_pairs[kind]
-    for seed in range(3, 40):
-        prompt = _prompt(7, seed=seed)
-        ref = reference(model, prompt)
-        stop_index = next((i for i in range(5, 30) if ref[i] not in ref[:i]), None)
-        if stop_index is not None:
-            break
-    stop = {ref[stop_index]}
-    oracle = ScriptedDraft(draft, prompt + ref, VOCAB)
-    for block_size in (4, 16):
-        for drafter in (oracle, draft):
-            cache = make_cache(model, drafter)
-            out, _ = run(model, drafter, prompt, block_size=block_size, max_tokens=MAX_REF, stop_tokens=stop,
-                         prompt_cache=cache)  # fmt: skip
-            assert out == ref[: stop_index + 1]
-            assert cache.offset == len(cache.tokens) == len(prompt) + stop_index
-            follow = prompt + out + _prompt(4, seed=9)
-            again, _ = run(model, drafter, follow, block_size=block_size, max_tokens=30, prompt_cache=cache)
-            assert again == reference(model, follow, 30)
+    family.check_stop_mid_block_then_continue(model, draft)
 
 
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
 def test_multi_turn_reuse_equals_a_fresh_run(gemma_pairs, kind):
     model, draft, _ = gemma_pairs[kind]
-    oracle = ScriptedDraft(draft, [], VOCAB, wrong_every=3)
-    prompt = _prompt(20)
-    cache = make_cache(model, oracle)
-    oracle.sequence = prompt + reference(model, prompt)
-    first, _ = run(model, oracle, prompt, max_tokens=30, prompt_cache=cache)
-    # The next turn extends the conversation: everything cached is reused.
-    follow = prompt + first + _prompt(5, seed=9)
-    assert cache.reusable_prefix(follow) == len(prompt) + len(first) - 1 and cache.reuse_note is None
-    oracle.sequence = follow + reference(model, follow, 40)
-    second, _ = run(model, oracle, follow, max_tokens=40, prompt_cache=cache)
-    assert second == reference(model, follow, 40)
+    cache, oracle, prompt, follow, second = family.two_turns(model, draft)
     # A turn that rewrites the end of the previous answer: the sliding layers go back that far.
-    edited = follow + second[:30] + [1, 2] + _prompt(4, seed=11)
+    edited = follow + second[:30] + [1, 2] + prompt_ids(4, seed=11)
     assert cache.reusable_prefix(edited) == len(follow) + 30 and cache.reuse_note is None
-    third, _ = run(model, draft, edited, max_tokens=30, prompt_cache=cache)
-    assert third == reference(model, edited, 30)
+    family.check_turn(model, draft, cache, edited)
     # One that rewrites it from its start, further back than the sliding layers keep: they return to
     # the window saved at the end of that turn's prompt.
-    again = follow + second[:3] + [1, 2] + _prompt(4, seed=12)
+    again = follow + second[:3] + [1, 2] + prompt_ids(4, seed=12)
     assert cache.reusable_prefix(again) == len(follow) and "sliding window was saved" in cache.reuse_note
-    fourth, _ = run(model, draft, again, max_tokens=30, prompt_cache=cache)
-    assert fourth == reference(model, again, 30)
-    # A prompt that leaves the conversation early: nothing saved before it, prefilled whole.
-    other = prompt[:5] + _prompt(9, seed=13)
-    assert cache.reusable_prefix(other) == 0 and "reused 0 of 5" in cache.reuse_note
-    fifth, _ = run(model, draft, other, max_tokens=30, prompt_cache=cache)
-    assert fifth == reference(model, other, 30)
+    family.check_turn(model, draft, cache, again)
+    family.check_leaving_early(model, draft, cache, prompt)
 
 
 def test_gemma4_unified_is_built_by_mlx_lms_gemma4_module(gemma_targets, gemma_pairs, tmp_path):
@@ -263,7 +204,7 @@ def test_gemma4_unified_is_built_by_mlx_lms_gemma4_module(gemma_targets, gemma_p
     (folder / "config.json").write_text(json.dumps(config))
     model, draft, _ = load(folder, gemma_targets["draft"][0])
     assert model.model_type == "gemma4_unified"
-    prompt = _prompt(20)
+    prompt = prompt_ids(20)
     ref = reference(gemma_pairs["gemma4"][0], prompt, 40)
     assert reference(model, prompt, 40) == ref and run(model, draft, prompt, max_tokens=40)[0] == ref
 
@@ -327,7 +268,7 @@ def test_published_drafter_configs_load(gemma_targets, gemma_pairs, tmp_path):
     model, draft, _ = load(gemma_targets["gemma4"][0], folder)
     assert draft.layers[0].self_attn.window == 8 and draft.args.final_logit_softcapping == 5.0
     assert draft.mask_token_id == MASK_ID
-    prompt = _prompt(30)
+    prompt = prompt_ids(30)
     assert run(model, draft, prompt, max_tokens=40)[0] == reference(model, prompt, 40)
     (folder / "config.json").write_text(json.dumps(dict(v5, final_logit_softcapping=30.0)))
     with pytest.raises(DFlashError, match="final_logit_softcapping=30.0, but this target's is 5.0"):
@@ -351,7 +292,7 @@ def test_convert_load_generate_chat(gemma_targets, kind, tmp_path, capsys):
                      dtype="float32", check_tokens=16, verbose=False)  # fmt: skip
     assert result.check.tokens_match
     model, draft, _ = load(pair)
-    prompt = _prompt(20)
+    prompt = prompt_ids(20)
     assert run(model, draft, prompt, max_tokens=24)[0] == reference(model, prompt, 24)
     generate_main(["--model", str(pair), "--prompt", "t1 t2 t3", "--max-tokens", "8"])
     assert "Acceptance length" in capsys.readouterr().out

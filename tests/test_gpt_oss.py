@@ -8,12 +8,13 @@ import shutil
 
 import mlx.core as mx
 import pytest
+from helpers import family
 from helpers.checkpoints import VOCAB, draft_config, write_draft, write_tokenizer
 from helpers.decoding import run
+from helpers.family import MAX_REF, prompt_ids, reference
 from helpers.hf_checkpoints import GPT_OSS_WINDOW, hf_model, write_hf_target
-from helpers.oracles import AcceptExactlyDraft, ScriptedDraft
+from helpers.oracles import ScriptedDraft
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from dflash_mlx import DFlashError, load, make_cache
@@ -24,7 +25,6 @@ from dflash_mlx.models.sliding import SlidingKVCache
 
 torch = pytest.importorskip("torch")
 
-MAX_REF = 64
 W = GPT_OSS_WINDOW
 SLACK = 16  # the largest rollback here: a block of 16's rejected drafts, plus one
 
@@ -52,15 +52,6 @@ def pair(folders):
     return load(target, draft)
 
 
-def _prompt(length: int, seed: int = 3) -> list[int]:
-    return mx.random.randint(0, VOCAB - 4, (length,), key=mx.random.key(seed)).tolist()
-
-
-def reference(model, prompt, max_tokens=MAX_REF):
-    """mlx-lm's own greedy decoding, with its own caches (a RotatingKVCache per sliding layer)."""
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
-
-
 def test_the_checkpoint_is_the_published_layout(folders, pair):
     target, _, _ = folders
     config = json.loads((target / "config.json").read_text())
@@ -78,7 +69,7 @@ def test_the_checkpoint_is_the_published_layout(folders, pair):
 @pytest.mark.parametrize("length", [3, 30])
 def test_mlx_lm_greedy_matches_transformers(folders, pair, length):
     hf, model = folders[1], pair[0]
-    prompt = _prompt(length, seed=5)
+    prompt = prompt_ids(length, seed=5)
     with torch.no_grad():
         ids = torch.tensor([prompt])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
@@ -88,7 +79,7 @@ def test_mlx_lm_greedy_matches_transformers(folders, pair, length):
 
 def test_taps_match_transformers_hidden_states(folders, pair):
     hf, model = folders[1], pair[0]
-    prompt = _prompt(23)  # several windows long
+    prompt = prompt_ids(23)  # several windows long
     with torch.no_grad():
         hidden = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
     tap_ids = [0, 1, 2, 3]
@@ -107,7 +98,7 @@ def test_taps_match_transformers_hidden_states(folders, pair):
 def test_taps_in_chunks_equal_one_pass(pair):
     """A prompt fed in chunks (the window cut between them) gives the taps of one pass."""
     model = pair[0]
-    prompt = _prompt(29)
+    prompt = prompt_ids(29)
     _, whole = tgt.forward_with_taps(model, mx.array([prompt]), make_cache(model).target, [0, 3])
     cache, parts = make_cache(model).target, []
     for a, b in ((0, 4), (4, 5), (5, 16), (16, 29)):
@@ -122,7 +113,7 @@ def test_sliding_trim_equals_a_shorter_pass(pair, prompt_len):
     """After a pass of B tokens, trim(n) leaves what a pass of B - n tokens leaves, for every n:
     the next pass gives the same logits, also where the window has moved past the prompt."""
     model = pair[0]
-    prompt, block = _prompt(prompt_len), _prompt(16, seed=7)
+    prompt, block = prompt_ids(prompt_len), prompt_ids(16, seed=7)
     for n in range(0, 17):
         cache = make_cache(model).target
         tgt.forward_with_taps(model, mx.array([prompt]), cache, [])
@@ -148,8 +139,8 @@ def test_sliding_trim_past_what_the_window_keeps_is_refused(pair):
     """A trim back over the last pass and the slack before it is exact; one further is refused."""
     model = pair[0]
     cache = make_cache(model).target
-    tgt.forward_with_taps(model, mx.array([_prompt(40)]), cache, [])
-    tgt.forward_with_taps(model, mx.array([_prompt(3)]), cache, [])
+    tgt.forward_with_taps(model, mx.array([prompt_ids(40)]), cache, [])
+    tgt.forward_with_taps(model, mx.array([prompt_ids(3)]), cache, [])
     layer = cache[0]
     assert layer.stored == W - 1 + SLACK + 3 and layer.floor == 43 - SLACK - 3
     assert layer.can_trim(SLACK + 3) and not layer.can_trim(SLACK + 4)
@@ -161,27 +152,13 @@ def test_sliding_trim_past_what_the_window_keeps_is_refused(pair):
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_lossless_random_drafter(pair, block_size, prompt_len):
     model, draft, _ = pair
-    prompt = _prompt(prompt_len)
-    ref = reference(model, prompt)
-    for max_tokens in (1, block_size + 1, MAX_REF):
-        out, _ = run(model, draft, prompt, block_size=block_size, max_tokens=max_tokens)
-        assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
+    family.check_lossless(model, draft, block_size, prompt_len)
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 16])
 def test_every_acceptance_length(pair, block_size):
-    """A drafter right for exactly k drafts, k = 0..B-1 in turn: the target keeps exactly k, and
-    the window, long passed, still rolls back exactly."""
     model, draft, _ = pair
-    prompt = _prompt(7)
-    ref = reference(model, prompt, 200)
-    schedule = list(range(block_size))
-    oracle = AcceptExactlyDraft(draft, prompt + ref, VOCAB, schedule)
-    out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=200, adaptive=False)
-    assert out == ref
-    drafted = [s for s in cycles[1:] if s.num_draft == block_size - 1]
-    assert [s.num_accepted for s in drafted][: 2 * block_size] == (schedule * 2)[: len(drafted[: 2 * block_size])]
-    assert len(drafted) >= block_size
+    family.check_every_acceptance_length(model, draft, block_size)
 
 
 def test_plain_decoding_and_fallbacks_are_lossless(pair):
@@ -189,7 +166,7 @@ def test_plain_decoding_and_fallbacks_are_lossless(pair):
     confidence cutoff through the same window cache."""
     model, draft, _ = pair
     for prompt_len in (1, 40):
-        prompt = _prompt(prompt_len)
+        prompt = prompt_ids(prompt_len)
         ref = reference(model, prompt)
         assert run(model, None, prompt, max_tokens=MAX_REF)[0] == ref
         mixed = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=3, unsure_every=4)
@@ -201,61 +178,27 @@ def test_plain_decoding_and_fallbacks_are_lossless(pair):
 
 def test_stop_tokens_mid_block_then_continue(pair):
     model, draft, _ = pair
-    # A prompt whose continuation has a new token past the first few, to stop on.
-    for seed in range(3, 40):
-        prompt = _prompt(9, seed=seed)
-        ref = reference(model, prompt)
-        stop_index = next((i for i in range(5, 30) if ref[i] not in ref[:i]), None)
-        if stop_index is not None:
-            break
-    stop = {ref[stop_index]}
-    oracle = ScriptedDraft(draft, prompt + ref, VOCAB)
-    for block_size in (4, 16):
-        for drafter in (oracle, draft, None):
-            cache = make_cache(model, drafter)
-            out, _ = run(model, drafter, prompt, block_size=block_size if drafter else 1, max_tokens=MAX_REF,
-                         stop_tokens=stop, prompt_cache=cache)  # fmt: skip
-            assert out == ref[: stop_index + 1]
-            assert cache.offset == len(cache.tokens) == len(prompt) + stop_index
-            follow = prompt + out + _prompt(4, seed=9)
-            again, _ = run(model, drafter, follow, block_size=block_size if drafter else 1, max_tokens=30,
-                           prompt_cache=cache)  # fmt: skip
-            assert again == reference(model, follow, 30)
+    family.check_stop_mid_block_then_continue(model, draft, prompt_len=9, with_plain=True)
 
 
 def test_multi_turn_reuse_equals_a_fresh_run(pair):
     model, draft, _ = pair
-    oracle = ScriptedDraft(draft, [], VOCAB, wrong_every=3)  # its script is set per turn
-    prompt = _prompt(20)
-    cache = make_cache(model, oracle)
-    oracle.sequence = prompt + reference(model, prompt)
-    first, _ = run(model, oracle, prompt, max_tokens=30, prompt_cache=cache)
-    # The next turn extends the conversation: everything cached is reused.
-    follow = prompt + first + _prompt(5, seed=9)
-    assert cache.reusable_prefix(follow) == len(prompt) + len(first) - 1 and cache.reuse_note is None
-    oracle.sequence = follow + reference(model, follow, 40)
-    second, _ = run(model, oracle, follow, max_tokens=40, prompt_cache=cache)
-    assert second == reference(model, follow, 40)
+    cache, oracle, prompt, follow, second = family.two_turns(model, draft)
     # A turn that rewrites the previous answer (as chat templates that drop old reasoning do)
     # returns to the window saved at the end of that turn's prompt.
-    edited = follow + second[:3] + [1, 2] + _prompt(4, seed=11)
-    edited_again = follow + second[:3] + [7, 7] + _prompt(4, seed=12)
+    edited = follow + second[:3] + [1, 2] + prompt_ids(4, seed=11)
+    edited_again = follow + second[:3] + [7, 7] + prompt_ids(4, seed=12)
     run(model, oracle, edited, max_tokens=20, prompt_cache=cache)
     reuse = cache.reusable_prefix(edited_again)
     assert reuse == len(follow) and "sliding window was saved" in cache.reuse_note
-    third, _ = run(model, oracle, edited_again, max_tokens=30, prompt_cache=cache)
-    assert third == reference(model, edited_again, 30)
-    # A prompt that leaves the conversation early: nothing saved before it, prefilled whole.
-    other = prompt[:5] + _prompt(9, seed=13)
-    assert cache.reusable_prefix(other) == 0 and "reused 0 of 5" in cache.reuse_note
-    fourth, _ = run(model, draft, other, max_tokens=30, prompt_cache=cache)
-    assert fourth == reference(model, other, 30)
+    family.check_turn(model, oracle, cache, edited_again)
+    family.check_leaving_early(model, draft, cache, prompt)
 
 
 def test_block_size_auto_is_lossless(pair):
     """block_size='auto' times verify passes on the live cache and trims each one off."""
     model, draft, _ = pair
-    prompt = _prompt(30)
+    prompt = prompt_ids(30)
     out, _ = run(model, draft, prompt, block_size="auto", max_tokens=40, adaptive=False)
     assert out == reference(model, prompt, 40)
 
@@ -278,7 +221,7 @@ def test_a_drafter_shaped_like_the_published_one(folders, tmp_path):
     assert draft.block_size == 8 and draft.target_layer_ids == [0, 1, 1, 2, 3]
     assert "layers.0.self_attn.q_proj.bias" in dict(tree_flatten(draft.parameters()))
     for prompt_len in (3, 25):
-        prompt = _prompt(prompt_len)
+        prompt = prompt_ids(prompt_len)
         assert run(model, draft, prompt, max_tokens=40)[0] == reference(model, prompt, 40)
 
 
@@ -301,7 +244,7 @@ def test_convert_load_generate(folders, tmp_path, capsys, q_bits):
     if q_bits:
         assert quantization["model.layers.0.self_attn.q_proj"] == {"group_size": 32, "bits": 8, "mode": "affine"}
     model, draft, _ = load(pair)
-    prompt = _prompt(19)
+    prompt = prompt_ids(19)
     assert run(model, draft, prompt, max_tokens=24)[0] == reference(model, prompt, 24)
     generate_main(["--model", str(pair), "--prompt", "t1 t2 t3", "--max-tokens", "8"])
     assert "Acceptance length" in capsys.readouterr().out

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers import family
 from helpers.checkpoints import VOCAB, write_draft
 from helpers.decoding import run
+from helpers.family import MAX_REF, prompt_ids, reference
 from helpers.hf_checkpoints import HF_KINDS, write_hf_target
-from helpers.oracles import AcceptExactlyDraft, ScriptedDraft
-from mlx_lm.generate import generate_step
+from helpers.oracles import ScriptedDraft
 
 from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache
 from dflash_mlx.models import target as tgt
@@ -22,7 +23,6 @@ from dflash_mlx.models.hybrid import RecurrentCache
 torch = pytest.importorskip("torch")
 
 HYBRID = [k for k in HF_KINDS if k != "qwen3_moe"]
-MAX_REF = 64
 
 
 @pytest.fixture(scope="session")
@@ -40,18 +40,10 @@ def pairs(hf_targets):
     return {kind: load(hf_targets[kind][0], hf_targets["draft"][0]) for kind in HF_KINDS}
 
 
-def _prompt(length: int, seed: int = 3) -> list[int]:
-    return mx.random.randint(0, VOCAB - 4, (length,), key=mx.random.key(seed)).tolist()
-
-
-def reference(model, prompt, max_tokens=MAX_REF):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
-
-
 @pytest.mark.parametrize("kind", HF_KINDS)
 def test_mlx_lm_greedy_matches_transformers(hf_targets, pairs, kind):
     hf, model = hf_targets[kind][1], pairs[kind][0]
-    prompt = _prompt(30, seed=5)
+    prompt = prompt_ids(30, seed=5)
     with torch.no_grad():
         ids = torch.tensor([prompt])  # an explicit mask: token 0 is also the pad token
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
@@ -62,7 +54,7 @@ def test_mlx_lm_greedy_matches_transformers(hf_targets, pairs, kind):
 @pytest.mark.parametrize("kind", HF_KINDS)
 def test_taps_match_transformers_hidden_states(hf_targets, pairs, kind):
     hf, model = hf_targets[kind][1], pairs[kind][0]
-    prompt = _prompt(23)
+    prompt = prompt_ids(23)
     with torch.no_grad():
         hidden = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
     tap_ids = [0, 1, 2, 3]
@@ -80,7 +72,7 @@ def test_taps_match_transformers_hidden_states(hf_targets, pairs, kind):
 def test_recurrent_trim_equals_a_shorter_pass(pairs, kind):
     """After a pass of B tokens, trim(n) leaves the state a pass of B - n tokens leaves."""
     model = pairs[kind][0]
-    prompt, block = _prompt(11), _prompt(16, seed=7)
+    prompt, block = prompt_ids(11), prompt_ids(16, seed=7)
     for n in range(0, 17):
         cache = make_cache(model).target
         tgt.forward_with_taps(model, mx.array([prompt]), cache, [])
@@ -106,8 +98,8 @@ def test_trim_forgets_states_kept_past_the_new_end(pairs):
     """A checkpoint of dropped tokens is never offered for reuse (it is another continuation)."""
     model = pairs["qwen3_5"][0]
     cache = make_cache(model).target
-    tgt.forward_with_taps(model, mx.array([_prompt(11)]), cache, [])
-    tgt.forward_with_taps(model, mx.array([_prompt(16, seed=7)]), cache, [])
+    tgt.forward_with_taps(model, mx.array([prompt_ids(11)]), cache, [])
+    tgt.forward_with_taps(model, mx.array([prompt_ids(16, seed=7)]), cache, [])
     recurrent = [c for c in cache if isinstance(c, RecurrentCache)]
     for c in recurrent:
         c.checkpoint()
@@ -120,8 +112,8 @@ def test_trim_forgets_states_kept_past_the_new_end(pairs):
 def test_recurrent_trim_past_the_last_pass_is_refused(pairs, kind):
     model = pairs[kind][0]
     cache = make_cache(model).target
-    tgt.forward_with_taps(model, mx.array([_prompt(5)]), cache, [])
-    tgt.forward_with_taps(model, mx.array([_prompt(3)]), cache, [])
+    tgt.forward_with_taps(model, mx.array([prompt_ids(5)]), cache, [])
+    tgt.forward_with_taps(model, mx.array([prompt_ids(3)]), cache, [])
     with pytest.raises(DFlashError, match="cannot drop 4 tokens: only the last pass \\(3 tokens\\)"):
         cache[0].trim(4)
 
@@ -131,58 +123,27 @@ def test_recurrent_trim_past_the_last_pass_is_refused(pairs, kind):
 @pytest.mark.parametrize("kind", HF_KINDS)
 def test_lossless_random_drafter(pairs, kind, block_size, prompt_len):
     model, draft, _ = pairs[kind]
-    prompt = _prompt(prompt_len)
-    ref = reference(model, prompt)
-    for max_tokens in (1, block_size + 1, MAX_REF):
-        out, _ = run(model, draft, prompt, block_size=block_size, max_tokens=max_tokens)
-        assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
+    family.check_lossless(model, draft, block_size, prompt_len)
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 16])
 @pytest.mark.parametrize("kind", HF_KINDS)
 def test_every_acceptance_length(pairs, kind, block_size):
-    """A drafter right for exactly k drafts, k = 0..B-1 in turn: the target keeps exactly k."""
     model, draft, _ = pairs[kind]
-    prompt = _prompt(7)
-    ref = reference(model, prompt, 200)
-    schedule = list(range(block_size))
-    oracle = AcceptExactlyDraft(draft, prompt + ref, VOCAB, schedule)
-    out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=200, adaptive=False)
-    assert out == ref
-    drafted = [s for s in cycles[1:] if s.num_draft == block_size - 1]
-    assert [s.num_accepted for s in drafted][: 2 * block_size] == (schedule * 2)[: len(drafted[: 2 * block_size])]
-    assert len(drafted) >= block_size
+    family.check_every_acceptance_length(model, draft, block_size)
 
 
 @pytest.mark.parametrize("kind", HYBRID)
 def test_stop_tokens_mid_block_then_continue(pairs, kind):
     model, draft, _ = pairs[kind]
-    # A prompt whose continuation has a new token past the first few, to stop on.
-    for seed in range(3, 40):
-        prompt = _prompt(7, seed=seed)
-        ref = reference(model, prompt)
-        stop_index = next((i for i in range(5, 30) if ref[i] not in ref[:i]), None)
-        if stop_index is not None:
-            break
-    stop = {ref[stop_index]}
-    oracle = ScriptedDraft(draft, prompt + ref, VOCAB)
-    for block_size in (4, 16):
-        for drafter in (oracle, draft):
-            cache = make_cache(model, drafter)
-            out, _ = run(model, drafter, prompt, block_size=block_size, max_tokens=MAX_REF, stop_tokens=stop,
-                         prompt_cache=cache)  # fmt: skip
-            assert out == ref[: stop_index + 1]
-            assert cache.offset == len(cache.tokens) == len(prompt) + stop_index
-            follow = prompt + out + _prompt(4, seed=9)
-            again, _ = run(model, drafter, follow, block_size=block_size, max_tokens=30, prompt_cache=cache)
-            assert again == reference(model, follow, 30)
+    family.check_stop_mid_block_then_continue(model, draft)
 
 
 @pytest.mark.parametrize("kind", HYBRID)
 def test_min_confidence_and_lookup_fallback(pairs, kind):
     model, draft, _ = pairs[kind]
     for prompt_len in (1, 40):
-        prompt = _prompt(prompt_len)
+        prompt = prompt_ids(prompt_len)
         ref = reference(model, prompt)
         mixed = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=3, unsure_every=4)
         for drafter, cutoff, fallback in ((draft, 0.5, 8), (mixed, 0.5, 0), (mixed, 0.0, 8)):
@@ -200,43 +161,28 @@ def test_block_size_auto_is_refused_in_one_line(pairs):
 @pytest.mark.parametrize("kind", HYBRID)
 def test_multi_turn_reuse_equals_a_fresh_run(pairs, kind):
     model, draft, _ = pairs[kind]
-    oracle = ScriptedDraft(draft, [], VOCAB, wrong_every=3)  # its script is set per turn
-    prompt = _prompt(20)
-    cache = make_cache(model, oracle)
-    oracle.sequence = prompt + reference(model, prompt)
-    first, _ = run(model, oracle, prompt, max_tokens=30, prompt_cache=cache)
-    # The next turn extends the conversation: everything cached is reused.
-    follow = prompt + first + _prompt(5, seed=9)
-    assert cache.reusable_prefix(follow) == len(prompt) + len(first) - 1 and cache.reuse_note is None
-    oracle.sequence = follow + reference(model, follow, 40)
-    second, _ = run(model, oracle, follow, max_tokens=40, prompt_cache=cache)
-    assert second == reference(model, follow, 40)
+    cache, oracle, prompt, follow, second = family.two_turns(model, draft)
     # A turn that rewrites the previous answer (as chat templates that drop old reasoning
     # do) returns to the state saved at the end of that turn's prompt.
-    edited = follow + second[:3] + [1, 2] + _prompt(4, seed=11)
-    edited_again = follow + second[:3] + [7, 7] + _prompt(4, seed=12)
+    edited = follow + second[:3] + [1, 2] + prompt_ids(4, seed=11)
+    edited_again = follow + second[:3] + [7, 7] + prompt_ids(4, seed=12)
     run(model, oracle, edited, max_tokens=20, prompt_cache=cache)
     reuse = cache.reusable_prefix(edited_again)
     assert reuse == len(follow) and "recurrent state was saved" in cache.reuse_note
-    third, _ = run(model, oracle, edited_again, max_tokens=30, prompt_cache=cache)
-    assert third == reference(model, edited_again, 30)
-    # A prompt that leaves the conversation early: nothing saved before it, prefilled whole.
-    other = prompt[:5] + _prompt(9, seed=13)
-    assert cache.reusable_prefix(other) == 0 and "reused 0 of 5" in cache.reuse_note
-    fourth, _ = run(model, draft, other, max_tokens=30, prompt_cache=cache)
-    assert fourth == reference(model, other, 30)
+    family.check_turn(model, oracle, cache, edited_again)
+    family.check_leaving_early(model, draft, cache, prompt)
 
 
 @pytest.mark.parametrize("kind", HYBRID)
 def test_generation_left_early_then_continue(pairs, kind):
     model, draft, _ = pairs[kind]
-    prompt = _prompt(20)
+    prompt = prompt_ids(20)
     cache = make_cache(model, draft)
     steps = dflash_generate_step(prompt, model, draft, max_tokens=60, prompt_cache=cache, lookup_fallback=4)
     taken = [t for _, step in zip(range(4), steps) for t in step.tokens]
     steps.close()
     assert cache.tokens == (prompt + taken)[:-1] and cache.offset == len(cache.tokens)
-    follow = prompt + taken + _prompt(5, seed=9)
+    follow = prompt + taken + prompt_ids(5, seed=9)
     again, _ = run(model, draft, follow, max_tokens=40, prompt_cache=cache)
     assert again == reference(model, follow, 40)
 
@@ -276,7 +222,7 @@ def test_convert_load_generate_chat(hf_targets, kind, tmp_path, capsys):
                      dtype="float32", check_tokens=16, verbose=False)  # fmt: skip
     assert result.check.tokens_match
     model, draft, _ = load(pair)
-    prompt = _prompt(9)
+    prompt = prompt_ids(9)
     assert run(model, draft, prompt, max_tokens=24)[0] == reference(model, prompt, 24)
     generate_main(["--model", str(pair), "--prompt", "t1 t2 t3", "--max-tokens", "8"])
     assert "Acceptance length" in capsys.readouterr().out
@@ -317,7 +263,7 @@ def test_quantized_mlx_conversion_of_qwen3_next(hf_targets, tmp_path):
     assert isinstance(layer.linear_attn.in_proj_qkvz, nn.QuantizedLinear)
     assert isinstance(model.model.layers[3].self_attn.q_proj, nn.QuantizedLinear)
     for prompt_len in (7, 40):
-        prompt = _prompt(prompt_len)
+        prompt = prompt_ids(prompt_len)
         ref = reference(model, prompt)
         for block_size in (4, 16):
             assert run(model, draft, prompt, block_size=block_size, max_tokens=MAX_REF)[0] == ref

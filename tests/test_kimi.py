@@ -8,12 +8,12 @@ import shutil
 
 import mlx.core as mx
 import pytest
-from helpers.checkpoints import VOCAB, draft_config, write_draft
+from helpers import family
+from helpers.checkpoints import draft_config, write_draft
 from helpers.decoding import run
+from helpers.family import MAX_REF, prompt_ids, reference
 from helpers.hf_checkpoints import KIMI_QUANTIZATION, write_hf_target
-from helpers.oracles import AcceptExactlyDraft, ScriptedDraft
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import DFlashError, load, make_cache
@@ -22,7 +22,6 @@ from dflash_mlx.models.drafter import DraftModel, ModelArgs
 
 torch = pytest.importorskip("torch")
 
-MAX_REF = 64
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +37,6 @@ def folders(tmp_path_factory):
 def pair(folders):
     target, _, draft = folders
     return load(target, draft)
-
-
-def _prompt(length: int, seed: int = 3) -> list[int]:
-    return mx.random.randint(0, VOCAB - 4, (length,), key=mx.random.key(seed)).tolist()
-
-
-def reference(model, prompt, max_tokens=MAX_REF):
-    """mlx-lm's own greedy decoding, with its own caches (one token a step: MLA's absorbed path)."""
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
 
 
 def test_the_checkpoint_is_the_published_layout(folders, pair):
@@ -67,7 +57,7 @@ def test_the_checkpoint_is_the_published_layout(folders, pair):
 
 def test_mlx_lm_greedy_matches_transformers(folders, pair):
     hf, model = folders[1], pair[0]
-    prompt = _prompt(30, seed=5)
+    prompt = prompt_ids(30, seed=5)
     with torch.no_grad():
         ids = torch.tensor([prompt])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
@@ -77,7 +67,7 @@ def test_mlx_lm_greedy_matches_transformers(folders, pair):
 
 def test_taps_embedding_and_head_match_transformers(folders, pair):
     hf, model = folders[1], pair[0]
-    prompt = _prompt(23)
+    prompt = prompt_ids(23)
     with torch.no_grad():
         out = hf(torch.tensor([prompt]), output_hidden_states=True)
         hf_embedding = hf.get_input_embeddings()(torch.tensor([prompt]))
@@ -100,7 +90,7 @@ def test_latent_cache_trim_equals_a_shorter_pass(pair, prompt_len):
     """After a pass of 16 tokens, trim(n) leaves what a pass of 16 - n tokens leaves, for every n: the
     latent keys and the shared RoPE keys go back together, and the next pass gives the same logits."""
     model = pair[0]
-    prompt, block = _prompt(prompt_len), _prompt(16, seed=7)
+    prompt, block = prompt_ids(prompt_len), prompt_ids(16, seed=7)
     for n in range(0, 17):
         cache = make_cache(model).target
         tgt.forward_with_taps(model, mx.array([prompt]), cache, [])
@@ -124,84 +114,38 @@ def test_latent_cache_trim_equals_a_shorter_pass(pair, prompt_len):
 @pytest.mark.parametrize("block_size", [2, 5, 16])
 def test_lossless_random_drafter(pair, block_size, prompt_len):
     model, draft, _ = pair
-    prompt = _prompt(prompt_len)
-    ref = reference(model, prompt)
-    for max_tokens in (1, block_size + 1, MAX_REF):
-        out, _ = run(model, draft, prompt, block_size=block_size, max_tokens=max_tokens)
-        assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
+    family.check_lossless(model, draft, block_size, prompt_len)
 
 
 def test_plain_decoding_is_lossless(pair):
     model = pair[0]
     for prompt_len in (1, 30):
-        prompt = _prompt(prompt_len)
+        prompt = prompt_ids(prompt_len)
         assert run(model, None, prompt, max_tokens=MAX_REF)[0] == reference(model, prompt)
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 16])
 def test_every_acceptance_length(pair, block_size):
-    """A drafter right for exactly k drafts, k = 0..B-1 in turn: the target keeps exactly k."""
     model, draft, _ = pair
-    prompt = _prompt(7)
-    ref = reference(model, prompt, 200)
-    schedule = list(range(block_size))
-    oracle = AcceptExactlyDraft(draft, prompt + ref, VOCAB, schedule)
-    cache = make_cache(model, oracle)
-    out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=200, prompt_cache=cache,
-                      adaptive=False)  # fmt: skip
-    assert out == ref
-    drafted = [s for s in cycles[1:] if s.num_draft == block_size - 1]
-    assert [s.num_accepted for s in drafted][: 2 * block_size] == (schedule * 2)[: len(drafted[: 2 * block_size])]
-    assert len(drafted) >= block_size
-    assert all(c.offset == len(cache.tokens) for c in cache.target)
+    family.check_every_acceptance_length(model, draft, block_size)
 
 
 def test_stop_tokens_mid_block_then_continue(pair):
     model, draft, _ = pair
-    # A prompt whose continuation has a new token past the first few, to stop on.
-    for seed in range(3, 40):
-        prompt = _prompt(9, seed=seed)
-        ref = reference(model, prompt)
-        stop_index = next((i for i in range(5, 30) if ref[i] not in ref[:i]), None)
-        if stop_index is not None:
-            break
-    stop = {ref[stop_index]}
-    oracle = ScriptedDraft(draft, prompt + ref, VOCAB)
-    for block_size in (4, 16):
-        for drafter in (oracle, draft):
-            cache = make_cache(model, drafter)
-            out, _ = run(model, drafter, prompt, block_size=block_size, max_tokens=MAX_REF, stop_tokens=stop,
-                         prompt_cache=cache)  # fmt: skip
-            assert out == ref[: stop_index + 1]
-            assert cache.offset == len(cache.tokens) == len(prompt) + stop_index
-            follow = prompt + out + _prompt(4, seed=9)
-            again, _ = run(model, drafter, follow, block_size=block_size, max_tokens=30, prompt_cache=cache)
-            assert again == reference(model, follow, 30)
+    family.check_stop_mid_block_then_continue(model, draft, prompt_len=9)
 
 
 def test_multi_turn_reuse_equals_a_fresh_run(pair):
     model, draft, _ = pair
-    oracle = ScriptedDraft(draft, [], VOCAB, wrong_every=3)  # its script is set per turn
-    prompt = _prompt(20)
-    cache = make_cache(model, oracle)
-    oracle.sequence = prompt + reference(model, prompt)
-    first, _ = run(model, oracle, prompt, max_tokens=30, prompt_cache=cache)
-    # The next turn extends the conversation: everything cached is reused.
-    follow = prompt + first + _prompt(5, seed=9)
-    assert cache.reusable_prefix(follow) == len(prompt) + len(first) - 1 and cache.reuse_note is None
-    oracle.sequence = follow + reference(model, follow, 40)
-    second, _ = run(model, oracle, follow, max_tokens=40, prompt_cache=cache)
-    assert second == reference(model, follow, 40)
+    cache, oracle, prompt, follow, second = family.two_turns(model, draft)
     # A turn that rewrites the previous answer (as chat templates that drop old reasoning do): the
     # latent cache goes back to any length.
-    edited = follow + second[:3] + [1, 2] + _prompt(4, seed=11)
+    edited = follow + second[:3] + [1, 2] + prompt_ids(4, seed=11)
     assert cache.reusable_prefix(edited) == len(follow) + 3 and cache.reuse_note is None
-    third, _ = run(model, draft, edited, max_tokens=30, prompt_cache=cache)
-    assert third == reference(model, edited, 30)
-    other = prompt[:5] + _prompt(9, seed=13)
+    family.check_turn(model, draft, cache, edited)
+    other = prompt[:5] + prompt_ids(9, seed=13)
     assert cache.reusable_prefix(other) == 5
-    fourth, _ = run(model, draft, other, max_tokens=30, prompt_cache=cache)
-    assert fourth == reference(model, other, 30)
+    family.check_turn(model, draft, cache, other)
 
 
 def test_a_drafter_shaped_like_the_published_one(folders, tmp_path):
@@ -220,7 +164,7 @@ def test_a_drafter_shaped_like_the_published_one(folders, tmp_path):
     model, draft, _ = load(folders[0], folder)
     assert draft.block_size == 8 and draft.target_layer_ids == [0, 1, 1, 2, 2, 3]
     for prompt_len in (3, 25):
-        prompt = _prompt(prompt_len)
+        prompt = prompt_ids(prompt_len)
         assert run(model, draft, prompt, max_tokens=40)[0] == reference(model, prompt, 40)
 
 
@@ -242,7 +186,7 @@ def test_convert_load_generate(folders, tmp_path, capsys, q_bits):
     if q_bits:
         assert quantization["language_model.model.layers.0.self_attn.o_proj"]["bits"] == 8
     model, draft, _ = load(pair)
-    prompt = _prompt(19)
+    prompt = prompt_ids(19)
     assert run(model, draft, prompt, max_tokens=24)[0] == reference(model, prompt, 24)
     generate_main(["--model", str(pair), "--prompt", "t1 t2 t3", "--max-tokens", "8"])
     assert "Acceptance length" in capsys.readouterr().out

@@ -1,0 +1,106 @@
+"""The checks every target family passes on its tiny exact-layout pair: DFlash's greedy output is
+mlx-lm's own greedy decoding with a random drafter, through every rollback length, and across a
+stop token inside a block. Each family's test module runs them on its own pairs."""
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from dflash_mlx import make_cache
+
+from .checkpoints import VOCAB
+from .decoding import run
+from .oracles import AcceptExactlyDraft, ScriptedDraft
+
+MAX_REF = 64
+
+
+def prompt_ids(length: int, seed: int = 3) -> list[int]:
+    return mx.random.randint(0, VOCAB - 4, (length,), key=mx.random.key(seed)).tolist()
+
+
+def reference(model, prompt: list[int], max_tokens: int = MAX_REF) -> list[int]:
+    """mlx-lm's own greedy decoding, with the family's own caches."""
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+def check_lossless(model, draft, block_size: int, prompt_len: int) -> None:
+    """A random drafter at every max_tokens that ends a block early, on time or late."""
+    prompt = prompt_ids(prompt_len)
+    ref = reference(model, prompt)
+    for max_tokens in (1, block_size + 1, MAX_REF):
+        out, _ = run(model, draft, prompt, block_size=block_size, max_tokens=max_tokens)
+        assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
+
+
+def check_every_acceptance_length(model, draft, block_size: int) -> None:
+    """A drafter right for exactly k drafts, k = 0..B-1 in turn: the target keeps exactly k, and
+    every layer's cache ends at the committed length."""
+    prompt = prompt_ids(7)
+    ref = reference(model, prompt, 200)
+    schedule = list(range(block_size))
+    oracle = AcceptExactlyDraft(draft, prompt + ref, VOCAB, schedule)
+    cache = make_cache(model, oracle)
+    # adaptive=False: the adaptive policy's plain cycles follow wall-clock timings.
+    out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=200, prompt_cache=cache,
+                      adaptive=False)  # fmt: skip
+    assert out == ref
+    drafted = [s for s in cycles[1:] if s.num_draft == block_size - 1]
+    assert [s.num_accepted for s in drafted][: 2 * block_size] == (schedule * 2)[: len(drafted[: 2 * block_size])]
+    assert len(drafted) >= block_size
+    assert all(c.offset == len(cache.tokens) for c in cache.target)
+
+
+def check_stop_mid_block_then_continue(model, draft, prompt_len: int = 7, with_plain: bool = False) -> None:
+    """A stop token inside a block ends the reply there; the next turn goes on from that cache
+    (``with_plain``: plain decoding's too)."""
+    # A prompt whose continuation has a new token past the first few, to stop on.
+    for seed in range(3, 40):
+        prompt = prompt_ids(prompt_len, seed=seed)
+        ref = reference(model, prompt)
+        stop_index = next((i for i in range(5, 30) if ref[i] not in ref[:i]), None)
+        if stop_index is not None:
+            break
+    stop = {ref[stop_index]}
+    oracle = ScriptedDraft(draft, prompt + ref, VOCAB)
+    for block_size in (4, 16):
+        for drafter in (oracle, draft, None) if with_plain else (oracle, draft):
+            size = block_size if drafter is not None else 1
+            cache = make_cache(model, drafter)
+            out, _ = run(model, drafter, prompt, block_size=size, max_tokens=MAX_REF, stop_tokens=stop,
+                         prompt_cache=cache)  # fmt: skip
+            assert out == ref[: stop_index + 1]
+            assert cache.offset == len(cache.tokens) == len(prompt) + stop_index
+            follow = prompt + out + prompt_ids(4, seed=9)
+            again, _ = run(model, drafter, follow, block_size=size, max_tokens=30, prompt_cache=cache)
+            assert again == reference(model, follow, 30)
+
+
+def two_turns(model, draft):
+    """A conversation's first two turns through one prompt cache, the second extending the first
+    (everything cached is reused), each mlx-lm's own decoding. Returns ``(cache, oracle, prompt,
+    follow, second)`` for the family's own later turns: ``follow`` is the second turn's prompt,
+    ``second`` its answer, ``oracle`` a scripted drafter (wrong every third draft)."""
+    oracle = ScriptedDraft(draft, [], VOCAB, wrong_every=3)  # its script is set per turn
+    prompt = prompt_ids(20)
+    cache = make_cache(model, oracle)
+    oracle.sequence = prompt + reference(model, prompt)
+    first, _ = run(model, oracle, prompt, max_tokens=30, prompt_cache=cache)
+    follow = prompt + first + prompt_ids(5, seed=9)
+    assert cache.reusable_prefix(follow) == len(prompt) + len(first) - 1 and cache.reuse_note is None
+    oracle.sequence = follow + reference(model, follow, 40)
+    second = check_turn(model, oracle, cache, follow, 40)
+    return cache, oracle, prompt, follow, second
+
+
+def check_turn(model, drafter, cache, ids: list[int], max_tokens: int = 30) -> list[int]:
+    """One more turn through ``cache``: mlx-lm's own decoding of ``ids``, whatever was reused."""
+    out, _ = run(model, drafter, ids, max_tokens=max_tokens, prompt_cache=cache)
+    assert out == reference(model, ids, max_tokens)
+    return out
+
+
+def check_leaving_early(model, draft, cache, prompt: list[int]) -> None:
+    """A prompt that leaves the conversation early: nothing saved before it, prefilled whole."""
+    other = prompt[:5] + prompt_ids(9, seed=13)
+    assert cache.reusable_prefix(other) == 0 and "reused 0 of 5" in cache.reuse_note
+    check_turn(model, draft, cache, other)
