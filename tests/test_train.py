@@ -716,3 +716,23 @@ def test_preconditioned_fc_is_saved_folded_as_a_plain_drafter(setup, tmp_path):
     plain = train(_args(setup, tmp_path / "plain", iters=3, precondition_fc=False))
     assert not (latest_checkpoint(tmp_path / "plain")[0] / "training_arrays.safetensors").exists()
     assert type(plain.fc) is nn.Linear
+
+
+def test_the_target_keeps_what_load_would_and_the_drafter_trains_in_float32(setup, tmp_path, monkeypatch):
+    """Without --dtype the target computes as dflash-generate would (on a GPU: the checkpoint's
+    bfloat16, faked here), while the drafter's weights stay float32; --dtype sets both."""
+    seen = {}
+    real = train_mod.block_loss
+
+    def spy(draft, target, *args, **kwargs):
+        seen["target"] = tgt.compute_dtype(target)
+        return real(draft, target, *args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "block_loss", spy)
+    monkeypatch.setattr(train_mod, "default_dtype", lambda *models: ("bfloat16", None))
+    draft = train(_args(setup, tmp_path / "gpu", iters=2))
+    assert seen["target"] == mx.bfloat16
+    assert {v.dtype for _, v in tree_flatten(draft.trainable_parameters())} == {mx.float32}
+    draft = train(_args(setup, tmp_path / "both", iters=2, dtype="bfloat16"))
+    assert seen["target"] == mx.bfloat16
+    assert {v.dtype for _, v in tree_flatten(draft.trainable_parameters())} == {mx.bfloat16}

@@ -41,7 +41,9 @@ from ..responses import AcceptanceStats
 from ..weights.loading import (
     DTYPES,
     MASK_TOKENS,
+    cast,
     check_pair,
+    default_dtype,
     embedded_pair,
     is_drafter_config,
     load_draft,
@@ -127,7 +129,12 @@ class TrainingArgs:
     mask_token_id: int | None = field(
         default=None, metadata={"help": "Mask token (default: the tokenizer's)."}
     )
-    dtype: str = field(default="float32", metadata={"help": "Training dtype of both models."})
+    dtype: str | None = field(
+        default=None,
+        metadata={"help": "Compute dtype of both models (default: the drafter trains in float32; the target "
+                          "computes its taps in the dtype dflash-generate uses: float32 on a CPU, the "
+                          "checkpoint's on a GPU)."},
+    )
     iters: int = field(default=1000, metadata={"help": "Optimizer steps."})
     batch_size: int = field(default=4, metadata={"help": "Sequences per step."})
     blocks_per_seq: int = field(default=16, metadata={"help": "Anchored blocks per sequence."})
@@ -258,7 +265,7 @@ def _check_args(args: TrainingArgs) -> None:
         raise DFlashError(f"--seed must be from 0 to {MAX_SEED} (got {args.seed}).")
     if args.responses not in ("generate", "dataset"):
         raise DFlashError(f"responses must be 'generate' or 'dataset' (got {args.responses!r}).")
-    if args.dtype not in DTYPES:
+    if args.dtype is not None and args.dtype not in DTYPES:
         raise DFlashError(f"dtype={args.dtype!r} is not one of {', '.join(DTYPES)}.")
     if args.data is None:
         raise DFlashError("No training prompts: pass a JSONL file with --data.")
@@ -440,6 +447,8 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
             "its run folder with --out and --resume if it holds a training_state."
         )
     target, tokenizer = load_target(target_path, dtype=args.dtype)
+    if args.dtype is None and (chosen := default_dtype(target)[0]) is not None:
+        cast(target, chosen)
     tgt.check_supported(target)
     target.freeze()
     vocab_size = tgt.vocab_size(target)
@@ -461,7 +470,7 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
     elif args.init_draft is not None and config is not None:
         init_path = resolve(args.init_draft, what="drafter")
         init = load_draft(init_path, num_target_layers=tgt.num_layers(target),
-                          mask_token_id=tokenizer_mask_token(tokenizer), dtype=args.dtype)  # fmt: skip
+                          mask_token_id=tokenizer_mask_token(tokenizer), dtype=_drafter_dtype(args))  # fmt: skip
         check_pair(target, init)
         init_config = read_config(init_path, "drafter")
         # More layers than the starting drafter's: it is grown (dflash_mlx.train.grow).
@@ -479,6 +488,11 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
             init = deepen(init, depth)
         config = {**init_config, "num_hidden_layers": len(init.layers)}
     return target, tokenizer, config, target_info, init
+
+
+def _drafter_dtype(args: TrainingArgs) -> str:
+    # The drafter's weights train in float32 wherever the target computes (bfloat16 on a GPU).
+    return args.dtype or "float32"
 
 
 @dataclass
@@ -568,13 +582,13 @@ def _drafter_and_optimizer(
     mx.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
     if checkpoint is not None:
-        draft = load_draft(checkpoint[1], dtype=args.dtype)
+        draft = load_draft(checkpoint[1], dtype=_drafter_dtype(args))
     elif init is not None:
         draft = init
         print(f"starting from the drafter {args.init_draft}", flush=True)
     else:
         draft = DraftModel(ModelArgs.from_dict(config))
-        draft.set_dtype(DTYPES[args.dtype])
+        draft.set_dtype(DTYPES[_drafter_dtype(args)])
     draft.set_draft_vocab(draft_vocab)
     draft.train()
     optimizer = optim.AdamW(
@@ -655,7 +669,7 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
 
     # The CPU kernels have exact gradients (custom VJPs), so training uses them too.
     gram = head_gram(target) if args.logit_mse > 0 else None
-    loss_fn = partial(block_loss, draft, target, speedups=cpu_speedups(DTYPES[args.dtype]),
+    loss_fn = partial(block_loss, draft, target, speedups=cpu_speedups(DTYPES[_drafter_dtype(args)]),
                       positions=args.loss_positions, gram=gram, logit_mse=args.logit_mse, vocab=vocab)  # fmt: skip
     loss_and_grad = nn.value_and_grad(draft, loss_fn)
     state = [draft.state, optimizer.state]

@@ -303,7 +303,7 @@ def load_target(path: Path, *, dtype: str | None = None) -> tuple[nn.Module, Tok
     if len(tokenizer.get_vocab()) < 2:
         raise _no_tokenizer(path)
     if dtype is not None:
-        _cast(model, dtype)
+        cast(model, dtype)
     return model, tokenizer
 
 
@@ -463,7 +463,7 @@ def load_draft(
             "weights do not belong together: re-download or re-convert the drafter."
         ) from e
     if dtype is not None:
-        _cast(draft, dtype)
+        cast(draft, dtype)
     mx.eval(draft.parameters())
     draft.eval()
     return draft
@@ -506,7 +506,8 @@ def _check_draft_vocab(path: Path, args: ModelArgs, weights: dict[str, mx.array]
     weights["draft_vocab"] = ids.astype(mx.int32)
 
 
-def _cast(model: nn.Module, dtype: str) -> None:
+def cast(model: nn.Module, dtype: str) -> None:
+    """Cast ``model``'s floating-point parameters to ``dtype``, in place."""
     if dtype not in DTYPES:
         raise DFlashError(f"Unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
     # Quantized weights and their integer tensors keep their types, and so do the parameters
@@ -706,11 +707,11 @@ def load(
     if dtype is None:
         dtype, hint = default_dtype(target_model, draft_model)
         if dtype is not None:
-            _cast(target_model, dtype)
+            cast(target_model, dtype)
             mx.eval(target_model.parameters())
         elif hint:
             log.warning(hint)
         if draft_model is not None and (draft_dtype := dtype or _compute_dtype(target_model)):
-            _cast(draft_model, draft_dtype)
+            cast(draft_model, draft_dtype)
             mx.eval(draft_model.parameters())
     return target_model, draft_model, tokenizer
