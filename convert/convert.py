@@ -28,10 +28,10 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 
 from .. import __version__
+from ..chat_template import render_chat
 from ..cli.options import add_blas_argument
 from ..cli.progress import Progress
 from ..errors import DFlashError
-from ..chat_template import render_chat
 from ..generate import dflash_generate_step
 from ..models import target as tgt
 from ..models.drafter import DraftModel, save_draft

@@ -38,6 +38,8 @@ def render_chat(
 # The keyword arguments by which chat templates switch thinking: on or off (Qwen3, Gemma 4 and
 # others read enable_thinking) and gpt-oss's level, low to high.
 THINKING_SWITCHES = ("enable_thinking", "reasoning_effort")
+# The reasoning_effort levels gpt-oss was trained on ("Reasoning: low" in its system message).
+REASONING_EFFORTS = ("low", "medium", "high")
 
 
 def template_switches(tokenizer) -> frozenset[str]:

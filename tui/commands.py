@@ -11,15 +11,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..chat_template import THINKING_SWITCHES
+from ..chat_template import REASONING_EFFORTS, THINKING_SWITCHES
 from ..cli.options import MAX_TEMP
 
 # Limits that keep a typo (``/max 1000000000``) from hanging the app.
 MAX_TOKENS_LIMIT = 32768
 MAX_FALLBACK = 1024
 SAVE_FORMATS = {".md": "markdown", ".markdown": "markdown", ".txt": "markdown", ".json": "json"}
-# gpt-oss's reasoning levels, which its chat template reads as reasoning_effort.
-EFFORTS = ("low", "medium", "high")
 
 HELP = """\
 **Keys**: `Enter` send · `Ctrl+J` or `Shift+Enter` new line · `Esc` or `Ctrl+C` stop generating · \
@@ -238,7 +236,7 @@ def _think(arg: str, settings: Settings, switches: frozenset[str] | None, usage_
         on = arg == "on"
         return Command("set", replace(settings, thinking=on), f"Thinking {arg}: the next reply " +
                        ("may think first." if on else "answers without thinking."))  # fmt: skip
-    if arg in EFFORTS:
+    if arg in REASONING_EFFORTS:
         if "reasoning_effort" not in known:
             hint = " Thinking is switched with /think on|off." if "enable_thinking" in known else ""
             return error(f"This model's chat template has no reasoning effort (it does not read "

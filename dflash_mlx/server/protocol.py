@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..chat_template import REASONING_EFFORTS
 from ..cli.options import MAX_SEED
 from ..responses import AcceptanceStats
 
@@ -21,8 +22,6 @@ CHAT, TEXT = "chat", "text"
 ROLES = ("system", "user", "assistant", "developer", "tool")
 # OpenAI's own limit on stop sequences.
 MAX_STOP = 4
-# The levels gpt-oss was trained on ("Reasoning: low" in its system message), as vLLM takes them.
-REASONING_EFFORTS = ("low", "medium", "high")
 # apply_chat_template's own arguments, which the server sets: a request may not replace them.
 RESERVED_TEMPLATE_ARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",

@@ -354,9 +354,9 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
 
     Raises:
         DFlashError: If the target's ``model_type`` is not one DFlash can tap, it is a known
-          pair's that DFlash cannot run yet (``KnownPair.needs``), a hybrid or Kimi target's config
-          is one mlx-lm cannot load (``hybrid.check_layout``, ``kimi.check_layout``), or its
-          ``config.json`` cannot be had (see ``hub.hub_file``).
+          pair's that DFlash cannot run yet (``KnownPair.needs``), its config is one mlx-lm cannot
+          load (the family's check in ``LAYOUT_CHECKS``), or its ``config.json`` cannot be had
+          (see ``hub.hub_file``).
     """
     text = str(model)
     if Path(text).expanduser().exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
@@ -379,12 +379,12 @@ def check_target_type(model: str | Path, revision: str | None = None) -> None:
         except DFlashError:
             if pair is None:
                 raise
-    if pair is not None and not isinstance(config, dict):
-        config, model_type, where = None, pair.model_type, "the registry of known pairs"
-    elif not isinstance(config, dict):
-        return
-    else:
+    if isinstance(config, dict):
         model_type, where = config.get("model_type"), "its config.json"
+    elif pair is not None:
+        config, model_type, where = None, pair.model_type, "the registry of known pairs"
+    else:
+        return
     if model_type not in tgt.SUPPORTED_MODEL_TYPES:
         raise DFlashError(
             f"Unsupported target architecture model_type={model_type!r} for {text} (from {where}): "
@@ -429,7 +429,8 @@ def load_draft(
     config = dict(config)
     if num_target_layers and not config.get("num_target_layers"):
         config["num_target_layers"] = num_target_layers
-    if mask_token_id is not None and config.get("dflash_config", {}).get("mask_token_id", config.get("mask_token_id")) is None:
+    named = config.get("dflash_config", {}).get("mask_token_id", config.get("mask_token_id"))
+    if named is None and mask_token_id is not None:
         config["mask_token_id"] = mask_token_id
     # The architecture's module: its ModelArgs and DraftModel.
     family = drafter2 if drafter2.is_dflash2(config) else drafter
@@ -514,9 +515,9 @@ def cast(model: nn.Module, dtype: str) -> None:
     # mlx-lm's cast_predicate keeps (a MoE router's score bias, whose rounding would change
     # which experts a token goes to), as mlx-lm's own convert does.
     keep = getattr(model, "cast_predicate", lambda _: True)
-    cast = [(k, v.astype(DTYPES[dtype])) for k, v in tree_flatten(model.parameters())
-            if mx.issubdtype(v.dtype, mx.floating) and keep(k)]  # fmt: skip
-    model.update(tree_unflatten(cast))
+    cast_arrays = [(k, v.astype(DTYPES[dtype])) for k, v in tree_flatten(model.parameters())
+                   if mx.issubdtype(v.dtype, mx.floating) and keep(k)]  # fmt: skip
+    model.update(tree_unflatten(cast_arrays))
 
 
 def _compute_dtype(model: nn.Module) -> str | None:
