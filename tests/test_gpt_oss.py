@@ -9,10 +9,10 @@ import shutil
 import mlx.core as mx
 import pytest
 from helpers import family
-from helpers.checkpoints import VOCAB, draft_config, write_draft, write_tokenizer
+from helpers.checkpoints import VOCAB, draft_config, write_tokenizer
 from helpers.decoding import run
 from helpers.family import MAX_REF, prompt_ids, reference
-from helpers.hf_checkpoints import GPT_OSS_WINDOW, hf_model, write_hf_target
+from helpers.hf_checkpoints import GPT_OSS_WINDOW, hf_model
 from helpers.oracles import ScriptedDraft
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -40,10 +40,7 @@ def small_sliding_caches(monkeypatch):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """The target folder, its transformers model and a drafter folder."""
-    root = tmp_path_factory.mktemp("gpt-oss")
-    hf = write_hf_target(root / "target", "gpt_oss")
-    write_draft(root / "draft")
-    return root / "target", hf, root / "draft"
+    return family.write_pair_folders(tmp_path_factory.mktemp("gpt-oss"), "gpt_oss")
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +67,7 @@ def test_the_checkpoint_is_the_published_layout(folders, pair):
 def test_mlx_lm_greedy_matches_transformers(folders, pair, length):
     hf, model = folders[1], pair[0]
     prompt = prompt_ids(length, seed=5)
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)  # fmt: skip
-    assert reference(model, prompt, 24) == out[0, len(prompt) :].tolist()
+    family.check_greedy_matches_transformers(model, hf, prompt)
 
 
 def test_taps_match_transformers_hidden_states(folders, pair):

@@ -44,11 +44,7 @@ def pairs(hf_targets):
 def test_mlx_lm_greedy_matches_transformers(hf_targets, pairs, kind):
     hf, model = hf_targets[kind][1], pairs[kind][0]
     prompt = prompt_ids(30, seed=5)
-    with torch.no_grad():
-        ids = torch.tensor([prompt])  # an explicit mask: token 0 is also the pad token
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)  # fmt: skip
-    assert reference(model, prompt, 24) == out[0, len(prompt) :].tolist()
+    family.check_greedy_matches_transformers(model, hf, prompt)
 
 
 @pytest.mark.parametrize("kind", HF_KINDS)

@@ -9,10 +9,10 @@ import shutil
 import mlx.core as mx
 import pytest
 from helpers import family
-from helpers.checkpoints import draft_config, write_draft
+from helpers.checkpoints import draft_config
 from helpers.decoding import run
 from helpers.family import MAX_REF, prompt_ids, reference
-from helpers.hf_checkpoints import KIMI_QUANTIZATION, write_hf_target
+from helpers.hf_checkpoints import KIMI_QUANTIZATION
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
@@ -27,10 +27,7 @@ torch = pytest.importorskip("torch")
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """The target folder, its transformers model and a drafter folder."""
-    root = tmp_path_factory.mktemp("kimi")
-    hf = write_hf_target(root / "target", "kimi_k25")
-    write_draft(root / "draft")
-    return root / "target", hf, root / "draft"
+    return family.write_pair_folders(tmp_path_factory.mktemp("kimi"), "kimi_k25")
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +55,7 @@ def test_the_checkpoint_is_the_published_layout(folders, pair):
 def test_mlx_lm_greedy_matches_transformers(folders, pair):
     hf, model = folders[1], pair[0]
     prompt = prompt_ids(30, seed=5)
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)  # fmt: skip
-    assert reference(model, prompt, 24) == out[0, len(prompt) :].tolist()
+    family.check_greedy_matches_transformers(model, hf, prompt)
 
 
 def test_taps_embedding_and_head_match_transformers(folders, pair):

@@ -104,3 +104,25 @@ def check_leaving_early(model, draft, cache, prompt: list[int]) -> None:
     other = prompt[:5] + prompt_ids(9, seed=13)
     assert cache.reusable_prefix(other) == 0 and "reused 0 of 5" in cache.reuse_note
     check_turn(model, draft, cache, other)
+
+
+def check_greedy_matches_transformers(model, hf, prompt: list[int], max_tokens: int = 24) -> None:
+    """mlx-lm's greedy decoding of the converted target equals transformers' of the checkpoint."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt])  # an explicit mask: token 0 is also the pad token
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert reference(model, prompt, max_tokens) == out[0, len(prompt) :].tolist()
+
+
+def write_pair_folders(root, kind: str):
+    """``(target folder, transformers model, drafter folder)``: a tiny target of ``kind`` written by
+    transformers in its published layout, and a drafter for it."""
+    from .checkpoints import write_draft
+    from .hf_checkpoints import write_hf_target
+
+    hf = write_hf_target(root / "target", kind)
+    write_draft(root / "draft")
+    return root / "target", hf, root / "draft"
