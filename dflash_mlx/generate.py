@@ -48,7 +48,7 @@ from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, PlainP
 from .reasoning import join, reasoning_parser
 from .responses import AcceptanceStats, GenerationResponse
 from .sampling import can_sample_proposals, check_proposal, make_sampler
-from .verify import Verdict, Verifier
+from .verify import Verifier
 from .verify_width import VerifyWidth, machine_key, model_key
 
 SampleFn = Callable[[mx.array], mx.array]  # any mlx-lm sampler: logprobs -> token ids
@@ -328,40 +328,23 @@ def dflash_generate_step(
         last = verifier.prefill(ids[reuse:], prefill_step_size)
         yield StepOutput(budget.emit([last]), 0, 0)
 
-        # A plain step queued before the host read the one before it, as mlx-lm's generate_step
-        # pipelines plain decoding: (its token, its taps). Taken back if unused.
-        ahead = None
         try:
             # The next cycle's drafts, their pass already started; None when generation is over.
             drafts = proposer.propose(last, n) if budget.open else None
             while drafts is not None:
-                num_draft = drafts.size
-                if num_draft == 0 and verifier.can_run_ahead:
-                    if ahead is None:
-                        ahead = verifier.step(mx.array([last]), lambda: cache.tokens)
-                        mx.async_eval(ahead[0])
-                    (token, taps), ahead = ahead, None
-                    if budget.room > 1 and proposer.plain_next():
-                        ahead = verifier.step(token, lambda: cache.tokens + [last])
-                        mx.async_eval(ahead[0])
-                    verdict = Verdict(0, [token.item()], taps)
-                else:
-                    if ahead is not None:  # the cycle drafts after all
-                        cache.trim_target(1)
-                        ahead = None
-                    verdict = verifier.verify(last, drafts)
                 room = budget.room  # the drafts past it count as neither drafted nor accepted
+                verdict = verifier.verify(last, drafts, plain_next=room > 1 and proposer.plain_next())
                 emitted = budget.emit(verdict.tokens)
                 # Rewind: the target forgets the rejected drafts, the proposer keeps the taps
                 # of the kept positions.
-                cache.commit(last, emitted, verified=num_draft + 1)
-                proposer.accept(len(emitted), verdict.taps)
+                cache.commit(last, emitted, verified=drafts.size + 1)
+                proposer.accept(len(emitted) - 1, verdict.taps)
                 last = emitted[-1]
+                num_draft = min(drafts.size, room - 1)
                 # The next drafter pass starts before this cycle's tokens are handed out, so it
                 # runs while the caller decodes and shows them.
                 drafts = proposer.propose(last, n) if budget.open else None
-                rates = (policy.plain_tps, policy.draft_tps) if policy is not None else (None, None)
-                yield StepOutput(emitted, min(verdict.num_accepted, room - 1), min(num_draft, room - 1), *rates)
+                yield StepOutput(emitted, min(verdict.num_accepted, room - 1), num_draft, *proposer.rates())
         finally:
             cache.drop_uncommitted()
 
@@ -373,21 +356,8 @@ def stream_generate(
     prompt: str | list[int] | mx.array,
     *,
     max_tokens: int = 256,
-    block_size: int | str | None = None,
-    sampler: SampleFn | None = None,
-    logits_processors: list[LogitsProcessor] | None = None,
-    proposal: str = "sample",
-    min_confidence: float = 0.0,
-    lookup_fallback: int = 0,
-    adaptive: bool | None = None,
-    policy: PolicyState | None = None,
-    draft_window: int | None = None,
-    draft_sinks: int = 4,
-    seed: int | None = None,
-    prompt_cache: DFlashCache | None = None,
-    prefill_step_size: int = 512,
-    cpu_speedups: CpuSpeedups | bool | None = None,
     parse_reasoning: bool = False,
+    **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
     """Stream text from ``model`` with DFlash drafting by ``draft``.
 
@@ -397,30 +367,13 @@ def stream_generate(
         tokenizer: The target's tokenizer (an mlx-lm ``TokenizerWrapper``).
         prompt: Text (encoded as is: apply the chat template first) or token ids.
         max_tokens: The most tokens to generate.
-        block_size: Tokens verified per cycle; defaults to the drafter's block size; ``"auto"``
-          chooses each cycle's (see :func:`dflash_generate_step`).
-        sampler: ``logprobs -> ids``; greedy when None.
-        logits_processors: mlx-lm logits processors applied to the target's logits.
-        proposal: ``"greedy"`` or ``"sample"`` drafts; see :func:`dflash_generate_step`.
-        min_confidence: Verify only the drafter's confident leading drafts (0: the whole
-          block); see :func:`dflash_generate_step`.
-        lookup_fallback: Draft by prompt lookup for up to this many cycles after the
-          drafter misses its first draft (0: never); see :func:`dflash_generate_step`.
-        adaptive: Decode plainly while drafting is measured slower than plain decoding
-          (None: unless ``seed`` is given); see :func:`dflash_generate_step`.
-        policy: The adaptive policy's state to continue (None: the ``prompt_cache``'s, else a
-          fresh one); see :func:`dflash_generate_step`.
-        draft_window: The drafter sees the taps of the first ``draft_sinks`` and the latest
-          ``draft_window`` positions only (None: all); see :func:`dflash_generate_step`.
-        draft_sinks: The leading positions a ``draft_window`` keeps.
-        seed: Seed for sampling; the same seed gives the same output.
-        prompt_cache: A ``DFlashCache`` to reuse across calls (multi-turn chat).
-        prefill_step_size: Prompt tokens per prefill chunk.
-        cpu_speedups: The CPU speedups (None: where they pay); see :func:`dflash_generate_step`.
         parse_reasoning: Split the reply's reasoning from its answer, for a prompt made by the
           chat template of a reasoning model (gpt-oss's harmony channels, ``<think>`` tags; see
           :mod:`dflash_mlx.reasoning`): ``text`` is then the answer and ``reasoning`` the rest,
           without their markers. A model without such a format gives the answer alone.
+        kwargs: The remaining options (``block_size``, ``sampler``, ``prompt_cache``, ...) are
+          passed to :func:`dflash_generate_step`; see it for what each does. Generation stops
+          at the tokenizer's end-of-sequence tokens.
 
     Yields:
         GenerationResponse: One per cycle; the last one has ``finish_reason`` set.
@@ -433,33 +386,14 @@ def stream_generate(
         bos = tokenizer.bos_token
         prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
     ids = _prompt_ids(prompt)
+    prompt_cache = kwargs.get("prompt_cache")
     reused = prompt_cache.reusable_prefix(ids) if prompt_cache is not None else 0
     stop_tokens = frozenset(tokenizer.eos_token_ids)
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     parser = reasoning_parser(tokenizer, ids) if parse_reasoning else None
 
-    steps = dflash_generate_step(
-        ids,
-        model,
-        draft,
-        block_size=block_size,
-        max_tokens=max_tokens,
-        sampler=sampler,
-        logits_processors=logits_processors,
-        proposal=proposal,
-        min_confidence=min_confidence,
-        lookup_fallback=lookup_fallback,
-        adaptive=adaptive,
-        policy=policy,
-        draft_window=draft_window,
-        draft_sinks=draft_sinks,
-        seed=seed,
-        stop_tokens=stop_tokens,
-        prompt_cache=prompt_cache,
-        prefill_step_size=prefill_step_size,
-        cpu_speedups=cpu_speedups,
-    )
+    steps = dflash_generate_step(ids, model, draft, max_tokens=max_tokens, stop_tokens=stop_tokens, **kwargs)
     tic = time.perf_counter()
     prompt_tps, generated, acceptance = 0.0, 0, AcceptanceStats()
     # On a Mac, mlx-lm's wired limit keeps the weights resident while it runs (a no-op elsewhere).

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .proposer import Proposal
+from .proposer import Proposal, Proposer
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class PromptLookup:
         return []
 
 
-class LookupProposer:
+class LookupProposer(Proposer):
     """The :class:`~dflash_mlx.proposer.Proposer` for one generation: looks up in ``history``,
     the committed tokens (the pair cache's ``tokens``, which the loop extends in place)."""
 
@@ -54,5 +54,5 @@ class LookupProposer:
     def plain_next(self) -> bool:
         return False  # whether the next lookup finds anything depends on this cycle's tokens
 
-    def accept(self, num_kept: int, taps: mx.array | None) -> None:
+    def accept(self, num_accepted: int, taps: mx.array | None) -> None:
         pass

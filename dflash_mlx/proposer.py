@@ -48,9 +48,10 @@ class Proposer(Protocol):
         """Up to ``n`` drafts to follow ``last``, the newest committed token."""
         ...
 
-    def accept(self, num_kept: int, taps: mx.array | None) -> None:
-        """The target kept the first ``num_kept`` positions of the verified block
-        ``[last, drafts...]``; ``taps`` are the block's taps (all of its positions)."""
+    def accept(self, num_accepted: int, taps: mx.array | None) -> None:
+        """The target accepted the first ``num_accepted`` drafts of the verified block
+        ``[last, drafts...]``, so its first ``num_accepted + 1`` positions stay; ``taps`` are
+        the block's taps (all of its positions)."""
         ...
 
     def plain_next(self) -> bool:
@@ -58,8 +59,12 @@ class Proposer(Protocol):
         this cycle's verdict (the loop then queues that plain step before reading this one)."""
         ...
 
+    def rates(self) -> tuple[float | None, float | None]:
+        """Measured tokens per second of plain decoding and of drafting (None: not measured)."""
+        return None, None
 
-class PlainProposer:
+
+class PlainProposer(Proposer):
     """No drafts: plain decoding through the same loop. ``keeps``, a proposer whose drafter must
     still see the text (a drafter at block size 1, which never drafts), is told what was kept."""
 
@@ -73,12 +78,12 @@ class PlainProposer:
     def plain_next(self) -> bool:
         return True
 
-    def accept(self, num_kept: int, taps: mx.array | None) -> None:
+    def accept(self, num_accepted: int, taps: mx.array | None) -> None:
         if self.keeps is not None:
-            self.keeps.accept(num_kept, taps)
+            self.keeps.accept(num_accepted, taps)
 
 
-class DFlashProposer:
+class DFlashProposer(Proposer):
     """The DFlash drafter: one pass over ``[last, MASK x (B-1)]`` with the target's taps
     injected through its context cache (``cache.draft``; the taps of newly committed
     positions wait in ``cache.pending`` until the next pass takes them in).
@@ -167,11 +172,11 @@ class DFlashProposer:
     def plain_next(self) -> bool:
         return False
 
-    def accept(self, num_kept: int, taps: mx.array | None) -> None:
+    def accept(self, num_accepted: int, taps: mx.array | None) -> None:
         if self.width is not None:
-            self.width.update(num_kept - 1)
+            self.width.update(num_accepted)
         if taps is not None:
-            self.cache.append_pending(taps[:, :num_kept])
+            self.cache.append_pending(taps[:, : num_accepted + 1])
 
 
 class SelectorProposer(DFlashProposer):
@@ -202,7 +207,7 @@ class SelectorProposer(DFlashProposer):
         return Proposal(drafts, q)
 
 
-class FallbackProposer:
+class FallbackProposer(Proposer):
     """The drafter, with prompt-lookup cycles after each of its first-draft misses.
 
     When the target rejects the drafter's first draft, the next cycle drafts by lookup (no
@@ -229,17 +234,17 @@ class FallbackProposer:
     def plain_next(self) -> bool:
         return False
 
-    def accept(self, num_kept: int, taps: mx.array | None) -> None:
+    def accept(self, num_accepted: int, taps: mx.array | None) -> None:
         if self.drafted > 0:
-            if num_kept == 1:  # the first draft was rejected
+            if num_accepted == 0:  # the first draft was rejected
                 self.lookup_cycles, self.next_run = self.next_run, min(2 * self.next_run, self.limit)
             else:
                 self.next_run = 1
-        self.drafter.accept(num_kept, taps)
+        self.drafter.accept(num_accepted, taps)
 
 
 
-class AdaptiveProposer:
+class AdaptiveProposer(Proposer):
     """Drafting while it beats decoding without the drafter, paused cycles while it loses, as
     its :class:`~dflash_mlx.adaptive.PolicyState` decides.
 
@@ -278,9 +283,12 @@ class AdaptiveProposer:
             and self.policy.plain_follows()
         )
 
-    def accept(self, num_kept: int, taps: mx.array | None) -> None:
-        self.inner.accept(num_kept, taps)
+    def accept(self, num_accepted: int, taps: mx.array | None) -> None:
+        self.inner.accept(num_accepted, taps)
         if self.started is None:  # a cycle the loop proposed itself (no room for drafts)
             return
         seconds, self.started = self.policy.clock() - self.started, None
-        self.policy.record(seconds, num_kept, drafted=self.drafting)
+        self.policy.record(seconds, num_accepted + 1, drafted=self.drafting)
+
+    def rates(self) -> tuple[float | None, float | None]:
+        return self.policy.plain_tps, self.policy.draft_tps

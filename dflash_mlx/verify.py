@@ -70,6 +70,7 @@ class Verifier:
         # A step may run ahead of the host only where one step can be taken back exactly
         # (a stop token read late): not a rotating window, not a recurrent state.
         self.can_run_ahead = not self.rotating and model.model_type not in hybrid.HYBRID_MODEL_TYPES
+        self._ahead: tuple[mx.array, mx.array | None] | None = None  # a queued plain step
         self.greedy, self.sampler = sampler is None, sampler
         use_kernel = speedups is not None and speedups.kernels
         self.probs = partial(sampler.probs, use_kernel=use_kernel) if isinstance(sampler, Sampler) else None
@@ -126,21 +127,42 @@ class Verifier:
             return self.model(tokens, cache=self.cache.target), None
         return tgt.forward_with_taps(self.model, tokens, self.cache.target, self.tap_ids, self.speedups)
 
-    def step(self, token: mx.array, seen: Callable[[], list[int]]) -> tuple[mx.array, mx.array | None]:
-        """One plain decoding step, left unevaluated: the target's next token ``(1,)`` after
-        ``token`` ``(1,)`` (itself possibly unevaluated, so that the next step is queued before
-        the host reads this one, as mlx-lm's ``generate_step`` does), and the taps of ``token``'s
-        position ``(1, 1, n_taps * H)`` or None.
-
-        ``seen()`` gives the tokens before ``token`` (called only with logits processors).
-        """
+    def _queue(self, token: mx.array, seen: Callable[[], list[int]]) -> None:
+        # One plain step after ``token`` (1,), itself possibly unevaluated, started now and read
+        # later: (the next token (1,), the taps of ``token``'s position or None). ``seen()`` gives
+        # the tokens before ``token`` (called only with logits processors).
         block = token.astype(mx.uint32).reshape(1, 1)
         logits, taps = self._forward(block)
         logits = self._logits(logits[0], block, seen() if self.logits_processors else None)
-        return self._sample(logits).astype(mx.uint32), taps
+        next_token = self._sample(logits).astype(mx.uint32)
+        mx.async_eval(next_token)
+        self._ahead = (next_token, taps)
 
-    def verify(self, last: int, proposal: Proposal) -> Verdict:
-        """One target pass over ``[last, drafts...]``, then the acceptance test."""
+    def _plain(self, last: int, queue_next: bool) -> Verdict:
+        if self._ahead is None:
+            self._queue(mx.array([last]), lambda: self.cache.tokens)
+        (token, taps), self._ahead = self._ahead, None
+        if queue_next:
+            self._queue(token, lambda: self.cache.tokens + [last])
+        return Verdict(0, [token.item()], taps)
+
+    def _take_back(self) -> None:
+        # A step queued for a plain cycle that did not come (the cycle drafts after all).
+        if self._ahead is not None:
+            self.cache.trim_target(1)
+            self._ahead = None
+
+    def verify(self, last: int, proposal: Proposal, plain_next: bool = False) -> Verdict:
+        """One target pass over ``[last, drafts...]``, then the acceptance test.
+
+        A proposal of no drafts is a plain step. Where a step can be taken back exactly, it is
+        pipelined as mlx-lm's ``generate_step`` pipelines plain decoding: with ``plain_next`` (the
+        next cycle is known to be plain too) the step after it is queued before the host reads
+        this one; a queued step that is not used is taken back.
+        """
+        if proposal.size == 0 and self.can_run_ahead:
+            return self._plain(last, plain_next)
+        self._take_back()
         block = mx.concatenate([mx.array([last], dtype=mx.uint32), proposal.tokens])[None]
         logits, taps = self._forward(block)
         logits = self._logits(logits[0], block)

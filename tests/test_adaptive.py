@@ -26,8 +26,8 @@ class FakeDrafter:
         self.proposed.append(n)
         return Proposal(mx.zeros((n,), dtype=mx.uint32))
 
-    def accept(self, num_kept, taps):
-        self.kept.append(num_kept)
+    def accept(self, num_accepted, taps):
+        self.kept.append(num_accepted + 1)
 
 
 def _drive(policy, clock, cycles, plain_seconds, draft_seconds, kept, inner=None, start=0):
@@ -39,7 +39,7 @@ def _drive(policy, clock, cycles, plain_seconds, draft_seconds, kept, inner=None
         proposal = proposer.propose(0, 3)
         drafted.append(proposal.size > 0)
         clock.now += draft_seconds(i) if proposal.size else plain_seconds
-        proposer.accept(kept(i) if proposal.size else 1, None)
+        proposer.accept(kept(i) - 1 if proposal.size else 0, None)
     return drafted
 
 
@@ -112,7 +112,7 @@ def test_cycles_the_loop_proposes_itself_are_not_timed():
     proposer = AdaptiveProposer(inner, policy)
     for _ in range(5):  # block size 1: the loop never asks for drafts
         clock.now += 1.0
-        proposer.accept(1, None)
+        proposer.accept(0, None)
     assert policy.plain_tps is None and policy.draft_tps is None and len(inner.kept) == 5
     assert not policy.warm  # the warm-up cycle is still to come
 
@@ -327,8 +327,8 @@ def test_plain_runs_are_pipelined_and_lossless(qwen3_pair, monkeypatch, stops):
 
     model, draft, _ = qwen3_pair
     calls = []
-    real = Verifier.step
-    monkeypatch.setattr(Verifier, "step", lambda self, *a: calls.append(1) or real(self, *a))
+    real = Verifier._queue
+    monkeypatch.setattr(Verifier, "_queue", lambda self, *a: calls.append(1) or real(self, *a))
     prompt = _prompt(9, seed=5)
     ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=40, logits_processors=[_two_back])]
     # A stop token first met inside the plain run.
@@ -476,7 +476,7 @@ def test_paused_cycles_ask_the_paused_proposer_never_the_drafter():
         assert proposal.size == (3 if proposer.drafting else 1)
         assert not proposer.plain_next()  # a lookup's next cycle is not known to be plain
         clock.now += 3.0 if proposer.drafting else 1.0
-        proposer.accept(1, None)
+        proposer.accept(0, None)
     assert len(inner.proposed) == sum(drafted) and lookup.asked == 30 - sum(drafted)
     assert drafted[:3] == [True, False, False] and not all(drafted[3:])
     assert len(inner.kept) == 30  # the drafter hears of every cycle's kept positions (its taps)

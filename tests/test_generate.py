@@ -247,8 +247,8 @@ def test_plain_decoding_queues_each_step_before_reading_the_last(qwen3_pair, mon
 
     model, _, _ = qwen3_pair
     calls = []
-    real = Verifier.step
-    monkeypatch.setattr(Verifier, "step", lambda self, *a: calls.append(1) or real(self, *a))
+    real = Verifier._queue
+    monkeypatch.setattr(Verifier, "_queue", lambda self, *a: calls.append(1) or real(self, *a))
     steps = dflash_generate_step(_prompt(7), model, None, max_tokens=5)
     seen = [len(calls) for _ in steps]
     # The prefill's token (no step), then each token with the step after it queued, but none
