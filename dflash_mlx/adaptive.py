@@ -57,8 +57,8 @@ class PolicyState:
     lookup: int = 1
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False, compare=False)
     # What it measured.
-    plain_time: float | None = field(default=None, init=False)  # seconds a paused token (running means)
-    plain_sums: tuple[float, float] | None = field(default=None, init=False)  # (seconds, tokens) behind it
+    # Running means of a paused cycle's seconds and tokens (None before the first one).
+    plain_sums: tuple[float, float] | None = field(default=None, init=False)
     draft_time: float | None = field(default=None, init=False)  # seconds a token, last judged window
     # Where it is.
     plain_left: int = field(default=0, init=False)  # plain cycles to run before drafting again
@@ -83,6 +83,16 @@ class PolicyState:
         if not isinstance(self.probe_cost, (int, float)) or self.probe_cost <= 0:
             raise DFlashError(f"PolicyState probe_cost must be a fraction above 0 (got {self.probe_cost!r}).")
         self.plain_left, self.run = self.probe, self.window
+
+    @property
+    def plain_time(self) -> float | None:
+        """Seconds a paused token: the ratio of the running means (a lookup hit's two tokens
+        weigh twice a miss's one, as they do in the time the cycles take)."""
+        return self.plain_sums[0] / self.plain_sums[1] if self.plain_sums else None
+
+    @plain_time.setter
+    def plain_time(self, seconds: float) -> None:  # a measurement restored as one token's time
+        self.plain_sums = (seconds, 1.0)
 
     @property
     def plain_tps(self) -> float | None:
@@ -136,14 +146,11 @@ class PolicyState:
             self._plain_cycle(seconds, tokens)
 
     def _plain_cycle(self, seconds: float, tokens: int) -> None:
-        # Running means of seconds and of tokens, and their ratio: a lookup hit's two tokens
-        # weigh twice a miss's one, as they do in the time the cycles take.
-        if self.plain_time is None:
+        if self.plain_sums is None:
             self.plain_sums = (seconds, float(tokens))
         else:
-            before = self.plain_sums or (self.plain_time, 1.0)
+            before = self.plain_sums
             self.plain_sums = (0.75 * before[0] + 0.25 * seconds, 0.75 * before[1] + 0.25 * tokens)
-        self.plain_time = self.plain_sums[0] / self.plain_sums[1]
         self.plain_left = max(self.plain_left - 1, 0)
         self.since_plain = 0
         # A new window; its first cycle takes in the plain cycles' taps, a cost of resuming.

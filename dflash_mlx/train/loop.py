@@ -41,9 +41,8 @@ from ..responses import AcceptanceStats
 from ..weights.loading import (
     DTYPES,
     MASK_TOKENS,
-    cast,
+    cast_to_default,
     check_pair,
-    default_dtype,
     embedded_pair,
     is_drafter_config,
     load_draft,
@@ -447,8 +446,8 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
             "its run folder with --out and --resume if it holds a training_state."
         )
     target, tokenizer = load_target(target_path, dtype=args.dtype)
-    if args.dtype is None and (chosen := default_dtype(target)[0]) is not None:
-        cast(target, chosen)
+    if args.dtype is None:
+        cast_to_default(target)
     tgt.check_supported(target)
     target.freeze()
     vocab_size = tgt.vocab_size(target)

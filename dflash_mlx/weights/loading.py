@@ -582,6 +582,21 @@ def default_dtype(
     return None, hint
 
 
+def cast_to_default(target: nn.Module, draft: nn.Module | None = None) -> None:
+    """Cast a pair loaded without a dtype as :func:`default_dtype` chooses (the drafter's weights
+    counted in the memory): the target to its choice, the drafter to the target's compute
+    dtype; when a CPU run keeps a slower dtype, its hint goes to the log."""
+    dtype, hint = default_dtype(target, draft)
+    if dtype is not None:
+        cast(target, dtype)
+        mx.eval(target.parameters())
+    elif hint:
+        log.warning(hint)
+    if draft is not None and (draft_dtype := dtype or _compute_dtype(target)):
+        cast(draft, draft_dtype)
+        mx.eval(draft.parameters())
+
+
 def tokenizer_mask_token(tokenizer: TokenizerWrapper) -> int | None:
     """The id of the tokenizer's mask token (one of ``MASK_TOKENS``), or None."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
@@ -706,13 +721,5 @@ def load(
                                  mask_token_id=tokenizer_mask_token(tokenizer), dtype=dtype)  # fmt: skip
         check_pair(target_model, draft_model)
     if dtype is None:
-        dtype, hint = default_dtype(target_model, draft_model)
-        if dtype is not None:
-            cast(target_model, dtype)
-            mx.eval(target_model.parameters())
-        elif hint:
-            log.warning(hint)
-        if draft_model is not None and (draft_dtype := dtype or _compute_dtype(target_model)):
-            cast(draft_model, draft_dtype)
-            mx.eval(draft_model.parameters())
+        cast_to_default(target_model, draft_model)
     return target_model, draft_model, tokenizer
