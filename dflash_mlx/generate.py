@@ -28,6 +28,7 @@ from .cli.options import (
     InRange,
     add_blas_argument,
     add_decoding_arguments,
+    add_kernels_argument,
     add_model_arguments,
     add_stop_tokens,
     add_window_arguments,
@@ -39,6 +40,7 @@ from .cpu.openblas import blas_in_use
 from .cpu.speedups import CpuSpeedups
 from .cpu.speedups import cpu_speedups as resolve_speedups
 from .errors import DFlashError
+from .kernels import check_kernels
 from .lookup import LookupProposer, PromptLookup
 from .models import drafter2
 from .models import target as tgt
@@ -205,6 +207,7 @@ def dflash_generate_step(
     prompt_cache: DFlashCache | None = None,
     prefill_step_size: int = 512,
     cpu_speedups: CpuSpeedups | bool | None = None,
+    kernels: str = "auto",
     stream: mx.Stream = generation_stream,
 ) -> Generator[StepOutput, None, None]:
     """Generate token ids with DFlash speculative decoding.
@@ -272,6 +275,12 @@ def dflash_generate_step(
         cpu_speedups: None (default) uses the CPU speedups where they pay (float32 on MLX's
           CPU backend; :func:`dflash_mlx.cpu.speedups.cpu_speedups`); False runs the portable path
           an Apple GPU takes; True or a ``CpuSpeedups`` forces them. Same tokens either way.
+        kernels: The Metal kernels of this loop (greedy acceptance; :mod:`dflash_mlx.kernels`):
+          ``"auto"`` (default) runs each where it checked itself against its MLX-ops twin on
+          this machine and was faster; ``"on"`` wherever it can run, untimed, raising if it
+          differs from its twin; ``"off"`` the twins only. Off Metal the twins run, and
+          ``"on"`` is an error. The quantized target's matmuls are chosen by ``load``'s own
+          ``kernels``. Same tokens either way.
         stream: The MLX stream to run on.
 
     Yields:
@@ -279,9 +288,10 @@ def dflash_generate_step(
 
     Raises:
         DFlashError: On an empty prompt, ``max_tokens < 1``, a bad ``block_size``,
-          ``proposal``, ``min_confidence`` or ``lookup_fallback``.
+          ``proposal``, ``min_confidence``, ``lookup_fallback`` or ``kernels``.
     """
     ids = _prompt_ids(prompt)
+    check_kernels(kernels)
     _check_cycle_settings(max_tokens, min_confidence, lookup_fallback, proposal)
     if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
         raise DFlashError(f"seed must be an integer from 0 to {MAX_SEED} (got {seed!r}).")
@@ -312,7 +322,7 @@ def dflash_generate_step(
     )
     verifier = Verifier(
         model, cache, sampler=sampler, logits_processors=logits_processors, tap_ids=proposer.tap_ids,
-        speedups=speedups,
+        speedups=speedups, kernels=kernels,
     )
 
     budget = Budget(max_tokens, frozenset(stop_tokens))
@@ -528,6 +538,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="dflash-generate", description="Generate text with DFlash speculative decoding.")
     add_model_arguments(parser)
     add_blas_argument(parser)
+    add_kernels_argument(parser)
     parser.add_argument("--prompt", "-p", default="Hello", help="The prompt ('-' reads stdin; default: 'Hello').")
     add_decoding_arguments(parser, max_tokens=256)
     add_window_arguments(parser)
@@ -617,7 +628,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--prompt is empty: pass at least one character.")
     try:
         draft_arg = draft_for_cli(args.model, args.draft, args.no_draft)
-        model, draft, tokenizer = load(args.model, draft_arg, dtype=args.dtype)
+        model, draft, tokenizer = load(args.model, draft_arg, dtype=args.dtype, kernels=args.kernels)
         if draft is None and not args.no_draft:
             print("dflash-generate: no drafter given or known for this target: plain decoding "
                   "(pass --draft for DFlash).", file=sys.stderr)
@@ -670,6 +681,7 @@ def main(argv: list[str] | None = None) -> None:
             prompt_cache=cache,
             # mlx-lm's prefill step: with a rotating window (--max-kv-size) the chunks shape the output.
             prefill_step_size=2048 if cache is not None else 512,
+            kernels=args.kernels,
         )
         if store is not None:
             store.put(key, policy)

@@ -52,6 +52,8 @@ class Verifier:
           with that position's preceding tokens.
         tap_ids: Target layers whose taps the proposer needs.
         speedups: The CPU speedups, or None.
+        kernels: The Metal kernels' mode, ``"auto"``, ``"on"`` or ``"off"``
+          (:mod:`dflash_mlx.kernels.dispatch`).
     """
 
     def __init__(
@@ -63,8 +65,10 @@ class Verifier:
         logits_processors: list[LogitsProcessor] | None,
         tap_ids: list[int],
         speedups: CpuSpeedups | None,
+        kernels: str = "auto",
     ):
         self.model, self.cache, self.tap_ids, self.speedups = model, cache, tap_ids, speedups
+        self.kernels = kernels
         # By type, once: an empty rotating cache still says it can be trimmed.
         self.rotating = any(isinstance(c, RotatingKVCache) for c in cache.target)
         # A step may run ahead of the host only where one step can be taken back exactly
@@ -168,7 +172,7 @@ class Verifier:
         logits = self._logits(logits[0], block)
         if proposal.q is None and self.greedy:
             # On an Apple GPU one kernel, where it checked itself here; elsewhere its MLX-ops twin.
-            accepted = greedy_accept(logits, proposal.tokens)  # (2,): num_accepted, bonus token
+            accepted = greedy_accept(logits, proposal.tokens, mode=self.kernels)  # (2,): num_accepted, bonus
             mx.eval(block, accepted)
             n, bonus = accepted.tolist()
             return Verdict(n, block.tolist()[0][1 : n + 1] + [bonus], taps)

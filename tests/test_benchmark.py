@@ -10,6 +10,7 @@ from dflash_mlx.bench import benchmark
 from dflash_mlx.bench.benchmark import load_prompts, main, run_benchmark
 from dflash_mlx.bench.stats import efficiency, loop_efficiency, physical_limit, summarize
 from dflash_mlx.bench.timing import RunResult, fastest_times
+from dflash_mlx.kernels.dispatch import on_metal
 
 
 def test_physical_limit_and_efficiency():
@@ -375,8 +376,9 @@ def test_results_name_the_model_drafter_and_prompts_and_the_run_time_is_estimate
 
     main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--prompts", str(prompts),
           "--methods", "baseline", "dflash", "--block-sizes", "4", "--runs", "1", "--max-tokens", "8",
-          "--json", str(tmp_path / "r.json")])  # fmt: skip
+          "--json", str(tmp_path / "r.json"), "--kernels", "off"])  # fmt: skip
     meta = json.loads((tmp_path / "r.json").read_text())["meta"]
+    assert meta["kernels"] == "off" and meta["kernel_verdicts"] == []
     assert meta["model"] == str(pair_dirs["qwen3-tied"]) and meta["draft"] == str(pair_dirs["draft"])
     assert meta["prompt_set"] == str(prompts) and meta["prompts"] == 2
     assert str(prompts) in plot_caption(meta) and str(pair_dirs["draft"]) in plot_caption(meta)
@@ -390,7 +392,7 @@ def test_help_shows_the_defaults():
 
     text = " ".join(setup_arg_parser().format_help().split())
     for default in ("Most tokens per prompt and run (default: 128)", "(default: 4 8 16)", "(default: all; mlx-spec only with an AR draft",
-                    "generate uses: float32 on a CPU"):  # fmt: skip
+                    "generate uses: float32 on a CPU", "was faster (auto, the default)"):  # fmt: skip
         assert default in text
 
 
@@ -410,6 +412,32 @@ def test_out_of_range_flags_are_one_line(no_loading, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and capsys.readouterr().err.strip() == f"dflash-bench: error: {message}"
+
+
+@pytest.mark.skipif(on_metal(), reason="off Metal only: on a Mac --kernels on runs the kernels")
+def test_kernels_on_without_metal_is_one_line_before_loading(no_loading, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--kernels", "on"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1
+    assert err.startswith("dflash-bench: error: kernels 'on' needs a Metal device (an Apple GPU)")
+
+
+def test_kernel_verdicts_are_reported(monkeypatch, tmp_path):
+    import dflash_mlx.kernels
+    from dflash_mlx.bench.report import markdown, stamp
+    from dflash_mlx.kernels import KernelStore, Verdict, accept
+
+    d = accept.greedy_accept.with_store(KernelStore(tmp_path / "k.json"))
+    d.verdicts["mlx.core.bfloat16|16x151936"] = verdict = Verdict(True, "matches its twin, faster", 1e-5, 2e-5)
+    d.forced.add("mlx.core.bfloat16|8x151936")
+    monkeypatch.setattr(dflash_mlx.kernels, "DISPATCHERS", (d,))
+    rows = benchmark.kernel_verdicts()
+    assert rows[0] == {"kernel": "greedy_accept", "shape": "mlx.core.bfloat16|16x151936", **vars(verdict)}
+    assert rows[1]["enabled"] and rows[1]["reason"].startswith("forced")
+    table = markdown([], {**stamp(), "kernels": "auto", "kernel_verdicts": rows}, {})
+    assert "; kernels auto" in table.splitlines()[0]
+    assert "- greedy_accept mlx.core.bfloat16|16x151936: kernel, matches its twin, faster" in table
 
 
 def test_zero_cut_and_fallback_are_accepted_as_off(pair_dirs, prompts):
@@ -503,8 +531,8 @@ def test_the_default_dtype_is_the_one_generate_uses(pair_dirs, prompts, monkeypa
     loaded = []
     real_load = loading.load
 
-    def gpu_like_load(model, draft, dtype=None):
-        target, drafter, tokenizer = real_load(model, draft, dtype=dtype or "bfloat16")
+    def gpu_like_load(model, draft, dtype=None, kernels="auto"):
+        target, drafter, tokenizer = real_load(model, draft, dtype=dtype or "bfloat16", kernels=kernels)
         loaded.append(dtype)
         return target, drafter, tokenizer
 

@@ -4,12 +4,14 @@ import sys
 import pytest
 
 from dflash_mlx.generate import main
+from dflash_mlx.kernels.dispatch import on_metal
 
 
 def test_help_smoke():
     out = subprocess.run([sys.executable, "-m", "dflash_mlx.generate", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
-    for flag in ("--model", "--draft", "--prompt", "--max-tokens", "--block-size", "--temp", "--system-prompt"):
+    for flag in ("--model", "--draft", "--prompt", "--max-tokens", "--block-size", "--temp", "--system-prompt",
+                 "--kernels"):  # fmt: skip
         assert flag in out.stdout
 
 
@@ -20,7 +22,8 @@ def test_generates_with_a_pair(pair_dirs, capsys):
     assert "Generation:" in out and "Acceptance length:" in out
 
 
-OPTIONS = [["--min-confidence", "0.05"], ["--lookup-fallback", "4"], ["--adaptive", "false"], ["--adaptive", "True"]]
+OPTIONS = [["--min-confidence", "0.05"], ["--lookup-fallback", "4"], ["--adaptive", "false"], ["--adaptive", "True"],
+           ["--kernels", "off"]]  # fmt: skip
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -83,6 +86,15 @@ def test_block_size_out_of_range_is_one_line(pair_dirs, capsys):
         main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--block-size", "40"])
     err = capsys.readouterr().err
     assert err == "dflash-generate: error: --block-size must be from 1 to the drafter's block size 16 (got 40).\n"
+
+
+@pytest.mark.skipif(on_metal(), reason="off Metal only: on a Mac --kernels on runs the kernels")
+def test_kernels_on_without_metal_is_one_line(pair_dirs, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--kernels", "on"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1
+    assert err.startswith("dflash-generate: error: kernels 'on' needs a Metal device (an Apple GPU)")
 
 
 def test_unknown_target_without_drafter_says_plain_decoding(pair_dirs, capsys):

@@ -6,6 +6,7 @@ from helpers.oracles import ScriptedDraft
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import DFlashError, dflash_generate_step, make_cache, stream_generate
+from dflash_mlx.kernels.dispatch import on_metal
 
 MAX_REF = 200
 
@@ -351,6 +352,7 @@ def test_prompt_cache_after_a_generation_left_early(qwen3_pair, lookup_fallback)
         ({"min_confidence": -0.1}, "(got -0.1)"),
         ({"lookup_fallback": -1}, "lookup_fallback must be a non-negative integer of cycles (got -1)"),
         ({"lookup_fallback": 2.5}, "(got 2.5)"),
+        ({"kernels": "yes"}, "kernels must be one of auto, on, off (got 'yes')"),
     ],
 )
 def test_bad_arguments(qwen3_pair, kwargs, message):
@@ -358,6 +360,30 @@ def test_bad_arguments(qwen3_pair, kwargs, message):
     with pytest.raises(DFlashError) as e:
         run(model, draft, [1, 2, 3], **kwargs)
     assert message in str(e.value)
+
+
+@pytest.mark.skipif(on_metal(), reason="off Metal only: on a Mac kernels='on' runs the kernels")
+def test_kernels_on_without_metal_is_an_error(qwen3_pair):
+    model, draft, _ = qwen3_pair
+    with pytest.raises(DFlashError, match="kernels 'on' needs a Metal device"):
+        run(model, draft, [1, 2, 3], kernels="on")
+
+
+@pytest.mark.parametrize("kernels", ["auto", "off"])
+def test_kernels_mode_reaches_the_acceptance_dispatcher(qwen3_pair, monkeypatch, kernels):
+    from dflash_mlx import verify
+
+    model, draft, _ = qwen3_pair
+    modes, twin = [], verify.greedy_accept.twin
+
+    def recording(logits, drafts, mode="auto"):
+        modes.append(mode)
+        return twin(logits, drafts)
+
+    prompt = _prompt(7)
+    monkeypatch.setattr(verify, "greedy_accept", recording)
+    out, _ = run(model, draft, prompt, block_size=8, max_tokens=20, adaptive=False, kernels=kernels)
+    assert out == reference(model, prompt, 20) and modes and set(modes) == {kernels}
 
 
 def test_empty_prompt(qwen3_pair):

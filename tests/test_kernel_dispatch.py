@@ -8,8 +8,9 @@ import logging
 import mlx.core as mx
 import pytest
 
+from dflash_mlx.errors import DFlashError
 from dflash_mlx.kernels import accept, qmm
-from dflash_mlx.kernels.dispatch import KernelStore, SelfChecked, Verdict, on_metal
+from dflash_mlx.kernels.dispatch import KERNEL_MODES, KernelStore, SelfChecked, Verdict, check_kernels, on_metal
 
 
 class FakeClock:
@@ -112,11 +113,54 @@ def test_off_metal_the_twin_runs_unchecked(clock, tmp_path):
     assert kernel.calls == 0 and not (tmp_path / "k.json").exists()
 
 
-def test_use_kernel_false_runs_the_twin(clock, tmp_path):
+def test_mode_off_runs_the_twin(clock, tmp_path):
     kernel, twin = Fake(clock, 1.0), Fake(clock, 2.0)
     d = _dispatcher(kernel, twin, clock, tmp_path / "k.json")
-    d(mx.ones((4,)), use_kernel=False)
+    d(mx.ones((4,)), mode="off")
     assert kernel.calls == 0 and not (tmp_path / "k.json").exists()
+
+
+def test_mode_on_runs_a_slower_kernel_untimed_and_keeps_nothing(clock, tmp_path):
+    kernel, twin = Fake(clock, 3.0), Fake(clock, 2.0)
+    d = _dispatcher(kernel, twin, clock, tmp_path / "k.json")
+    assert d(mx.ones((4,)), mode="on").tolist() == [2.0] * 4
+    assert (kernel.calls, twin.calls) == (2, 1)  # one comparison on random inputs, then the call
+    d(mx.ones((4,)), mode="on")
+    assert (kernel.calls, twin.calls) == (3, 1)  # compared once per shape class
+    d(mx.ones((8,)), mode="on")
+    assert (kernel.calls, twin.calls) == (5, 2)
+    assert d.forced == {"mlx.core.float32|4", "mlx.core.float32|8"} and d.verdicts == {}
+    assert not (tmp_path / "k.json").exists()
+
+
+@pytest.mark.parametrize(
+    "kernel_kind, reason",
+    [("differs", "differs from its twin"), ("fails", r"failed \(RuntimeError: Unable to build metal library\)")],
+)
+def test_mode_on_refuses_a_kernel_that_fails_its_comparison(clock, tmp_path, kernel_kind, reason):
+    # Forcing a kernel measures it; it never trades a wrong token for speed, nor falls back quietly.
+    kernel = Fake(clock, 1.0, error=0.5) if kernel_kind == "differs" else Fake(clock, 1.0, fails=True)
+    d = _dispatcher(kernel, Fake(clock, 2.0), clock, tmp_path / "k.json")
+    message = f"Kernel double at mlx.core.float32\\|4: {reason}, so kernels 'on' cannot run it. Use 'auto'"
+    with pytest.raises(DFlashError, match=message):
+        d(mx.ones((4,)), mode="on")
+    assert d.forced == set()
+
+
+def test_mode_on_off_metal_runs_the_twin(clock, tmp_path):
+    kernel, twin = Fake(clock, 1.0), Fake(clock, 2.0)
+    d = _dispatcher(kernel, twin, clock, tmp_path / "k.json", metal=False)
+    d(mx.ones((4,)), mode="on")
+    assert kernel.calls == 0
+
+
+def test_check_kernels():
+    assert [check_kernels(m, metal=True) for m in KERNEL_MODES] == ["auto", "on", "off"]
+    assert check_kernels("auto", metal=False) == "auto" and check_kernels("off", metal=False) == "off"
+    with pytest.raises(DFlashError, match=r"kernels 'on' needs a Metal device .*Use 'auto' \(the default\) or 'off'"):
+        check_kernels("on", metal=False)
+    with pytest.raises(DFlashError, match="kernels must be one of auto, on, off \\(got 'yes'\\)"):
+        check_kernels("yes", metal=True)
 
 
 def test_each_shape_class_machine_and_mlx_version_is_judged_apart(clock, tmp_path):

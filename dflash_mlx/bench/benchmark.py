@@ -19,8 +19,17 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..chat_template import has_chat_template, render_chat
-from ..cli.options import DTYPE_CHOICES, ArgumentParser, InRange, add_blas_argument, add_window_arguments, block_size_problem
+from ..cli.options import (
+    DTYPE_CHOICES,
+    ArgumentParser,
+    InRange,
+    add_blas_argument,
+    add_kernels_argument,
+    add_window_arguments,
+    block_size_problem,
+)
 from ..errors import DFlashError
+from ..kernels import check_kernels
 from ..models import target as tgt
 from ..weights.files import write_text_atomic
 from ..weights.jsonl import read_objects
@@ -158,6 +167,7 @@ def run_benchmark(
     documents: str | None = None,
     draft_window: int | None = None,
     draft_sinks: int = 4,
+    kernels: str = "auto",
     progress: bool = True,
 ) -> dict:
     """Run the methods on the prompts and return ``{"meta", "times", "rows", "runs"}``.
@@ -167,6 +177,9 @@ def run_benchmark(
     the prompts are ``documents`` cut to each length (:mod:`dflash_mlx.bench.context`), each
     length a category of its own with its own component times (``times_by_category``).
     ``draft_window`` / ``draft_sinks``: the drafter's context window of the DFlash methods.
+    ``kernels``: the Metal kernels (``"auto"``, ``"on"``, ``"off"``; :mod:`dflash_mlx.kernels`)
+    of the target's quantized layers and of the DFlash loop; the results record it, and what
+    each kernel's dispatcher ran (``kernel_verdicts``).
     """
     from ..cache import check_draft_window
     from ..models.hybrid import HYBRID_MODEL_TYPES
@@ -185,6 +198,7 @@ def run_benchmark(
     if num_draft_tokens < 1:
         raise DFlashError(f"--num-draft-tokens must be at least 1 (got {num_draft_tokens}).")
     check_draft_window(draft_window, draft_sinks)
+    check_kernels(kernels)
     pair_name = (model or DEFAULT_PAIR) if is_embedded_pair(model) else None
     pair = embedded_pair_path(pair_name or DEFAULT_PAIR)
     ar_path = ar_draft if ar_draft is not None else (str(pair / "ar-draft") if pair_name else None)
@@ -198,7 +212,7 @@ def run_benchmark(
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise DFlashError(f"Unknown method {bad[0]!r}; choose from {', '.join(METHODS)}.")
-    target, drafter, tokenizer = load(model, draft, dtype=dtype)
+    target, drafter, tokenizer = load(model, draft, dtype=dtype, kernels=kernels)
     # None: what load chose (float32 on a CPU, the checkpoint's dtype on a GPU), named for the AR
     # draft, which must compute in it too, and for the results.
     dtype = dtype or next(name for name, d in DTYPES.items() if d == tgt.compute_dtype(target))
@@ -258,7 +272,7 @@ def run_benchmark(
               f"{1e3 * step:.1f} ms plain step, and {timing_seconds:.0f} s of component timing)", file=sys.stderr)
     runners = {
         (m, b): make_runner(m, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
-                            min_confidence, lookup_fallback, **window)
+                            min_confidence, lookup_fallback, **window, kernels=kernels)
         for m, b in plan
     }  # fmt: skip
     results, total, done, start = [], len(plan) * len(rows_in) * runs, 0, time.perf_counter()
@@ -310,7 +324,8 @@ def run_benchmark(
                  "prompt_set": (documents or f"{pair_name or DEFAULT_PAIR} long-context documents (embedded)")
                  if context else prompts or f"{pair_name or DEFAULT_PAIR} held-out prompts (embedded)",
                  "min_confidence": min_confidence, "lookup_fallback": lookup_fallback,
-                 "context": [label(n) for n in context] if context else None, **window},
+                 "context": [label(n) for n in context] if context else None, **window,
+                 "kernels": kernels, "kernel_verdicts": kernel_verdicts()},
         "times": times,
         "times_by_category": times_by_category,
         "rows": summarize(results, times),
@@ -318,6 +333,18 @@ def run_benchmark(
         "by_category": by_category if len(categories) > 1 else {},
         "runs": [asdict(r) for r in results],
     }
+
+
+def kernel_verdicts() -> list[dict]:
+    """What each Metal kernel's dispatcher decided in this process, per shape class (none off Metal)."""
+    from ..kernels import DISPATCHERS
+
+    rows = []
+    for d in DISPATCHERS:
+        rows += [{"kernel": d.name, "shape": shape, **asdict(v)} for shape, v in d.verdicts.items()]
+        rows += [{"kernel": d.name, "shape": shape, "enabled": True, "reason": "forced (kernels on); matches its twin",
+                  "kernel_s": None, "twin_s": None} for shape in sorted(d.forced)]  # fmt: skip
+    return rows
 
 
 def _lengths(spec: str) -> list[int]:
@@ -373,6 +400,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    "where greedy output is the same for every method, as the benchmark checks; the checkpoint's "
                    "on a GPU, what users run there).")
     add_blas_argument(p)
+    add_kernels_argument(p)
     p.add_argument("--scaling", nargs="+", default=None, metavar="SHAPE",
                    help="Scaling mode on random-weight targets of these shapes (qwen3-0.6b, qwen3-1.7b).")
     p.add_argument("--replay", default=None, help="Results JSON of a normal run whose acceptance --scaling replays.")
@@ -427,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
             methods=tuple(args.methods) if args.methods else None,
             min_confidence=args.min_confidence, lookup_fallback=args.lookup_fallback, dtype=args.dtype,
             context=args.context, documents=args.documents, draft_window=args.draft_window,
-            draft_sinks=args.draft_sinks,
+            draft_sinks=args.draft_sinks, kernels=args.kernels,
         )
     except DFlashError as e:
         print(f"dflash-bench: error: {e}", file=sys.stderr)

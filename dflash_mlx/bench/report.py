@@ -52,7 +52,8 @@ def stamp() -> dict:
 def markdown(rows: list[dict], meta: dict, times: dict) -> str:
     lines = [
         f"Machine: {meta['machine']} ({meta['device']}); BLAS: {meta['blas']}; mlx {meta['mlx']}, "
-        f"mlx-lm {meta['mlx_lm']}; commit {meta['commit']}; {meta['date']}",
+        f"mlx-lm {meta['mlx_lm']}; commit {meta['commit']}; {meta['date']}"
+        + (f"; kernels {meta['kernels']}" if "kernels" in meta else ""),
         "",
         "| method | block | gen tok/s | speedup | tau | drafting / plain cycles | verified | prompt tok/s | limit "
         "| efficiency | loop eff. | peak GB |",
@@ -85,6 +86,10 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         "defaults (the adaptive policy, one state across the method's runs, warm-up first, as a chat or server "
         "keeps it; while it pauses the drafter, cycles verify one prompt-lookup draft or step plainly); no limit.",
     ]
+    if meta.get("kernel_verdicts"):
+        lines += ["", "Metal kernels (what each dispatcher ran at each shape class):"]
+        lines += [f"- {v['kernel']} {v['shape']}: {'kernel' if v['enabled'] else 'twin'}, {v['reason']}"
+                  for v in meta["kernel_verdicts"]]  # fmt: skip
     if times.get("verify"):
         at = f" at a {times['context']}-token context" if "context" in times else ""
         base = next((r for r in rows if r["method"] == "baseline" and r["generation_tps"] > 0), None)

@@ -90,9 +90,11 @@ def make_runner(
     lookup_fallback: int = DEFAULT_LOOKUP_FALLBACK,
     draft_window: int | None = None,
     draft_sinks: int = 4,
+    kernels: str = "auto",
 ):
     """A function ``prompt ids -> (ids, gen seconds, prompt seconds, acceptances)`` for one method;
-    the DFlash methods' drafter sees ``draft_window`` positions (None: all)."""
+    the DFlash methods' drafter sees ``draft_window`` positions (None: all) and their loop runs
+    the Metal kernels as ``kernels`` says (the target's own layers were chosen at load)."""
     if method in ("baseline", "mlx-spec"):
         from mlx_lm.generate import stream_generate as mlx_lm_stream
 
@@ -115,7 +117,7 @@ def make_runner(
         stream_generate(
             model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=width, min_confidence=cutoff,
             lookup_fallback=fallback, adaptive=default, policy=policy,
-            draft_window=draft_window if method != "lookup" else None, draft_sinks=draft_sinks,
+            draft_window=draft_window if method != "lookup" else None, draft_sinks=draft_sinks, kernels=kernels,
         ),
         lambda r: r.tokens,
     )

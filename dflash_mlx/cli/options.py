@@ -134,6 +134,16 @@ def add_blas_argument(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_kernels_argument(parser: argparse.ArgumentParser) -> None:
+    """``--kernels``: the Metal kernels' mode (``dflash_mlx.kernels.dispatch``)."""
+    parser.add_argument(
+        "--kernels", choices=("auto", "on", "off"), default="auto",
+        help="Apple GPU: run each Metal kernel where it checked itself against its MLX-ops twin on this machine "
+        "and was faster (auto, the default), wherever it can run, untimed, failing if it differs from its twin "
+        "(on; an error without a Metal device), or never (off: the twins). Same tokens either way.",
+    )  # fmt: skip
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """--model, --draft (or mlx-lm's --draft-model), --no-draft and --dtype."""
     parser.add_argument(

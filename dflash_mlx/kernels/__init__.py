@@ -1,17 +1,23 @@
 """Metal kernels for Apple GPUs, each with its MLX-ops twin (the truth) and a dispatcher.
 
 A kernel runs only on a Metal device and only at a shape class where it has checked itself
-against its twin and was faster (``dispatch``); everywhere else the twin runs. ``harness`` runs
+against its twin and was faster (``dispatch``); everywhere else the twin runs. A ``kernels``
+argument (``"auto"``, ``"on"``, ``"off"``) passed down to each call can force them on or off. ``harness`` runs
 a kernel's Metal source on a CPU, which is how the tests check it off a Mac."""
 
 from .accept import greedy_accept, greedy_accept_ops
-from .dispatch import KernelStore, SelfChecked, Verdict
+from .dispatch import KERNEL_MODES, KernelStore, SelfChecked, Verdict, check_kernels
 from .qmm import verify_qmm, verify_qmm_ops
 
+DISPATCHERS = (greedy_accept, verify_qmm)  # every kernel's dispatcher, for reports
+
 __all__ = [
+    "DISPATCHERS",
+    "KERNEL_MODES",
     "KernelStore",
     "SelfChecked",
     "Verdict",
+    "check_kernels",
     "greedy_accept",
     "greedy_accept_ops",
     "verify_qmm",

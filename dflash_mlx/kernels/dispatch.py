@@ -5,6 +5,11 @@ kernel and its MLX-ops twin on random inputs of that class, compares them, times
 enables the kernel only if it matches and is faster. The verdict is kept per machine, MLX
 version and shape class in ``kernels.json`` (dflash-mlx's cache folder), so a later process
 does not measure again. Anywhere else, and wherever a kernel lost, the twin runs.
+
+Every call takes a ``mode`` (``KERNEL_MODES``), passed down from the ``kernels`` argument of
+``load`` and the generation functions (``--kernels`` on the command line): ``"auto"`` is the
+above; ``"on"`` runs the kernel wherever it can run, untimed, after one comparison with its twin
+per shape class, and raises if it fails to build or differs; ``"off"`` runs the twins only.
 """
 
 import copy
@@ -18,9 +23,12 @@ from typing import Callable
 
 import mlx.core as mx
 
+from ..errors import DFlashError
 from ..weights.files import JsonStore
 
 logger = logging.getLogger(__name__)
+
+KERNEL_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,30 @@ class KernelStore(JsonStore):
 def on_metal() -> bool:
     """Whether kernels can run: MLX's default device is an Apple GPU."""
     return mx.default_device() == mx.gpu and mx.metal.is_available()
+
+
+def check_kernels(kernels: str, *, metal: bool | None = None) -> str:
+    """Check a ``kernels`` choice at a boundary (``load``, the generation functions, a CLI).
+
+    Args:
+        kernels: ``"auto"``, ``"on"`` or ``"off"`` (see the module's docstring).
+        metal: Whether kernels can run (None: :func:`on_metal`).
+
+    Returns:
+        ``kernels``, unchanged.
+
+    Raises:
+        DFlashError: On another value, or on ``"on"`` without a Metal device: there every
+          kernel's twin would run, and a run asked to measure the kernels would measure none.
+    """
+    if kernels not in KERNEL_MODES:
+        raise DFlashError(f"kernels must be one of {', '.join(KERNEL_MODES)} (got {kernels!r}).")
+    if kernels == "on" and not (on_metal() if metal is None else metal):
+        raise DFlashError(
+            f"kernels 'on' needs a Metal device (an Apple GPU), and there is none here (MLX's device is "
+            f"{mx.default_device()}): the kernels' MLX-ops twins run. Use 'auto' (the default) or 'off'."
+        )
+    return kernels
 
 
 def machine_name() -> str:
@@ -119,11 +151,12 @@ class SelfChecked:
         self._store, self.clock, self._metal, self._machine = store, clock, metal, machine
         self.repeats, self.reference = repeats, reference or twin
         self.verdicts: dict[str, Verdict] = {}
+        self.forced: set[str] = set()  # shape classes that mode "on" compared with the twin
 
     def with_store(self, store: KernelStore) -> "SelfChecked":
         """The same kernel and twin, judged afresh against ``store``."""
         other = copy.copy(self)
-        other._store, other.verdicts = store, {}
+        other._store, other.verdicts, other.forced = store, {}, set()
         return other
 
     @property
@@ -136,16 +169,34 @@ class SelfChecked:
             self._store = KernelStore()
         return self._store
 
-    def __call__(self, *args, use_kernel: bool = True) -> mx.array:
-        """The kernel's result where it is enabled for these inputs' shape class, else the twin's."""
-        if (
-            use_kernel
-            and self.metal
-            and (self.supports is None or self.supports(*args))
-            and self.verdict(*args).enabled
-        ):
+    def __call__(self, *args, mode: str = "auto") -> mx.array:
+        """The kernel's result where ``mode`` and the device let it run, else the twin's.
+
+        ``mode``: ``"auto"`` runs the kernel where it is enabled for these inputs' shape class;
+        ``"on"`` wherever it can run (a Metal device, inputs it supports), raising
+        :class:`DFlashError` if it fails to build or differs from its twin; ``"off"`` never.
+        """
+        if mode == "off" or not self.metal or (self.supports is not None and not self.supports(*args)):
+            return self.twin(*args)
+        if mode == "on":
+            self._check_forced(*args)
+            return self.kernel(*args)
+        if self.verdict(*args).enabled:
             return self.kernel(*args)
         return self.twin(*args)
+
+    def _check_forced(self, *args: mx.array) -> None:
+        # Untimed and not kept on disk: forcing a kernel is for measuring it, never for wrong output.
+        shape_class = self.shape_class(*args)
+        if shape_class in self.forced:
+            return
+        failed = self._compare(self.example(*args))
+        if failed is not None:
+            raise DFlashError(
+                f"Kernel {self.name} at {shape_class}: {failed.reason}, so kernels 'on' cannot run it. "
+                "Use 'auto', which runs its MLX-ops twin there, and please report it."
+            )
+        self.forced.add(shape_class)
 
     def key(self, shape_class: str) -> str:
         machine = self._machine if self._machine is not None else machine_name()
@@ -168,7 +219,8 @@ class SelfChecked:
         self.verdicts[shape_class] = verdict
         return verdict
 
-    def _check(self, inputs: tuple) -> Verdict:
+    def _compare(self, inputs: tuple) -> Verdict | None:
+        # None when the kernel ran and matched its twin; else the verdict against it.
         try:
             got = self.kernel(*inputs)
             mx.eval(got)
@@ -178,6 +230,11 @@ class SelfChecked:
         mx.eval(want)
         if not self.close(got, want):
             return Verdict(False, "differs from its twin")
+        return None
+
+    def _check(self, inputs: tuple) -> Verdict:
+        if (failed := self._compare(inputs)) is not None:
+            return failed
         kernel_s, twin_s = self._time(self.kernel, inputs), self._time(self.twin, inputs)
         times = f"{kernel_s * 1e6:.1f} vs {twin_s * 1e6:.1f} us"
         if kernel_s >= twin_s:

@@ -21,9 +21,11 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 from ..cpu.openblas import note_reference_blas
 from ..errors import DFlashError
+from ..kernels import check_kernels
 from ..models import drafter, drafter2, gemma, hybrid, kimi
 from ..models import target as tgt
 from ..models.drafter import DraftModel, ModelArgs
+from ..models.quantized import use_verify_qmm
 from .hub import hub_file, hub_snapshot
 from .registry import find_draft, find_pair, is_default_target, known_targets
 
@@ -665,6 +667,7 @@ def load(
     *,
     dtype: str | None = None,
     revision: str | None = None,
+    kernels: str = "auto",
 ) -> tuple[nn.Module, DraftModel | None, TokenizerWrapper]:
     """Load a target, its DFlash drafter and the tokenizer.
 
@@ -682,17 +685,23 @@ def load(
           memory at hand (else the checkpoint's dtype, with a one-line hint logged to the
           ``dflash_mlx`` logger), the checkpoint's on a GPU; the drafter takes the target's.
         revision: Hub revision for both, if they come from the hub.
+        kernels: The Metal kernels of a quantized target's verify passes
+          (:mod:`dflash_mlx.models.quantized`): on a Metal device, unless ``"off"``, its
+          affine-quantized linear layers run their 2..16-row matmuls through ``verify_qmm``,
+          where it checked itself faster (``"auto"``, default) or wherever it can run
+          (``"on"``). Elsewhere the target is mlx-lm's, unchanged; ``"on"`` there is an error.
 
     Returns:
         ``(model, draft, tokenizer)``; ``draft`` is None when none was given.
 
     Raises:
         DFlashError: On missing or corrupt files, a non-DFlash drafter, an unsupported
-          target, a drafter made for another target, or ``draft="auto"`` for a target
-          with no known drafter.
+          target, a drafter made for another target, ``draft="auto"`` for a target
+          with no known drafter, or a bad ``kernels`` (``"on"`` without a Metal device).
     """
     if dtype is not None and dtype not in DTYPES:
         raise DFlashError(f"Unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
+    check_kernels(kernels)
     if mx.default_device() == mx.cpu:
         note_reference_blas()
     if is_embedded_pair(model):
@@ -722,4 +731,5 @@ def load(
         check_pair(target_model, draft_model)
     if dtype is None:
         cast_to_default(target_model, draft_model)
+    use_verify_qmm(target_model, kernels)  # as nn.quantize swaps layers; a no-op off Metal
     return target_model, draft_model, tokenizer
