@@ -1,8 +1,6 @@
 """DFlash block-diffusion speculative decoding for MLX."""
 
-import sys
 from importlib import import_module
-from types import ModuleType
 
 __version__ = "0.1.0"
 
@@ -17,10 +15,10 @@ _EXPORTS = {
     "AcceptanceStats": "responses",
     "GenerationResponse": "responses",
     "PolicyState": "adaptive",
-    "StepOutput": "generate",
-    "dflash_generate_step": "generate",
-    "generate": "generate",
-    "stream_generate": "generate",
+    "StepOutput": "generation",
+    "dflash_generate_step": "generation",
+    "generate": "generation",
+    "stream_generate": "generation",
     "check_pair": "weights.loading",
     "load": "weights.loading",
 }
@@ -39,14 +37,3 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
-
-class _Package(ModuleType):
-    # The import system binds a submodule to its name in the package when it first loads it,
-    # which would make dflash_mlx.generate the module instead of the function generate().
-    def __setattr__(self, name: str, value) -> None:
-        if name in _EXPORTS and isinstance(value, ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

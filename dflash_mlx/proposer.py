@@ -1,6 +1,6 @@
 """What proposes drafts for the verify loop: the DFlash drafter, prompt lookup, or both.
 
-The loop in ``dflash_mlx.generate`` sees only the :class:`Proposer` protocol: ``propose`` the
+The loop in ``dflash_mlx.generation`` sees only the :class:`Proposer` protocol: ``propose`` the
 next drafts after the last committed token, then ``accept`` how many positions of the
 verified block were kept, with their taps. A proposal carries the distribution its drafts
 were drawn from, or None when they are certain (greedy or looked-up drafts).
@@ -138,7 +138,7 @@ class DFlashProposer(Proposer):
         if self.sampler is None:
             drafts, q = mx.argmax(logits, axis=-1).astype(mx.uint32), None
         else:
-            q = self.sampler.probs(logits, use_kernel=self._kernels)
+            q = self.sampler.probs(logits, fast_exp=self._fast_exp)
             drafts = sample_rows(q)  # (n,), (n, V)
         if self.width is not None and n > 1:
             k = self.width.choose(self._confidences(logits, drafts, q).tolist())
@@ -153,13 +153,13 @@ class DFlashProposer(Proposer):
         return Proposal(drafts, q)
 
     @property
-    def _kernels(self) -> bool:
-        return self.speedups is not None and self.speedups.kernels
+    def _fast_exp(self) -> bool:
+        return self.speedups is not None and self.speedups.fast_exp
 
     def _confidences(self, logits, drafts, q) -> mx.array:
         """The probability the drafter gave each draft."""
         if q is None:  # greedy drafts are the argmax, so their probability is the top one
-            return top_probability(logits, use_kernel=self._kernels)
+            return top_probability(logits, fast_exp=self._fast_exp)
         return mx.take_along_axis(q, drafts[:, None].astype(mx.int32), axis=-1)[:, 0]
 
     def _confident_prefix(self, logits, drafts, q):
@@ -197,7 +197,7 @@ class SelectorProposer(DFlashProposer):
         if self.sampler is None:
             drafts, q = self.draft.draft_tokens(self.model, block, taps, self.cache.draft, self.speedups)[0, :n], None
         else:
-            probs = partial(self.sampler.probs, use_kernel=self._kernels)
+            probs = partial(self.sampler.probs, fast_exp=self._fast_exp)
             drafts, q = self.draft.sample_tokens(
                 self.model, block, taps, self.cache.draft, probs, self.speedups, num_drafts=n
             )

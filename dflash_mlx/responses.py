@@ -108,7 +108,7 @@ def describe_acceptance(tau: float, drafting_cycles: int, plain_cycles: int) -> 
 
 @dataclass
 class GenerationResponse:
-    """The output of :func:`dflash_mlx.generate.stream_generate`, one per cycle. All plain
+    """The output of :func:`dflash_mlx.generation.stream_generate`, one per cycle. All plain
     Python values.
 
     Args:

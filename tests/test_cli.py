@@ -3,12 +3,12 @@ import sys
 
 import pytest
 
-from dflash_mlx.generate import main
+from dflash_mlx.cli.generate import main
 from dflash_mlx.kernels.dispatch import on_metal
 
 
 def test_help_smoke():
-    out = subprocess.run([sys.executable, "-m", "dflash_mlx.generate", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "dflash_mlx.cli.generate", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     for flag in ("--model", "--draft", "--prompt", "--max-tokens", "--block-size", "--temp", "--system-prompt",
                  "--kernels"):  # fmt: skip
@@ -245,7 +245,7 @@ def test_target_without_tokenizer_files_says_so(pair_dirs, tmp_path, capsys):
     assert "copy them from the model's original folder" in err
 
 
-@pytest.mark.parametrize("tool", ["dflash_mlx.generate", "dflash_mlx.tui.app", "dflash_mlx.bench.benchmark"])
+@pytest.mark.parametrize("tool", ["dflash_mlx.cli.generate", "dflash_mlx.tui.app", "dflash_mlx.bench.benchmark"])
 def test_help_states_the_dtype_default(tool):
     import importlib
 

@@ -279,7 +279,7 @@ def test_convert_load_generate_chat(gemma_targets, kind, tmp_path, capsys):
     """dflash-convert -> load -> dflash-generate -> the chat engine's turns; the chat's second
     turn (reusing the cache) equals a fresh run of it."""
     from dflash_mlx.convert import convert
-    from dflash_mlx.generate import main as generate_main
+    from dflash_mlx.cli.generate import main as generate_main
     from dflash_mlx.tui.commands import Settings
     from dflash_mlx.tui.engine import MLXEngine
 

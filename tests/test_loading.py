@@ -353,7 +353,7 @@ def test_stream_generate_response_fields(qwen3_pair, monkeypatch):
     # token, then plain decoding makes one token a second.
     ticks = iter(range(100))
     clock = types.SimpleNamespace(perf_counter=lambda: float(next(ticks)))
-    monkeypatch.setattr(sys.modules["dflash_mlx.generate"], "time", clock)
+    monkeypatch.setattr(sys.modules["dflash_mlx.generation"], "time", clock)
     plain = list(stream_generate(model, None, tokenizer, "t1 t2 t3", max_tokens=6))
     assert [(r.prompt_tps, r.generation_tps) for r in plain] == [(3.0, 0.0)] + [(3.0, 1.0)] * 5
     assert all(isinstance(t, int) for r in responses for t in r.tokens)

@@ -39,11 +39,13 @@ def test_public_names_load_on_first_use():
         dflash_mlx.nope
 
 
-def test_the_generate_submodule_does_not_hide_the_function(monkeypatch):
-    module = importlib.import_module("dflash_mlx.generate")
-    # What the import system does when something imports dflash_mlx.generate before the function is used.
-    monkeypatch.setattr(dflash_mlx, "generate", module)
-    assert dflash_mlx.generate is module.generate and not isinstance(dflash_mlx.generate, ModuleType)
+def test_generate_is_the_function_whatever_was_imported_before():
+    # The loop's module is dflash_mlx.generation and the CLI's dflash_mlx.cli.generate, so no
+    # submodule is bound to the package's name ``generate``.
+    importlib.import_module("dflash_mlx.generation")
+    importlib.import_module("dflash_mlx.cli.generate")
+    assert callable(dflash_mlx.generate) and not isinstance(dflash_mlx.generate, ModuleType)
+    assert dflash_mlx.generate is importlib.import_module("dflash_mlx.generation").generate
 
 
 def test_every_console_script_goes_through_an_entry_point():

@@ -20,7 +20,7 @@ from ..cli.options import ArgumentParser, add_blas_argument, add_decoding_argume
 from ..errors import DFlashError
 from .commands import HELP, Settings, parse_command, save_transcript
 from .engine import MLXEngine, RemoteEngine, StreamEngine, StreamFn
-from .messages import ConversationStats, Delta, LoadFailed, ModelReady, ReplyDone, ReplyStats
+from .messages import ConversationStats, CycleUpdate, LoadFailed, ModelReady, ReplyDone, ReplyStats
 from .widgets import ErrorScreen, HelpNote, Note, PromptInput, Reply, StatsPanel, Transcript, UserMessage
 
 WELCOME = "Type a message and press Enter. Ctrl+J adds a new line, Esc stops a reply, /help lists commands."
@@ -94,7 +94,7 @@ class ChatApp(App):
         reason, error = None, None
         try:
             for response in stream:
-                self.post_message(Delta.from_response(response))
+                self.post_message(CycleUpdate.from_response(response))
                 reason = response.finish_reason or reason
                 if worker.is_cancelled and reason is None:
                     reason = "cancelled"
@@ -127,7 +127,7 @@ class ChatApp(App):
     def on_load_failed(self, message: LoadFailed) -> None:
         self.push_screen(ErrorScreen("dflash-chat could not load the models", message.error))
 
-    async def on_delta(self, d: Delta) -> None:
+    async def on_cycle_update(self, d: CycleUpdate) -> None:
         stats = self.reply_stats
         stats.add(d)
         self.conversation.add(d)

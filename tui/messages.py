@@ -35,7 +35,7 @@ class LoadFailed(Message):
 
 
 @dataclass
-class Delta(Message):
+class CycleUpdate(Message):
     """One generation cycle: its new text (the answer's and the reasoning's) and the numbers of
     ``GenerationResponse``."""
 
@@ -58,7 +58,7 @@ class Delta(Message):
     reasoning: str = ""
 
     @classmethod
-    def from_response(cls, response: Any) -> "Delta":
+    def from_response(cls, response: Any) -> "CycleUpdate":
         """Copy the plain fields of a ``GenerationResponse`` (or anything shaped like one)."""
         return cls(
             text=response.text,
@@ -92,7 +92,7 @@ class ReplyDone(Message):
 
 @dataclass
 class ReplyStats:
-    """The live numbers of one reply, built from its ``Delta`` messages.
+    """The live numbers of one reply, built from its ``CycleUpdate`` messages.
 
     Rates come from the library's own clock (``generation_tokens`` and ``generation_tps``),
     not from when a message reached the UI, so they are exact and reproducible.
@@ -115,7 +115,7 @@ class ReplyStats:
     draft_tps: float | None = None
     _window: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW + 1), repr=False)
 
-    def add(self, d: Delta) -> None:
+    def add(self, d: CycleUpdate) -> None:
         if d.cycle == 0:
             self.prompt_tokens, self.prompt_tps = d.prompt_tokens, d.prompt_tps
         else:
@@ -170,7 +170,7 @@ class ConversationStats:
     lengths: list[int] = field(default_factory=list)
     histogram: Counter = field(default_factory=Counter)
 
-    def add(self, d: Delta) -> None:
+    def add(self, d: CycleUpdate) -> None:
         if d.cycle == 0:
             return
         self.current = AcceptanceStats.from_totals(d.mean_acceptance_length, d.drafting_cycles, d.plain_cycles)

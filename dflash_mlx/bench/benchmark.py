@@ -20,7 +20,6 @@ from mlx.utils import tree_flatten
 
 from ..chat_template import has_chat_template, render_chat
 from ..cli.options import (
-    DTYPE_CHOICES,
     ArgumentParser,
     InRange,
     add_blas_argument,
@@ -28,6 +27,7 @@ from ..cli.options import (
     add_window_arguments,
     block_size_problem,
 )
+from ..dtypes import DTYPES, dtype_name
 from ..errors import DFlashError
 from ..kernels import check_kernels
 from ..models import target as tgt
@@ -89,7 +89,7 @@ def _load_ar_draft(path: str | None, target: nn.Module, *, given: bool, dtype: s
     """mlx-spec's small autoregressive draft, with one line for what it cannot use."""
     from mlx_lm.utils import load_model
 
-    from ..weights.loading import is_drafter_config, looks_like_hub_id, read_config, resolve
+    from ..weights.loading import is_drafter_config, looks_like_hub_id, read_config, local_folder
 
     if path is None:
         raise DFlashError("The mlx-spec method needs a small autoregressive draft: pass --ar-draft FOLDER.")
@@ -97,7 +97,7 @@ def _load_ar_draft(path: str | None, target: nn.Module, *, given: bool, dtype: s
         raise DFlashError("--ar-draft is empty: pass a small mlx-lm model's folder or Hugging Face id.")
     folder = Path(path).expanduser()
     if given and not folder.exists() and looks_like_hub_id(path):
-        folder = resolve(path, what="--ar-draft model")  # a Hugging Face id like Qwen/Qwen3-0.6B
+        folder = local_folder(path, what="--ar-draft model")  # a Hugging Face id like Qwen/Qwen3-0.6B
     if not folder.is_dir():
         what = f"--ar-draft {path} is not a folder" if given else f"The embedded pair has no ar-draft folder ({path})"
         raise DFlashError(
@@ -183,7 +183,7 @@ def run_benchmark(
     """
     from ..cache import check_draft_window
     from ..models.hybrid import HYBRID_MODEL_TYPES
-    from ..weights.loading import DEFAULT_PAIR, DTYPES, embedded_pair_path, is_embedded_pair, load
+    from ..weights.loading import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair, load
     from .context import context_rows, label, load_documents
 
     if runs < 1 or max_tokens < 1:
@@ -215,7 +215,7 @@ def run_benchmark(
     target, drafter, tokenizer = load(model, draft, dtype=dtype, kernels=kernels)
     # None: what load chose (float32 on a CPU, the checkpoint's dtype on a GPU), named for the AR
     # draft, which must compute in it too, and for the results.
-    dtype = dtype or next(name for name, d in DTYPES.items() if d == tgt.compute_dtype(target))
+    dtype = dtype or dtype_name(tgt.compute_dtype(target))
     if any(m in DFLASH_METHODS for m in methods) and drafter is None:
         raise DFlashError("The dflash method needs a drafter: pass --draft.")
     if drafter is not None:
@@ -395,7 +395,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-fallback", type=int, action=InRange, low=0, default=DEFAULT_LOOKUP_FALLBACK,
                    help="dflash-fallback: the most prompt-lookup cycles after the drafter misses its first draft "
                    f"(default: {DEFAULT_LOOKUP_FALLBACK}; 0 never falls back).")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="Compute dtype of the models (default: the one dflash-generate uses: float32 on a CPU, "
                    "where greedy output is the same for every method, as the benchmark checks; the checkpoint's "
                    "on a GPU, what users run there).")

@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3
 
-from ..generate import dflash_generate_step
+from ..generation import dflash_generate_step
 from ..models.drafter import DraftModel, ModelArgs, default_target_layer_ids
 
 # Qwen3 shapes from their published configs.

@@ -49,7 +49,7 @@ def _entry(prog: str, module: str) -> Callable[[], None]:
     return run
 
 
-generate_main = _entry("dflash-generate", "dflash_mlx.generate")
+generate_main = _entry("dflash-generate", "dflash_mlx.cli.generate")
 chat_main = _entry("dflash-chat", "dflash_mlx.tui.app")
 convert_main = _entry("dflash-convert", "dflash_mlx.convert.convert")
 train_main = _entry("dflash-train", "dflash_mlx.train.loop")

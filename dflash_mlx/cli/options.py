@@ -10,7 +10,8 @@ import json
 import math
 from typing import Any, Callable
 
-DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+from ..dtypes import DTYPES
+
 DTYPE_HELP = (
     "Compute dtype of both models. Default: float32 on MLX's CPU backend when float32 weights take at most "
     "half the memory available (it runs several times faster there than bfloat16), else the checkpoint's; "
@@ -161,7 +162,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "of the target; plain decoding if none). --draft-model is the same, as in mlx_lm generate.",
     )
     parser.add_argument("--no-draft", action="store_true", help="Plain decoding, without the drafter.")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help=DTYPE_HELP)
 
 
 def add_decoding_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:

