@@ -34,11 +34,10 @@ from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, PlainP
 from .reasoning import join, reasoning_parser
 from .responses import AcceptanceStats, GenerationResponse
 from .sampling import can_sample_proposals, check_proposal
-from .verify import Verifier
+from .verify import LogitsProcessor, Verifier
 from .verify_width import VerifyWidth, machine_key, model_key
 
 SampleFn = Callable[[mx.array], mx.array]  # any mlx-lm sampler: logprobs -> token ids
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 # A stream for generation on whichever thread runs the generator (CLI or TUI worker).
 generation_stream = mx.new_thread_local_stream(mx.default_device())
@@ -101,7 +100,8 @@ def is_greedy(sampler: SampleFn | None) -> bool:
     return sampler is None or sampler is greedy_sampler or getattr(sampler, "greedy", False) is True
 
 
-def _check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallback: int, proposal: str) -> None:
+def check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallback: int, proposal: str) -> None:
+    """The one check of the cycle's settings (dflash-bench runs it before loading anything)."""
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise DFlashError(f"max_tokens must be a positive integer (got {max_tokens!r}).")
     check_proposal(proposal)
@@ -113,7 +113,7 @@ def _check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallbac
 
 def _make_proposer(
     model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, policy, speedups, block_size,
-    auto=False,
+    choose_width=False,
 ):  # fmt: skip
     # Plain decoding; prompt lookup alone; the drafter, with the lookup fallback, paused while
     # it loses to plain decoding (with a policy). Block size 1 never drafts.
@@ -125,11 +125,11 @@ def _make_proposer(
     sample = proposal == "sample" and can_sample_proposals(sampler)
     if isinstance(draft, drafter2.DraftModel):
         # Its drafts are a path through the selector, with no per-draft confidence to cut or size blocks by.
-        if auto or min_confidence > 0:
+        if choose_width or min_confidence > 0:
             raise DFlashError("A DFlash2 drafter verifies whole blocks: use a fixed block_size and min_confidence=0.")
         drafter = SelectorProposer(model, draft, cache, sampler=sampler if sample else None, speedups=speedups)
     else:
-        width = VerifyWidth(model, draft, cache, speedups) if auto else None
+        width = VerifyWidth(model, draft, cache, speedups) if choose_width else None
         drafter = DFlashProposer(
             model, draft, cache, sampler=sampler if sample else None, min_confidence=min_confidence,
             speedups=speedups, width=width,
@@ -276,11 +276,11 @@ def dflash_generate_step(
     """
     ids = _prompt_ids(prompt)
     check_kernels(kernels)
-    _check_cycle_settings(max_tokens, min_confidence, lookup_fallback, proposal)
+    check_cycle_settings(max_tokens, min_confidence, lookup_fallback, proposal)
     if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
         raise DFlashError(f"seed must be an integer from 0 to {MAX_SEED} (got {seed!r}).")
-    auto = block_size == "auto"
-    if auto and min_confidence > 0:
+    choose_width = block_size == "auto"
+    if choose_width and min_confidence > 0:
         raise DFlashError("block_size='auto' chooses each cycle's drafts itself; leave min_confidence at 0.")
     block_size = resolve_block_size(draft, block_size)
     sampler = None if is_greedy(sampler) else sampler
@@ -302,7 +302,7 @@ def dflash_generate_step(
         policy = cache.policy
     proposer = _make_proposer(
         model, draft, cache, sampler=sampler, proposal=proposal, min_confidence=min_confidence,
-        lookup_fallback=lookup_fallback, policy=policy, speedups=speedups, block_size=block_size, auto=auto,
+        lookup_fallback=lookup_fallback, policy=policy, speedups=speedups, block_size=block_size, choose_width=choose_width,
     )
     verifier = Verifier(
         model, cache, sampler=sampler, logits_processors=logits_processors, tap_ids=proposer.tap_ids,

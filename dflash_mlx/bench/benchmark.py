@@ -182,19 +182,16 @@ def run_benchmark(
     each kernel's dispatcher ran (``kernel_verdicts``).
     """
     from ..cache import check_draft_window
+    from ..generation import check_cycle_settings
     from ..models.hybrid import HYBRID_MODEL_TYPES
     from ..weights.loading import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair, load
     from .context import context_rows, label, load_documents
 
-    if runs < 1 or max_tokens < 1:
-        raise DFlashError(f"--runs and --max-tokens must be at least 1 (got {runs} and {max_tokens}).")
+    if runs < 1:
+        raise DFlashError(f"--runs must be at least 1 (got {runs}).")
     if num_prompts is not None and num_prompts < 1:
         raise DFlashError(f"--num-prompts must be at least 1 (got {num_prompts}); leave it out to use every prompt.")
-    # The same limits as dflash-generate's: 0 turns the cut (or the fallback) off.
-    if not 0.0 <= min_confidence <= 1.0:
-        raise DFlashError(f"--min-confidence must be from 0 to 1 (got {min_confidence}).")
-    if lookup_fallback < 0:
-        raise DFlashError(f"--lookup-fallback must be at least 0 (got {lookup_fallback}).")
+    check_cycle_settings(max_tokens, min_confidence, lookup_fallback, "sample")
     if num_draft_tokens < 1:
         raise DFlashError(f"--num-draft-tokens must be at least 1 (got {num_draft_tokens}).")
     check_draft_window(draft_window, draft_sinks)
