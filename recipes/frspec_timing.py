@@ -51,7 +51,7 @@ def main() -> None:
     from dflash_mlx.cache import make_cache
     from dflash_mlx.cpu.speedups import choose_speedups
     from dflash_mlx.models import target as tgt
-    from dflash_mlx.models.drafter import DraftModel, ModelArgs
+    from dflash_mlx.models.drafter import DraftModel, DraftArgs
     from dflash_mlx.train.data import make_batch, position_weights, read_cache, read_prompts, render_prompt, usable
     from dflash_mlx.train.precondition import ScaledLinear, feature_scale
     from dflash_mlx.train.loop import _KEYS, TrainingArgs, _to_mx, block_loss, draft_config, evaluate_acceptance
@@ -71,7 +71,7 @@ def main() -> None:
 
     # ---- one training step, as dflash-train runs it ----
     mx.random.seed(0)
-    draft = DraftModel(ModelArgs.from_dict(draft_config(target, tokenizer, train_args)))
+    draft = DraftModel(DraftArgs.from_dict(draft_config(target, tokenizer, train_args)))
     draft.train()
     store = TapStore(target, draft.target_layer_ids, train_args.max_seq_len, keep=True)
     draft.fc = ScaledLinear.from_linear(draft.fc, feature_scale([store.get(ex)[0] for ex in examples[:8]]))

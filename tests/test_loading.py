@@ -70,9 +70,9 @@ def test_hidden_size_mismatch(folders, tmp_path):
     # Rewrite the weights so the drafter itself is consistent, only the pair is wrong.
     from mlx.utils import tree_flatten
 
-    from dflash_mlx.models.drafter import DraftModel, ModelArgs
+    from dflash_mlx.models.drafter import DraftModel, DraftArgs
 
-    args = ModelArgs.from_dict({**config, "hidden_size": 96})
+    args = DraftArgs.from_dict({**config, "hidden_size": 96})
     mx.save_safetensors(str(tmp_path / "wide" / "model.safetensors"), dict(tree_flatten(DraftModel(args).parameters())))
     message = _error(folders[0], tmp_path / "wide")
     assert "hidden_size=96" in message and "hidden_size=64" in message and "--draft" in message

@@ -120,7 +120,7 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
+class DraftArgs(BaseModelArgs):
     hidden_size: int
     num_hidden_layers: int
     intermediate_size: int
@@ -153,7 +153,7 @@ class ModelArgs(BaseModelArgs):
     check: ClassVar = staticmethod(check_layout)
 
     @classmethod
-    def from_dict(cls, params: dict) -> "ModelArgs":
+    def from_dict(cls, params: dict) -> "DraftArgs":
         cls.check(params)
         params = dict(params)
         nested = params.get("dflash_config") or {}
@@ -179,7 +179,7 @@ class ModelArgs(BaseModelArgs):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int = 0):
+    def __init__(self, args: DraftArgs, layer_idx: int = 0):
         super().__init__()
         # Sliding layers of newer drafters: causal by default, and windowed (see block_mask).
         sliding = bool(args.layer_types) and args.layer_types[layer_idx] == "sliding_attention"
@@ -272,7 +272,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int = 0):
+    def __init__(self, args: DraftArgs, layer_idx: int = 0):
         super().__init__()
         self.self_attn = Attention(args, layer_idx)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
@@ -331,7 +331,7 @@ class DraftModel(nn.Module):
 
     layer_class: ClassVar[type] = DecoderLayer
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: DraftArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type

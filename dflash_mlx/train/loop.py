@@ -36,7 +36,7 @@ from ..cpu.speedups import choose_speedups
 from ..errors import DFlashError
 from ..generation import dflash_generate_step
 from ..models import target as tgt
-from ..models.drafter import DraftModel, ModelArgs, default_target_layer_ids
+from ..models.drafter import DraftModel, DraftArgs, default_target_layer_ids
 from ..responses import AcceptanceStats
 from ..dtypes import DTYPES
 from ..weights.loading import (
@@ -586,7 +586,7 @@ def _drafter_and_optimizer(
         draft = init
         print(f"starting from the drafter {args.init_draft}", flush=True)
     else:
-        draft = DraftModel(ModelArgs.from_dict(config))
+        draft = DraftModel(DraftArgs.from_dict(config))
         draft.set_dtype(DTYPES[_drafter_dtype(args)])
     draft.set_draft_vocab(draft_vocab)
     draft.train()

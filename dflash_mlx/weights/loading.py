@@ -25,7 +25,7 @@ from ..errors import DFlashError
 from ..kernels import check_kernels
 from ..models import drafter, drafter2, gemma, hybrid, kimi
 from ..models import target as tgt
-from ..models.drafter import DraftModel, ModelArgs
+from ..models.drafter import DraftModel, DraftArgs
 from ..models.quantized import use_verify_qmm
 from .hub import hub_file, hub_snapshot
 from .registry import find_draft, find_pair, is_default_target, known_targets
@@ -434,10 +434,10 @@ def load_draft(
     named = config.get("dflash_config", {}).get("mask_token_id", config.get("mask_token_id"))
     if named is None and mask_token_id is not None:
         config["mask_token_id"] = mask_token_id
-    # The architecture's module: its ModelArgs and DraftModel.
+    # The architecture's module: its DraftArgs and DraftModel.
     family = drafter2 if drafter2.is_dflash2(config) else drafter
     try:
-        args = family.ModelArgs.from_dict(config)
+        args = family.DraftArgs.from_dict(config)
     except TypeError as e:
         raise DFlashError(f"The drafter config {path / 'config.json'} is missing a field: {e}") from e
     if not args.target_layer_ids:
@@ -472,7 +472,7 @@ def load_draft(
     return draft
 
 
-def _check_draft_vocab(path: Path, args: ModelArgs, weights: dict[str, mx.array]) -> None:
+def _check_draft_vocab(path: Path, args: DraftArgs, weights: dict[str, mx.array]) -> None:
     """A ``draft_vocab_size`` in the config and a ``draft_vocab`` tensor of as many distinct
     token ids go together; cast to int32 in ``weights``."""
     size, ids = args.draft_vocab_size, weights.get("draft_vocab")
