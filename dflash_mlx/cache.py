@@ -29,7 +29,7 @@ class WindowedKVCache:
     """A drafter context cache that keeps the first ``sinks`` positions and the latest
     ``window`` ones, so a draft pass costs the same however long the conversation is.
 
-    The stored keys are positions ``[0, a) + [b, offset)``; ``offset`` counts every position
+    The stored keys are positions ``[0, sinks_kept) + [window_start, offset)``; ``offset`` counts every position
     ever added (the RoPE position of the next one, as for mlx-lm's ``KVCache``). The
     context only shapes the drafts, which the target verifies, so what the window drops
     never changes the output.
@@ -39,20 +39,20 @@ class WindowedKVCache:
         self.window, self.sinks = window, sinks
         self.keys = self.values = None
         self.offset = 0
-        self.a = self.b = 0  # stored: positions [0, a) and [b, offset)
+        self.sinks_kept = self.window_start = 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.offset += keys.shape[2]
         if self.keys is not None:
             keys = mx.concatenate([self.keys, keys], axis=2)
             values = mx.concatenate([self.values, values], axis=2)
-        # Stored contiguously from position 0 (b == a), the first entries are the sinks;
-        # else the first a are, and the gap after them is already gone.
-        lead = self.sinks if self.b == self.a else self.a
+        # Stored contiguously from position 0 (no gap yet), the first entries are the sinks;
+        # else the first sinks_kept are, and the gap after them is already gone.
+        lead = self.sinks if self.window_start == self.sinks_kept else self.sinks_kept
         if keys.shape[2] > lead + self.window:
             keys = mx.concatenate([keys[..., :lead, :], keys[..., -self.window :, :]], axis=2)
             values = mx.concatenate([values[..., :lead, :], values[..., -self.window :, :]], axis=2)
-            self.a, self.b = lead, self.offset - self.window
+            self.sinks_kept, self.window_start = lead, self.offset - self.window
         self.keys, self.values = keys, values
         return keys, values
 
@@ -67,11 +67,11 @@ class WindowedKVCache:
         n = min(n, self.offset)
         new = self.offset - n
         if self.keys is not None:
-            if new >= self.b:
+            if new >= self.window_start:
                 kept = self.keys.shape[2] - n
             else:
-                kept = min(self.a, new)
-                self.a, self.b = kept, new
+                kept = min(self.sinks_kept, new)
+                self.sinks_kept, self.window_start = kept, new
             self.keys, self.values = self.keys[..., :kept, :], self.values[..., :kept, :]
         self.offset = new
         return n
