@@ -98,7 +98,7 @@ def main() -> None:
 
         @partial(mx.compile, inputs=state, outputs=state)
         def step(taps, last, blocks, anchors, starts, labels, weights):
-            loss, grads = loss_and_grad(taps, blocks, anchors, starts, labels, weights, last=last)
+            loss, grads = loss_and_grad(taps, blocks, anchors, starts, labels, weights, target_final=last)
             grads, _ = optim.clip_grad_norm(grads, a.grad_clip)
             optimizer.update(draft, grads)
             return loss

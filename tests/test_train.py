@@ -250,8 +250,8 @@ def test_loss_over_a_token_subset_is_cross_entropy_of_its_columns(qwen3_pair):
     # The distillation term is the same with the subset as without it.
     last, gram = mx.random.normal((1, 48, 64)), head_gram(model)
     args = (draft, model, taps, blocks, anchors, starts, mx.array(labels), mx.array(weights))
-    with_subset = block_loss(*args, vocab=vocab, last=last, gram=gram, logit_mse=0.5).item() - loss.item()
-    whole = block_loss(*args, last=last, gram=gram, logit_mse=0.5).item() - block_loss(*args).item()
+    with_subset = block_loss(*args, vocab=vocab, target_final=last, gram=gram, logit_mse=0.5).item() - loss.item()
+    whole = block_loss(*args, target_final=last, gram=gram, logit_mse=0.5).item() - block_loss(*args).item()
     assert with_subset > 1e-3 and abs(with_subset - whole) < 1e-4
 
 

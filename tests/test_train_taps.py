@@ -61,7 +61,7 @@ def test_block_loss_adds_the_weighted_distillation_term(qwen3_pair):
     ce = block_loss(draft, model, taps, blocks, anchors, starts, labels, weights, positions=2)
     gram = head_gram(model)
     both = block_loss(draft, model, taps, blocks, anchors, starts, labels, weights, positions=2,
-                      last=last, gram=gram, logit_mse=0.5)  # fmt: skip
+                      target_final=last, gram=gram, logit_mse=0.5)  # fmt: skip
     h = block_hidden(draft, model, taps, blocks, anchors, starts)
     expected = ce.item() + 0.5 * logit_error(h[:, 1:], last, anchors, gram, weights).item()
     assert both.item() == pytest.approx(expected, rel=1e-5) and both.item() > ce.item() + 1e-3

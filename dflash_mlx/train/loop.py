@@ -357,11 +357,11 @@ def _head(target, h: mx.array, vocab: LossVocab | None) -> mx.array:
 
 def block_loss(
     draft, target, taps, blocks, anchors, starts, labels, weights, speedups=None, positions=None,
-    last=None, gram=None, logit_mse=0.0, vocab: LossVocab | None = None,
+    target_final=None, gram=None, logit_mse=0.0, vocab: LossVocab | None = None,
 ) -> mx.array:  # fmt: skip
     """Weighted cross-entropy on the masked block positions (the first ``positions`` of them),
     plus ``logit_mse`` times :func:`logit_error` at every position when it is positive
-    (``last``: the target's packed last hidden states, ``gram``: :func:`head_gram`).
+    (``target_final``: the target's packed final hidden states, ``gram``: :func:`head_gram`).
 
     With ``vocab`` the cross-entropy is over its ids only, and a position whose label is not
     among them has weight 0; the distillation term is the same either way."""
@@ -376,7 +376,7 @@ def block_loss(
     # At least one label inside the subset in a real batch; no NaN from a batch with none.
     loss = (ce * w).sum() / mx.maximum(w.sum(), 1e-6)
     if logit_mse > 0:
-        loss = loss + logit_mse * logit_error(h[:, 1:], last, anchors, gram, weights)
+        loss = loss + logit_mse * logit_error(h[:, 1:], target_final, anchors, gram, weights)
     return loss
 
 
@@ -394,7 +394,9 @@ def head_gram(target: nn.Module) -> mx.array:
     return mx.stop_gradient((w @ w.T) / w.shape[1])
 
 
-def logit_error(h: mx.array, last: mx.array, anchors: mx.array, gram: mx.array, weights: mx.array) -> mx.array:
+def logit_error(
+    h: mx.array, target_final: mx.array, anchors: mx.array, gram: mx.array, weights: mx.array
+) -> mx.array:
     """Weighted mean over the drafted positions of the centred logits' squared error
     against the target's (see :func:`head_gram`).
 
@@ -403,8 +405,8 @@ def logit_error(h: mx.array, last: mx.array, anchors: mx.array, gram: mx.array, 
     a sequence's end have weight 0 (their index is clamped).
     """
     n = h.shape[1]
-    idx = mx.minimum(anchors[:, None] + mx.arange(n)[None], last.shape[1] - 1)
-    d = h.astype(mx.float32) - last[0][idx].astype(mx.float32)
+    idx = mx.minimum(anchors[:, None] + mx.arange(n)[None], target_final.shape[1] - 1)
+    d = h.astype(mx.float32) - target_final[0][idx].astype(mx.float32)
     err = ((d @ gram) * d).sum(axis=-1)
     return (err * weights[:, :n]).sum() / weights[:, :n].sum()
 
@@ -640,7 +642,7 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
         store.fill(train_ex + val_ex, stream=sys.stdout)
 
     def taps_for(batch: dict, examples: list[dict]) -> tuple[mx.array, mx.array]:
-        """The packed taps ``(1, S * L, n_taps * H)`` and last hidden states ``(1, S * L, H)``
+        """The packed taps ``(1, S * L, n_taps * H)`` and final hidden states ``(1, S * L, H)``
         of a batch, each sequence in its slot."""
         L = batch["tokens"].shape[1]
         parts = [store.get(examples[i]) for i in batch["index"].tolist()]
@@ -673,8 +675,8 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
     loss_and_grad = nn.value_and_grad(draft, loss_fn)
     state = [draft.state, optimizer.state]
 
-    def step_fn(taps, last, blocks, anchors, starts, labels, weights):
-        loss, grads = loss_and_grad(taps, blocks, anchors, starts, labels, weights, last=last)
+    def step_fn(taps, target_final, blocks, anchors, starts, labels, weights):
+        loss, grads = loss_and_grad(taps, blocks, anchors, starts, labels, weights, target_final=target_final)
         if args.grad_clip > 0:
             grads, _ = optim.clip_grad_norm(grads, args.grad_clip)
         optimizer.update(draft, grads)
@@ -687,8 +689,8 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
         draft.eval()
         val = []
         for b in map(_to_mx, val_batches):
-            taps, last = taps_for(b, val_ex)
-            val.append(loss_fn(taps, *[b[k] for k in _KEYS], last=last).item())
+            taps, target_final = taps_for(b, val_ex)
+            val.append(loss_fn(taps, *[b[k] for k in _KEYS], target_final=target_final).item())
         mean, hist = evaluate_acceptance(target, draft, eval_prompts, args.eval_max_tokens, stop_tokens)
         draft.train()
         record = {
@@ -709,10 +711,10 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
         extra = training_arrays()
         with folded_fc(draft):
             save_checkpoint(out, draft, config, optimizer, step, rng, args, target_info, extra=extra)
-    last = min(args.iters, args.stop_at or args.iters)
+    end_step = min(args.iters, args.stop_at or args.iters)
     bar = Progress(args.iters, width=20, stream=sys.stdout)
     with open(out / "metrics.jsonl", "a") as metrics, interrupt_after_step() as interrupted:
-        for it in range(start, last):
+        for it in range(start, end_step):
             optimizer.learning_rate = get_lr(it, args)
             batch = _to_mx(make_batch(train_ex, rng, **batch_kwargs))
             taps, last_hidden = taps_for(batch, train_ex)
@@ -734,11 +736,11 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
             if step % args.save_every == 0 or step in (args.iters, args.stop_at) or interrupted:
                 save(step=step)
             metrics.flush()
-            if interrupted and step < last:
+            if interrupted and step < end_step:
                 raise TrainingInterrupted(step, out)
     bar.close()
-    if last < args.iters:
-        print(f"stopped at step {last} of {args.iters} (--stop-at); saved to {out}; rerun with --resume to continue",
+    if end_step < args.iters:
+        print(f"stopped at step {end_step} of {args.iters} (--stop-at); saved to {out}; rerun with --resume to continue",
               flush=True)  # fmt: skip
     if isinstance(draft.fc, ScaledLinear):
         draft.fc = draft.fc.folded()
