@@ -46,7 +46,8 @@ generation_stream = mx.new_thread_local_stream(mx.default_device())
 class StepOutput(NamedTuple):
     """One cycle of ``dflash_generate_step``.
 
-    ``tokens`` are the new tokens (accepted drafts then the bonus token), ``num_accepted``
+    ``tokens`` are the emitted tokens (accepted drafts then the bonus token, cut after a stop token, which
+    they end with; ``GenerationResponse.tokens`` leaves it out), ``num_accepted``
     how many of the ``num_draft`` drafted tokens the target agreed with. The prefill's
     first token comes alone with ``num_draft == 0``. With ``adaptive``, ``plain_tps`` and
     ``draft_tps`` are the measured tokens per second of plain decoding and of drafting
