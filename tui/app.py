@@ -94,7 +94,7 @@ class ChatApp(App):
         reason, error = None, None
         try:
             for response in stream:
-                self.post_message(CycleUpdate.from_response(response))
+                self.post_message(CycleUpdate(response))
                 reason = response.finish_reason or reason
                 if worker.is_cancelled and reason is None:
                     reason = "cancelled"
@@ -127,7 +127,8 @@ class ChatApp(App):
     def on_load_failed(self, message: LoadFailed) -> None:
         self.push_screen(ErrorScreen("dflash-chat could not load the models", message.error))
 
-    async def on_cycle_update(self, d: CycleUpdate) -> None:
+    async def on_cycle_update(self, message: CycleUpdate) -> None:
+        d = message.response
         stats = self.reply_stats
         stats.add(d)
         self.conversation.add(d)

@@ -5,11 +5,10 @@ Everything here is plain Python: the UI thread never sees an ``mx.array``.
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any
 
 from textual.message import Message
 
-from ..responses import AcceptanceStats
+from ..responses import AcceptanceStats, GenerationResponse
 
 # Cycles over which "tok/s now" is measured: one cycle is too noisy, a reply too slow to react.
 RATE_WINDOW = 4
@@ -36,49 +35,10 @@ class LoadFailed(Message):
 
 @dataclass
 class CycleUpdate(Message):
-    """One generation cycle: its new text (the answer's and the reasoning's) and the numbers of
-    ``GenerationResponse``."""
+    """One generation cycle: the library's ``GenerationResponse`` (plain Python values only),
+    carried from the worker thread to the app as it is."""
 
-    text: str
-    num_tokens: int
-    acceptance_length: int
-    mean_acceptance_length: float
-    cycle: int
-    prompt_tokens: int
-    prompt_tps: float
-    generation_tokens: int
-    generation_tps: float
-    peak_memory: float
-    finish_reason: str | None = None
-    plain_tps: float | None = None
-    draft_tps: float | None = None
-    num_draft: int = 0
-    drafting_cycles: int = 0
-    plain_cycles: int = 0
-    reasoning: str = ""
-
-    @classmethod
-    def from_response(cls, response: Any) -> "CycleUpdate":
-        """Copy the plain fields of a ``GenerationResponse`` (or anything shaped like one)."""
-        return cls(
-            text=response.text,
-            num_tokens=len(response.tokens),
-            acceptance_length=int(response.acceptance_length),
-            mean_acceptance_length=float(response.mean_acceptance_length),
-            cycle=int(response.cycle),
-            prompt_tokens=int(response.prompt_tokens),
-            prompt_tps=float(response.prompt_tps),
-            generation_tokens=int(response.generation_tokens),
-            generation_tps=float(response.generation_tps),
-            peak_memory=float(response.peak_memory),
-            finish_reason=response.finish_reason,
-            plain_tps=response.plain_tps,
-            draft_tps=response.draft_tps,
-            num_draft=int(response.num_draft),
-            drafting_cycles=int(response.drafting_cycles),
-            plain_cycles=int(response.plain_cycles),
-            reasoning=getattr(response, "reasoning", ""),
-        )
+    response: GenerationResponse
 
 
 @dataclass
@@ -92,7 +52,7 @@ class ReplyDone(Message):
 
 @dataclass
 class ReplyStats:
-    """The live numbers of one reply, built from its ``CycleUpdate`` messages.
+    """The live numbers of one reply, built from its cycles' ``GenerationResponse``s.
 
     Rates come from the library's own clock (``generation_tokens`` and ``generation_tps``),
     not from when a message reached the UI, so they are exact and reproducible.
@@ -115,7 +75,7 @@ class ReplyStats:
     draft_tps: float | None = None
     _window: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW + 1), repr=False)
 
-    def add(self, d: CycleUpdate) -> None:
+    def add(self, d: GenerationResponse) -> None:
         if d.cycle == 0:
             self.prompt_tokens, self.prompt_tps = d.prompt_tokens, d.prompt_tps
         else:
@@ -170,7 +130,7 @@ class ConversationStats:
     lengths: list[int] = field(default_factory=list)
     histogram: Counter = field(default_factory=Counter)
 
-    def add(self, d: CycleUpdate) -> None:
+    def add(self, d: GenerationResponse) -> None:
         if d.cycle == 0:
             return
         self.current = AcceptanceStats.from_totals(d.mean_acceptance_length, d.drafting_cycles, d.plain_cycles)
