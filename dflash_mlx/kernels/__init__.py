@@ -6,12 +6,15 @@ a kernel's Metal source on a CPU, which is how the tests check it off a Mac."""
 
 from .accept import greedy_accept, greedy_accept_ops
 from .dispatch import KernelStore, SelfChecked, Verdict
+from .gdn import gated_delta_states, gated_delta_states_ops
 from .qmm import verify_qmm, verify_qmm_ops
 
 __all__ = [
     "KernelStore",
     "SelfChecked",
     "Verdict",
+    "gated_delta_states",
+    "gated_delta_states_ops",
     "greedy_accept",
     "greedy_accept_ops",
     "verify_qmm",
