@@ -3,7 +3,7 @@ import pytest
 from helpers.checkpoints import draft_config
 
 from dflash_mlx.cache import make_draft_cache
-from dflash_mlx.models.drafter import DraftModel, ModelArgs, default_target_layer_ids
+from dflash_mlx.models.drafter import DraftModel, DraftArgs, default_target_layer_ids
 
 
 def test_paper_rule_for_target_layer_ids():
@@ -14,8 +14,8 @@ def test_paper_rule_for_target_layer_ids():
 
 
 def test_both_config_layouts_parse_the_same():
-    nested = ModelArgs.from_dict(draft_config(nested=True))
-    flat = ModelArgs.from_dict(draft_config(nested=False))
+    nested = DraftArgs.from_dict(draft_config(nested=True))
+    flat = DraftArgs.from_dict(draft_config(nested=False))
     for args in (nested, flat):
         assert args.target_layer_ids == [1, 2]
         assert args.mask_token_id == 127
@@ -27,14 +27,14 @@ def test_both_config_layouts_parse_the_same():
 def test_missing_layer_ids_follow_the_paper_rule():
     config = draft_config(layers=3, num_target_layers=12)
     del config["dflash_config"]["target_layer_ids"]
-    args = ModelArgs.from_dict(config)
+    args = DraftArgs.from_dict(config)
     assert args.target_layer_ids == default_target_layer_ids(12, 3)
     assert DraftModel(args).fc.weight.shape == (64, 3 * 64)
 
 
 def _draft():
     mx.random.seed(4)
-    return DraftModel(ModelArgs.from_dict(draft_config()))
+    return DraftModel(DraftArgs.from_dict(draft_config()))
 
 
 def test_context_cache_equals_full_context():
@@ -80,7 +80,7 @@ def test_config_without_required_field_fails(field):
     config = draft_config()
     del config[field]
     with pytest.raises(TypeError):
-        ModelArgs.from_dict(config)
+        DraftArgs.from_dict(config)
 
 
 def test_cached_drafting_through_the_compiled_steps_matches_the_layers(monkeypatch):

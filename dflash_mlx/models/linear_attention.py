@@ -81,7 +81,7 @@ def linear_attention(attn: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array
         state = mx.zeros((B, attn.num_v_heads, attn.head_v_dim, attn.head_k_dim), dtype=mx.float32)
     g = compute_g(attn.A_log, a, attn.dt_bias)
     # As the layer does, the ops when training: the kernel has no gradient.
-    y, cache[1], states = gated_delta_states(q, k, v, g, mx.sigmoid(b), state, use_kernel=not attn.training)
+    y, cache[1], states = gated_delta_states(q, k, v, g, mx.sigmoid(b), state, fast_exp=not attn.training)
     cache.advance(L)
     out = attn.out_proj(attn.norm(y, z).reshape(B, L, -1))
     return out, conv_input, states
