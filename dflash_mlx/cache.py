@@ -165,6 +165,13 @@ class DFlashCache:
         self.tokens.append(last)
         self.tokens.extend(emitted[:-1])
 
+    def use_kernels(self, mode: str) -> None:
+        """The Metal kernels' mode for the target caches whose passes run one (a recurrent
+        layer's verify recurrence; :mod:`dflash_mlx.kernels`)."""
+        for c in self.target:
+            if isinstance(c, hybrid.RecurrentCache):
+                c.kernels = mode
+
     def drop_uncommitted(self) -> None:
         """Forget target entries past ``tokens`` (a cycle cut short, a step queued ahead)."""
         if self.offset != len(self.tokens):

@@ -294,6 +294,7 @@ def dflash_generate_step(
         raise DFlashError(
             "The prompt cache was made without a drafter; make it with make_cache(model, draft)."
         )
+    cache.use_kernels(kernels)
     speedups = choose_speedups(tgt.compute_dtype(model), cpu_speedups)
     adaptive = seed is None if adaptive is None else adaptive
     # The policy paces the DFlash drafter; with block 1 it never drafts, so it is left alone.

@@ -3,8 +3,10 @@
 Builds a random-weight Qwen3.5 (Gated DeltaNet layers with full attention every 4th layer)
 of a given width and depth, fp32, and a DFlash drafter for it, prefills a context, then times:
 a verify pass of ``--block-size`` tokens, the rollback after it for k accepted drafts
-(``trim(B - 1 - k)`` on every layer: linear attention layers restore their state and replay
-the k + 1 kept tokens, full attention layers lower their offset) and a drafter pass. Each
+(``trim(B - 1 - k)`` on every layer: linear attention layers select the state the verify pass
+kept for k + 1 tokens, or with ``--replay`` restore the state from before it and replay the
+k + 1 kept tokens, as they still do after a pass longer than ``RECORD_POSITIONS``; full
+attention layers lower their offset) and a drafter pass. Each
 time is the median of interleaved rounds. The rollback's share of a cycle is
 rollback / (drafter + verify + rollback). Defaults: a Qwen3.5-4B-like width (hidden 2560,
 16/32 linear key/value heads of 128, 16 attention heads of 256 with 4 KV heads, MLP 9216)
@@ -23,6 +25,7 @@ import mlx.core as mx
 from mlx_lm.models import qwen3_5
 
 from dflash_mlx.cache import make_cache
+from dflash_mlx.models import hybrid
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.drafter import DraftModel, DraftArgs
 from dflash_mlx.models.hybrid import RecurrentCache
@@ -72,7 +75,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256, help="Tokens prefilled before the timed passes.")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--accepted", type=int, nargs="+", default=[0, 7, 15], help="k values to time.")
+    parser.add_argument("--replay", action="store_true",
+                        help="Keep no per-position states: every rollback replays the kept tokens.")  # fmt: skip
     args = parser.parse_args()
+    if args.replay:
+        hybrid.RECORD_POSITIONS = 0
 
     mx.random.seed(0)
     model = _target(args)

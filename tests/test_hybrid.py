@@ -17,6 +17,7 @@ from helpers.hf_checkpoints import HF_KINDS, write_hf_target
 from helpers.oracles import ScriptedDraft
 
 from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache
+from dflash_mlx.models import hybrid, linear_attention
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.hybrid import RecurrentCache
 
@@ -65,8 +66,121 @@ def test_taps_match_transformers_hidden_states(hf_targets, pairs, kind):
 
 
 @pytest.mark.parametrize("kind", HYBRID)
-def test_recurrent_trim_equals_a_shorter_pass(pairs, kind):
-    """After a pass of B tokens, trim(n) leaves the state a pass of B - n tokens leaves."""
+def test_recorded_linear_attention_equals_the_layer(pairs, kind):
+    """Our forward of each Gated DeltaNet layer (the verify pass's) gives the layer's output and
+    state, and its state after each position is the state of a pass that stops there."""
+    model = pairs[kind][0]
+    layers = [layer for layer in model.model.layers if layer.is_linear]
+    assert linear_attention.supports(layers[0].linear_attn, None, RecurrentCache())
+    before = mx.random.normal((1, 9, layers[0].linear_attn.hidden_size), key=mx.random.key(1))
+    x = mx.random.normal((1, 16, layers[0].linear_attn.hidden_size), key=mx.random.key(2))
+    for layer in layers:
+        attn = layer.linear_attn
+        ours, theirs = RecurrentCache(), RecurrentCache()
+        for c in (ours, theirs):
+            attn(before, None, c)
+        out, conv_input, states = linear_attention.linear_attention(attn, x, ours)
+        assert mx.allclose(out, attn(x, None, theirs), rtol=1e-5, atol=1e-6).item()
+        assert ours.offset == theirs.offset == 25
+        assert all(mx.array_equal(a, b).item() for a, b in zip(ours.cache, theirs.cache))
+        for keep in (1, 7, 16):
+            short = RecurrentCache()
+            attn(before, None, short)
+            attn(x[:, :keep], None, short)
+            width = attn.conv_kernel_size - 1
+            assert mx.array_equal(conv_input[:, keep : keep + width], short[0]).item()
+            assert mx.allclose(states[keep - 1], short[1], rtol=1e-5, atol=1e-6).item()
+    # And the decoder layer around it (what a verify pass runs): the layer's own output.
+    for layer in layers:
+        ours, theirs = RecurrentCache(), RecurrentCache()
+        assert mx.allclose(hybrid._recorded_layer(layer, x, ours), layer(x, None, theirs), rtol=1e-5, atol=1e-6).item()
+        assert ours._steps is not None
+
+
+@pytest.mark.parametrize("kind", HYBRID)
+def test_trim_after_a_verify_pass_selects_the_replayed_state(pairs, kind, monkeypatch):
+    """trim after a verify pass selects the kept length's state without running the layer, and
+    it is the state the replay (what a longer pass still does) gives."""
+    import types
+
+    model = pairs[kind][0]
+    prompt, block = prompt_ids(11), prompt_ids(16, seed=7)
+
+    def verified(record: bool):
+        monkeypatch.setattr(hybrid, "RECORD_POSITIONS", 16 if record else 0)
+        cache = make_cache(model).target
+        tgt.forward_with_taps(model, mx.array([prompt]), cache, [])
+        tgt.forward_with_taps(model, mx.array([block]), cache, [])
+        return cache
+
+    for n in (1, 8, 15):
+        selected, replayed = verified(True), verified(False)
+        recurrent = [c for c in selected if isinstance(c, RecurrentCache)]
+        assert all(c._steps is not None for c in recurrent)
+        assert all(c._steps is None for c in replayed if isinstance(c, RecurrentCache))
+        for c in recurrent:
+            c._layer = types.SimpleNamespace()  # a replay would fail: it has no linear_attn
+        for a, b in zip(selected, replayed):
+            a.trim(n)
+            b.trim(n)
+            assert a.offset == b.offset == len(prompt) + 16 - n
+            if isinstance(a, RecurrentCache):
+                assert mx.array_equal(a.cache[0], b.cache[0]).item()
+                assert mx.allclose(a.cache[1], b.cache[1], rtol=1e-5, atol=1e-6).item(), n
+
+
+def test_generation_with_the_emulated_recurrence_kernel_is_lossless(pairs, monkeypatch, tmp_path):
+    """Every verify pass's recurrence through the Metal kernel's own source (run here by the CPU
+    harness, enabled by its dispatcher's check), every rollback selecting the kernel's states:
+    still mlx-lm's greedy output, at every kind of acceptance."""
+    from functools import partial
+
+    from dflash_mlx.kernels import gdn, harness
+    from dflash_mlx.kernels.dispatch import KernelStore, SelfChecked
+
+    if harness.compiler_missing():
+        pytest.skip(harness.compiler_missing())
+    ticks = [0.0]
+    calls = []
+
+    def timed(fn, cost, name):
+        def call(*args):
+            ticks[0] += cost
+            calls.append(name)
+            return fn(*args)
+
+        return call
+
+    dispatcher = SelfChecked(
+        "gated_delta_states",
+        timed(partial(gdn.gated_delta_states_kernel, factory=harness.cpu_metal_kernel), 1.0, "kernel"),
+        timed(gdn.gated_delta_states_ops, 2.0, "twin"),
+        shape_class=gdn.shape_class, example=gdn.example, close=gdn.close, supports=gdn.supports,
+        store=KernelStore(tmp_path / "kernels.json"), clock=lambda: ticks[0], metal=True, machine="emulated",
+        repeats=1,
+    )  # fmt: skip
+    monkeypatch.setattr(linear_attention, "gated_delta_states", dispatcher)
+    model, draft, _ = pairs["qwen3_5"]
+    prompt = prompt_ids(7)
+    ref = reference(model, prompt, 40)
+    mixed = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=3)
+    seen = set()
+    for drafter in (draft, mixed):
+        calls.clear()
+        out, cycles = run(model, drafter, prompt, block_size=8, max_tokens=40)
+        assert out == ref
+        assert calls.count("kernel") > calls.count("twin")
+        seen |= {c.num_accepted for c in cycles[1:]}
+    assert dispatcher.verdicts and all(v.enabled for v in dispatcher.verdicts.values())
+    assert 0 in seen and len(seen) >= 3
+
+
+@pytest.mark.parametrize("record", [True, False], ids=["selected", "replayed"])
+@pytest.mark.parametrize("kind", HYBRID)
+def test_recurrent_trim_equals_a_shorter_pass(pairs, kind, record, monkeypatch):
+    """After a pass of B tokens, trim(n) leaves the state a pass of B - n tokens leaves, whether
+    trim selects a recorded state (a verify pass) or replays the kept tokens (a longer one)."""
+    monkeypatch.setattr(hybrid, "RECORD_POSITIONS", 16 if record else 0)
     model = pairs[kind][0]
     prompt, block = prompt_ids(11), prompt_ids(16, seed=7)
     for n in range(0, 17):

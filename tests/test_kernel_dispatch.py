@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.kernels import accept, qmm
+from dflash_mlx.kernels import accept, gdn, qmm
 from dflash_mlx.kernels.dispatch import KERNEL_MODES, KernelStore, SelfChecked, Verdict, check_kernels, on_metal
 
 
@@ -208,6 +208,10 @@ def test_real_dispatchers_run_their_twins_here():
     w, s, b = mx.quantize(mx.random.normal((8, 64)), group_size=32, bits=4)
     x = mx.random.normal((3, 64))
     assert mx.array_equal(qmm.verify_qmm(x, w, s, b, 32, 4), qmm.verify_qmm_ops(x, w, s, b, 32, 4)).item()
+    args = _recurrence_inputs()
+    got, want = gdn.gated_delta_states(*args), gdn.gated_delta_states_ops(*args)
+    for a, b in zip(got[:2] + tuple(got[2]), want[:2] + tuple(want[2])):
+        assert mx.array_equal(a, b).item()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16])
@@ -250,4 +254,32 @@ def test_checks_leave_the_random_state_alone():
     mx.random.seed(5)
     accept.greedy_accept.example(logits, mx.zeros((3,), dtype=mx.int32))
     qmm.verify_qmm.example(mx.zeros((2, 64)), w, s, b, 32, 4)
+    gdn.gated_delta_states.example(*_recurrence_inputs())
     assert mx.random.uniform(shape=(3,)).tolist() == want
+
+
+def _recurrence_inputs() -> tuple:
+    q = mx.zeros((1, 4, 2, 16))
+    return gdn.gated_delta_states.example(q, q, mx.zeros((1, 4, 4, 8)), mx.zeros((1, 4, 4)), mx.zeros((1, 4, 4)),
+                                          mx.zeros((1, 4, 8, 16)))  # fmt: skip
+
+
+def test_gated_delta_states_twin_keeps_every_position():
+    # The state after position t is the final state of the pass cut after t.
+    q, k, v, g, beta, state = _recurrence_inputs()
+    y, final, states = gdn.gated_delta_states_ops(q, k, v, g, beta, state)
+    assert [s.shape for s in states] == [(1, 4, 8, 16)] * 4 and y.shape == (1, 4, 4, 8)
+    assert mx.array_equal(states[-1], final).item()
+    for t in range(4):
+        _, cut, _ = gdn.gated_delta_states_ops(q[:, : t + 1], k[:, : t + 1], v[:, : t + 1], g[:, : t + 1],
+                                               beta[:, : t + 1], state)  # fmt: skip
+        assert mx.array_equal(states[t], cut).item()
+
+
+def test_gated_delta_states_twin_is_mlx_lms_recurrence():
+    from mlx_lm.models.gated_delta import gated_delta_ops
+
+    q, k, v, g, beta, state = _recurrence_inputs()
+    y, final, _ = gdn.gated_delta_states_ops(q, k, v, g, beta, state)
+    want_y, want_state = gated_delta_ops(q, k, v, g, beta, state)
+    assert mx.array_equal(y, want_y).item() and mx.array_equal(final, want_state).item()

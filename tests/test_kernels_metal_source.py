@@ -1,11 +1,11 @@
 """Each Metal kernel's own source, run on the CPU by the harness, against its MLX-ops twin; and
-planted bugs (an index off by one, a removed barrier) that the comparison must catch. The
+planted bugs (an index off by one, a removed barrier or reduction) that the comparison must catch. The
 ``metal`` tests run the real kernels through ``mx.fast.metal_kernel`` on a Mac."""
 
 import mlx.core as mx
 import pytest
 
-from dflash_mlx.kernels import accept, harness, qmm
+from dflash_mlx.kernels import accept, gdn, harness, qmm
 from dflash_mlx.kernels.dispatch import on_metal
 
 needs_compiler = pytest.mark.skipif(harness.compiler_missing() is not None, reason=str(harness.compiler_missing()))
@@ -223,6 +223,94 @@ def test_verify_qmm_supports(M, bits, group_size):
     assert qmm.supports(x, w, None, None, group_size, bits) == expected
 
 
+def _recurrence(B, T, Hk, Dk, Hv, Dv, dtype, seed):
+    """Inputs of the gated delta recurrence as a layer gives them (``gdn.example``'s), per seed."""
+    like = (mx.zeros((B, T, Hk, Dk), dtype=dtype),) * 2 + (mx.zeros((B, T, Hv, Dv), dtype=dtype),)
+    args = gdn.example(*like, mx.zeros((B, T, Hv)), mx.zeros((B, T, Hv), dtype=dtype), mx.zeros((B, Hv, Dv, Dk)))
+    noise = mx.random.normal((B, Hv, Dv, Dk), key=mx.random.key(seed))
+    return (*args[:5], args[5] + 0.1 * noise)
+
+
+def _recurrence_on_cpu(args, source=gdn.SOURCE):
+    q, k, v, g, beta, state = args
+    B, T, Hk, Dk = k.shape
+    Hv, Dv = v.shape[2:]
+    kernel = harness.cpu_metal_kernel("gdn_test", ["q", "k", "v", "g", "beta", "state_in"],
+                                      ["y", "state_out", "states"], source)  # fmt: skip
+    y, final, states = kernel(
+        inputs=list(args),
+        template=[("InT", q.dtype), ("StT", state.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        grid=(32, Dv, B * Hv),
+        threadgroup=(32, gdn.ROWS_PER_GROUP, 1),
+        output_shapes=[(B, T, Hv, Dv), state.shape, (B, T, Hv, Dv, Dk)],
+        output_dtypes=[q.dtype, state.dtype, state.dtype],
+    )
+    return y, final, [states[:, t] for t in range(T)]
+
+
+# (B, T, Hk, Dk, Hv, Dv, dtype): one position; Dk under, over and not a multiple of 32 lanes; Dv
+# not a multiple of the threadgroup's 4 rows (an edge threadgroup); Hv = 1, 2, 4 x Hk; two rows.
+GDN_CASES = [
+    (1, 1, 1, 32, 1, 1, mx.float32),
+    (1, 5, 2, 40, 4, 7, mx.float32),
+    (1, 16, 2, 16, 4, 16, mx.float32),
+    (2, 16, 2, 128, 2, 6, mx.float32),
+    (1, 3, 1, 16, 2, 5, mx.bfloat16),
+    (1, 8, 2, 64, 4, 9, mx.float16),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("B, T, Hk, Dk, Hv, Dv, dtype", GDN_CASES)
+def test_gated_delta_states_source_matches_twin(B, T, Hk, Dk, Hv, Dv, dtype):
+    args = _recurrence(B, T, Hk, Dk, Hv, Dv, dtype, seed=T * Dk + Dv)
+    got = gdn.gated_delta_states_kernel(*args, factory=harness.cpu_metal_kernel)
+    want = gdn.gated_delta_states_ops(*args)
+    assert gdn.close(got, want)
+    assert len(got[2]) == T and mx.array_equal(got[2][-1], got[1]).item()
+
+
+@needs_compiler
+def test_gated_delta_states_source_on_random_shapes():
+    # Ranges of B, T, Hk, Dk, Hv / Hk and Dv.
+    ranges = [(1, 3), (1, 17), (1, 3), (1, 97), (1, 3), (1, 11)]
+    for seed in range(4):
+        keys = mx.random.split(mx.random.key(seed), len(ranges))
+        B, T, Hk, Dk, group, Dv = (mx.random.randint(lo, hi, (), key=k).item() for k, (lo, hi) in zip(keys, ranges))
+        args = _recurrence(B, T, Hk, Dk, Hk * group, Dv, mx.float32, seed=seed)
+        got = gdn.gated_delta_states_kernel(*args, factory=harness.cpu_metal_kernel)
+        assert gdn.close(got, gdn.gated_delta_states_ops(*args)), (B, T, Hk, Dk, Hk * group, Dv)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        # An index off by one: each row reads the next row's value (the last, the next head's).
+        ("static_cast<float>(v_[dv_idx])", "static_cast<float>(v_[dv_idx + 1])"),
+        # The kept state one position early: written before the step's update (y is still right).
+        (
+            "s[i] = s[i] + static_cast<float>(k_[d]) * delta;\n"
+            "                out += s[i] * static_cast<float>(q_[d]);\n"
+            "                s_all[d] = static_cast<StT>(s[i]);",
+            "s_all[d] = static_cast<StT>(s[i]);\n"
+            "                s[i] = s[i] + static_cast<float>(k_[d]) * delta;\n"
+            "                out += s[i] * static_cast<float>(q_[d]);",
+        ),
+        # A removed reduction: each lane reads kv_mem from its own slice of the key only.
+        ("kv_mem = simd_sum(kv_mem);", ""),
+    ],
+    ids=["value-row-off-by-one", "state-one-position-early", "no-simd-sum"],
+)
+def test_gated_delta_states_planted_bugs_are_caught(old, new):
+    # The kernel shares nothing through threadgroup memory (each row is one simdgroup's), so it
+    # has no barrier to remove; its cross-lane step is the reduction.
+    args = _recurrence(1, 6, 2, 40, 4, 8, mx.float32, seed=3)
+    want = gdn.gated_delta_states_ops(*args)
+    assert gdn.close(_recurrence_on_cpu(args), want)
+    assert not gdn.close(_recurrence_on_cpu(args, _planted(gdn.SOURCE, old, new)), want)
+
+
 @pytest.mark.parametrize("M, N, K, bits, group_size, dtype", QMM_CASES[:1] + QMM_CASES[-2:])
 @pytest.mark.metal
 @needs_metal
@@ -242,6 +330,14 @@ def test_greedy_accept_kernel_on_metal(rows, vocab):
             assert accept.greedy_accept_kernel(logits, drafts).tolist() == want.tolist()
 
 
+@pytest.mark.parametrize("B, T, Hk, Dk, Hv, Dv, dtype", GDN_CASES + [(1, 16, 16, 128, 32, 128, mx.bfloat16)])
+@pytest.mark.metal
+@needs_metal
+def test_gated_delta_states_kernel_on_metal(B, T, Hk, Dk, Hv, Dv, dtype):
+    args = _recurrence(B, T, Hk, Dk, Hv, Dv, dtype, seed=T * Dk + Dv)
+    assert gdn.close(gdn.gated_delta_states_kernel(*args), gdn.gated_delta_states_ops(*args))
+
+
 @pytest.mark.metal
 @needs_metal
 def test_dispatchers_check_themselves_on_metal(tmp_path):
@@ -250,6 +346,7 @@ def test_dispatchers_check_themselves_on_metal(tmp_path):
     for dispatcher, args in [
         (accept.greedy_accept, _block(16, 32000, 7, mx.bfloat16, seed=0)),
         (qmm.verify_qmm, _quantized(16, 4096, 4096, 4, 64, mx.bfloat16, seed=0)),
+        (gdn.gated_delta_states, _recurrence(1, 16, 16, 128, 32, 128, mx.bfloat16, seed=0)),
     ]:
         fresh = dispatcher.with_store(KernelStore(tmp_path / "kernels.json"))
         verdict = fresh.verdict(*args)

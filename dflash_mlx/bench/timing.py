@@ -212,10 +212,12 @@ def component_times(
 def rollback_points(block_size: int) -> list[int]:
     """The accepted-draft counts ``k`` whose rollback :func:`component_times` measures.
 
-    A rollback restores the state from before the pass, then replays the ``k + 1`` kept tokens
-    through each linear attention layer (``RecurrentCache.trim``): its cost grows with ``k``,
-    and a cycle that keeps its whole block (``k = B - 1``) replays nothing. So: both ends of the
-    replay (0 and ``B - 2``), its middle, and the free case; ``bench_stats.mean_rollback``
+    After a verify pass (at most ``hybrid.RECORD_POSITIONS`` tokens) a rollback selects the
+    state the pass kept for the ``k + 1`` kept tokens, about the same cost at every ``k``;
+    after a longer pass it restores the state from before it and replays the kept tokens
+    through each linear attention layer (``RecurrentCache.trim``), a cost that grows with
+    ``k``. A cycle that keeps its whole block (``k = B - 1``) does neither. So: both ends (0
+    and ``B - 2``), the middle, and the free case; ``bench_stats.mean_rollback``
     interpolates between them for every cycle a run made.
     """
     return sorted({0, block_size // 2, max(block_size - 2, 0), block_size - 1})

@@ -15,9 +15,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..dtypes import DTYPES
-
 from .accept import greedy_accept
 from .dispatch import KernelStore, on_metal
+from .gdn import gated_delta_states
 from .qmm import verify_qmm
 
 # (rows of a block, vocabulary): Qwen3's and Llama 3's vocabularies at blocks 16 and 8.
@@ -31,6 +31,8 @@ QMM_SHAPES = [
     (16, 4096, 4096, 8, 64),
     (16, 2048, 2048, 4, 32),
 ]
+# (positions, Hk, Hv, Dk = Dv): Qwen3.5-4B's and -0.8B's Gated DeltaNet heads at blocks 16 and 8.
+GDN_SHAPES = [(16, 16, 32, 128), (8, 16, 32, 128), (16, 16, 16, 128)]
 
 
 def _cases(dtype: mx.Dtype):
@@ -40,6 +42,11 @@ def _cases(dtype: mx.Dtype):
         w = mx.zeros((N, K * bits // 32), dtype=mx.uint32)
         groups = mx.zeros((N, K // group_size), dtype=dtype)
         yield verify_qmm, (mx.zeros((M, K), dtype=dtype), w, groups, groups, group_size, bits)
+    for T, Hk, Hv, D in GDN_SHAPES:
+        qk, v = mx.zeros((1, T, Hk, D), dtype=dtype), mx.zeros((1, T, Hv, D), dtype=dtype)
+        # The gate is float32 as mlx-lm's compute_g gives it; beta is sigmoid(b) in the inputs' dtype.
+        gate, beta = mx.zeros((1, T, Hv)), mx.zeros((1, T, Hv), dtype=dtype)
+        yield gated_delta_states, (qk, qk, v, gate, beta, mx.zeros((1, Hv, D, D)))
 
 
 def measure(dtype: mx.Dtype, store: KernelStore) -> list[dict]:
@@ -70,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(rows, indent=1))
         return
     for row in rows:
-        print(f"{row['kernel']:14s} {row['shape']:40s} {'on ' if row['enabled'] else 'off'}  {row['reason']}")
+        print(f"{row['kernel']:18s} {row['shape']:40s} {'on ' if row['enabled'] else 'off'}  {row['reason']}")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,13 @@ A Gated DeltaNet layer keeps a conv state and a recurrent state (mlx-lm's ``Arra
 instead of per-token keys and values, so a rejected draft cannot be cut off its state.
 ``RecurrentCache`` is an ``ArraysCache`` that the layer reads and writes unchanged, and that
 remembers, for the last pass, the state from before it and the decoder layer's input.
-``trim(n)`` restores that state and replays the layer's input norm and linear attention
-over the kept tokens only. Their outputs are never needed, and MLX computes lazily, so a
-replay costs only the norm, the input projections, the convolution and the recurrence of
-the kept tokens.
+A pass of at most ``RECORD_POSITIONS`` tokens (a verify pass) runs the linear attention
+through ``linear_attention``, which also returns the recurrent state after every position and
+the convolution's inputs; ``trim(n)`` then selects the state at the kept length. A longer pass
+(a prefill) keeps nothing per position: ``trim(n)`` restores the state from before it and
+replays the layer's input norm and linear attention over the kept tokens only. Their outputs
+are never needed, and MLX computes lazily, so a replay costs only the norm, the input
+projections, the convolution and the recurrence of the kept tokens.
 
 It also keeps a few earlier states ("checkpoints"), at the start of passes that followed a
 pass nothing was trimmed from: the ends of prefills, which is where a chat's next turn
@@ -37,12 +40,16 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..errors import DFlashError
+from . import linear_attention
 
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 # States kept per layer for prefix reuse across calls (each one is a layer's conv and
 # recurrent state: ~2 MB in fp32 for a Qwen3.5-4B layer).
 MAX_CHECKPOINTS = 4
+# The longest pass whose per-position states are kept for trim (a verify block): each position
+# holds a layer's whole recurrent state, ~2 MB in float32 for a Qwen3.5-4B layer.
+RECORD_POSITIONS = 16
 
 
 class RecurrentCache(ArraysCache):
@@ -55,10 +62,14 @@ class RecurrentCache(ArraysCache):
 
     def __init__(self):
         super().__init__(size=2)
+        self.kernels = "auto"  # the Metal kernels' mode for its verify passes (DFlashCache.use_kernels)
         self.offset = 0
         self._layer: nn.Module | None = None
         self._inputs: mx.array | None = None  # (B, L, H): the last pass's decoder layer input
         self._before: tuple[list, int] | None = None  # the state from before that pass
+        # That pass's convolution inputs (B, K - 1 + L, C) and state after each position
+        # (L of (B, Hv, Dv, Dk)), when it ran through ``linear_attention``.
+        self._steps: tuple[mx.array, list[mx.array]] | None = None
         self.checkpoints: dict[int, list] = {}
 
     def begin(self, layer: nn.Module, h: mx.array) -> None:
@@ -67,8 +78,13 @@ class RecurrentCache(ArraysCache):
             # Nothing was trimmed from the previous pass: it was a prefill (verify passes
             # are always followed by a trim), and this offset is a prompt boundary.
             self.checkpoint()
-        self._layer, self._inputs = layer, h
+        self._layer, self._inputs, self._steps = layer, h, None
         self._before = (list(self.cache), self.offset)
+
+    def record(self, conv_input: mx.array, states: list[mx.array]) -> None:
+        """Keep the pass's convolution inputs and per-position states (``linear_attention``'s),
+        so that :meth:`trim` selects a state instead of replaying the kept tokens."""
+        self._steps = (conv_input, states)
 
     def checkpoint(self) -> None:
         """Keep the current state for :meth:`restore` (the newest ``MAX_CHECKPOINTS``)."""
@@ -92,7 +108,7 @@ class RecurrentCache(ArraysCache):
 
     def trim(self, n: int) -> int:
         if n <= 0:
-            self._before = self._inputs = None
+            self._before = self._inputs = self._steps = None
             return 0
         if not self.can_trim(n):
             raise DFlashError(
@@ -103,13 +119,19 @@ class RecurrentCache(ArraysCache):
         state, start = self._before
         keep = self.offset - n - start
         self.cache, self.offset = list(state), start
-        if keep > 0:
+        if keep > 0 and self._steps is not None:
+            # The conv state is the K - 1 convolution inputs before the next token.
+            conv_input, states = self._steps
+            width = conv_input.shape[1] - len(states)
+            self.cache = [mx.contiguous(conv_input[:, keep : keep + width]), states[keep - 1]]
+            self.offset = start + keep
+        elif keep > 0:
             # The layer's own modules on its own inputs (the same two calls in Qwen3.5's and
             # Qwen3-Next's decoder layers): the linear attention sets the conv and recurrent
             # states and advances the offset. Its output is never evaluated.
             layer = self._layer
             layer.linear_attn(layer.input_layernorm(self._inputs[:, :keep]), None, self)
-        self._before = self._inputs = None
+        self._before = self._inputs = self._steps = None
         # A state kept past the new end is one of the dropped tokens: never one to return to.
         self.checkpoints = {k: v for k, v in self.checkpoints.items() if k <= self.offset}
         return n
@@ -125,7 +147,7 @@ class RecurrentCache(ArraysCache):
         """Return to the checkpoint at ``offset`` (0: the empty state)."""
         self.cache = [None, None] if offset == 0 else list(self.checkpoints[offset])
         self.offset = offset
-        self._before = self._inputs = None
+        self._before = self._inputs = self._steps = None
         self.checkpoints = {k: v for k, v in self.checkpoints.items() if k <= offset}
 
     @property
@@ -199,7 +221,9 @@ def forward_with_taps(
     """The hybrid decoder walked layer by layer: ``(last layer's output, {layer: its output})``.
 
     Each linear attention layer's cache is told the layer's input first (see
-    ``RecurrentCache.begin``); the layers themselves run unchanged.
+    ``RecurrentCache.begin``). A pass of at most ``RECORD_POSITIONS`` tokens runs those layers
+    through :func:`_recorded_layer` (the same output, and what a rollback selects from); the
+    other layers, and longer passes, run unchanged.
     """
     inner = model.model  # Qwen3.5's text model too (its Model's ``model`` property)
     h = inner.embed_tokens(tokens)
@@ -207,11 +231,28 @@ def forward_with_taps(
     ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
     wanted, captured = set(tap_ids), {}
     for i, (layer, c) in enumerate(zip(inner.layers, cache)):
+        mask = ssm_mask if layer.is_linear else fa_mask
         if isinstance(c, RecurrentCache):
             c.begin(layer, h)
-        h = layer(h, ssm_mask if layer.is_linear else fa_mask, c)
+        if (
+            isinstance(c, RecurrentCache)
+            and h.shape[1] <= RECORD_POSITIONS
+            and linear_attention.supports(layer.linear_attn, mask, c)
+        ):
+            h = _recorded_layer(layer, h, c)
+        else:
+            h = layer(h, mask, c)
         if i in wanted:
             captured[i] = h
         if start_every and (i + 1) % start_every == 0 and i + 1 < len(inner.layers):
             mx.async_eval(h)
     return h, captured
+
+
+def _recorded_layer(layer: nn.Module, x: mx.array, cache: RecurrentCache) -> mx.array:
+    # The decoder layer's own three lines (Qwen3.5's and Qwen3-Next's alike), its linear
+    # attention through linear_attention so that the cache keeps every position's state.
+    r, conv_input, states = linear_attention.linear_attention(layer.linear_attn, layer.input_layernorm(x), cache)
+    cache.record(conv_input, states)
+    h = x + r
+    return h + layer.mlp(layer.post_attention_layernorm(h))
