@@ -32,7 +32,7 @@ from ..chat_template import render_chat
 from ..cli.options import add_blas_argument
 from ..cli.progress import Progress
 from ..errors import DFlashError
-from ..generate import dflash_generate_step
+from ..generation import dflash_generate_step
 from ..models import target as tgt
 from ..models.drafter import DraftModel, save_draft
 from ..responses import AcceptanceStats
@@ -54,7 +54,7 @@ from ..weights.loading import (
     load_target_model,
     read_config,
     read_pair_manifest,
-    resolve,
+    local_folder,
     tokenizer_mask_token,
 )
 from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft
@@ -151,7 +151,7 @@ def _check_arguments(
 
 def _target_source(hf_path: str, revision: str | None) -> tuple[Path, dict[str, Any]]:
     check_target_type(hf_path, revision)  # a hub target mlx-lm cannot load: refused before its download
-    path = resolve(hf_path, what="target", revision=revision)
+    path = local_folder(hf_path, what="target", revision=revision)
     if read_pair_manifest(path) is not None:
         raise DFlashError(
             f"{hf_path} is already a converted DFlash pair; load it directly, e.g. dflash-generate --model {hf_path}."
@@ -187,7 +187,7 @@ def _draft_source(
                 "dflash-convert --list shows the pairs)."
             )
         revision = None  # the target's revision means nothing for the drafter's repository
-    path = resolve(draft_hf_path, what="drafter", revision=revision)
+    path = local_folder(draft_hf_path, what="drafter", revision=revision)
     config = read_config(path, "drafter")
     if not is_drafter_config(config):
         raise DFlashError(

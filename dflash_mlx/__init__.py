@@ -12,7 +12,7 @@ _EXPORTS = {
     "DFlashCache": "cache",
     "make_cache": "cache",
     "DraftModel": "models.drafter",
-    "ModelArgs": "models.drafter",
+    "DraftArgs": "models.drafter",
     "DFlashError": "errors",
     "AcceptanceStats": "responses",
     "GenerationResponse": "responses",

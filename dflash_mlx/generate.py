@@ -37,13 +37,13 @@ from .cli.options import (
 )
 from .cpu.openblas import blas_in_use
 from .cpu.speedups import CpuSpeedups
-from .cpu.speedups import cpu_speedups as resolve_speedups
+from .cpu.speedups import choose_speedups
 from .errors import DFlashError
 from .lookup import LookupProposer, PromptLookup
 from .models import drafter2
 from .models import target as tgt
 from .models.drafter import DraftModel
-from .plain_probe import plain_tokens_per_second
+from .plain_speed import plain_tokens_per_second
 from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, PlainProposer, SelectorProposer
 from .reasoning import join, reasoning_parser
 from .responses import AcceptanceStats, GenerationResponse
@@ -270,7 +270,7 @@ def dflash_generate_step(
           ``prompt`` is reused and the rest is prefilled. Updated in place.
         prefill_step_size: Prompt tokens per prefill chunk.
         cpu_speedups: None (default) uses the CPU speedups where they pay (float32 on MLX's
-          CPU backend; :func:`dflash_mlx.cpu.speedups.cpu_speedups`); False runs the portable path
+          CPU backend; :func:`dflash_mlx.cpu.speedups.choose_speedups`); False runs the portable path
           an Apple GPU takes; True or a ``CpuSpeedups`` forces them. Same tokens either way.
         stream: The MLX stream to run on.
 
@@ -299,7 +299,7 @@ def dflash_generate_step(
         raise DFlashError(
             "The prompt cache was made without a drafter; make it with make_cache(model, draft)."
         )
-    speedups = resolve_speedups(tgt.compute_dtype(model), cpu_speedups)
+    speedups = choose_speedups(tgt.compute_dtype(model), cpu_speedups)
     adaptive = seed is None if adaptive is None else adaptive
     # The policy paces the DFlash drafter; with block 1 it never drafts, so it is left alone.
     if not (adaptive and isinstance(draft, DraftModel) and block_size > 1):

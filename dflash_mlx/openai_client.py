@@ -140,7 +140,7 @@ class RemoteClient:
 
     # ---- probing -----------------------------------------------------------------------
 
-    def probe(self) -> ServerInfo:
+    def server_info(self) -> ServerInfo:
         """Check the server, the key and the model name; find where tau will come from.
 
         Raises:
@@ -188,7 +188,7 @@ class RemoteClient:
         return self._stream("/completions", {"prompt": prompt, **params})
 
     def _stream(self, path: str, body: dict) -> Iterator[GenerationResponse]:
-        info = self.info or self.probe()
+        info = self.info or self.server_info()
         body = {"model": info.model, **body, "stream": True, "stream_options": {"include_usage": True}}
         if info.kind == "sglang":
             body["return_meta_info"] = True

@@ -133,7 +133,7 @@ class DFlashProposer:
         if self.sampler is None:
             drafts, q = mx.argmax(logits, axis=-1).astype(mx.uint32), None
         else:
-            q = self.sampler.probs(logits, use_kernel=self._kernels)
+            q = self.sampler.probs(logits, fast_exp=self._fast_exp)
             drafts = sample_rows(q)  # (n,), (n, V)
         if self.width is not None and n > 1:
             k = self.width.choose(self._confidences(logits, drafts, q).tolist())
@@ -148,13 +148,13 @@ class DFlashProposer:
         return Proposal(drafts, q)
 
     @property
-    def _kernels(self) -> bool:
-        return self.speedups is not None and self.speedups.kernels
+    def _fast_exp(self) -> bool:
+        return self.speedups is not None and self.speedups.fast_exp
 
     def _confidences(self, logits, drafts, q) -> mx.array:
         """The probability the drafter gave each draft."""
         if q is None:  # greedy drafts are the argmax, so their probability is the top one
-            return top_probability(logits, use_kernel=self._kernels)
+            return top_probability(logits, fast_exp=self._fast_exp)
         return mx.take_along_axis(q, drafts[:, None].astype(mx.int32), axis=-1)[:, 0]
 
     def _confident_prefix(self, logits, drafts, q):
@@ -192,7 +192,7 @@ class SelectorProposer(DFlashProposer):
         if self.sampler is None:
             drafts, q = self.draft.draft_tokens(self.model, block, taps, self.cache.draft, self.speedups)[0, :n], None
         else:
-            probs = partial(self.sampler.probs, use_kernel=self._kernels)
+            probs = partial(self.sampler.probs, fast_exp=self._fast_exp)
             drafts, q = self.draft.sample_tokens(
                 self.model, block, taps, self.cache.draft, probs, self.speedups, num_drafts=n
             )

@@ -82,22 +82,22 @@ class Sampler:
             cut[..., list(self.xtc_special_tokens)] = False
         return mx.where(cut, -mx.inf, logprobs)
 
-    def probs(self, logits: mx.array, use_kernel: bool = False) -> mx.array:
+    def probs(self, logits: mx.array, fast_exp: bool = False) -> mx.array:
         """The distribution ``__call__`` samples from, ``(..., vocab)``.
 
         ``logits`` may be the logprobs or the raw logits: every filter and the softmax give
         the same answer for any shift of a row, so no logsumexp is needed (on MLX's CPU
-        backend each pass over the vocabulary is mostly exp). ``use_kernel`` (the CPU
+        backend each pass over the vocabulary is mostly exp). ``fast_exp`` (the CPU
         speedups) takes the softmax's exp as the fused polynomial.
         """
         logits = logits.astype(mx.float32)
         if 0 < self.top_p < 1.0:
             # mlx-lm's top-p exponentiates its input: keep it at most 0.
             logits = logits - mx.max(logits, axis=-1, keepdims=True)
-        probs = fast_math.softmax(self.filtered(logits) * (1.0 / self.temp), use_kernel)
+        probs = fast_math.softmax(self.filtered(logits) * (1.0 / self.temp), fast_exp)
         if self.xtc_probability <= 0:
             return probs
-        cut = fast_math.softmax(self.filtered(logits, xtc=True) * (1.0 / self.temp), use_kernel)
+        cut = fast_math.softmax(self.filtered(logits, xtc=True) * (1.0 / self.temp), fast_exp)
         return (1 - self.xtc_probability) * probs + self.xtc_probability * cut
 
 
@@ -202,17 +202,17 @@ def _exp_nonpositive(x: mx.array) -> mx.array:
     return poly * mx.view(mx.left_shift(k.astype(mx.int32) + 127, 23), mx.float32)
 
 
-def top_probability(logits: mx.array, use_kernel: bool = False) -> mx.array:
+def top_probability(logits: mx.array, fast_exp: bool = False) -> mx.array:
     """The probability of the most likely token, ``(..., vocab) -> (...)``.
 
-    With ``use_kernel`` (the CPU speedups), exp is a polynomial, good to a few parts in 1e6,
+    With ``fast_exp`` (the CPU speedups), exp is a polynomial, good to a few parts in 1e6,
     plenty for a confidence threshold: MLX's CPU exp costs about 12 ns an element (an add
     0.2 ns), so an exact softmax over 15 x 4096 logits took ~0.8 ms, on the critical path of
     a cycle; this takes ~0.3 ms.
     """
     logits = logits.astype(mx.float32)
     shifted = logits - mx.max(logits, axis=-1, keepdims=True)
-    if not use_kernel:
+    if not fast_exp:
         return 1.0 / mx.sum(mx.exp(shifted), axis=-1)
     return 1.0 / mx.sum(_exp_nonpositive(shifted), axis=-1)
 

@@ -77,8 +77,8 @@ class Verifier:
         # (a stop token read late): not a rotating window, not a recurrent state.
         self.can_run_ahead = not self.rotating and model.model_type not in hybrid.HYBRID_MODEL_TYPES
         self.greedy, self.sampler = sampler is None, sampler
-        use_kernel = speedups is not None and speedups.kernels
-        self.probs = partial(sampler.probs, use_kernel=use_kernel) if isinstance(sampler, Sampler) else None
+        fast_exp = speedups is not None and speedups.fast_exp
+        self.probs = partial(sampler.probs, fast_exp=fast_exp) if isinstance(sampler, Sampler) else None
         self.logits_processors = logits_processors or []
 
     def _logits(self, logits: mx.array, block: mx.array | None = None, seen: list[int] | None = None) -> mx.array:

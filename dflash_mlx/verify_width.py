@@ -34,7 +34,7 @@ def bucket(context: int) -> int:
     return max(MIN_BUCKET, 1 << max(0, context - 1).bit_length())
 
 
-def probe_widths(block_size: int) -> list[int]:
+def timed_widths(block_size: int) -> list[int]:
     """The verify widths timed (the others are interpolated): dense where a width's cost bends."""
     return sorted({w for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if w <= block_size} | {block_size})
 
@@ -147,7 +147,7 @@ class VerifyWidth:
             )
         self.model, self.draft, self.cache, self.speedups = model, draft, cache, speedups
         self.store = store or CostStore()
-        self.widths = probe_widths(draft.block_size)
+        self.widths = timed_widths(draft.block_size)
         self.prefix = f"{machine_key()}|{model_key(model)}|widths {','.join(map(str, self.widths))}"
         self.memo: dict[int, PassCosts] = {}
         self.accepted, self.expected = prior, prior  # calibration: accepted drafts / sum of confidences

@@ -11,7 +11,7 @@ import argparse
 from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interleaved
 
 from dflash_mlx.bench.timing import _time_stream
-from dflash_mlx.generate import stream_generate
+from dflash_mlx.generation import stream_generate
 
 CONFIGS = {"plain": (False, None), "dflash, every cycle": (True, False), "dflash, adaptive (default)": (True, None)}
 

@@ -18,7 +18,7 @@ from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interl
 
 from dflash_mlx.bench.timing import _time_stream
 from dflash_mlx.cpu.speedups import CpuSpeedups
-from dflash_mlx.generate import stream_generate
+from dflash_mlx.generation import stream_generate
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import mlx.nn as nn
 from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interleaved
 
 from dflash_mlx.bench.timing import _time_stream
-from dflash_mlx.generate import stream_generate
+from dflash_mlx.generation import stream_generate
 from dflash_mlx.sampling import make_sampler
 
 

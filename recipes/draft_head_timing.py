@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from dflash_mlx import load
 from dflash_mlx.cache import make_draft_cache
-from dflash_mlx.cpu.speedups import cpu_speedups
+from dflash_mlx.cpu.speedups import choose_speedups
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()
     model, draft, _ = load()
-    speedups = cpu_speedups(mx.float32)
+    speedups = choose_speedups(mx.float32)
     block = mx.array([[5] + [draft.mask_token_id] * (draft.block_size - 1)])
     taps = mx.random.normal((1, args.context, len(draft.target_layer_ids) * draft.args.hidden_size))
 

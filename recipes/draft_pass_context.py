@@ -30,10 +30,10 @@ def measure(contexts: list[int], reps: int, new: int) -> dict:
     from dflash_mlx import load
     from dflash_mlx.cache import make_draft_cache
     from dflash_mlx.cpu import fast_math
-    from dflash_mlx.cpu.speedups import cpu_speedups
+    from dflash_mlx.cpu.speedups import choose_speedups
 
     model, draft, _ = load(dtype="float32")
-    speedups = cpu_speedups(mx.float32)
+    speedups = choose_speedups(mx.float32)
     args = draft.args
     width = len(draft.target_layer_ids) * args.hidden_size
     block = mx.array([[5] + [draft.mask_token_id] * (draft.block_size - 1)])
@@ -72,7 +72,7 @@ def measure(contexts: list[int], reps: int, new: int) -> dict:
         scale = args.head_dim**-0.5
 
         def attention():
-            mx.eval([fast_math.attention(q, k, v, scale, use_kernel=speedups.kernels) for k, v in zip(keys, values)])
+            mx.eval([fast_math.attention(q, k, v, scale, fast_exp=speedups.fast_exp) for k, v in zip(keys, values)])
 
         out[context] = {"pass_ms": median_ms(draft_pass), "attention_ms": median_ms(attention)}
     return out

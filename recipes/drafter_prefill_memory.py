@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from dflash_mlx import load
 from dflash_mlx.cache import make_cache
-from dflash_mlx.cpu.speedups import cpu_speedups
+from dflash_mlx.cpu.speedups import choose_speedups
 from dflash_mlx.models import target as tgt
 from dflash_mlx.proposer import DFlashProposer
 from dflash_mlx.verify import Verifier
@@ -45,7 +45,7 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     model, draft, _ = load(dtype="float32")
-    speedups = None if args.no_cpu_speedups else cpu_speedups(mx.float32)
+    speedups = None if args.no_cpu_speedups else choose_speedups(mx.float32)
     a = draft.args
     # The version before this one's Verifier took no drafter: its taps waited in pending.
     feeds = "draft" in inspect.signature(Verifier.__init__).parameters

@@ -49,11 +49,11 @@ def main() -> None:
     import numpy as np
 
     from dflash_mlx.cache import make_cache
-    from dflash_mlx.cpu.speedups import cpu_speedups
+    from dflash_mlx.cpu.speedups import choose_speedups
     from dflash_mlx.models import target as tgt
-    from dflash_mlx.models.drafter import DraftModel, ModelArgs
+    from dflash_mlx.models.drafter import DraftModel, DraftArgs
     from dflash_mlx.train.data import make_batch, position_weights, read_cache, read_prompts, render_prompt, usable
-    from dflash_mlx.train.fc_scale import ScaledLinear, feature_scale
+    from dflash_mlx.train.precondition import ScaledLinear, feature_scale
     from dflash_mlx.train.loop import _KEYS, TrainingArgs, _to_mx, block_loss, draft_config, evaluate_acceptance
     from dflash_mlx.train.taps import TapStore
     from dflash_mlx.train.vocab import LossVocab, coverage, token_counts, top_tokens
@@ -71,7 +71,7 @@ def main() -> None:
 
     # ---- one training step, as dflash-train runs it ----
     mx.random.seed(0)
-    draft = DraftModel(ModelArgs.from_dict(draft_config(target, tokenizer, train_args)))
+    draft = DraftModel(DraftArgs.from_dict(draft_config(target, tokenizer, train_args)))
     draft.train()
     store = TapStore(target, draft.target_layer_ids, train_args.max_seq_len, keep=True)
     draft.fc = ScaledLinear.from_linear(draft.fc, feature_scale([store.get(ex)[0] for ex in examples[:8]]))
@@ -90,7 +90,7 @@ def main() -> None:
     print(f"batch: {a.batch_size} sequences x {a.blocks_per_seq} blocks of {a.block_size}, slots of {L} tokens")
 
     def make_step(vocab):
-        loss_fn = partial(block_loss, draft, target, speedups=cpu_speedups(mx.float32), vocab=vocab)
+        loss_fn = partial(block_loss, draft, target, speedups=choose_speedups(mx.float32), vocab=vocab)
         loss_and_grad = nn.value_and_grad(draft, loss_fn)
         optimizer = optim.AdamW(learning_rate=1e-4, betas=[0.9, 0.95], weight_decay=a.weight_decay)
         optimizer.init(draft.trainable_parameters())
@@ -115,7 +115,7 @@ def main() -> None:
     _report("training step", times)
 
     # ---- one draft pass (block 16, argmax), as dflash-bench times it ----
-    speedups = cpu_speedups(mx.float32)
+    speedups = choose_speedups(mx.float32)
     passes = {}
     for name, vocab in (("whole vocabulary", None), (f"draft vocab {args.vocab}", mx.array(ids))):
         d = load_draft(Path(args.draft), num_target_layers=tgt.num_layers(target), dtype="float32")

@@ -33,7 +33,7 @@ from mlx_lm.models import qwen3_5
 
 from dflash_mlx.bench.stats import mean_rollback, physical_limit
 from dflash_mlx.bench.timing import component_times, fastest_times
-from dflash_mlx.models.drafter import DraftModel, ModelArgs, default_target_layer_ids
+from dflash_mlx.models.drafter import DraftModel, DraftArgs, default_target_layer_ids
 
 # text_config of Qwen/Qwen3.5-0.8B's config.json (the fields mlx-lm's qwen3_5 reads).
 QWEN3_5_0_8B = {
@@ -57,7 +57,7 @@ def build_pair(layers: int, block_size: int = 16) -> tuple:
     text = dict(QWEN3_5_0_8B, num_hidden_layers=layers)
     target = qwen3_5.Model(qwen3_5.ModelArgs.from_dict({"model_type": "qwen3_5", "text_config": text}))
     draft = DraftModel(
-        ModelArgs.from_dict(
+        DraftArgs.from_dict(
             {
                 "hidden_size": text["hidden_size"], "intermediate_size": text["intermediate_size"],
                 "num_hidden_layers": DRAFT_LAYERS, "num_attention_heads": 32, "num_key_value_heads": 8,

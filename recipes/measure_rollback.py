@@ -24,7 +24,7 @@ from mlx_lm.models import qwen3_5
 
 from dflash_mlx.cache import make_cache
 from dflash_mlx.models import target as tgt
-from dflash_mlx.models.drafter import DraftModel, ModelArgs
+from dflash_mlx.models.drafter import DraftModel, DraftArgs
 from dflash_mlx.models.hybrid import RecurrentCache
 
 
@@ -43,7 +43,7 @@ def _target(args) -> qwen3_5.Model:
 
 def _draft(args, num_target_layers: int) -> DraftModel:
     draft = DraftModel(
-        ModelArgs.from_dict(
+        DraftArgs.from_dict(
             {
                 "hidden_size": args.hidden, "num_hidden_layers": args.draft_layers,
                 "intermediate_size": args.intermediate, "num_attention_heads": 32, "num_key_value_heads": 8,

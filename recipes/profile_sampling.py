@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from dflash_mlx import load
 from dflash_mlx.cache import make_cache
-from dflash_mlx.cpu.speedups import cpu_speedups
+from dflash_mlx.cpu.speedups import choose_speedups
 from dflash_mlx.models import target as tgt
 from dflash_mlx.sampling import make_sampler, sample_rows, speculative_accept
 
@@ -56,8 +56,8 @@ def main() -> None:
     args = parser.parse_args()
 
     model, draft, _ = load(dtype="float32")
-    speedups = cpu_speedups(mx.float32)
-    kernel = speedups is not None and speedups.kernels
+    speedups = choose_speedups(mx.float32)
+    kernel = speedups is not None and speedups.fast_exp
     sampler = make_sampler(args.temp)
     print(f"embedded pair fp32, vocab {model.args.vocab_size}, context {args.context}, temp {args.temp}, "
           f"CPU speedups {'on' if speedups else 'off'}; median ms over {args.cycles} cycles")  # fmt: skip
@@ -76,7 +76,7 @@ def main() -> None:
             d_logits, row["drafter pass"] = _timed(
                 lambda: draft.propose(model, block, cache.take_pending(), cache.draft, speedups=speedups)[0, :n]
             )
-            q, row["q = probs (now)"] = _timed(lambda: sampler.probs(d_logits, use_kernel=kernel))
+            q, row["q = probs (now)"] = _timed(lambda: sampler.probs(d_logits, fast_exp=kernel))
             _, row["q = probs (before)"] = _timed(lambda: _old_probs(sampler, d_logits))
             drafts, row["draws (now)"] = _timed(lambda: sample_rows(q))
             _, row["draws (before)"] = _timed(lambda: mx.random.categorical(mx.log(q)).astype(mx.uint32))
@@ -84,7 +84,7 @@ def main() -> None:
             (t_logits, t_taps), row["verify pass"] = _timed(
                 lambda: tgt.forward_with_taps(model, verified, cache.target, draft.target_layer_ids, speedups)
             )
-            p, row["p = probs (now)"] = _timed(lambda: sampler.probs(t_logits[0], use_kernel=kernel))
+            p, row["p = probs (now)"] = _timed(lambda: sampler.probs(t_logits[0], fast_exp=kernel))
             _, row["p = probs (before)"] = _timed(lambda: _old_probs(sampler, t_logits[0]))
             (passed, tokens), row["accept (now)"] = _timed(lambda: speculative_accept(drafts, q, p))
             _, row["accept (before)"] = _timed(lambda: _old_accept(drafts, q, p))
@@ -100,7 +100,7 @@ def main() -> None:
             (s_logits, _), row["plain: 1-token pass"] = _timed(
                 lambda: tgt.forward_with_taps(model, plain, cache.target, [], speedups)
             )
-            _, row["plain: draw (now)"] = _timed(lambda: sample_rows(sampler.probs(s_logits[0], use_kernel=kernel)))
+            _, row["plain: draw (now)"] = _timed(lambda: sample_rows(sampler.probs(s_logits[0], fast_exp=kernel)))
             _, row["plain: draw (before)"] = _timed(lambda: sampler(s_logits[0] - mx.logsumexp(s_logits[0], axis=-1, keepdims=True)))
             cache.trim_target(1)
             if cycle >= 3:

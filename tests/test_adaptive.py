@@ -283,7 +283,7 @@ def test_adaptive_default_and_stats(qwen3_pair):
 
 def test_plain_probe_leaves_the_cache_as_it_was(qwen3_pair):
     """The plain steps timed after a run are trimmed away: the cache continues exactly."""
-    from dflash_mlx.plain_probe import plain_tokens_per_second
+    from dflash_mlx.plain_speed import plain_tokens_per_second
 
     model, draft, tokenizer = qwen3_pair
     cache = make_cache(model, draft)
@@ -406,7 +406,7 @@ def test_dflash_generate_goes_on_from_the_last_run(pair_dirs, tmp_path, monkeypa
     # A one-shot run starts where the last run of the pair left off: here, inside a run of
     # plain cycles that an earlier run's losing windows set up.
     from dflash_mlx.adaptive import PolicyStore
-    from dflash_mlx.generate import main
+    from dflash_mlx.cli.generate import main
     from dflash_mlx.weights import gguf
 
     monkeypatch.setattr(gguf, "default_cache_root", lambda: tmp_path)

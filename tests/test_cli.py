@@ -3,11 +3,11 @@ import sys
 
 import pytest
 
-from dflash_mlx.generate import main
+from dflash_mlx.cli.generate import main
 
 
 def test_help_smoke():
-    out = subprocess.run([sys.executable, "-m", "dflash_mlx.generate", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "dflash_mlx.cli.generate", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     for flag in ("--model", "--draft", "--prompt", "--max-tokens", "--block-size", "--temp", "--system-prompt"):
         assert flag in out.stdout

@@ -3,7 +3,7 @@ import pytest
 from helpers.checkpoints import draft_config
 
 from dflash_mlx.cache import make_draft_cache
-from dflash_mlx.models.drafter import DraftModel, ModelArgs, default_target_layer_ids
+from dflash_mlx.models.drafter import DraftModel, DraftArgs, default_target_layer_ids
 
 
 def test_paper_rule_for_target_layer_ids():
@@ -14,8 +14,8 @@ def test_paper_rule_for_target_layer_ids():
 
 
 def test_both_config_layouts_parse_the_same():
-    nested = ModelArgs.from_dict(draft_config(nested=True))
-    flat = ModelArgs.from_dict(draft_config(nested=False))
+    nested = DraftArgs.from_dict(draft_config(nested=True))
+    flat = DraftArgs.from_dict(draft_config(nested=False))
     for args in (nested, flat):
         assert args.target_layer_ids == [1, 2]
         assert args.mask_token_id == 127
@@ -27,14 +27,14 @@ def test_both_config_layouts_parse_the_same():
 def test_missing_layer_ids_follow_the_paper_rule():
     config = draft_config(layers=3, num_target_layers=12)
     del config["dflash_config"]["target_layer_ids"]
-    args = ModelArgs.from_dict(config)
+    args = DraftArgs.from_dict(config)
     assert args.target_layer_ids == default_target_layer_ids(12, 3)
     assert DraftModel(args).fc.weight.shape == (64, 3 * 64)
 
 
 def _draft():
     mx.random.seed(4)
-    return DraftModel(ModelArgs.from_dict(draft_config()))
+    return DraftModel(DraftArgs.from_dict(draft_config()))
 
 
 def test_context_cache_equals_full_context():
@@ -80,7 +80,7 @@ def test_config_without_required_field_fails(field):
     config = draft_config()
     del config[field]
     with pytest.raises(TypeError):
-        ModelArgs.from_dict(config)
+        DraftArgs.from_dict(config)
 
 
 def test_cached_drafting_through_the_compiled_steps_matches_the_layers(monkeypatch):
@@ -145,8 +145,8 @@ def _joined_attention(attn, q, k, v, k_ctx, v_ctx):
 @pytest.mark.parametrize(
     "cached,new,rows", [(0, 0, 1), (0, 5, 1), (37, 0, 1), (250, 3, 1), (256, 9, 1), (40, 2, 3)]
 )
-@pytest.mark.parametrize("use_kernel", [False, True])
-def test_the_block_is_read_after_the_cached_context_without_joining(kind, cached, new, rows, use_kernel):
+@pytest.mark.parametrize("fast_exp", [False, True])
+def test_the_block_is_read_after_the_cached_context_without_joining(kind, cached, new, rows, fast_exp):
     """attend equals attention over the joined context and block (fp32), leaves the cache
     holding the context alone, and a second pass over the same cache gives the same output."""
     from dflash_mlx.cache import WindowedKVCache
@@ -162,7 +162,7 @@ def test_the_block_is_read_after_the_cached_context_without_joining(kind, cached
     q = mx.random.normal((rows, attn.n_heads, 16, d))
     k, v = mx.random.normal((rows, h, 16, d)), mx.random.normal((rows, h, 16, d))
 
-    out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None, use_kernel)
+    out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None, fast_exp)
     all_k, all_v = mx.concatenate([old_k, k_ctx], axis=2), mx.concatenate([old_v, v_ctx], axis=2)
     if kind == "windowed" and all_k.shape[2] > 68:
         all_k = mx.concatenate([all_k[..., :4, :], all_k[..., -64:, :]], axis=2)
@@ -174,7 +174,7 @@ def test_the_block_is_read_after_the_cached_context_without_joining(kind, cached
     stored_k, stored_v = cache.keys_and_values() if cache.offset else (all_k[..., :0, :], all_v[..., :0, :])
     assert mx.array_equal(stored_k, all_k).item() and mx.array_equal(stored_v, all_v).item()
     # The block was not kept: the next pass (no new context) reads the same context.
-    again = attn.attend(q, k, v, k_ctx[..., :0, :], v_ctx[..., :0, :], cache, None, use_kernel)
+    again = attn.attend(q, k, v, k_ctx[..., :0, :], v_ctx[..., :0, :], cache, None, fast_exp)
     assert mx.array_equal(again, out).item() and cache.offset == cached + new
 
 

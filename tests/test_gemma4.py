@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 from dflash_mlx import DFlashError, load, make_cache
 from dflash_mlx.models import gemma, sliding
 from dflash_mlx.models import target as tgt
-from dflash_mlx.models.drafter import ModelArgs
+from dflash_mlx.models.drafter import DraftArgs
 
 torch = pytest.importorskip("torch")
 
@@ -253,10 +253,10 @@ def test_published_drafter_configs_load(gemma_targets, gemma_pairs, tmp_path):
     assert published["rope_theta"] == 10000.0 and published["final_logit_softcapping"] == 5.0
     v5 = {k: v for k, v in published.items() if k not in ("rope_theta", "rope_scaling")}
     v5["rope_parameters"] = {"rope_theta": 10000.0, "rope_type": "default"}
-    a, b = ModelArgs.from_dict(published), ModelArgs.from_dict(v5)
+    a, b = DraftArgs.from_dict(published), DraftArgs.from_dict(v5)
     assert a.rope_theta == b.rope_theta == 10000.0 and a.rope_scaling is b.rope_scaling is None
     scaled = dict(v5, rope_parameters={"rope_theta": 5e5, "rope_type": "linear", "factor": 2.0})
-    c = ModelArgs.from_dict(scaled)
+    c = DraftArgs.from_dict(scaled)
     assert c.rope_theta == 5e5 and c.rope_scaling["factor"] == 2.0
     folder = tmp_path / "draft"
     shutil.copytree(gemma_targets["draft"][0], folder)
@@ -271,7 +271,7 @@ def test_published_drafter_configs_load(gemma_targets, gemma_pairs, tmp_path):
         load(gemma_targets["gemma4"][0], folder)
     per_type = {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}
     with pytest.raises(DFlashError, match=r"rope_parameters per layer type \['full_attention', 'sliding_attention'\]"):
-        ModelArgs.from_dict(dict(v5, rope_parameters=per_type))
+        DraftArgs.from_dict(dict(v5, rope_parameters=per_type))
 
 
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
@@ -279,7 +279,7 @@ def test_convert_load_generate_chat(gemma_targets, kind, tmp_path, capsys):
     """dflash-convert -> load -> dflash-generate -> the chat engine's turns; the chat's second
     turn (reusing the cache) equals a fresh run of it."""
     from dflash_mlx.convert import convert
-    from dflash_mlx.generate import main as generate_main
+    from dflash_mlx.cli.generate import main as generate_main
     from dflash_mlx.tui.commands import Settings
     from dflash_mlx.tui.engine import MLXEngine
 

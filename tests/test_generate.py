@@ -398,7 +398,7 @@ def test_generation_runs_under_mlx_lm_wired_limit_and_prefill_frees_chunks(qwen3
     import contextlib
     import importlib
 
-    gen_mod = importlib.import_module("dflash_mlx.generate")
+    gen_mod = importlib.import_module("dflash_mlx.generation")
 
     model, draft, tokenizer = qwen3_pair
     entered, cleared = [], []

@@ -14,7 +14,7 @@ from mlx_lm.utils import load_tokenizer
 
 from dflash_mlx import DFlashError
 from dflash_mlx.convert.convert import main as convert_main
-from dflash_mlx.models.drafter import DraftModel, ModelArgs
+from dflash_mlx.models.drafter import DraftModel, DraftArgs
 from dflash_mlx.weights.gguf import SMOLLM2_INSTALL, convert_gguf, find_gguf, prepare_default_target, smollm2_gguf
 from dflash_mlx.weights.loading import default_pair_path, load_target
 
@@ -419,7 +419,7 @@ def _tiny_draft(path: Path, vocab: int) -> None:
     config = draft_config(num_target_layers=LAYERS, target_layer_ids=(0, 1))
     config.update(vocab_size=vocab)
     config["dflash_config"]["mask_token_id"] = 0
-    draft = DraftModel(ModelArgs.from_dict(config))
+    draft = DraftModel(DraftArgs.from_dict(config))
     path.mkdir()
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(draft.parameters())))
     (path / "config.json").write_text(json.dumps(config))

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from dflash_mlx import DFlashError, load, make_cache
 from dflash_mlx.models import target as tgt
-from dflash_mlx.models.drafter import DraftModel, ModelArgs
+from dflash_mlx.models.drafter import DraftModel, DraftArgs
 from dflash_mlx.models import sliding
 from dflash_mlx.models.sliding import SlidingKVCache
 
@@ -205,7 +205,7 @@ def test_a_drafter_shaped_like_the_published_one(folders, tmp_path):
                   rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "original_max_position_embeddings": 4096})  # fmt: skip
     mx.random.seed(2)
-    built = DraftModel(ModelArgs.from_dict(config))
+    built = DraftModel(DraftArgs.from_dict(config))
     folder = tmp_path / "draft"
     folder.mkdir()
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(built.parameters())))
@@ -224,7 +224,7 @@ def test_convert_load_generate(folders, tmp_path, capsys, q_bits):
     own conversion, with the MXFP4 experts kept and (``q_bits``) the other layers quantized too,
     the layout of mlx-community's gpt-oss-*-MXFP4-Q8 repositories."""
     from dflash_mlx.convert import convert
-    from dflash_mlx.generate import main as generate_main
+    from dflash_mlx.cli.generate import main as generate_main
 
     target, _, draft_folder = folders
     pair = tmp_path / "pair"

@@ -209,7 +209,7 @@ def test_convert_load_generate_chat(hf_targets, kind, tmp_path, capsys):
     """dflash-convert -> load -> dflash-generate -> the chat engine's turns, for an MoE pair and
     a hybrid pair of each layout; the chat's second turn (reusing the cache) equals a fresh run."""
     from dflash_mlx.convert import convert
-    from dflash_mlx.generate import main as generate_main
+    from dflash_mlx.cli.generate import main as generate_main
     from dflash_mlx.tui.commands import Settings
     from dflash_mlx.tui.engine import MLXEngine
 

@@ -115,7 +115,7 @@ def test_off_metal_the_twin_runs_unchecked(clock, tmp_path):
 def test_use_kernel_false_runs_the_twin(clock, tmp_path):
     kernel, twin = Fake(clock, 1.0), Fake(clock, 2.0)
     d = _dispatcher(kernel, twin, clock, tmp_path / "k.json")
-    d(mx.ones((4,)), use_kernel=False)
+    d(mx.ones((4,)), fast_exp=False)
     assert kernel.calls == 0 and not (tmp_path / "k.json").exists()
 
 

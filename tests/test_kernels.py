@@ -38,7 +38,7 @@ def test_swiglu_matches_mlx_lm(shape):
     gate = mx.random.normal(shape) * 8
     up = mx.random.normal(shape)
     # A float32 ulp or two of each output.
-    assert mx.allclose(fast_math.swiglu(gate, up, use_kernel=True), mlx_lm_swiglu(gate, up), rtol=3e-7, atol=1e-6).item()
+    assert mx.allclose(fast_math.swiglu(gate, up, fast_exp=True), mlx_lm_swiglu(gate, up), rtol=3e-7, atol=1e-6).item()
 
 
 def test_swiglu_gradient_matches_mlx_lm():
@@ -48,7 +48,7 @@ def test_swiglu_gradient_matches_mlx_lm():
     def loss(fn):
         return lambda g, u: (fn(g, u) * weights).sum()
 
-    ours = mx.grad(loss(lambda g, u: fast_math.swiglu(g, u, use_kernel=True)), argnums=(0, 1))(gate, up)
+    ours = mx.grad(loss(lambda g, u: fast_math.swiglu(g, u, fast_exp=True)), argnums=(0, 1))(gate, up)
     theirs = mx.grad(loss(mlx_lm_swiglu), argnums=(0, 1))(gate, up)
     for a, b in zip(ours, theirs):
         assert mx.abs(a - b).max().item() < 1e-5
@@ -70,7 +70,7 @@ def test_attention_matches_mlx_fast_with_its_gradient(mask_shape):
     weights = mx.random.normal((2, 4, 16, 8))
 
     def ours(q, k, v):
-        return fast_math.attention(q, k, v, 0.35, mask, use_kernel=True)
+        return fast_math.attention(q, k, v, 0.35, mask, fast_exp=True)
 
     def theirs(q, k, v):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=mask)
@@ -90,9 +90,9 @@ def test_other_inputs_go_to_mlx_unchanged():
     q = mx.random.normal((1, 4, 16, 8)).astype(mx.bfloat16)
     k, v = (mx.random.normal((1, 2, 20, 8)).astype(mx.bfloat16) for _ in range(2))
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.5, mask="causal")
-    assert mx.array_equal(fast_math.attention(q, k, v, 0.5, "causal", use_kernel=True), expected).item()
+    assert mx.array_equal(fast_math.attention(q, k, v, 0.5, "causal", fast_exp=True), expected).item()
     g = mx.random.normal((2, 8)).astype(mx.bfloat16)
-    assert mx.array_equal(fast_math.swiglu(g, g, use_kernel=True), mlx_lm_swiglu(g, g)).item()
+    assert mx.array_equal(fast_math.swiglu(g, g, fast_exp=True), mlx_lm_swiglu(g, g)).item()
 
 
 def test_qwen3_verify_through_the_kernels_matches_mlx_lm(qwen3_pair):
@@ -151,7 +151,7 @@ def test_compiled_qwen3_step_matches_mlx_lm_with_each_rope(rope_scaling):
 
 
 @pytest.mark.parametrize(
-    "speedups", [CpuSpeedups(kernels=False), CpuSpeedups(compiled_steps=False), CpuSpeedups(kernels=False, compiled_steps=False)]
+    "speedups", [CpuSpeedups(fast_exp=False), CpuSpeedups(compiled_steps=False), CpuSpeedups(fast_exp=False, compiled_steps=False)]
 )
 def test_each_speedup_alone_matches_mlx_lm(speedups):
     _verify_matches_mlx_lm(_tiny_qwen3(), expect_kernels=True, speedups=speedups)
@@ -184,7 +184,7 @@ def test_softmax_kernel_matches_mlx():
     rows = np.stack([rng.normal(0, scale, 4096) for scale in (0.1, 1.0, 5.0, 30.0)]).astype(np.float32)
     rows[1, :100] = -np.inf
     x = mx.array(rows)
-    ours, ref = fast_math.softmax(x, use_kernel=True), mx.softmax(x, axis=-1)
+    ours, ref = fast_math.softmax(x, fast_exp=True), mx.softmax(x, axis=-1)
     assert mx.allclose(ours, ref, rtol=1e-5, atol=1e-9).item()
     assert mx.all(ours[1, :100] == 0).item()
     assert mx.array_equal(fast_math.softmax(x), ref).item()  # the portable path is MLX's own

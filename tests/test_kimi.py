@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import DFlashError, load, make_cache
 from dflash_mlx.models import target as tgt
-from dflash_mlx.models.drafter import DraftModel, ModelArgs
+from dflash_mlx.models.drafter import DraftModel, DraftArgs
 
 torch = pytest.importorskip("torch")
 
@@ -149,7 +149,7 @@ def test_a_drafter_shaped_like_the_published_one(folders, tmp_path):
                   rope_scaling={"rope_type": "yarn", "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                 "original_max_position_embeddings": 4096})  # fmt: skip
     mx.random.seed(2)
-    built = DraftModel(ModelArgs.from_dict(config))
+    built = DraftModel(DraftArgs.from_dict(config))
     folder = tmp_path / "draft"
     folder.mkdir()
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(built.parameters())))
@@ -166,7 +166,7 @@ def test_convert_load_generate(folders, tmp_path, capsys, q_bits):
     """dflash-convert -> load -> generate: the pair folder holds mlx-lm's own conversion, the INT4
     experts kept and (``q_bits``) the other layers quantized too."""
     from dflash_mlx.convert import convert
-    from dflash_mlx.generate import main as generate_main
+    from dflash_mlx.cli.generate import main as generate_main
 
     target, _, draft_folder = folders
     pair = tmp_path / "pair"

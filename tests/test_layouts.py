@@ -8,7 +8,7 @@ from helpers.checkpoints import VOCAB, draft_config, write_draft, write_target
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import DFlashError, dflash_generate_step, load
-from dflash_mlx.models.drafter import DraftModel, ModelArgs
+from dflash_mlx.models.drafter import DraftModel, DraftArgs
 from dflash_mlx.weights import loading, registry
 
 
@@ -54,7 +54,7 @@ def test_fields_we_cannot_honour_are_refused(tmp_path, pair_dirs, change, messag
     else:
         config.update(change)
     with pytest.raises(DFlashError, match=message):
-        ModelArgs.from_dict(config)
+        DraftArgs.from_dict(config)
     write_draft(tmp_path / "draft")
     (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
     with pytest.raises(DFlashError, match=message):
@@ -66,7 +66,7 @@ def test_a_dflash2_config_goes_to_its_own_drafter(tmp_path, pair_dirs):
     which names the fields a DFlash drafter's config lacks."""
     config = {**draft_config(), "architectures": ["DFlash2DraftModel"]}
     with pytest.raises(DFlashError, match="Unsupported drafter architecture 'DFlash2DraftModel'"):
-        ModelArgs.from_dict(config)
+        DraftArgs.from_dict(config)
     write_draft(tmp_path / "draft")
     (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
     with pytest.raises(DFlashError, match="The DFlash2 drafter config lacks conv_kernel_size, conv_group_size"):
@@ -201,7 +201,7 @@ def _sliding_draft(window, layer_types=("sliding_attention", "sliding_attention"
     config = draft_config(block_size=8)
     config.update(layer_types=list(layer_types), sliding_window=window, is_causal=is_causal)
     mx.random.seed(1)
-    return DraftModel(ModelArgs.from_dict(config))
+    return DraftModel(DraftArgs.from_dict(config))
 
 
 def test_sliding_layers_see_only_their_window():

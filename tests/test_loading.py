@@ -70,9 +70,9 @@ def test_hidden_size_mismatch(folders, tmp_path):
     # Rewrite the weights so the drafter itself is consistent, only the pair is wrong.
     from mlx.utils import tree_flatten
 
-    from dflash_mlx.models.drafter import DraftModel, ModelArgs
+    from dflash_mlx.models.drafter import DraftModel, DraftArgs
 
-    args = ModelArgs.from_dict({**config, "hidden_size": 96})
+    args = DraftArgs.from_dict({**config, "hidden_size": 96})
     mx.save_safetensors(str(tmp_path / "wide" / "model.safetensors"), dict(tree_flatten(DraftModel(args).parameters())))
     message = _error(folders[0], tmp_path / "wide")
     assert "hidden_size=96" in message and "hidden_size=64" in message and "--draft" in message
@@ -353,7 +353,7 @@ def test_stream_generate_response_fields(qwen3_pair, monkeypatch):
     # token, then plain decoding makes one token a second.
     ticks = iter(range(100))
     clock = types.SimpleNamespace(perf_counter=lambda: float(next(ticks)))
-    monkeypatch.setattr(sys.modules["dflash_mlx.generate"], "time", clock)
+    monkeypatch.setattr(sys.modules["dflash_mlx.generation"], "time", clock)
     plain = list(stream_generate(model, None, tokenizer, "t1 t2 t3", max_tokens=6))
     assert [(r.prompt_tps, r.generation_tps) for r in plain] == [(3.0, 0.0)] + [(3.0, 1.0)] * 5
     assert all(isinstance(t, int) for r in responses for t in r.tokens)

@@ -203,7 +203,7 @@ def test_stream_generate_splits_a_scripted_harmony_reply(harmony_pair, block_siz
 def test_dflash_generate_prints_the_reasoning_apart_or_hides_it(harmony_pair, pair_dirs, monkeypatch, capsys):
     target, (_, _, tokenizer) = harmony_pair
     script = token_ids(tokenizer, SCRIPT)
-    generate_module = importlib.import_module("dflash_mlx.generate")
+    generate_module = importlib.import_module("dflash_mlx.generation")
     monkeypatch.setattr(generate_module, "make_logits_processors", lambda **_: [ScriptedReply(script)])
     argv = ["--model", str(target), "--draft", str(pair_dirs["draft"]), "--prompt", "t1 t2", "-m", "32"]
     generate_module.main(argv)

@@ -27,7 +27,7 @@ def server(qwen3_pair):
 def test_our_server_streams_the_same_text_and_per_cycle_statistics(server, qwen3_pair):
     model, draft, tokenizer = qwen3_pair
     client = RemoteClient(server.url + "/v1")
-    info = client.probe()
+    info = client.server_info()
     assert (info.kind, info.model, info.block_size) == ("dflash", "tiny", 16)
     messages = [{"role": "user", "content": "t3 t4 t5"}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -47,13 +47,13 @@ def test_our_server_streams_the_same_text_and_per_cycle_statistics(server, qwen3
 
 def test_client_errors_are_one_clear_line(server, qwen3_pair):
     with pytest.raises(DFlashError, match="has no model 'gpt-4'; it has: tiny"):
-        RemoteClient(server.url + "/v1", model="gpt-4").probe()
+        RemoteClient(server.url + "/v1", model="gpt-4").server_info()
     with pytest.raises(DFlashError, match="Cannot reach the server"):
-        RemoteClient("http://127.0.0.1:9/v1", timeout=2).probe()
+        RemoteClient("http://127.0.0.1:9/v1", timeout=2).server_info()
     keyed = DFlashServer(*qwen3_pair, model_name="k", port=0, api_key="right").start()
     try:
         with pytest.raises(DFlashError, match="refused the API key"):
-            RemoteClient(keyed.url + "/v1", api_key="wrong").probe()
+            RemoteClient(keyed.url + "/v1", api_key="wrong").server_info()
         client = RemoteClient(keyed.url + "/v1", api_key="right")
         assert "".join(r.text for r in client.stream_completion("t1", max_tokens=3))
     finally:
@@ -189,7 +189,7 @@ def fake_server():
 def test_tau_from_vllm_and_sglang_shapes(fake_server, kind, tau, steps, source):
     fake, url = fake_server(kind)
     client = RemoteClient(url)
-    info = client.probe()
+    info = client.server_info()
     assert info.model == "Qwen/Qwen3-8B" and source in info.tau_source
     responses = list(client.stream_chat([{"role": "user", "content": "hi"}], max_tokens=8))
     assert "".join(r.text for r in responses) == "".join(WORDS)
@@ -206,7 +206,7 @@ def test_tau_from_vllm_and_sglang_shapes(fake_server, kind, tau, steps, source):
 def test_a_server_without_statistics_says_why_tau_is_na(fake_server):
     fake, url = fake_server("plain")
     client = RemoteClient(url)
-    info = client.probe()
+    info = client.server_info()
     assert info.kind == "openai" and info.tau_source is None
     assert "tau n/a: this server reports no speculative-decoding statistics" in info.describe()
     responses = list(client.stream_chat([{"role": "user", "content": "hi"}]))
@@ -216,8 +216,8 @@ def test_a_server_without_statistics_says_why_tau_is_na(fake_server):
 def test_wrong_key_is_a_clear_error(fake_server):
     fake, url = fake_server("vllm", api_key="k1")
     with pytest.raises(DFlashError, match="refused the API key.*--api-key"):
-        RemoteClient(url, api_key="wrong").probe()
-    assert RemoteClient(url, api_key="k1").probe().kind == "vllm"
+        RemoteClient(url, api_key="wrong").server_info()
+    assert RemoteClient(url, api_key="k1").server_info().kind == "vllm"
 
 
 def test_parse_prometheus_sums_label_sets():

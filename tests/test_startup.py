@@ -40,7 +40,7 @@ def test_public_names_load_on_first_use():
 
 
 def test_the_generate_submodule_does_not_hide_the_function(monkeypatch):
-    module = importlib.import_module("dflash_mlx.generate")
+    module = importlib.import_module("dflash_mlx.generation")
     # What the import system does when something imports dflash_mlx.generate before the function is used.
     monkeypatch.setattr(dflash_mlx, "generate", module)
     assert dflash_mlx.generate is module.generate and not isinstance(dflash_mlx.generate, ModuleType)

@@ -547,7 +547,7 @@ async def test_real_pair_dflash_off_gives_the_same_greedy_reply(pair):
     "field, values", [("min_confidence", (0.0, 0.999)), ("lookup_fallback", (0, 8))]
 )
 def test_engine_passes_the_cutoff_and_fallback_and_keeps_the_text(pair, monkeypatch, field, values):
-    gen = importlib.import_module("dflash_mlx.generate")  # the package's generate() hides the module
+    gen = importlib.import_module("dflash_mlx.generation")  # the package's generate() hides the module
     seen, real = [], gen.stream_generate
 
     def spy(*args, **kwargs):
@@ -726,7 +726,7 @@ async def test_real_pair_oracle_drafter_shows_full_acceptance(pair, monkeypatch)
     from helpers.checkpoints import VOCAB
     from helpers.oracles import ScriptedDraft
 
-    gen_module = importlib.import_module("dflash_mlx.generate")  # the package's `generate` hides the module
+    gen_module = importlib.import_module("dflash_mlx.generation")  # the package's `generate` hides the module
 
     # Every cycle drafted (no plain probe cycles of the adaptive policy), so the counts are exact.
     monkeypatch.setattr(gen_module, "stream_generate", functools.partial(gen_module.stream_generate, adaptive=False))
@@ -952,7 +952,7 @@ async def test_real_pair_in_harmony_folds_the_analysis_channel(pair_dirs, tmp_pa
         assert app.info.switches == {"reasoning_effort"}
         script = token_ids(engine.tokenizer, "<|channel|> analysis <|message|> t5 t6 <|end|> <|start|> assistant "
                            "<|channel|> final <|message|> t7 t8 <|return|>")  # fmt: skip
-        script_target(monkeypatch, importlib.import_module("dflash_mlx.generate"), script)
+        script_target(monkeypatch, importlib.import_module("dflash_mlx.generation"), script)
         await send(pilot, "/think high")
         await send(pilot, "t1 t2")
         await finish(pilot)

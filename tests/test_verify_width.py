@@ -8,15 +8,15 @@ from helpers.decoding import run
 from test_generate import _prompt, reference
 
 from dflash_mlx import DFlashError, verify_width, dflash_generate_step, make_cache
-from dflash_mlx.verify_width import VerifyWidth, CostStore, PassCosts, bucket, probe_widths
+from dflash_mlx.verify_width import VerifyWidth, CostStore, PassCosts, bucket, timed_widths
 from dflash_mlx.bench.benchmark import run_benchmark
-from dflash_mlx.generate import main as generate_main
+from dflash_mlx.cli.generate import main as generate_main
 
 
 def test_buckets_widths_and_interpolation():
     assert [bucket(n) for n in (0, 1, 256, 257, 1000, 1024, 1025, 7000)] == [256, 256, 256, 512, 1024, 1024, 2048,
                                                                               8192]  # fmt: skip
-    assert probe_widths(16) == [1, 2, 3, 4, 6, 8, 12, 16] and probe_widths(5) == [1, 2, 3, 4, 5]
+    assert timed_widths(16) == [1, 2, 3, 4, 6, 8, 12, 16] and timed_widths(5) == [1, 2, 3, 4, 5]
     costs = PassCosts(0.001, {1: 0.010, 4: 0.016, 8: 0.030})
     assert costs.verify_at(4) == 0.016 and costs.verify_at(6) == pytest.approx(0.023)
     assert costs.verify_at(12) == 0.030  # past the widest measured: its cost
@@ -93,7 +93,7 @@ def test_auto_measures_once_on_the_live_cache_and_keeps_it_on_disk(qwen3_pair, t
     costs = width.costs()
     # The timed passes were trimmed off: the caches are where they were.
     assert cache.offset == offset and cache.tokens == tokens
-    assert sorted(costs.verify) == probe_widths(draft.block_size) and costs.draft > 0
+    assert sorted(costs.verify) == timed_widths(draft.block_size) and costs.draft > 0
     saved = json.loads((tmp_path / "costs.json").read_text())
     assert len(saved) == 1 and next(iter(saved)).endswith("bucket 256")
 

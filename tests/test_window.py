@@ -8,7 +8,7 @@ from test_generate import _prompt, reference
 
 from dflash_mlx import DFlashError, dflash_generate_step, make_cache
 from dflash_mlx.cache import WindowedKVCache, make_draft_cache
-from dflash_mlx.generate import main as generate_main
+from dflash_mlx.cli.generate import main as generate_main
 from dflash_mlx.models import target as tgt
 
 

@@ -153,7 +153,7 @@ class MLXEngine:
     def _start(self, messages: list[dict[str, str]], settings: Settings):
         from ..adaptive import PolicyState
         from ..chat_template import has_chat_template
-        from ..generate import policy_key, stream_generate
+        from ..generation import policy_key, stream_generate
         from ..models.drafter import DraftModel
         from ..sampling import make_sampler
 
@@ -241,7 +241,7 @@ class RemoteEngine:
         self.context_tokens: int | None = None
 
     def load(self) -> dict[str, Any]:
-        info = self.client.probe()
+        info = self.client.server_info()
         return {
             "name": info.describe(),
             "has_draft": True,

@@ -80,7 +80,7 @@ def _load_ar_draft(path: str | None, target: nn.Module, *, given: bool, dtype: s
     """mlx-spec's small autoregressive draft, with one line for what it cannot use."""
     from mlx_lm.utils import load_model
 
-    from ..weights.loading import is_drafter_config, looks_like_hub_id, read_config, resolve
+    from ..weights.loading import is_drafter_config, looks_like_hub_id, read_config, local_folder
 
     if path is None:
         raise DFlashError("The mlx-spec method needs a small autoregressive draft: pass --ar-draft FOLDER.")
@@ -88,7 +88,7 @@ def _load_ar_draft(path: str | None, target: nn.Module, *, given: bool, dtype: s
         raise DFlashError("--ar-draft is empty: pass a small mlx-lm model's folder or Hugging Face id.")
     folder = Path(path).expanduser()
     if given and not folder.exists() and looks_like_hub_id(path):
-        folder = resolve(path, what="--ar-draft model")  # a Hugging Face id like Qwen/Qwen3-0.6B
+        folder = local_folder(path, what="--ar-draft model")  # a Hugging Face id like Qwen/Qwen3-0.6B
     if not folder.is_dir():
         what = f"--ar-draft {path} is not a folder" if given else f"The embedded pair has no ar-draft folder ({path})"
         raise DFlashError(

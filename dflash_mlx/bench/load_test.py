@@ -119,7 +119,7 @@ def run_load(base_url: str, rows: list[dict], *, api_key: str | None = None, mod
     """
     # Counters are read around each level, not around each request (other requests overlap).
     client = RemoteClient(base_url, api_key=api_key, model=model, counter_deltas=False)
-    info = client.probe()
+    info = client.server_info()
     _one(client, rows[0], min(max_tokens, 8), temperature)
     levels = [run_level(client, rows, n, max_tokens, temperature) for n in concurrency]
     return {"server": info.describe(), "kind": info.kind, "model": info.model, "tau_reason": info.tau_reason,

@@ -13,8 +13,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3
 
-from ..generate import dflash_generate_step
-from ..models.drafter import DraftModel, ModelArgs, default_target_layer_ids
+from ..generation import dflash_generate_step
+from ..models.drafter import DraftModel, DraftArgs, default_target_layer_ids
 
 # Qwen3 shapes from their published configs.
 SHAPES = {
@@ -33,7 +33,7 @@ def build_pair(shape: str, block_size: int = 16, dtype=mx.float32) -> tuple:
     config = dict(s, model_type="qwen3", rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1e6)
     target = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     target.set_dtype(dtype)
-    draft_args = ModelArgs.from_dict(
+    draft_args = DraftArgs.from_dict(
         dict(s, num_hidden_layers=DRAFT_LAYERS, block_size=block_size, rope_theta=1e6, mask_token_id=vocab - 1,
              target_layer_ids=default_target_layer_ids(s["num_hidden_layers"], DRAFT_LAYERS))
     )

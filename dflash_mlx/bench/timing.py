@@ -10,8 +10,8 @@ import mlx.core as mx
 
 from ..adaptive import PolicyState
 from ..cache import trim_to
-from ..cpu.speedups import cpu_speedups
-from ..generate import stream_generate
+from ..cpu.speedups import choose_speedups
+from ..generation import stream_generate
 from ..lookup import PromptLookup
 from ..models import hybrid
 from ..models import target as tgt
@@ -160,7 +160,7 @@ def component_times(
     prompt = mx.array([[1] * context])
     taps_ids = draft.target_layer_ids if draft is not None else []
     # The passes as the loop runs them, with the same CPU speedups.
-    speedups = cpu_speedups(tgt.compute_dtype(model))
+    speedups = choose_speedups(tgt.compute_dtype(model))
     _, taps = tgt.forward_with_taps(model, prompt, cache.target, taps_ids, speedups)
     mx.eval(taps, [c.state for c in cache.target])
 

@@ -47,7 +47,7 @@ def _steps(
     qk_eps: float,
     rope: tuple | None,
     compiled: bool,
-    use_kernel: bool,
+    fast_exp: bool,
 ):
     # compiled=False gives the same functions op by op, for measuring what compiling saves.
     rope_fn = None if rope is None else partial(mx.fast.rope, **dict(rope))
@@ -72,7 +72,7 @@ def _steps(
         b, _, length, _ = out.shape
         h = x + out.transpose(0, 2, 1, 3).reshape(b, length, -1) @ w_o.T
         g = mx.fast.rms_norm(h, w_norm, eps)
-        return h + fast_math.swiglu(g @ w_gate.T, g @ w_up.T, use_kernel) @ w_down.T
+        return h + fast_math.swiglu(g @ w_gate.T, g @ w_up.T, fast_exp) @ w_down.T
 
     wrap = mx.compile if compiled else (lambda fn: fn)
     return wrap(before), wrap(key_values), wrap(after)
@@ -84,7 +84,7 @@ def _compiled(attn: nn.Module, eps: float, speedups: CpuSpeedups) -> tuple[tuple
     key = rope_key(attn.rope)
     head_dim = attn.q_norm.weight.shape[0]
     steps = _steps(
-        attn.n_heads, attn.n_kv_heads, head_dim, eps, attn.q_norm.eps, key, speedups.compiled_steps, speedups.kernels
+        attn.n_heads, attn.n_kv_heads, head_dim, eps, attn.q_norm.eps, key, speedups.compiled_steps, speedups.fast_exp
     )
     return steps, key is not None
 

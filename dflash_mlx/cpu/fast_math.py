@@ -4,7 +4,7 @@ MLX's CPU exp costs about 12 ns an element against 0.2 ns for an add, so in a 16
 verify of a small target, SwiGLU's sigmoid and the attention softmax are a quarter of the
 pass. Here exp is a polynomial of adds and multiplies that ``mx.compile`` fuses with its
 neighbours into one kernel, as accurate as MLX's own (a few float32 ulps). On a GPU, exp
-costs what an add does: callers pass ``use_kernel`` from the one switch in
+costs what an add does: callers pass ``fast_exp`` from the one switch in
 ``dflash_mlx.cpu.speedups``, and the dispatchers here fall back to MLX's native ops when it is off
 or the inputs are not float32.
 """
@@ -84,9 +84,9 @@ def _swiglu_cpu_vjp(primals, cotangent, output):
     return d_gate, cotangent * silu
 
 
-def swiglu(gate: mx.array, up: mx.array, use_kernel: bool = False) -> mx.array:
+def swiglu(gate: mx.array, up: mx.array, fast_exp: bool = False) -> mx.array:
     """``silu(gate) * up``, as mlx-lm's ``swiglu``; the kernel only for float32 inputs."""
-    if not use_kernel or gate.dtype != mx.float32 or up.dtype != mx.float32:
+    if not fast_exp or gate.dtype != mx.float32 or up.dtype != mx.float32:
         return _native_swiglu(gate, up)
     return _swiglu_cpu(gate, up)
 
@@ -123,7 +123,7 @@ def attention(
     values: mx.array,
     scale: float,
     mask: mx.array | None = None,
-    use_kernel: bool = False,
+    fast_exp: bool = False,
 ) -> mx.array:
     """Softmax attention with grouped KV heads, as ``mx.fast.scaled_dot_product_attention``.
 
@@ -134,13 +134,13 @@ def attention(
         mask: None (every query sees every key) or booleans broadcastable to
           ``(B, n_heads, L, S)``, True where a query may attend; every query must see at
           least one key. Other masks go to MLX's own attention.
-        use_kernel: Use the fused-exp softmax (float32, from 8 queries on); else, and for
+        fast_exp: Use the fused-exp softmax (float32, from 8 queries on); else, and for
           other inputs, ``mx.fast.scaled_dot_product_attention``.
     """
     b, n_heads, length, dim = queries.shape
     n_kv = keys.shape[1]
     if (
-        not use_kernel
+        not fast_exp
         or queries.dtype != mx.float32
         or length < _MIN_QUERIES
         or (mask is not None and (not isinstance(mask, mx.array) or mask.dtype != mx.bool_))
@@ -168,13 +168,13 @@ def _softmax_forward(x: mx.array) -> mx.array:
     return weights / mx.sum(weights, axis=-1, keepdims=True)
 
 
-def softmax(x: mx.array, use_kernel: bool = False) -> mx.array:
+def softmax(x: mx.array, fast_exp: bool = False) -> mx.array:
     """``mx.softmax`` over the last axis; the kernel (the fused exp) only for float32 inputs.
 
     A sampled cycle normalises a few rows of the whole vocabulary on each side (the drafter's
     and the target's), which on MLX's CPU backend is mostly exp. Weights below e^-43 of the
     largest come out as 0, as in the attention's softmax here.
     """
-    if not use_kernel or x.dtype != mx.float32:
+    if not fast_exp or x.dtype != mx.float32:
         return mx.softmax(x, axis=-1)
     return _softmax_forward(x)

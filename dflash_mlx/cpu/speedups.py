@@ -40,7 +40,7 @@ class CpuSpeedups:
 CPU_SPEEDUPS = CpuSpeedups()
 
 
-def cpu_speedups(dtype: mx.Dtype, choice: "CpuSpeedups | bool | None" = None) -> CpuSpeedups | None:
+def choose_speedups(dtype: mx.Dtype, choice: "CpuSpeedups | bool | None" = None) -> CpuSpeedups | None:
     """Resolve the speedups for passes computed in ``dtype``.
 
     Args:

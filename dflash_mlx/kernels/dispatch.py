@@ -136,10 +136,10 @@ class SelfChecked:
             self._store = KernelStore()
         return self._store
 
-    def __call__(self, *args, use_kernel: bool = True) -> mx.array:
+    def __call__(self, *args, fast_exp: bool = True) -> mx.array:
         """The kernel's result where it is enabled for these inputs' shape class, else the twin's."""
         if (
-            use_kernel
+            fast_exp
             and self.metal
             and (self.supports is None or self.supports(*args))
             and self.verdict(*args).enabled

@@ -121,7 +121,7 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
+class DraftArgs(BaseModelArgs):
     hidden_size: int
     num_hidden_layers: int
     intermediate_size: int
@@ -154,7 +154,7 @@ class ModelArgs(BaseModelArgs):
     check: ClassVar = staticmethod(check_layout)
 
     @classmethod
-    def from_dict(cls, params: dict) -> "ModelArgs":
+    def from_dict(cls, params: dict) -> "DraftArgs":
         cls.check(params)
         params = dict(params)
         nested = params.get("dflash_config") or {}
@@ -180,7 +180,7 @@ class ModelArgs(BaseModelArgs):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int = 0):
+    def __init__(self, args: DraftArgs, layer_idx: int = 0):
         super().__init__()
         # Sliding layers of newer drafters: causal by default, and windowed (see block_mask).
         sliding = bool(args.layer_types) and args.layer_types[layer_idx] == "sliding_attention"
@@ -217,7 +217,7 @@ class Attention(nn.Module):
         cache: Any | None = None,
         mask: mx.array | None = None,
         block_offset: int | mx.array | None = None,
-        use_kernel: bool = False,
+        fast_exp: bool = False,
     ) -> mx.array:
         B, L, _ = x.shape
         ctx_offset = cache.offset if cache is not None else 0
@@ -230,7 +230,7 @@ class Attention(nn.Module):
         v = self._heads(self.v_proj(x), self.n_kv_heads)
 
         k_ctx, v_ctx = self.context_key_values(ctx, ctx_offset)
-        out = self.attend(q, k, v, k_ctx, v_ctx, cache, mask, use_kernel)
+        out = self.attend(q, k, v, k_ctx, v_ctx, cache, mask, fast_exp)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def context_key_values(self, ctx: mx.array, offset: int) -> tuple[mx.array, mx.array]:
@@ -240,7 +240,7 @@ class Attention(nn.Module):
         return k, self._heads(self.v_proj(ctx), self.n_kv_heads)
 
     def attend(
-        self, q, k, v, k_ctx, v_ctx, cache: Any | None, mask: mx.array | None, use_kernel: bool = False
+        self, q, k, v, k_ctx, v_ctx, cache: Any | None, mask: mx.array | None, fast_exp: bool = False
     ) -> mx.array:
         """The block's queries over the cached context, the new context and the block
         itself, all ``(B, heads, length, D)``; returns ``(B, n_heads, L, D)``."""
@@ -268,7 +268,7 @@ class Attention(nn.Module):
             mask = mask[..., -keys.shape[2] :]
 
         # No causal mask: the block attends to the whole context and to itself both ways.
-        return fast_math.attention(q, keys, values, self.scale, mask, use_kernel=use_kernel)
+        return fast_math.attention(q, keys, values, self.scale, mask, fast_exp=fast_exp)
 
 
 def _with_block(cache: KVCache, k_ctx, v_ctx, k, v) -> tuple[mx.array, mx.array]:
@@ -290,12 +290,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
 
-    def __call__(self, x: mx.array, use_kernel: bool = False) -> mx.array:
-        return self.down_proj(fast_math.swiglu(self.gate_proj(x), self.up_proj(x), use_kernel))
+    def __call__(self, x: mx.array, fast_exp: bool = False) -> mx.array:
+        return self.down_proj(fast_math.swiglu(self.gate_proj(x), self.up_proj(x), fast_exp))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int = 0):
+    def __init__(self, args: DraftArgs, layer_idx: int = 0):
         super().__init__()
         self.self_attn = Attention(args, layer_idx)
         self.mlp = MLP(args.hidden_size, args.intermediate_size)
@@ -305,7 +305,7 @@ class DecoderLayer(nn.Module):
     def __call__(self, h, ctx, cache=None, mask=None, block_offset=None, speedups=None) -> mx.array:
         if cache is not None and mask is None and block_offset is None and self._compiled_steps(h, speedups):
             return self._compiled_call(h, ctx, cache, speedups)
-        kernel = speedups is not None and speedups.kernels
+        kernel = speedups is not None and speedups.fast_exp
         # The context is used as it comes out of hidden_norm, not re-normed per layer.
         h = h + self.self_attn(self.input_layernorm(h), ctx, cache, mask, block_offset, kernel)
         return h + self.mlp(self.post_attention_layernorm(h), kernel)
@@ -328,7 +328,7 @@ class DecoderLayer(nn.Module):
             k_ctx, v_ctx = compiled_layers.key_values(attn, ctx, ctx_offset, speedups)
         else:
             k_ctx = v_ctx = mx.zeros((ctx.shape[0], attn.n_kv_heads, 0, attn.head_dim), dtype=h.dtype)
-        out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None, speedups.kernels)
+        out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None, speedups.fast_exp)
         return compiled_layers.after(attn, self.mlp, self.post_attention_layernorm, out, h, speedups)
 
     def context_key_values(
@@ -362,7 +362,7 @@ class DraftModel(nn.Module):
 
     layer_class: ClassVar[type] = DecoderLayer
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: DraftArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
@@ -416,7 +416,7 @@ class DraftModel(nn.Module):
             mask: Optional attention mask over ``[context, block]`` keys (training).
             block_offset: Position of the block's first token; defaults to right after
               the context. An array of shape ``(B,)`` gives each row its own position.
-            speedups: The CPU speedups (:func:`dflash_mlx.cpu.speedups.cpu_speedups`); None runs
+            speedups: The CPU speedups (:func:`dflash_mlx.cpu.speedups.choose_speedups`); None runs
               MLX's native ops.
 
         Returns:

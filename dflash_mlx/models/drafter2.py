@@ -83,7 +83,7 @@ def check_layout(config: dict) -> None:
 
 
 @dataclass
-class ModelArgs(drafter.ModelArgs):
+class DraftArgs(drafter.DraftArgs):
     conv_kernel_size: int = 0
     conv_group_size: int = 0
     selector_rank: int = 0
@@ -144,7 +144,7 @@ class GroupedDynamicCausalConv(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int = 0):
+    def __init__(self, args: DraftArgs, layer_idx: int = 0):
         super().__init__()
         self.self_attn = drafter.Attention(args, layer_idx)
         self.mlp = drafter.MLP(args.hidden_size, args.intermediate_size)
@@ -155,7 +155,7 @@ class DecoderLayer(nn.Module):
         self.mlp_conv = GroupedDynamicCausalConv(*conv)
 
     def __call__(self, h, ctx, cache=None, mask=None, block_offset=None, speedups=None) -> mx.array:
-        kernel = speedups is not None and speedups.kernels
+        kernel = speedups is not None and speedups.fast_exp
         # The convolutions run along the block only; the context enters through attention.
         x, dynamic = self.attention_conv.before(self.input_layernorm(h))
         h = h + self.attention_conv.after(self.self_attn(x, ctx, cache, mask, block_offset, kernel), dynamic)
@@ -174,7 +174,7 @@ class CandidateSelector(nn.Module):
     codebooks of the vocabulary, ``G`` a projection of the position's hidden state.
     """
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: DraftArgs):
         super().__init__()
         self.top_k = args.selector_top_k
         self.predecessor_codebook = nn.Embedding(args.vocab_size, args.selector_rank)
@@ -257,7 +257,7 @@ class DraftModel(drafter.DraftModel):
 
     layer_class: ClassVar[type] = DecoderLayer
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: DraftArgs):
         super().__init__(args)
         self.candidate_selector = CandidateSelector(args)
 

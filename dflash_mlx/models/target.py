@@ -160,7 +160,7 @@ def _qwen3_block(
     attn = block.self_attn
     q, k, v = compiled_layers.before(attn, block.input_layernorm, x, cache.offset, speedups)
     k, v = cache.update_and_fetch(k, v)
-    out = fast_math.attention(q, k, v, attn.scale, visible, use_kernel=speedups.kernels)
+    out = fast_math.attention(q, k, v, attn.scale, visible, fast_exp=speedups.fast_exp)
     return compiled_layers.after(attn, block.mlp, block.post_attention_layernorm, out, x, speedups)
 
 
@@ -198,7 +198,7 @@ def forward_with_taps(
         tokens: ``(B, L)`` token ids.
         cache: The target's per-layer caches, updated in place.
         tap_ids: 0-based decoder layer indices to capture (may be empty).
-        speedups: The CPU speedups from :func:`dflash_mlx.cpu.speedups.cpu_speedups` (None: the
+        speedups: The CPU speedups from :func:`dflash_mlx.cpu.speedups.choose_speedups` (None: the
           portable path, mlx-lm's layers as they are). With ``start_every`` the pass starts
           running (``mx.async_eval``) while the rest of its graph is still being built, so
           not inside ``mx.compile`` or a gradient.

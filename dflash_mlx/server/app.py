@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..cli.options import MAX_TEMP, ArgumentParser, InRange, add_blas_argument
 from ..errors import DFlashError
-from ..generate import add_cycle_arguments
+from ..generation import add_cycle_arguments
 from .handler import APIHandler
 from .metrics import Metrics
 from .protocol import Defaults

@@ -22,7 +22,7 @@ from ..adaptive import PolicyState
 from ..cache import DFlashCache, make_cache
 from ..chat_template import has_chat_template, render_chat
 from ..errors import DFlashError
-from ..generate import stream_generate
+from ..generation import stream_generate
 from ..responses import AcceptanceStats
 from ..sampling import make_sampler
 from .metrics import Metrics

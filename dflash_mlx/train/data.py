@@ -23,7 +23,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..chat_template import render_chat
 from ..errors import DFlashError
-from ..generate import dflash_generate_step
+from ..generation import dflash_generate_step
 from . import batch_decode
 
 

@@ -32,11 +32,11 @@ from mlx.utils import tree_flatten
 
 from ..cli.options import MAX_SEED, ArgumentParser, add_blas_argument
 from ..cli.progress import Progress
-from ..cpu.speedups import cpu_speedups
+from ..cpu.speedups import choose_speedups
 from ..errors import DFlashError
-from ..generate import dflash_generate_step
+from ..generation import dflash_generate_step
 from ..models import target as tgt
-from ..models.drafter import DraftModel, ModelArgs, default_target_layer_ids
+from ..models.drafter import DraftModel, DraftArgs, default_target_layer_ids
 from ..responses import AcceptanceStats
 from ..weights.loading import (
     DTYPES,
@@ -49,7 +49,7 @@ from ..weights.loading import (
     load_draft,
     load_target,
     read_config,
-    resolve,
+    local_folder,
     tokenizer_mask_token,
 )
 from .checkpoint import (
@@ -75,7 +75,7 @@ from .data import (
     render_prompt,
     usable,
 )
-from .fc_scale import ScaledLinear, feature_scale, folded_fc
+from .precondition import ScaledLinear, feature_scale, folded_fc
 from .grow import deepen
 from .taps import TapStore
 from .vocab import LossVocab, coverage, token_counts, top_tokens
@@ -439,7 +439,7 @@ def evaluate_acceptance(
 def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
     """The frozen target, its tokenizer, the drafter config (the checkpoint's when resuming)
     and the target's record for the checkpoint; bad settings fail here, before any data."""
-    target_path = resolve(args.model, what="target") if args.model else embedded_pair()[0]
+    target_path = local_folder(args.model, what="target") if args.model else embedded_pair()[0]
     if is_drafter_config(read_config(target_path, "target")):
         raise DFlashError(
             f"{target_path} holds a DFlash drafter, not a target model. Pass the target it drafts for with "
@@ -468,7 +468,7 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
                      saved_state.get("args", {}), dataclasses.asdict(args))  # fmt: skip
         config = saved_config
     elif args.init_draft is not None and config is not None:
-        init_path = resolve(args.init_draft, what="drafter")
+        init_path = local_folder(args.init_draft, what="drafter")
         init = load_draft(init_path, num_target_layers=tgt.num_layers(target),
                           mask_token_id=tokenizer_mask_token(tokenizer), dtype=_drafter_dtype(args))  # fmt: skip
         check_pair(target, init)
@@ -587,7 +587,7 @@ def _drafter_and_optimizer(
         draft = init
         print(f"starting from the drafter {args.init_draft}", flush=True)
     else:
-        draft = DraftModel(ModelArgs.from_dict(config))
+        draft = DraftModel(DraftArgs.from_dict(config))
         draft.set_dtype(DTYPES[_drafter_dtype(args)])
     draft.set_draft_vocab(draft_vocab)
     draft.train()
@@ -669,7 +669,7 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
 
     # The CPU kernels have exact gradients (custom VJPs), so training uses them too.
     gram = head_gram(target) if args.logit_mse > 0 else None
-    loss_fn = partial(block_loss, draft, target, speedups=cpu_speedups(DTYPES[_drafter_dtype(args)]),
+    loss_fn = partial(block_loss, draft, target, speedups=choose_speedups(DTYPES[_drafter_dtype(args)]),
                       positions=args.loss_positions, gram=gram, logit_mse=args.logit_mse, vocab=vocab)  # fmt: skip
     loss_and_grad = nn.value_and_grad(draft, loss_fn)
     state = [draft.state, optimizer.state]

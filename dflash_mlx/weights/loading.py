@@ -23,7 +23,7 @@ from ..cpu.openblas import note_reference_blas
 from ..errors import DFlashError
 from ..models import drafter, drafter2, gemma, hybrid, kimi
 from ..models import target as tgt
-from ..models.drafter import DraftModel, ModelArgs
+from ..models.drafter import DraftModel, DraftArgs
 from .hub import hub_file, hub_snapshot
 from .registry import find_draft, find_pair, is_default_target, known_targets
 
@@ -113,7 +113,7 @@ def looks_like_hub_id(text: str) -> bool:
     return not text.startswith((".", "/", "~")) and text.count("/") == 1
 
 
-def resolve(path_or_repo: str | Path, *, what: str, revision: str | None = None, embedded: bool = False) -> Path:
+def local_folder(path_or_repo: str | Path, *, what: str, revision: str | None = None, embedded: bool = False) -> Path:
     """A local folder for ``path_or_repo``: the folder itself, or a hub snapshot.
 
     ``embedded`` says that an embedded pair's name was accepted too, so that the error for
@@ -432,10 +432,10 @@ def load_draft(
     named = config.get("dflash_config", {}).get("mask_token_id", config.get("mask_token_id"))
     if named is None and mask_token_id is not None:
         config["mask_token_id"] = mask_token_id
-    # The architecture's module: its ModelArgs and DraftModel.
+    # The architecture's module: its DraftArgs and DraftModel.
     family = drafter2 if drafter2.is_dflash2(config) else drafter
     try:
-        args = family.ModelArgs.from_dict(config)
+        args = family.DraftArgs.from_dict(config)
     except TypeError as e:
         raise DFlashError(f"The drafter config {path / 'config.json'} is missing a field: {e}") from e
     if not args.target_layer_ids:
@@ -470,7 +470,7 @@ def load_draft(
     return draft
 
 
-def _check_draft_vocab(path: Path, args: ModelArgs, weights: dict[str, mx.array]) -> None:
+def _check_draft_vocab(path: Path, args: DraftArgs, weights: dict[str, mx.array]) -> None:
     """A ``draft_vocab_size`` in the config and a ``draft_vocab`` tensor of as many distinct
     token ids go together; cast to int32 in ``weights``."""
     size, ids = args.draft_vocab_size, weights.get("draft_vocab")
@@ -684,7 +684,7 @@ def load(
         model, pair_draft = embedded_pair(DEFAULT_PAIR if model is None else str(model))
         draft = pair_draft if draft in (None, AUTO_DRAFT) else draft
     check_target_type(model, revision)
-    target_path = resolve(model, what="target", revision=revision, embedded=True)
+    target_path = local_folder(model, what="target", revision=revision, embedded=True)
     draft_revision = revision
     if (manifest := read_pair_manifest(target_path)) is not None:
         root, target_path = target_path, target_path / manifest["target"]
@@ -698,7 +698,7 @@ def load(
     tgt.check_supported(target_model)
     draft_model = None
     if draft is not None:
-        draft_path = resolve(draft, what="drafter", revision=draft_revision)
+        draft_path = local_folder(draft, what="drafter", revision=draft_revision)
         if (manifest := read_pair_manifest(draft_path)) is not None:
             draft_path = draft_path / manifest["draft"]
         # Cast once, below: a float32 drafter must not pass through the target's bfloat16.

@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2, qwen3
 
-from dflash_mlx.models.drafter import DraftModel, ModelArgs
+from dflash_mlx.models.drafter import DraftModel, DraftArgs
 
 VOCAB = 128
 HIDDEN = 64
@@ -163,7 +163,7 @@ def write_draft(path: Path, seed: int = 1, **kwargs) -> DraftModel:
     """A z-lab-format drafter folder (config.json + model.safetensors). Returns the model."""
     config = draft_config(**kwargs)
     mx.random.seed(seed)
-    draft = DraftModel(ModelArgs.from_dict(config))
+    draft = DraftModel(DraftArgs.from_dict(config))
     weights = dict(tree_flatten(draft.parameters()))
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})

@@ -58,7 +58,7 @@ def write_dflash2_draft(path: Path, config: dict | None = None, seed: int = 1) -
     """A DFlash2 folder written from MLX, its codebooks stored as bare tensors as published."""
     config = config or dflash2_config()
     mx.random.seed(seed)
-    draft = drafter2.DraftModel(drafter2.ModelArgs.from_dict(config))
+    draft = drafter2.DraftModel(drafter2.DraftArgs.from_dict(config))
     weights = {}
     for name, value in tree_flatten(draft.parameters()):
         if name.endswith("_codebook.weight"):

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from dflash_mlx.generate import GenerationResponse
+from dflash_mlx.generation import GenerationResponse
 from dflash_mlx.server import app, handler, worker
 
 CYCLE_S = 0.005
