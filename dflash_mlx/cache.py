@@ -59,6 +59,10 @@ class WindowedKVCache:
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         return self.keys, self.values
 
+    @property
+    def state(self) -> tuple[mx.array | None, mx.array | None]:
+        return self.keys, self.values
+
     def is_trimmable(self) -> bool:
         return True
 
@@ -101,6 +105,29 @@ def make_draft_cache(draft: nn.Module, window: int | None = None, sinks: int = 4
         else:
             caches.append(KVCache() if window is None else WindowedKVCache(window, sinks))
     return caches
+
+
+def reserve(caches: list[Any], length: int, draft: DraftModel) -> None:
+    """Room for ``length`` positions in each of the drafter's full context caches, in one buffer.
+
+    mlx-lm's ``KVCache`` grows 256 positions at a time by copying its buffer into a larger one;
+    taking in a long prompt chunk by chunk, that is a copy per chunk, with both buffers held
+    for a moment. Sized once for the whole prompt, it holds the drafter's keys and values alone.
+    """
+    args = draft.args
+    if not args.use_target_features:
+        return  # the ablation caches no context
+    for c in caches:
+        if type(c) is not KVCache or (c.keys is not None and c.keys.shape[2] >= length):
+            continue
+        size = -(-length // c.step) * c.step
+        shape = (1, args.num_key_value_heads, size, args.head_dim)
+        dtype = draft.norm.weight.dtype if c.keys is None else c.keys.dtype
+        keys, values = mx.zeros(shape, dtype=dtype), mx.zeros(shape, dtype=dtype)
+        if c.offset > 0:
+            keys[..., : c.offset, :] = c.keys[..., : c.offset, :]
+            values[..., : c.offset, :] = c.values[..., : c.offset, :]
+        c.keys, c.values = keys, values
 
 
 @dataclass

@@ -308,7 +308,7 @@ def dflash_generate_step(
     )
     verifier = Verifier(
         model, cache, sampler=sampler, logits_processors=logits_processors, tap_ids=proposer.tap_ids,
-        speedups=speedups, kernels=kernels,
+        speedups=speedups, kernels=kernels, draft=draft if isinstance(draft, DraftModel) else None,
     )
 
     budget = Budget(max_tokens, frozenset(stop_tokens))

@@ -13,11 +13,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import RotatingKVCache
 
-from .cache import DFlashCache
+from .cache import DFlashCache, reserve
 from .cpu.speedups import CpuSpeedups
 from .kernels import greedy_accept
 from .models import hybrid
 from .models import target as tgt
+from .models.drafter import DraftModel
 from .proposer import Proposal
 from .sampling import Sampler, accept_one_hot, sample_rows, speculative_accept
 
@@ -54,6 +55,9 @@ class Verifier:
         speedups: The CPU speedups, or None.
         kernels: The Metal kernels' mode, ``"auto"``, ``"on"`` or ``"off"``
           (:mod:`dflash_mlx.kernels.dispatch`).
+        draft: A DFlash drafter, which takes each prefill chunk's taps into its context cache
+          as the chunk is done (:meth:`~dflash_mlx.models.drafter.DraftModel.extend_context`);
+          None leaves them pending for the proposer.
     """
 
     def __init__(
@@ -66,9 +70,11 @@ class Verifier:
         tap_ids: list[int],
         speedups: CpuSpeedups | None,
         kernels: str = "auto",
+        draft: DraftModel | None = None,
     ):
         self.model, self.cache, self.tap_ids, self.speedups = model, cache, tap_ids, speedups
         self.kernels = kernels
+        self.draft = draft if cache.draft else None
         # By type, once: an empty rotating cache still says it can be trimmed.
         self.rotating = any(isinstance(c, RotatingKVCache) for c in cache.target)
         # A step may run ahead of the host only where one step can be taken back exactly
@@ -113,13 +119,21 @@ class Verifier:
         """
         cache, n = self.cache, len(tokens)
         rotating = self.rotating
+        if self.draft is not None:
+            # The whole prompt and a block after it, in buffers sized once.
+            reserve(cache.draft, cache.draft_offset + cache.pending_length + n + self.draft.block_size, self.draft)
         starts = list(range(0, n - 1, step_size)) + [n - 1] if rotating and n > 1 else list(range(0, n, step_size))
         for i, end in zip(starts, starts[1:] + [n]):
             chunk = tokens[i:end]
             logits, taps = self._forward(mx.array(chunk)[None])
             cache.append_pending(taps)
+            drafter_state = []
+            if self.draft is not None and cache.pending is not None:
+                # Only the drafter's keys/values of a long prompt are kept, never all its raw taps.
+                self.draft.extend_context(cache.take_pending(), cache.draft, self.speedups)
+                drafter_state = [c.state for c in cache.draft]
             cache.tokens.extend(chunk)
-            mx.eval(logits, cache.pending, [c.state for c in cache.target])
+            mx.eval(logits, cache.pending, [c.state for c in cache.target], drafter_state)
             if end < n:
                 mx.clear_cache()  # as mlx-lm's prefill: a long prompt's chunk buffers are not kept
         return self._sample(self._logits(logits[0, -1:])).item()

@@ -92,9 +92,9 @@ def test_saved_draft_vocab_reloads_and_drafts_the_masked_argmax(pair_dirs, tmp_p
     seen = []
     real_verify = verify.Verifier.verify
 
-    def spy(self, last, proposal):
+    def spy(self, last, proposal, **kwargs):
         seen.append(proposal.tokens.tolist())
-        return real_verify(self, last, proposal)
+        return real_verify(self, last, proposal, **kwargs)
 
     monkeypatch.setattr(verify.Verifier, "verify", spy)
     masked = MaskedDraft(full, SUBSET)

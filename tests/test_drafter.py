@@ -128,3 +128,96 @@ def test_the_head_runs_only_for_the_drafts_asked_for(qwen3_pair, monkeypatch):
     rows.clear()
     DFlashProposer(model, draft, cache).propose(3, 2)
     assert rows == [2]
+
+
+def _joined_attention(attn, q, k, v, k_ctx, v_ctx):
+    # The reference: the whole context copied and joined to the block, then attended to.
+    rows = q.shape[0]
+    k_ctx = mx.broadcast_to(k_ctx, (rows, *k_ctx.shape[1:]))
+    v_ctx = mx.broadcast_to(v_ctx, (rows, *v_ctx.shape[1:]))
+    keys, values = mx.concatenate([k_ctx, k], axis=2), mx.concatenate([v_ctx, v], axis=2)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale)
+
+
+@pytest.mark.parametrize("kind", ["full", "windowed"])
+# Cached and new context positions, block rows: empty caches, a buffer filled to its end (256) and
+# grown by the block, a window overflowing, and a block of more rows than the context.
+@pytest.mark.parametrize(
+    "cached,new,rows", [(0, 0, 1), (0, 5, 1), (37, 0, 1), (250, 3, 1), (256, 9, 1), (40, 2, 3)]
+)
+@pytest.mark.parametrize("fast_exp", [False, True])
+def test_the_block_is_read_after_the_cached_context_without_joining(kind, cached, new, rows, fast_exp):
+    """attend equals attention over the joined context and block (fp32), leaves the cache
+    holding the context alone, and a second pass over the same cache gives the same output."""
+    from dflash_mlx.cache import WindowedKVCache
+    from mlx_lm.models.cache import KVCache
+
+    attn = _draft().layers[0].self_attn
+    h, d = attn.n_kv_heads, attn.head_dim
+    cache = KVCache() if kind == "full" else WindowedKVCache(64, sinks=4)
+    old_k, old_v = mx.random.normal((1, h, cached, d)), mx.random.normal((1, h, cached, d))
+    if cached:
+        cache.update_and_fetch(old_k, old_v)
+    k_ctx, v_ctx = mx.random.normal((1, h, new, d)), mx.random.normal((1, h, new, d))
+    q = mx.random.normal((rows, attn.n_heads, 16, d))
+    k, v = mx.random.normal((rows, h, 16, d)), mx.random.normal((rows, h, 16, d))
+
+    out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None, fast_exp)
+    all_k, all_v = mx.concatenate([old_k, k_ctx], axis=2), mx.concatenate([old_v, v_ctx], axis=2)
+    if kind == "windowed" and all_k.shape[2] > 68:
+        all_k = mx.concatenate([all_k[..., :4, :], all_k[..., -64:, :]], axis=2)
+        all_v = mx.concatenate([all_v[..., :4, :], all_v[..., -64:, :]], axis=2)
+    expected = _joined_attention(attn, q, k, v, all_k, all_v)
+    assert out.shape == expected.shape
+    assert mx.abs(out - expected).max().item() < 1e-5
+    assert cache.offset == cached + new
+    stored_k, stored_v = cache.keys_and_values() if cache.offset else (all_k[..., :0, :], all_v[..., :0, :])
+    assert mx.array_equal(stored_k, all_k).item() and mx.array_equal(stored_v, all_v).item()
+    # The block was not kept: the next pass (no new context) reads the same context.
+    again = attn.attend(q, k, v, k_ctx[..., :0, :], v_ctx[..., :0, :], cache, None, fast_exp)
+    assert mx.array_equal(again, out).item() and cache.offset == cached + new
+
+
+def test_extended_context_equals_the_context_taken_in_by_the_pass():
+    """Taps taken in chunk by chunk (the prefill's way) leave the caches as one pass taking
+    them all in, and the next pass drafts the same, with and without the compiled steps."""
+    from dflash_mlx.cpu.speedups import CPU_SPEEDUPS
+
+    draft = _draft()
+    taps = mx.random.normal((1, 300, 2 * 64))
+    noise = mx.random.normal((1, 16, 64))
+    for speedups in (None, CPU_SPEEDUPS):
+        joined, chunked = make_draft_cache(draft), make_draft_cache(draft)
+        expected = draft(noise, taps, joined, speedups=speedups)
+        for start in range(0, 300, 128):
+            draft.extend_context(taps[:, start : start + 128], chunked, speedups)
+        out = draft(noise, taps[:, :0], chunked, speedups=speedups)
+        assert mx.abs(out - expected).max().item() < 1e-5
+        for a, b in zip(joined, chunked):
+            assert a.offset == b.offset == 300
+            for x, y in zip(a.keys_and_values(), b.keys_and_values()):
+                assert mx.abs(x - y).max().item() < 1e-5
+
+
+def test_the_prefill_leaves_no_taps_pending_and_the_drafts_unchanged(qwen3_pair):
+    """A prefill with the drafter takes each chunk's taps into its cache: nothing stays pending,
+    and the first draft pass proposes what it proposed when it took the whole prompt in."""
+    from dflash_mlx.cache import make_cache
+    from dflash_mlx.verify import Verifier
+
+    model, draft, _ = qwen3_pair
+    prompt = [int(t) for t in mx.random.randint(0, 100, (37,)).tolist()]
+    logits = []
+    for drafter in (None, draft):
+        cache = make_cache(model, draft)
+        verifier = Verifier(
+            model, cache, sampler=None, logits_processors=None, tap_ids=draft.target_layer_ids,
+            speedups=None, draft=drafter,
+        )  # fmt: skip
+        last = verifier.prefill(prompt, 8)
+        assert cache.pending_length == (37 if drafter is None else 0)
+        assert cache.draft_offset + cache.pending_length == len(cache.tokens) == 37
+        block = mx.array([[last] + [draft.mask_token_id] * (draft.block_size - 1)])
+        logits.append(draft.propose(model, block, cache.take_pending(), cache.draft))
+        assert cache.draft_offset == 37
+    assert mx.abs(logits[0] - logits[1]).max().item() < 1e-4

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
+from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import save_config, save_model
 
@@ -228,10 +229,15 @@ class Attention(nn.Module):
         k = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), block_offset)
         v = self._heads(self.v_proj(x), self.n_kv_heads)
 
-        k_ctx = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), ctx_offset)
-        v_ctx = self._heads(self.v_proj(ctx), self.n_kv_heads)
+        k_ctx, v_ctx = self.context_key_values(ctx, ctx_offset)
         out = self.attend(q, k, v, k_ctx, v_ctx, cache, mask, fast_exp)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def context_key_values(self, ctx: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """Keys and values ``(B, n_kv_heads, Lc, D)`` of context rows ``ctx`` (``hidden_norm``'s
+        output, not normed again per layer) at positions from ``offset``."""
+        k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), offset)
+        return k, self._heads(self.v_proj(ctx), self.n_kv_heads)
 
     def attend(
         self, q, k, v, k_ctx, v_ctx, cache: Any | None, mask: mx.array | None, fast_exp: bool = False
@@ -239,17 +245,22 @@ class Attention(nn.Module):
         """The block's queries over the cached context, the new context and the block
         itself, all ``(B, heads, length, D)``; returns ``(B, n_heads, L, D)``."""
         B = q.shape[0]
-        if cache is not None:
-            # Only the context is cached; the noisy block is recomputed every cycle.
-            if k_ctx.shape[2] > 0:
-                k_ctx, v_ctx = cache.update_and_fetch(k_ctx, v_ctx)
-            elif cache.offset > 0:
-                k_ctx, v_ctx = cache.keys_and_values()
-        if k_ctx.shape[0] != B:
-            k_ctx = mx.broadcast_to(k_ctx, (B, *k_ctx.shape[1:]))
-            v_ctx = mx.broadcast_to(v_ctx, (B, *v_ctx.shape[1:]))
-        keys = mx.concatenate([k_ctx, k], axis=2)
-        values = mx.concatenate([v_ctx, v], axis=2)
+        # A windowed cache keeps no room past its context, and a block of more rows than the
+        # context (sampled proposals) no longer fits the cache's one row: both are joined below.
+        if cache is not None and k_ctx.shape[0] == B and type(cache) is KVCache:
+            keys, values = _with_block(cache, k_ctx, v_ctx, k, v)
+        else:
+            if cache is not None:
+                # Only the context is cached; the noisy block is recomputed every cycle.
+                if k_ctx.shape[2] > 0:
+                    k_ctx, v_ctx = cache.update_and_fetch(k_ctx, v_ctx)
+                elif cache.offset > 0:
+                    k_ctx, v_ctx = cache.keys_and_values()
+            if k_ctx.shape[0] != B:
+                k_ctx = mx.broadcast_to(k_ctx, (B, *k_ctx.shape[1:]))
+                v_ctx = mx.broadcast_to(v_ctx, (B, *v_ctx.shape[1:]))
+            keys = mx.concatenate([k_ctx, k], axis=2)
+            values = mx.concatenate([v_ctx, v], axis=2)
         if mask is not None and mask.shape[-1] > keys.shape[2]:
             # A windowed cache dropped the oldest context keys; the mask was made for all of
             # them. Only a sliding layer's (whose window they are outside of) or a causal one's
@@ -258,6 +269,18 @@ class Attention(nn.Module):
 
         # No causal mask: the block attends to the whole context and to itself both ways.
         return fast_math.attention(q, keys, values, self.scale, mask, fast_exp=fast_exp)
+
+
+def _with_block(cache: KVCache, k_ctx, v_ctx, k, v) -> tuple[mx.array, mx.array]:
+    # The context's keys/values, then the block's, without copying the context: mlx-lm's
+    # KVCache writes into a buffer with room past its offset and hands back a view of it, so
+    # the block is written there and trimmed off again (the next context overwrites it).
+    length = k.shape[2]
+    if k_ctx.shape[2] > 0:
+        k, v = mx.concatenate([k_ctx, k], axis=2), mx.concatenate([v_ctx, v], axis=2)
+    keys, values = cache.update_and_fetch(k, v)
+    cache.trim(length)
+    return keys, values
 
 
 class MLP(nn.Module):
@@ -307,6 +330,14 @@ class DecoderLayer(nn.Module):
             k_ctx = v_ctx = mx.zeros((ctx.shape[0], attn.n_kv_heads, 0, attn.head_dim), dtype=h.dtype)
         out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None, speedups.fast_exp)
         return compiled_layers.after(attn, self.mlp, self.post_attention_layernorm, out, h, speedups)
+
+    def context_key_values(
+        self, ctx: mx.array, offset: int, speedups: CpuSpeedups | None = None
+    ) -> tuple[mx.array, mx.array]:
+        """The context's keys and values as a drafting pass of this layer computes them."""
+        if self._compiled_steps(ctx, speedups):
+            return compiled_layers.key_values(self.self_attn, ctx, offset, speedups)
+        return self.self_attn.context_key_values(ctx, offset)
 
 
 class _HeadRows:
@@ -442,6 +473,24 @@ class DraftModel(nn.Module):
         h = self.block_hidden(model, block, target_hidden, cache, speedups)
         end = h.shape[1] if num_drafts is None else 1 + num_drafts
         return self.logits(model, h[:, 1:end])
+
+    def extend_context(self, target_hidden: mx.array, cache: list[Any], speedups: CpuSpeedups | None = None) -> None:
+        """Take the taps of new context positions into the context caches now, as the next
+        pass would have (``fc`` + ``hidden_norm``, then each layer's keys and values).
+
+        The prefill calls it per chunk, so a long prompt's raw taps (``n_taps * H`` per position)
+        never pile up: only the drafter's keys and values of them are kept.
+
+        Args:
+            target_hidden: ``(1, Lc, n_taps * H)`` taps of the positions after the cached ones.
+            cache: The drafter's per-layer context caches; they grow by ``Lc``.
+            speedups: The CPU speedups, or None.
+        """
+        if not self.args.use_target_features:
+            return  # the ablation never caches a context
+        ctx = self.hidden_norm(self.fc(target_hidden))  # (1, Lc, H)
+        for layer, c in zip(self.layers, cache):
+            c.update_and_fetch(*layer.context_key_values(ctx, c.offset, speedups))
 
     def block_hidden(
         self,

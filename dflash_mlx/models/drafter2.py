@@ -162,6 +162,9 @@ class DecoderLayer(nn.Module):
         x, dynamic = self.mlp_conv.before(self.post_attention_layernorm(h))
         return h + self.mlp_conv.after(self.mlp(x, kernel), dynamic)
 
+    def context_key_values(self, ctx: mx.array, offset: int, speedups=None) -> tuple[mx.array, mx.array]:
+        return self.self_attn.context_key_values(ctx, offset)
+
 
 class CandidateSelector(nn.Module):
     """Picks each draft among its position's ``top_k`` likeliest tokens, left to right.
