@@ -146,7 +146,7 @@ class DFlashCache:
     target: list[Any]
     draft: list[Any] | None = None
     tokens: list[int] = field(default_factory=list)
-    pending: mx.array | None = None
+    pending_taps: mx.array | None = None
     # Why the last reusable_prefix() reused less than the common prefix, or None.
     reuse_note: str | None = None
     policy: PolicyState = field(default_factory=PolicyState)
@@ -161,7 +161,7 @@ class DFlashCache:
 
     @property
     def pending_length(self) -> int:
-        return 0 if self.pending is None else self.pending.shape[1]
+        return 0 if self.pending_taps is None else self.pending_taps.shape[1]
 
     def reusable_prefix(self, ids: list[int]) -> int:
         """How many leading ``ids`` are already cached; one is always left to prefill."""
@@ -216,24 +216,24 @@ class DFlashCache:
         if self.draft:
             d = self.draft_offset
             if length >= d:
-                if self.pending is not None:
-                    self.pending = self.pending[:, : length - d] if length > d else None
+                if self.pending_taps is not None:
+                    self.pending_taps = self.pending_taps[:, : length - d] if length > d else None
             else:
                 for c in self.draft:
                     c.trim(d - length)
-                self.pending = None
+                self.pending_taps = None
         del self.tokens[length:]
 
     def append_pending(self, taps: mx.array | None) -> None:
         if taps is None or not self.draft:
             return
-        if self.pending is None:
-            self.pending = taps
+        if self.pending_taps is None:
+            self.pending_taps = taps
         else:
-            self.pending = mx.concatenate([self.pending, taps], axis=1)
+            self.pending_taps = mx.concatenate([self.pending_taps, taps], axis=1)
 
     def take_pending(self) -> mx.array | None:
-        taps, self.pending = self.pending, None
+        taps, self.pending_taps = self.pending_taps, None
         return taps
 
 

@@ -86,7 +86,7 @@ class PlainProposer(Proposer):
 class DFlashProposer(Proposer):
     """The DFlash drafter: one pass over ``[last, MASK x (B-1)]`` with the target's taps
     injected through its context cache (``cache.draft``; the taps of newly committed
-    positions wait in ``cache.pending`` until the next pass takes them in).
+    positions wait in ``cache.pending_taps`` until the next pass takes them in).
 
     A drafter with a draft vocabulary (``draft.draft_vocab``) drafts, samples and states its
     confidences among those ids only; ``q`` is then zero outside them, a proposal

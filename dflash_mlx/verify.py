@@ -128,12 +128,12 @@ class Verifier:
             logits, taps = self._forward(mx.array(chunk)[None])
             cache.append_pending(taps)
             drafter_state = []
-            if self.draft is not None and cache.pending is not None:
+            if self.draft is not None and cache.pending_taps is not None:
                 # Only the drafter's keys/values of a long prompt are kept, never all its raw taps.
                 self.draft.extend_context(cache.take_pending(), cache.draft, self.speedups)
                 drafter_state = [c.state for c in cache.draft]
             cache.tokens.extend(chunk)
-            mx.eval(logits, cache.pending, [c.state for c in cache.target], drafter_state)
+            mx.eval(logits, cache.pending_taps, [c.state for c in cache.target], drafter_state)
             if end < n:
                 mx.clear_cache()  # as mlx-lm's prefill: a long prompt's chunk buffers are not kept
         return self._sample(self._logits(logits[0, -1:])).item()

@@ -151,7 +151,7 @@ class VerifyWidth:
         self.prefix = f"{machine_key()}|{model_key(model)}|widths {','.join(map(str, self.widths))}"
         self.memo: dict[int, PassCosts] = {}
         self.accepted, self.expected = prior, prior  # calibration: accepted drafts / sum of confidences
-        self.pending: list[float] | None = None  # confidences of the drafts verified this cycle
+        self.pending_taps: list[float] | None = None  # confidences of the drafts verified this cycle
 
     @property
     def ratio(self) -> float:
@@ -180,15 +180,15 @@ class VerifyWidth:
             rate = expected / (costs.draft + costs.verify_at(n + 1))
             if rate >= best_rate * (1 - 1e-9):  # a tie goes to the longer cycle: fewer cycles, less overhead
                 best_n, best_rate = n, rate
-        self.pending = confidences[:best_n]
+        self.pending_taps = confidences[:best_n]
         return best_n
 
     def update(self, num_accepted: int) -> None:
         """The target accepted ``num_accepted`` of this cycle's drafts: each draft it judged counts
         (those up to and including the first miss)."""
-        if self.pending is None:
+        if self.pending_taps is None:
             return
-        judged = self.pending[: num_accepted + 1]
+        judged = self.pending_taps[: num_accepted + 1]
         self.accepted += min(num_accepted, len(judged))
         self.expected += sum(judged)
-        self.pending = None
+        self.pending_taps = None

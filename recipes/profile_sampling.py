@@ -68,7 +68,7 @@ def main() -> None:
         logits, taps = tgt.forward_with_taps(model, mx.array(ids)[None], cache.target, draft.target_layer_ids, speedups)
         cache.append_pending(taps)
         cache.tokens.extend(ids)
-        mx.eval(logits, cache.pending)
+        mx.eval(logits, cache.pending_taps)
         times = {}
         for cycle in range(args.cycles + 3):
             row = {}

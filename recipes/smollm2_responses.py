@@ -178,14 +178,14 @@ def main(argv=None):
     if not todo:
         sys.exit(10)  # nothing left to answer (run_loop.sh stops on this code)
 
-    ctx = mp.get_context("spawn")
-    task_q, result_q, stop_event = ctx.Queue(), ctx.Queue(), ctx.Event()
+    context = mp.get_context("spawn")
+    task_q, result_q, stop_event = context.Queue(), context.Queue(), context.Event()
     for g in groups:
         task_q.put(g)
     for _ in range(args.workers):
         task_q.put(None)
     workers = [
-        ctx.Process(target=worker_main, args=(w, args, task_q, result_q, stop_event), daemon=True)
+        context.Process(target=worker_main, args=(w, args, task_q, result_q, stop_event), daemon=True)
         for w in range(args.workers)
     ]
 

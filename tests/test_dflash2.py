@@ -134,8 +134,8 @@ class _AcceptExactly(drafter2.DraftModel):
         self.update(base.parameters())
         self.sequence, self.schedule, self.passes = sequence, schedule, 0
 
-    def draft_tokens(self, model, block, target_hidden, cache, speedups=None):
-        mx.eval(super().draft_tokens(model, block, target_hidden, cache, speedups))
+    def draft_tokens(self, model, block, taps, cache, speedups=None):
+        mx.eval(super().draft_tokens(model, block, taps, cache, speedups))
         start = cache[0].offset  # the position of block[0]
         right = self.schedule[self.passes % len(self.schedule)]
         self.passes += 1
@@ -231,8 +231,8 @@ class _FirstRight(drafter2.DraftModel):
         self.update(base.parameters())
         self.text = list(prompt)  # the committed tokens, as far as the drafter has seen them
 
-    def block_hidden(self, model, block, target_hidden, cache, speedups=None):
-        h = super().block_hidden(model, block, target_hidden, cache, speedups)
+    def block_hidden(self, model, block, taps, cache, speedups=None):
+        h = super().block_hidden(model, block, taps, cache, speedups)
         self.text = self.text[: cache[0].offset] + [block[0, 0].item()]  # offset: the position of block[0]
         return h
 
@@ -245,8 +245,8 @@ class _Unconditioned(_FirstRight):
     """Broken on purpose: draws along the path as it should, but states each draft's
     distribution as if the anchor came right before it, not the draft drawn before it."""
 
-    def sample_tokens(self, model, block, target_hidden, cache, probs, speedups=None, num_drafts=None):
-        h = self.block_hidden(model, block, target_hidden, cache, speedups)[:, 1 : 1 + num_drafts]
+    def sample_tokens(self, model, block, taps, cache, probs, speedups=None, num_drafts=None):
+        h = self.block_hidden(model, block, taps, cache, speedups)[:, 1 : 1 + num_drafts]
         logits, selector = self.logits(model, h), self.candidate_selector
         path, _ = selector.sample(h, logits, block[:, 0], probs)
         slots = [(h[:, i : i + 1], logits[:, i : i + 1], block[:, 0]) for i in range(h.shape[1])]

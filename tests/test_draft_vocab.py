@@ -49,16 +49,16 @@ class MaskedDraft(DraftModel):
         self.update(base.parameters())
         self.inside = mx.zeros((VOCAB,), dtype=mx.bool_).at[mx.array(ids)].add(True)
 
-    def propose(self, model, block, target_hidden, cache, speedups=None, num_drafts=None):
-        logits = super().propose(model, block, target_hidden, cache, speedups, num_drafts)
+    def propose(self, model, block, taps, cache, speedups=None, num_drafts=None):
+        logits = super().propose(model, block, taps, cache, speedups, num_drafts)
         return mx.where(self.inside, logits, -mx.inf)
 
 
 class SubsetOracle(ScriptedDraft):
     """ScriptedDraft's one-hot logits (the target's own continuation), given over its draft vocabulary."""
 
-    def propose(self, model, block, target_hidden, cache, speedups=None, num_drafts=None):
-        return super().propose(model, block, target_hidden, cache, speedups, num_drafts)[..., self.draft_vocab]
+    def propose(self, model, block, taps, cache, speedups=None, num_drafts=None):
+        return super().propose(model, block, taps, cache, speedups, num_drafts)[..., self.draft_vocab]
 
 
 @pytest.mark.parametrize("name", ["qwen3-tied", "qwen3-untied"])

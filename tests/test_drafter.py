@@ -39,34 +39,34 @@ def _draft():
 
 def test_context_cache_equals_full_context():
     draft = _draft()
-    ctx = mx.random.normal((1, 9, 2 * 64))
+    context = mx.random.normal((1, 9, 2 * 64))
     noise1, noise2 = mx.random.normal((1, 16, 64)), mx.random.normal((1, 16, 64))
     cache = make_draft_cache(draft)
-    draft(noise1, ctx[:, :5], cache)
+    draft(noise1, context[:, :5], cache)
     assert cache[0].offset == 5  # the noisy block is never cached
-    cached = draft(noise2, ctx[:, 5:], cache)
-    full = draft(noise2, ctx, None)
+    cached = draft(noise2, context[:, 5:], cache)
+    full = draft(noise2, context, None)
     assert cache[0].offset == 9
     assert mx.abs(cached - full).max().item() < 1e-5
 
 
 def test_block_attention_is_bidirectional():
     draft = _draft()
-    ctx = mx.random.normal((1, 4, 2 * 64))
+    context = mx.random.normal((1, 4, 2 * 64))
     noise = mx.random.normal((1, 8, 64))
     changed = noise.at[:, 7].add(1.0)
-    a, b = draft(noise, ctx), draft(changed, ctx)
+    a, b = draft(noise, context), draft(changed, context)
     # Changing the last block position changes the first one: no causal mask in the block.
     assert mx.abs(a[:, 0] - b[:, 0]).max().item() > 1e-4
 
 
 def test_per_row_block_offsets_match_single_rows():
     draft = _draft()
-    ctx = mx.random.normal((1, 6, 2 * 64))
+    context = mx.random.normal((1, 6, 2 * 64))
     noise = mx.random.normal((2, 4, 64))
-    out = draft(noise, ctx, block_offset=mx.array([6, 9]))
-    assert mx.allclose(out[1:], draft(noise[1:], ctx, block_offset=9), atol=1e-5).item()
-    assert mx.allclose(out[:1], draft(noise[:1], ctx), atol=1e-5).item()
+    out = draft(noise, context, block_offset=mx.array([6, 9]))
+    assert mx.allclose(out[1:], draft(noise[1:], context, block_offset=9), atol=1e-5).item()
+    assert mx.allclose(out[:1], draft(noise[:1], context), atol=1e-5).item()
 
 
 def test_sanitize_drops_borrowed_weights():
@@ -88,13 +88,14 @@ def test_cached_drafting_through_the_compiled_steps_matches_the_layers(monkeypat
     from dflash_mlx.cpu.speedups import CPU_SPEEDUPS
 
     draft = _draft()
-    ctx = mx.random.normal((1, 8, 2 * 64))
+    context = mx.random.normal((1, 8, 2 * 64))
     noise = [mx.random.normal((1, 16, 64)) for _ in range(3)]
 
     def cycles(speedups):
         cache = make_draft_cache(draft)
         # New context rows per cycle: 5, none (the taps stayed pending), then 3.
-        return [draft(n, c, cache, speedups=speedups) for n, c in zip(noise, (ctx[:, :5], ctx[:, 5:5], ctx[:, 5:]))]
+        parts = (context[:, :5], context[:, 5:5], context[:, 5:])
+        return [draft(n, c, cache, speedups=speedups) for n, c in zip(noise, parts)]
 
     calls = []
     after = compiled_layers.after

@@ -133,9 +133,9 @@ class CountingDraft(ScriptedDraft):
         super().__init__(*args, **kwargs)
         self.passes, self.drafted_at = 0, set()
 
-    def propose(self, model, block, target_hidden, cache, speedups=None, num_drafts=None):
+    def propose(self, model, block, taps, cache, speedups=None, num_drafts=None):
         self.passes += 1
-        logits = super().propose(model, block, target_hidden, cache, speedups, num_drafts)
+        logits = super().propose(model, block, taps, cache, speedups, num_drafts)
         # After the pass the context cache holds every committed token before block[0].
         self.drafted_at.add(cache[0].offset)
         return logits

@@ -208,23 +208,23 @@ def test_sliding_layers_see_only_their_window():
     from dflash_mlx.cache import make_draft_cache
 
     draft = _sliding_draft(window=4)
-    ctx = mx.random.normal((1, 20, 2 * 64))
+    context = mx.random.normal((1, 20, 2 * 64))
     noise = mx.random.normal((1, 8, 64))
 
-    def run(ctx, noise):
+    def run(context, noise):
         cache = make_draft_cache(draft)
-        draft(noise, ctx[:, :12], cache)  # part of the context cached first
-        return draft(noise, ctx[:, 12:], cache)
+        draft(noise, context[:, :12], cache)  # part of the context cached first
+        return draft(noise, context[:, 12:], cache)
 
-    out = run(ctx, noise)
+    out = run(context, noise)
     # Context older than the window of every query (positions < 20 - 3) changes nothing.
-    far = mx.concatenate([ctx[:, :16] * 5.0 + 1.0, ctx[:, 16:]], axis=1)
+    far = mx.concatenate([context[:, :16] * 5.0 + 1.0, context[:, 16:]], axis=1)
     assert mx.allclose(run(far, noise), out, atol=1e-5).item()
-    near = mx.concatenate([ctx[:, :17], ctx[:, 17:18] + 1.0, ctx[:, 18:]], axis=1)
+    near = mx.concatenate([context[:, :17], context[:, 17:18] + 1.0, context[:, 18:]], axis=1)
     assert not mx.allclose(run(near, noise), out, atol=1e-3).item()
     # Causal: a later block position never changes an earlier one's output.
     later = mx.concatenate([noise[:, :5], noise[:, 5:] + 1.0], axis=1)
-    changed = run(ctx, later)
+    changed = run(context, later)
     assert mx.allclose(changed[:, :5], out[:, :5], atol=1e-5).item()
     assert not mx.allclose(changed[:, 5:], out[:, 5:], atol=1e-3).item()
 
@@ -233,10 +233,10 @@ def test_wide_bidirectional_window_equals_full_attention():
     full = _sliding_draft(None, layer_types=("full_attention", "full_attention"))
     wide = _sliding_draft(1000, is_causal=False)
     wide.update(full.parameters())
-    ctx, noise = mx.random.normal((1, 9, 2 * 64)), mx.random.normal((1, 8, 64))
-    assert mx.allclose(wide(noise, ctx), full(noise, ctx), atol=1e-5).item()
+    context, noise = mx.random.normal((1, 9, 2 * 64)), mx.random.normal((1, 8, 64))
+    assert mx.allclose(wide(noise, context), full(noise, context), atol=1e-5).item()
     with pytest.raises(DFlashError, match="Training or batching a drafter with causal or sliding"):
-        wide(noise, ctx, mask=mx.ones((8, 17), dtype=mx.bool_))
+        wide(noise, context, mask=mx.ones((8, 17), dtype=mx.bool_))
 
 
 def test_sliding_drafter_is_lossless(tmp_path, pair_dirs):
@@ -259,12 +259,12 @@ def test_sliding_layers_keep_a_bounded_cache_with_the_same_output():
     from dflash_mlx.cache import WindowedKVCache, make_draft_cache
 
     draft = _sliding_draft(window=5, layer_types=("sliding_attention", "full_attention"))
-    ctx = mx.random.normal((1, 40, 2 * 64))
+    context = mx.random.normal((1, 40, 2 * 64))
     noise = mx.random.normal((1, 8, 64))
     bounded, full = make_draft_cache(draft), [KVCache(), KVCache()]
     assert isinstance(bounded[0], WindowedKVCache) and isinstance(bounded[1], KVCache)
     for lo, hi in ((0, 3), (3, 4), (4, 17), (17, 18), (18, 40)):  # chunks smaller and larger than the window
-        got, want = draft(noise, ctx[:, lo:hi], bounded), draft(noise, ctx[:, lo:hi], full)
+        got, want = draft(noise, context[:, lo:hi], bounded), draft(noise, context[:, lo:hi], full)
         assert mx.allclose(got, want, atol=1e-5).item(), (lo, hi)
         assert bounded[0].stored <= 5 and bounded[0].offset == full[0].offset == hi
 

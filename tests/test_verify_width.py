@@ -26,7 +26,7 @@ class _Fixed(VerifyWidth):
     """The policy alone, with given costs."""
 
     def __init__(self, costs: PassCosts):
-        self.memo, self.accepted, self.expected, self.pending = {}, 4.0, 4.0, None
+        self.memo, self.accepted, self.expected, self.pending_taps = {}, 4.0, 4.0, None
         self._costs = costs
 
     def costs(self):
@@ -65,7 +65,7 @@ def test_calibration_learns_how_far_to_trust_the_drafter():
         policy.update(0)
     assert policy.ratio < 0.3 and policy.choose(sure) == 1
     policy.update(1)
-    assert policy.pending is None
+    assert policy.pending_taps is None
     policy.update(3)  # no cycle pending (a lookup or plain cycle): nothing learnt
     ratio = policy.ratio
     policy.update(5)

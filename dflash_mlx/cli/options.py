@@ -210,7 +210,7 @@ def add_window_arguments(parser: argparse.ArgumentParser) -> None:
     """The drafter's context window (dflash-generate, dflash-bench)."""
     parser.add_argument(
         "--draft-window", type=int, action=InRange, low=1, default=None, metavar="N",
-        help="Let the drafter see the target's features of the latest N positions only (plus --draft-sinks), "
+        help="Let the drafter see the target's taps of the latest N positions only (plus --draft-sinks), "
         "so a draft pass costs the same at any context length; the output is the same (default: all).",
     )  # fmt: skip
     parser.add_argument(

@@ -213,7 +213,7 @@ class Attention(nn.Module):
     def __call__(
         self,
         x: mx.array,
-        ctx: mx.array,
+        context: mx.array,
         cache: Any | None = None,
         mask: mx.array | None = None,
         block_offset: int | mx.array | None = None,
@@ -222,22 +222,22 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         ctx_offset = cache.offset if cache is not None else 0
         if block_offset is None:
-            # The block sits right after the context: [ctx..., last, mask, ...].
-            block_offset = ctx_offset + ctx.shape[1]
+            # The block sits right after the context: [context..., last, mask, ...].
+            block_offset = ctx_offset + context.shape[1]
 
         q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.n_heads)), block_offset)
         k = self.rope(self.k_norm(self._heads(self.k_proj(x), self.n_kv_heads)), block_offset)
         v = self._heads(self.v_proj(x), self.n_kv_heads)
 
-        k_ctx, v_ctx = self.context_key_values(ctx, ctx_offset)
+        k_ctx, v_ctx = self.context_key_values(context, ctx_offset)
         out = self.attend(q, k, v, k_ctx, v_ctx, cache, mask, fast_exp)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def context_key_values(self, ctx: mx.array, offset: int) -> tuple[mx.array, mx.array]:
-        """Keys and values ``(B, n_kv_heads, Lc, D)`` of context rows ``ctx`` (``hidden_norm``'s
+    def context_key_values(self, context: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """Keys and values ``(B, n_kv_heads, Lc, D)`` of context rows ``context`` (``hidden_norm``'s
         output, not normed again per layer) at positions from ``offset``."""
-        k = self.rope(self.k_norm(self._heads(self.k_proj(ctx), self.n_kv_heads)), offset)
-        return k, self._heads(self.v_proj(ctx), self.n_kv_heads)
+        k = self.rope(self.k_norm(self._heads(self.k_proj(context), self.n_kv_heads)), offset)
+        return k, self._heads(self.v_proj(context), self.n_kv_heads)
 
     def attend(
         self, q, k, v, k_ctx, v_ctx, cache: Any | None, mask: mx.array | None, fast_exp: bool = False
@@ -302,12 +302,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, h, ctx, cache=None, mask=None, block_offset=None, speedups=None) -> mx.array:
+    def __call__(self, h, context, cache=None, mask=None, block_offset=None, speedups=None) -> mx.array:
         if cache is not None and mask is None and block_offset is None and self._compiled_steps(h, speedups):
-            return self._compiled_call(h, ctx, cache, speedups)
+            return self._compiled_call(h, context, cache, speedups)
         kernel = speedups is not None and speedups.fast_exp
         # The context is used as it comes out of hidden_norm, not re-normed per layer.
-        h = h + self.self_attn(self.input_layernorm(h), ctx, cache, mask, block_offset, kernel)
+        h = h + self.self_attn(self.input_layernorm(h), context, cache, mask, block_offset, kernel)
         return h + self.mlp(self.post_attention_layernorm(h), kernel)
 
     def _compiled_steps(self, h: mx.array, speedups: CpuSpeedups | None) -> bool:
@@ -320,24 +320,24 @@ class DecoderLayer(nn.Module):
             and compiled_layers.plain_layer(attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
         )
 
-    def _compiled_call(self, h: mx.array, ctx: mx.array, cache: Any, speedups: CpuSpeedups) -> mx.array:
+    def _compiled_call(self, h: mx.array, context: mx.array, cache: Any, speedups: CpuSpeedups) -> mx.array:
         attn = self.self_attn
         ctx_offset = cache.offset
-        q, k, v = compiled_layers.before(attn, self.input_layernorm, h, ctx_offset + ctx.shape[1], speedups)
-        if ctx.shape[1] > 0:
-            k_ctx, v_ctx = compiled_layers.key_values(attn, ctx, ctx_offset, speedups)
+        q, k, v = compiled_layers.before(attn, self.input_layernorm, h, ctx_offset + context.shape[1], speedups)
+        if context.shape[1] > 0:
+            k_ctx, v_ctx = compiled_layers.key_values(attn, context, ctx_offset, speedups)
         else:
-            k_ctx = v_ctx = mx.zeros((ctx.shape[0], attn.n_kv_heads, 0, attn.head_dim), dtype=h.dtype)
+            k_ctx = v_ctx = mx.zeros((context.shape[0], attn.n_kv_heads, 0, attn.head_dim), dtype=h.dtype)
         out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None, speedups.fast_exp)
         return compiled_layers.after(attn, self.mlp, self.post_attention_layernorm, out, h, speedups)
 
     def context_key_values(
-        self, ctx: mx.array, offset: int, speedups: CpuSpeedups | None = None
+        self, context: mx.array, offset: int, speedups: CpuSpeedups | None = None
     ) -> tuple[mx.array, mx.array]:
         """The context's keys and values as a drafting pass of this layer computes them."""
-        if self._compiled_steps(ctx, speedups):
-            return compiled_layers.key_values(self.self_attn, ctx, offset, speedups)
-        return self.self_attn.context_key_values(ctx, offset)
+        if self._compiled_steps(context, speedups):
+            return compiled_layers.key_values(self.self_attn, context, offset, speedups)
+        return self.self_attn.context_key_values(context, offset)
 
 
 class _HeadRows:
@@ -400,7 +400,7 @@ class DraftModel(nn.Module):
     def __call__(
         self,
         noise_embedding: mx.array,
-        target_hidden: mx.array,
+        taps: mx.array,
         cache: list[Any] | None = None,
         mask: mx.array | None = None,
         block_offset: int | mx.array | None = None,
@@ -410,7 +410,7 @@ class DraftModel(nn.Module):
 
         Args:
             noise_embedding: ``(B, L, H)`` target embeddings of ``[last, mask, ...]``.
-            target_hidden: ``(1 or B, Lc, n_taps * H)`` taps of the context positions not
+            taps: ``(1 or B, Lc, n_taps * H)`` taps of the context positions not
               yet in ``cache`` (all of them when ``cache`` is None).
             cache: Per-layer context caches; they grow by ``Lc``.
             mask: Optional attention mask over ``[context, block]`` keys (training).
@@ -424,14 +424,14 @@ class DraftModel(nn.Module):
         """
         if not self.args.use_target_features:
             # The ablation: the block sees only itself, never the target's taps.
-            target_hidden = target_hidden[:, :0]
+            taps = taps[:, :0]
             if mask is not None:
                 mask = mask[..., -noise_embedding.shape[1] :]
-        ctx = self.hidden_norm(self.fc(target_hidden))  # (B, Lc, H)
+        context = self.hidden_norm(self.fc(taps))  # (B, Lc, H)
         h = noise_embedding
         if cache is None:
             cache = [None] * len(self.layers)
-        start = ctx.shape[1] + (cache[0].offset if cache[0] is not None else 0)
+        start = context.shape[1] + (cache[0].offset if cache[0] is not None else 0)
         for layer, c in zip(self.layers, cache):
             layer_mask = mask
             if layer.self_attn.causal or layer.self_attn.window is not None:
@@ -441,14 +441,14 @@ class DraftModel(nn.Module):
                         "implemented; train a full_attention drafter."
                     )
                 layer_mask = block_mask(start, h.shape[1], layer.self_attn.causal, layer.self_attn.window)
-            h = layer(h, ctx, c, layer_mask, block_offset, speedups)
+            h = layer(h, context, c, layer_mask, block_offset, speedups)
         return self.norm(h)
 
     def propose(
         self,
         model: nn.Module,
         block: mx.array,
-        target_hidden: mx.array | None,
+        taps: mx.array | None,
         cache: list[Any],
         speedups: CpuSpeedups | None = None,
         num_drafts: int | None = None,
@@ -458,7 +458,7 @@ class DraftModel(nn.Module):
         Args:
             model: The target whose embedding and head the drafter borrows.
             block: ``(1, B)`` ids ``[last, mask, ..., mask]``.
-            target_hidden: Taps of context positions not yet in ``cache`` (or None).
+            taps: Taps of context positions not yet in ``cache`` (or None).
             cache: The drafter's per-layer context caches.
             speedups: The CPU speedups, or None for MLX's native ops.
             num_drafts: Logits for only the first this many positions (None: all ``B - 1``).
@@ -470,11 +470,11 @@ class DraftModel(nn.Module):
             drafter's vocabulary: the target's, or the ``draft_vocab`` ids
             (``V = draft_vocab_size``; :meth:`token_ids` maps an index back to its id).
         """
-        h = self.block_hidden(model, block, target_hidden, cache, speedups)
+        h = self.block_hidden(model, block, taps, cache, speedups)
         end = h.shape[1] if num_drafts is None else 1 + num_drafts
         return self.logits(model, h[:, 1:end])
 
-    def extend_context(self, target_hidden: mx.array, cache: list[Any], speedups: CpuSpeedups | None = None) -> None:
+    def extend_context(self, taps: mx.array, cache: list[Any], speedups: CpuSpeedups | None = None) -> None:
         """Take the taps of new context positions into the context caches now, as the next
         pass would have (``fc`` + ``hidden_norm``, then each layer's keys and values).
 
@@ -482,30 +482,30 @@ class DraftModel(nn.Module):
         never pile up: only the drafter's keys and values of them are kept.
 
         Args:
-            target_hidden: ``(1, Lc, n_taps * H)`` taps of the positions after the cached ones.
+            taps: ``(1, Lc, n_taps * H)`` taps of the positions after the cached ones.
             cache: The drafter's per-layer context caches; they grow by ``Lc``.
             speedups: The CPU speedups, or None.
         """
         if not self.args.use_target_features:
             return  # the ablation never caches a context
-        ctx = self.hidden_norm(self.fc(target_hidden))  # (1, Lc, H)
+        context = self.hidden_norm(self.fc(taps))  # (1, Lc, H)
         for layer, c in zip(self.layers, cache):
-            c.update_and_fetch(*layer.context_key_values(ctx, c.offset, speedups))
+            c.update_and_fetch(*layer.context_key_values(context, c.offset, speedups))
 
     def block_hidden(
         self,
         model: nn.Module,
         block: mx.array,
-        target_hidden: mx.array | None,
+        taps: mx.array | None,
         cache: list[Any],
         speedups: CpuSpeedups | None = None,
     ) -> mx.array:
         """The drafter's pass over ``block`` (``(1, B)`` ids), with the arguments of
         :meth:`propose`: ``(1, B, H)`` hidden states of all its positions."""
-        if target_hidden is None:
+        if taps is None:
             width = len(self.target_layer_ids) * self.args.hidden_size
-            target_hidden = mx.zeros((1, 0, width), dtype=self.norm.weight.dtype)
-        return self(self.embed(model, block), target_hidden, cache, speedups=speedups)
+            taps = mx.zeros((1, 0, width), dtype=self.norm.weight.dtype)
+        return self(self.embed(model, block), taps, cache, speedups=speedups)
 
     def embed(self, model: nn.Module, block: mx.array) -> mx.array:
         """The noisy block's input: the target's embedding of its ids."""

@@ -154,16 +154,16 @@ class DecoderLayer(nn.Module):
         self.attention_conv = GroupedDynamicCausalConv(*conv)
         self.mlp_conv = GroupedDynamicCausalConv(*conv)
 
-    def __call__(self, h, ctx, cache=None, mask=None, block_offset=None, speedups=None) -> mx.array:
+    def __call__(self, h, context, cache=None, mask=None, block_offset=None, speedups=None) -> mx.array:
         kernel = speedups is not None and speedups.fast_exp
         # The convolutions run along the block only; the context enters through attention.
         x, dynamic = self.attention_conv.before(self.input_layernorm(h))
-        h = h + self.attention_conv.after(self.self_attn(x, ctx, cache, mask, block_offset, kernel), dynamic)
+        h = h + self.attention_conv.after(self.self_attn(x, context, cache, mask, block_offset, kernel), dynamic)
         x, dynamic = self.mlp_conv.before(self.post_attention_layernorm(h))
         return h + self.mlp_conv.after(self.mlp(x, kernel), dynamic)
 
-    def context_key_values(self, ctx: mx.array, offset: int, speedups=None) -> tuple[mx.array, mx.array]:
-        return self.self_attn.context_key_values(ctx, offset)
+    def context_key_values(self, context: mx.array, offset: int, speedups=None) -> tuple[mx.array, mx.array]:
+        return self.self_attn.context_key_values(context, offset)
 
 
 class CandidateSelector(nn.Module):
@@ -273,10 +273,10 @@ class DraftModel(drafter.DraftModel):
             logits = mx.tanh(logits / cap) * cap
         return logits
 
-    def draft_tokens(self, model: nn.Module, block: mx.array, target_hidden, cache, speedups=None) -> mx.array:
+    def draft_tokens(self, model: nn.Module, block: mx.array, taps, cache, speedups=None) -> mx.array:
         """Drafts for block positions ``1..B-1``, ``(1, B - 1)`` ids: the selector's path from
         ``block[:, 0]``, with the arguments of :meth:`propose`."""
-        h = self.block_hidden(model, block, target_hidden, cache, speedups)[:, 1:]
+        h = self.block_hidden(model, block, taps, cache, speedups)[:, 1:]
         path, _ = self.candidate_selector(h, self.logits(model, h), block[:, 0])
         return path
 
@@ -284,7 +284,7 @@ class DraftModel(drafter.DraftModel):
         self,
         model: nn.Module,
         block: mx.array,
-        target_hidden,
+        taps,
         cache,
         probs: Callable[[mx.array], mx.array],
         speedups=None,
@@ -293,7 +293,7 @@ class DraftModel(drafter.DraftModel):
         """Drafts for block positions ``1..num_drafts`` drawn along the selector's path
         (:meth:`CandidateSelector.sample`): ``(1, n)`` ids and ``(1, n, V)`` the distribution
         each was drawn from, after the drafts before it."""
-        h = self.block_hidden(model, block, target_hidden, cache, speedups)[:, 1:]
+        h = self.block_hidden(model, block, taps, cache, speedups)[:, 1:]
         h = h if num_drafts is None else h[:, :num_drafts]  # later slots are not verified: not paid for
         return self.candidate_selector.sample(h, self.logits(model, h), block[:, 0], probs)
 

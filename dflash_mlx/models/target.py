@@ -204,7 +204,7 @@ def forward_with_taps(
           not inside ``mx.compile`` or a gradient.
 
     Returns:
-        ``(logits, target_hidden)``: ``(B, L, vocab)`` logits and the taps concatenated
+        ``(logits, taps)``: ``(B, L, vocab)`` logits and the taps concatenated
         in ``tap_ids`` order, ``(B, L, len(tap_ids) * H)``, or None if ``tap_ids`` is empty.
     """
     start_every = speedups.start_every if speedups is not None else 0

@@ -181,7 +181,7 @@ class TrainingArgs:
     cache_taps: bool = field(default=True, metadata={"help": "Keep each example's taps in memory."})
     tap_cache: str | None = field(
         default=None,
-        metadata={"help": "Folder keeping each example's target features on disk (bfloat16), computed up front "
+        metadata={"help": "Folder keeping each example's taps on disk (bfloat16), computed up front "
                           "and reused by later runs on the same data and target (default: memory only)."},
     )
     logit_mse: float = field(
@@ -324,8 +324,8 @@ def packed_block_mask(anchors: mx.array, starts: mx.array, context_len: int, blo
     """
     nb = anchors.shape[0]
     pos = mx.arange(context_len)[None]
-    ctx = (pos >= starts[:, None]) & (pos < anchors[:, None])  # (nb, L)
-    mask = mx.concatenate([ctx, mx.ones((nb, block_size), dtype=mx.bool_)], axis=1)
+    context = (pos >= starts[:, None]) & (pos < anchors[:, None])  # (nb, L)
+    mask = mx.concatenate([context, mx.ones((nb, block_size), dtype=mx.bool_)], axis=1)
     return mx.broadcast_to(mask[:, None, None, :], (nb, 1, block_size, context_len + block_size))
 
 

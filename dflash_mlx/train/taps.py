@@ -1,4 +1,4 @@
-"""The frozen target's per-example features for drafter training, computed once.
+"""The frozen target's per-example taps for drafter training, computed once.
 
 A training step needs, for each example it samples, the target's taps (the drafter's
 context) and, for the distillation term, the target's last hidden state (what its LM head
@@ -118,5 +118,5 @@ class TapStore:
         bar = Progress(len(examples), width=20, stream=stream)
         for i, ex in enumerate(examples, 1):
             mx.eval(*self.get(ex))
-            bar.update(i, "target features")
+            bar.update(i, "taps")
         bar.close()

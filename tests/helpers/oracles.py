@@ -18,9 +18,9 @@ class ScriptedDraft(DraftModel):
         self.sequence, self.vocab, self.wrong_every = sequence, vocab, wrong_every
         self.unsure_every = unsure_every
 
-    def propose(self, model, block, target_hidden, cache, speedups=None, num_drafts=None):
+    def propose(self, model, block, taps, cache, speedups=None, num_drafts=None):
         # A real pass first: it keeps the context cache real.
-        mx.eval(super().propose(model, block, target_hidden, cache, speedups=speedups, num_drafts=num_drafts))
+        mx.eval(super().propose(model, block, taps, cache, speedups=speedups, num_drafts=num_drafts))
         start = cache[0].offset  # absolute position of block[0]
         ids, peaks = [], []
         for pos in range(start + 1, start + block.shape[1]):
@@ -40,10 +40,10 @@ class AcceptExactlyDraft(ScriptedDraft):
         super().__init__(base, sequence, vocab)
         self.schedule, self.passes = schedule, 0
 
-    def propose(self, model, block, target_hidden, cache, speedups=None, num_drafts=None):
+    def propose(self, model, block, taps, cache, speedups=None, num_drafts=None):
         right = self.schedule[self.passes % len(self.schedule)]
         self.passes += 1
-        logits = super().propose(model, block, target_hidden, cache, speedups, num_drafts)
+        logits = super().propose(model, block, taps, cache, speedups, num_drafts)
         ids = mx.argmax(logits[0], axis=-1)
         wrong = mx.arange(ids.shape[0]) >= right
         ids = mx.where(wrong, (ids + 1) % self.vocab, ids)

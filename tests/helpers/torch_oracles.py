@@ -18,8 +18,8 @@ class ScriptedReferenceDraft(ReferenceDraft):
         self.to(base.fc.weight.device)
         self.sequence, self.vocab, self.wrong_every = sequence, vocab, wrong_every
 
-    def propose(self, target, block, target_hidden, cache):
-        super().propose(target, block, target_hidden, cache)  # keeps the context cache real
+    def propose(self, target, block, taps, cache):
+        super().propose(target, block, taps, cache)  # keeps the context cache real
         start = cache[0].offset  # absolute position of block[0]
         ids = []
         for pos in range(start + 1, start + block.shape[1]):
