@@ -88,7 +88,8 @@ def test_recorded_linear_attention_equals_the_layer(pairs, kind):
             attn(before, None, short)
             attn(x[:, :keep], None, short)
             width = attn.conv_kernel_size - 1
-            assert mx.array_equal(conv_input[:, keep : keep + width], short[0]).item()
+            # A BLAS may round a projection of 16 rows and of `keep` rows apart in the last bit.
+            assert mx.allclose(conv_input[:, keep : keep + width], short[0], rtol=1e-5, atol=1e-6).item()
             assert mx.allclose(states[keep - 1], short[1], rtol=1e-5, atol=1e-6).item()
     # And the decoder layer around it (what a verify pass runs): the layer's own output.
     for layer in layers:
@@ -125,7 +126,7 @@ def test_trim_after_a_verify_pass_selects_the_replayed_state(pairs, kind, monkey
             b.trim(n)
             assert a.offset == b.offset == len(prompt) + 16 - n
             if isinstance(a, RecurrentCache):
-                assert mx.array_equal(a.cache[0], b.cache[0]).item()
+                assert mx.allclose(a.cache[0], b.cache[0], rtol=1e-5, atol=1e-6).item()
                 assert mx.allclose(a.cache[1], b.cache[1], rtol=1e-5, atol=1e-6).item(), n
 
 
