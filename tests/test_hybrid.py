@@ -134,31 +134,15 @@ def test_generation_with_the_emulated_recurrence_kernel_is_lossless(pairs, monke
     """Every verify pass's recurrence through the Metal kernel's own source (run here by the CPU
     harness, enabled by its dispatcher's check), every rollback selecting the kernel's states:
     still mlx-lm's greedy output, at every kind of acceptance."""
-    from functools import partial
+    from helpers.emulated import emulated_dispatcher
 
     from dflash_mlx.kernels import gdn, harness
-    from dflash_mlx.kernels.dispatch import KernelStore, SelfChecked
 
     if harness.compiler_missing():
         pytest.skip(harness.compiler_missing())
-    ticks = [0.0]
-    calls = []
-
-    def timed(fn, cost, name):
-        def call(*args):
-            ticks[0] += cost
-            calls.append(name)
-            return fn(*args)
-
-        return call
-
-    dispatcher = SelfChecked(
-        "gated_delta_states",
-        timed(partial(gdn.gated_delta_states_kernel, factory=harness.cpu_metal_kernel), 1.0, "kernel"),
-        timed(gdn.gated_delta_states_ops, 2.0, "twin"),
+    dispatcher, calls = emulated_dispatcher(
+        "gated_delta_states", gdn.gated_delta_states_kernel, gdn.gated_delta_states_ops, tmp_path,
         shape_class=gdn.shape_class, example=gdn.example, close=gdn.close, supports=gdn.supports,
-        store=KernelStore(tmp_path / "kernels.json"), clock=lambda: ticks[0], metal=True, machine="emulated",
-        repeats=1,
     )  # fmt: skip
     monkeypatch.setattr(linear_attention, "gated_delta_states", dispatcher)
     model, draft, _ = pairs["qwen3_5"]

@@ -359,40 +359,18 @@ def test_dispatchers_check_themselves_on_metal(tmp_path):
 def test_generation_with_the_emulated_kernel_is_lossless(qwen3_pair, block_size, monkeypatch, tmp_path):
     """The loop's greedy acceptance through a dispatcher that enabled the kernel (run here by the
     harness): still the target's own greedy output, with every kind of acceptance."""
-    from functools import partial
-
     from helpers.checkpoints import VOCAB
     from helpers.decoding import run
+    from helpers.emulated import emulated_dispatcher
     from helpers.oracles import ScriptedDraft
     from mlx_lm.generate import generate_step
 
     from dflash_mlx import verify
-    from dflash_mlx.kernels.dispatch import KernelStore, SelfChecked
 
-    ticks = [0.0]
-    calls = []
-
-    def timed(fn, cost, name):
-        def call(*args):
-            ticks[0] += cost
-            calls.append(name)
-            return fn(*args)
-
-        return call
-
-    dispatcher = SelfChecked(
-        "greedy_accept",
-        timed(partial(accept.greedy_accept_kernel, factory=harness.cpu_metal_kernel), 1.0, "kernel"),
-        timed(accept.greedy_accept_ops, 2.0, "twin"),
-        shape_class=accept.shape_class,
-        example=accept.greedy_accept.example,
-        close=accept.greedy_accept.close,
-        store=KernelStore(tmp_path / "kernels.json"),
-        clock=lambda: ticks[0],
-        metal=True,
-        machine="emulated",
-        repeats=1,
-    )
+    dispatcher, calls = emulated_dispatcher(
+        "greedy_accept", accept.greedy_accept_kernel, accept.greedy_accept_ops, tmp_path,
+        shape_class=accept.shape_class, example=accept.greedy_accept.example, close=accept.greedy_accept.close,
+    )  # fmt: skip
     monkeypatch.setattr(verify, "greedy_accept", dispatcher)
     model, draft, _ = qwen3_pair
     prompt = mx.random.randint(0, VOCAB - 4, (7,), key=mx.random.key(3)).tolist()
