@@ -290,7 +290,8 @@ def dflash_generate_step(
     else:
         check_draft_window(draft_window, draft_sinks)
         cache = prompt_cache
-    if isinstance(draft, DraftModel) and cache.draft is None:
+    drafter = draft if isinstance(draft, DraftModel) else None  # DFlash's (not prompt lookup, not None)
+    if drafter is not None and cache.draft is None:
         raise DFlashError(
             "The prompt cache was made without a drafter; make it with make_cache(model, draft)."
         )
@@ -298,17 +299,18 @@ def dflash_generate_step(
     speedups = choose_speedups(tgt.compute_dtype(model), cpu_speedups)
     adaptive = seed is None if adaptive is None else adaptive
     # The policy paces the DFlash drafter; with block 1 it never drafts, so it is left alone.
-    if not (adaptive and isinstance(draft, DraftModel) and block_size > 1):
+    if not (adaptive and drafter is not None and block_size > 1):
         policy = None
     elif policy is None:
         policy = cache.policy
     proposer = _make_proposer(
         model, draft, cache, sampler=sampler, proposal=proposal, min_confidence=min_confidence,
-        lookup_fallback=lookup_fallback, policy=policy, speedups=speedups, block_size=block_size, choose_width=choose_width,
-    )
+        lookup_fallback=lookup_fallback, policy=policy, speedups=speedups, block_size=block_size,
+        choose_width=choose_width,
+    )  # fmt: skip
     verifier = Verifier(
         model, cache, sampler=sampler, logits_processors=logits_processors, tap_ids=proposer.tap_ids,
-        speedups=speedups, kernels=kernels, draft=draft if isinstance(draft, DraftModel) else None,
+        speedups=speedups, kernels=kernels, draft=drafter,
     )
 
     budget = Budget(max_tokens, frozenset(stop_tokens))
