@@ -9,7 +9,8 @@ joined array each. What the pass costs beyond the attention should not grow with
 With --before DIR the same is measured for the dflash_mlx under DIR (e.g. a checkout of the
 previous version) and for this one, in fresh processes taking turns, --rounds each:
 
-    python -m dflash_mlx.cpu.openblas python recipes/draft_pass_context.py --before /work/main
+    git archive REV dflash_mlx assets | tar -x -C BEFORE     # the older code, in a folder BEFORE
+    python -m dflash_mlx.cpu.openblas python recipes/draft_pass_context.py --before BEFORE
 """
 
 import argparse

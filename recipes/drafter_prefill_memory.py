@@ -9,7 +9,7 @@ their shapes, the peak increase during the prefill and during the first pass (ov
 in use before the prompt), and what stays held after.
 
     python -m dflash_mlx.cpu.openblas python recipes/drafter_prefill_memory.py
-    PYTHONPATH=/work/main python recipes/drafter_prefill_memory.py   # the version before, to compare
+    PYTHONPATH=BEFORE python recipes/drafter_prefill_memory.py   # the version before, to compare
 """
 
 import argparse
