@@ -339,8 +339,10 @@ def test_plain_runs_are_pipelined_and_lossless(qwen3_pair, monkeypatch, stops):
     out, cycles = run(model, draft, prompt, max_tokens=40, policy=policy, prompt_cache=cache, stop_tokens=stop,
                       logits_processors=[_two_back])  # fmt: skip
     assert out == _truncate_at_stop(ref, stop) and 5 <= len(out) < 11 if stops else out == ref
-    plain = [c for c in cycles[1:] if c.num_draft == 0]
-    assert len(plain) >= min(10, len(out) - 1) and len(calls) >= len(plain)
+    # The scheduled run: the cycles after the first are plain until it ends (later plain cycles are the
+    # policy's own choice, which depends on measured times, so they are not counted).
+    run_length = min(10, len(cycles) - 1)
+    assert all(c.num_draft == 0 for c in cycles[1 : 1 + run_length]) and len(calls) >= run_length
     assert cache.offset == len(cache.tokens) == cache.draft_offset + cache.pending_length
     follow = prompt + out + _prompt(5, seed=9)
     again, _ = run(model, draft, follow, max_tokens=30, prompt_cache=cache)
