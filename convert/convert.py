@@ -40,23 +40,15 @@ from ..responses import AcceptanceStats
 from ..weights import registry
 from ..weights.files import install, partial_sibling
 from ..weights.gguf import convert_gguf, find_gguf
-from ..weights.loading import (
-    LAYOUT_CHECKS,
-    PAIR_MANIFEST,
-    check_pair,
-    check_target_type,
-    check_tokenizer_files,
-    default_pair_draft,
-    is_drafter_config,
-    known_draft,
-    load,
-    load_draft,
-    load_target_model,
-    read_config,
-    read_pair_manifest,
-    local_folder,
-    tokenizer_mask_token,
-)
+from ..weights.casting import cast
+from ..weights.draft_loader import load_draft
+from ..weights.folders import check_tokenizer_files, is_drafter_config, read_config
+from ..weights.loading import load
+from ..weights.pairs import PAIR_MANIFEST, default_pair_draft, read_pair_manifest
+from ..weights.registry import known_draft
+from ..weights.hub import local_folder, target_folder
+from ..weights.target_checks import check_family_layout, vet_hub_target
+from ..weights.target_loader import load_target_model
 from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft
 
 # Affine bit widths mlx-lm can quantize a target to.
@@ -150,8 +142,8 @@ def _check_arguments(
 
 
 def _target_source(hf_path: str, revision: str | None) -> tuple[Path, dict[str, Any]]:
-    check_target_type(hf_path, revision)  # a hub target mlx-lm cannot load: refused before its download
-    path = local_folder(hf_path, what="target", revision=revision)
+    # A hub target mlx-lm cannot load is refused before its download.
+    path, _ = target_folder(hf_path, known=registry.find_pair(hf_path), revision=revision, vet=vet_hub_target)
     if read_pair_manifest(path) is not None:
         raise DFlashError(
             f"{hf_path} is already a converted DFlash pair; load it directly, e.g. dflash-generate --model {hf_path}."
@@ -168,8 +160,7 @@ def _target_source(hf_path: str, revision: str | None) -> tuple[Path, dict[str, 
             f"Unsupported target architecture model_type={model_type!r} in {hf_path}: DFlash supports "
             f"{', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets."
         )
-    if (check_layout := LAYOUT_CHECKS.get(model_type)) is not None:
-        check_layout(config)
+    check_family_layout(config)
     return path, config
 
 
@@ -493,15 +484,16 @@ def _load_checked_draft(target_src: Path, draft_src: Path, dtype: str | None) ->
         )
     check_tokenizer_files(target_src)  # a pair without them would only fail when loaded
     # Lazy: the target's weights are never read here, only its config and layer count.
-    target_skeleton, _ = load_target_model(target_src, lazy=True)
+    target_skeleton, _ = load_target_model(target_src, config=read_config(target_src, "target"), lazy=True)
     try:
         tokenizer = load_tokenizer(target_src)
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         raise DFlashError(f"Could not load the tokenizer from {target_src} ({type(e).__name__}: {e}).") from e
     # A missing mask_token_id comes from the tokenizer, for the normalized config.
-    draft = load_draft(draft_src, num_target_layers=tgt.num_layers(target_skeleton),
-                       mask_token_id=tokenizer_mask_token(tokenizer), dtype=dtype)  # fmt: skip
-    check_pair(target_skeleton, draft)
+    draft = load_draft(draft_src, target=target_skeleton, tokenizer=tokenizer)
+    if dtype is not None:
+        cast(draft, dtype)
+    mx.eval(draft.parameters())
     return draft
 
 

@@ -19,7 +19,7 @@ _EXPORTS = {
     "dflash_generate_step": "generation",
     "generate": "generation",
     "stream_generate": "generation",
-    "check_pair": "weights.loading",
+    "check_pair": "weights.draft_loader",
     "load": "weights.loading",
 }
 

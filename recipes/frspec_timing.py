@@ -57,10 +57,13 @@ def main() -> None:
     from dflash_mlx.train.loop import _KEYS, TrainingArgs, _to_mx, block_loss, draft_config, evaluate_acceptance
     from dflash_mlx.train.taps import TapStore
     from dflash_mlx.train.vocab import LossVocab, coverage, token_counts, top_tokens
-    from dflash_mlx.weights.loading import load_draft, load_target
+    from dflash_mlx.weights.casting import cast
+    from dflash_mlx.weights.draft_loader import load_draft
+    from dflash_mlx.weights.target_loader import load_target
 
     print(f"BLAS: {blas_in_use()}")
-    target, tokenizer = load_target(Path(args.target), dtype="float32")
+    target, tokenizer = load_target(Path(args.target))
+    cast(target, "float32")
     target.freeze()
     train_args = TrainingArgs(model=args.target, data="-", mask_token_id=args.mask_token_id)
     examples = usable(read_cache(args.responses), train_args.max_seq_len)
@@ -118,7 +121,8 @@ def main() -> None:
     speedups = choose_speedups(mx.float32)
     passes = {}
     for name, vocab in (("whole vocabulary", None), (f"draft vocab {args.vocab}", mx.array(ids))):
-        d = load_draft(Path(args.draft), num_target_layers=tgt.num_layers(target), dtype="float32")
+        d = load_draft(Path(args.draft), target=target)
+        cast(d, "float32")
         d.set_draft_vocab(vocab)
         cache = make_cache(target, d)
         for c in cache.draft:
@@ -137,7 +141,8 @@ def main() -> None:
         prompts = [render_prompt(tokenizer, p) for p in read_prompts(args.heldout)[: args.acceptance_prompts]]
         stop = frozenset(tokenizer.eos_token_ids)
         for name, vocab in (("whole vocabulary", None), (f"draft vocab {args.vocab}", mx.array(ids))):
-            d = load_draft(Path(args.draft), num_target_layers=tgt.num_layers(target), dtype="float32")
+            d = load_draft(Path(args.draft), target=target)
+            cast(d, "float32")
             d.set_draft_vocab(vocab)
             mean, hist = evaluate_acceptance(target, d, prompts, 128, stop)
             print(f"acceptance, {name:20}: {mean:.3f} tokens per cycle over {sum(hist.values())} cycles {hist}")

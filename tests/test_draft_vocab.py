@@ -18,7 +18,8 @@ from dflash_mlx.cache import make_draft_cache
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.drafter import DraftModel, save_draft
 from dflash_mlx.sampling import make_sampler
-from dflash_mlx.weights.loading import load_draft, read_config
+from dflash_mlx.weights.draft_loader import load_draft
+from dflash_mlx.weights.folders import read_config
 
 MAX_REF = 64
 # Every fourth id, in an order that is not the ids' own: an index mixed up with its id shows.

@@ -13,7 +13,7 @@ from dflash_mlx import dflash_generate_step, load
 from dflash_mlx.bench.benchmark import encode, load_prompts
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.weights.gguf import SMOLLM2_INSTALL
-from dflash_mlx.weights.loading import DEFAULT_PAIR, TINY_PAIR, embedded_pair_path, is_embedded_pair
+from dflash_mlx.weights.pairs import DEFAULT_PAIR, TINY_PAIR, embedded_pair_path, is_embedded_pair
 
 
 def _greedy(model, ids, max_tokens, eos):
@@ -117,9 +117,9 @@ def test_default_pair_is_lossless_on_every_benchmark_prompt(default_pair, index)
 
 
 def test_a_pair_missing_from_the_install_is_named(monkeypatch, tmp_path):
-    from dflash_mlx.weights import loading
+    from dflash_mlx.weights import pairs
 
-    monkeypatch.setattr(loading, "embedded_pair_path", lambda name=DEFAULT_PAIR: tmp_path / name)
+    monkeypatch.setattr(pairs, "embedded_pair_path", lambda name=DEFAULT_PAIR: tmp_path / name)
     with pytest.raises(DFlashError, match=f"embedded pair {TINY_PAIR} is missing .* Reinstall mlx-dflash"):
         load(TINY_PAIR)
 

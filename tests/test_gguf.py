@@ -16,7 +16,9 @@ from dflash_mlx import DFlashError
 from dflash_mlx.convert.convert import main as convert_main
 from dflash_mlx.models.drafter import DraftModel, DraftArgs
 from dflash_mlx.weights.gguf import SMOLLM2_INSTALL, convert_gguf, find_gguf, prepare_default_target, smollm2_gguf
-from dflash_mlx.weights.loading import default_pair_path, load_target
+from dflash_mlx.weights.casting import cast
+from dflash_mlx.weights.pairs import default_pair_path
+from dflash_mlx.weights.target_loader import load_target
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
@@ -306,7 +308,8 @@ def test_tiny_quantized_matches_transformers(tiny_arch, tmp_path):
     assert q["group_size"] == 32 and q["bits"] == 4 and q["model.embed_tokens"]["bits"] == 8
     assert q["model.layers.0.self_attn.v_proj"]["bits"] == 8
     # Kept quantized; run with float32 scales so the comparison is at fp32 tolerance.
-    model, _ = load_target(folder, dtype="float32")
+    model, _ = load_target(folder)
+    cast(model, "float32")
     assert model.model.layers[0].self_attn.q_proj.bits == 4
     assert model.model.embed_tokens.bits == 8
     assert not hasattr(model.model.layers[1].self_attn.q_proj, "bits")  # F32 in the file
@@ -452,17 +455,17 @@ def test_cli_gguf_without_drafter_is_one_line(tiny, tmp_path, capsys):
 
 
 def test_cli_smollm2_gguf_without_drafter_takes_the_shipped_one(tiny, tmp_path, capsys, monkeypatch):
-    from dflash_mlx.weights import loading
+    from dflash_mlx.weights import registry
 
     shipped = str(default_pair_path() / "draft")
-    assert loading.known_draft(Path("anywhere") / "SmolLM2-135M-Instruct.Q4_1.gguf") == shipped
-    assert loading.known_draft("HuggingFaceTB/SmolLM2-135M-Instruct") == shipped
+    assert registry.known_draft(Path("anywhere") / "SmolLM2-135M-Instruct.Q4_1.gguf") == shipped
+    assert registry.known_draft("HuggingFaceTB/SmolLM2-135M-Instruct") == shipped
     # The tiny GGUF under SmolLM2's file name, with a drafter made for it in the shipped one's place.
     named = tmp_path / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     named.parent.mkdir()
     named.write_bytes(tiny[0].read_bytes())
     _tiny_draft(tmp_path / "shipped", len(_tiny_tokenizer()[0]))
-    monkeypatch.setattr(loading, "default_pair_draft", lambda: tmp_path / "shipped")
+    monkeypatch.setattr(registry, "default_pair_draft", lambda: tmp_path / "shipped")
     out = tmp_path / "pair"
     convert_main(["--hf-path", str(named.parent), "--mlx-path", str(out), "--dtype", "float32", "--no-check"])
     assert f"draft:  {tmp_path / 'shipped'}" in capsys.readouterr().out
@@ -474,7 +477,8 @@ def test_smollm2_kept_quantized_matches_transformers(smollm2, tmp_path):
     gguf_file, _, _, hf_model = smollm2
     folder = convert_gguf(gguf_file, tmp_path / "smollm2-q4")
     assert json.loads((folder / "config.json").read_text())["quantization"]["bits"] == 4
-    model, _ = load_target(folder, dtype="float32")
+    model, _ = load_target(folder)
+    cast(model, "float32")
     diff = check_logits(folder, model, hf_model)
     print(f"SmolLM2 Q4_1 kept quantized (float32 scales): max abs logit diff vs transformers {diff:.2e}")
 

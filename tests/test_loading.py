@@ -297,7 +297,7 @@ def _as_bfloat16(folder):
 
 
 def test_default_dtype_rule(folders):
-    from dflash_mlx.weights.loading import default_dtype
+    from dflash_mlx.weights.casting import default_dtype
 
     model, draft, _ = load(*folders, dtype="bfloat16")
     cpu, gpu = mx.Device(mx.cpu), mx.Device(mx.gpu)
@@ -315,7 +315,7 @@ def test_default_dtype_rule(folders):
 def test_dtype_rule_at_half_the_memory_at_hand(folders):
     from mlx.utils import tree_flatten
 
-    from dflash_mlx.weights.loading import default_dtype
+    from dflash_mlx.weights.casting import default_dtype
 
     model, _, _ = load(folders[0], dtype="bfloat16")
     loaded = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -327,7 +327,7 @@ def test_dtype_rule_at_half_the_memory_at_hand(folders):
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the default dtype on MLX's CPU backend")
 def test_load_computes_in_float32_on_cpu_unless_told_or_short_of_memory(folders, monkeypatch, caplog):
-    from dflash_mlx.weights import loading
+    from dflash_mlx.weights import casting
 
     _as_bfloat16(folders[0])
     model, draft, _ = load(*folders)
@@ -335,7 +335,7 @@ def test_load_computes_in_float32_on_cpu_unless_told_or_short_of_memory(folders,
     model, draft, _ = load(*folders, dtype="bfloat16")  # an explicit dtype always wins
     assert model.model.embed_tokens.weight.dtype == draft.fc.weight.dtype == mx.bfloat16
     assert not caplog.records
-    monkeypatch.setattr(loading, "available_memory", lambda: 0)
+    monkeypatch.setattr(casting, "available_memory", lambda: 0)
     model, draft, _ = load(*folders)
     # The checkpoint's dtype, the drafter in the target's, and one line that says why.
     assert model.model.embed_tokens.weight.dtype == draft.fc.weight.dtype == mx.bfloat16
@@ -372,7 +372,8 @@ def test_llama_and_untied_targets_load(pair_dirs):
 
 
 def test_draft_for_cli():
-    from dflash_mlx.weights.loading import AUTO_DRAFT, draft_for_cli
+    from dflash_mlx.weights.pairs import AUTO_DRAFT
+    from dflash_mlx.weights.registry import draft_for_cli
 
     assert draft_for_cli("Qwen/Qwen3-8B", None) == AUTO_DRAFT
     assert draft_for_cli("Qwen/Qwen3-8B", None, no_draft=True) is None

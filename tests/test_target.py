@@ -2,7 +2,6 @@ import copy
 
 import mlx.core as mx
 import mlx.nn as nn
-import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.models import target as tgt
@@ -50,10 +49,3 @@ def test_no_taps(tiny_pair):
     logits, taps = tgt.forward_with_taps(model, mx.array([[1, 2]]), make_prompt_cache(model), [])
     assert taps is None and logits.shape[:2] == (1, 2)
 
-
-def test_unsupported_target_is_named():
-    class Fake(nn.Module):
-        model_type = "mamba"
-
-    with pytest.raises(ValueError, match="Unsupported target architecture model_type='mamba'"):
-        tgt.check_supported(Fake())

@@ -37,7 +37,7 @@ from dflash_mlx.train.loop import (
     packed_block_mask,
     train,
 )
-from dflash_mlx.weights import loading
+from dflash_mlx.weights import casting
 from dflash_mlx.train.vocab import LossVocab, coverage, token_counts, top_tokens
 
 
@@ -730,7 +730,7 @@ def test_the_target_keeps_what_load_would_and_the_drafter_trains_in_float32(setu
         return real(draft, target, *args, **kwargs)
 
     monkeypatch.setattr(train_mod, "block_loss", spy)
-    monkeypatch.setattr(loading, "default_dtype", lambda *models: ("bfloat16", None))
+    monkeypatch.setattr(casting, "default_dtype", lambda *models: ("bfloat16", None))
     draft = train(_args(setup, tmp_path / "gpu", iters=2))
     assert seen["target"] == mx.bfloat16
     assert {v.dtype for _, v in tree_flatten(draft.trainable_parameters())} == {mx.float32}

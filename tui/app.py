@@ -410,11 +410,11 @@ def make_app(
 def _prepare_embedded_pair(model: str | None) -> None:
     """Convert the default pair's target now, on the plain terminal where its one-time
     progress line shows, rather than inside the app, which hides stderr."""
-    from ..weights.loading import is_embedded_pair
+    from ..weights.pairs import is_embedded_pair
 
     if not is_embedded_pair(model):
         return
-    from ..weights.loading import DEFAULT_PAIR, embedded_pair
+    from ..weights.pairs import DEFAULT_PAIR, embedded_pair
 
     try:
         embedded_pair(model or DEFAULT_PAIR)

@@ -109,7 +109,9 @@ class MLXEngine:
         from ..cache import make_cache
         from ..chat_template import template_switches
         from ..cli.options import add_stop_tokens
-        from ..weights.loading import AUTO_DRAFT, DEFAULT_PAIR, draft_for_cli, load
+        from ..weights.loading import load
+        from ..weights.pairs import AUTO_DRAFT, DEFAULT_PAIR
+        from ..weights.registry import draft_for_cli
 
         draft = draft_for_cli(self.model_path, self.draft_path, self.no_draft)
         self.model, self.draft, self.tokenizer = load(self.model_path, draft, dtype=self.dtype)

@@ -89,7 +89,8 @@ def _load_ar_draft(path: str | None, target: nn.Module, *, given: bool, dtype: s
     """mlx-spec's small autoregressive draft, with one line for what it cannot use."""
     from mlx_lm.utils import load_model
 
-    from ..weights.loading import is_drafter_config, looks_like_hub_id, read_config, local_folder
+    from ..weights.folders import is_drafter_config, read_config
+    from ..weights.hub import local_folder, looks_like_hub_id
 
     if path is None:
         raise DFlashError("The mlx-spec method needs a small autoregressive draft: pass --ar-draft FOLDER.")
@@ -184,7 +185,8 @@ def run_benchmark(
     from ..cache import check_draft_window
     from ..generation import check_cycle_settings
     from ..models.hybrid import HYBRID_MODEL_TYPES
-    from ..weights.loading import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair, load
+    from ..weights.loading import load
+    from ..weights.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
     from .context import context_rows, label, load_documents
 
     if runs < 1:
@@ -474,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _remote_main(args) -> None:
-    from ..weights.loading import default_pair_path
+    from ..weights.pairs import default_pair_path
     from .load_test import load_markdown, run_load
 
     if any(n < 1 for n in args.concurrency):

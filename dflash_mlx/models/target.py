@@ -5,6 +5,7 @@ Tap ``i`` is the output of decoder layer ``i`` (0-based), which is HF's
 the last layer's tap is taken after the final norm.
 """
 
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -15,7 +16,6 @@ from mlx_lm.models.cache import KVCache
 
 from ..cpu import compiled_layers, fast_math
 from ..cpu.speedups import CpuSpeedups
-from ..errors import DFlashError
 from . import gemma, hybrid, kimi
 
 # mlx-lm model families whose decoder we know how to walk layer by layer.
@@ -55,14 +55,22 @@ def _layer_masks(model: nn.Module, h: mx.array, cache: list[Any]) -> list:
     return [create_attention_mask(h, cache[0])] * len(inner.layers)
 
 
-def check_supported(model: nn.Module, name: str = "target") -> None:
-    """Raise a one-line error for targets whose decoder we cannot tap."""
-    model_type = getattr(model, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise DFlashError(
-            f"Unsupported {name} architecture model_type={model_type!r}: DFlash taps are "
-            f"implemented for {', '.join(SUPPORTED_MODEL_TYPES)}. Use one of those targets."
-        )
+@dataclass(frozen=True)
+class TargetShape:
+    """What a drafter must fit in its target, and the dtype the target computes in."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    final_logit_softcapping: float | None
+    compute_dtype: mx.Dtype
+
+
+def target_shape(model: nn.Module) -> TargetShape:
+    """``model``'s :class:`TargetShape`, read once from the loaded model."""
+    args = text_args(model)
+    return TargetShape(num_layers(model), args.hidden_size, args.vocab_size,
+                       getattr(args, "final_logit_softcapping", None), compute_dtype(model))  # fmt: skip
 
 
 def text_args(model: nn.Module) -> Any:

@@ -199,7 +199,9 @@ def _error(message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     import json
 
-    from ..weights.loading import DEFAULT_PAIR, draft_for_cli, load
+    from ..weights.loading import load
+    from ..weights.pairs import DEFAULT_PAIR
+    from ..weights.registry import draft_for_cli
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)

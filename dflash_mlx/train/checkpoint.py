@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import DFlashError
 from ..models.drafter import save_draft
-from ..weights.loading import read_config
+from ..weights.folders import read_config
 
 STATE_DIR = "training_state"
 RESPONSE_CACHE = "data.jsonl"  # the default --cache, inside --out

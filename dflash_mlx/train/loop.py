@@ -39,18 +39,12 @@ from ..models import target as tgt
 from ..models.drafter import DraftModel, DraftArgs, default_target_layer_ids
 from ..responses import AcceptanceStats
 from ..dtypes import DTYPES
-from ..weights.loading import (
-    MASK_TOKENS,
-    cast_to_default,
-    check_pair,
-    embedded_pair,
-    is_drafter_config,
-    load_draft,
-    load_target,
-    read_config,
-    local_folder,
-    tokenizer_mask_token,
-)
+from ..weights.casting import cast, cast_pair
+from ..weights.draft_loader import MASK_TOKENS, load_draft, tokenizer_mask_token
+from ..weights.folders import is_drafter_config, read_config
+from ..weights.pairs import embedded_pair
+from ..weights.hub import local_folder
+from ..weights.target_loader import load_target
 from .checkpoint import (
     LOSS_VOCAB,
     TrainingInterrupted,
@@ -447,10 +441,8 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
             "--model; to train this drafter further, pass it with --init-draft (a new run in a new --out), or "
             "its run folder with --out and --resume if it holds a training_state."
         )
-    target, tokenizer = load_target(target_path, dtype=args.dtype)
-    if args.dtype is None:
-        cast_to_default(target)
-    tgt.check_supported(target)
+    target, tokenizer = load_target(target_path)
+    cast_pair(target, None, args.dtype)
     target.freeze()
     vocab_size = tgt.vocab_size(target)
     if args.loss_vocab is not None and args.loss_vocab > vocab_size:
@@ -470,10 +462,9 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
         config = saved_config
     elif args.init_draft is not None and config is not None:
         init_path = local_folder(args.init_draft, what="drafter")
-        init = load_draft(init_path, num_target_layers=tgt.num_layers(target),
-                          mask_token_id=tokenizer_mask_token(tokenizer), dtype=_drafter_dtype(args))  # fmt: skip
-        check_pair(target, init)
+        init = load_draft(init_path, target=target, tokenizer=tokenizer)
         init_config = read_config(init_path, "drafter")
+        cast(init, _drafter_dtype(args))
         # More layers than the starting drafter's: it is grown (dflash_mlx.train.grow).
         depth = config["num_hidden_layers"]
         grows = depth > len(init.layers)
@@ -583,7 +574,8 @@ def _drafter_and_optimizer(
     mx.random.seed(args.seed)
     rng = np.random.default_rng(args.seed)
     if checkpoint is not None:
-        draft = load_draft(checkpoint[1], dtype=_drafter_dtype(args))
+        draft = load_draft(checkpoint[1])
+        cast(draft, _drafter_dtype(args))
     elif init is not None:
         draft = init
         print(f"starting from the drafter {args.init_draft}", flush=True)

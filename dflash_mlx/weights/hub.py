@@ -6,12 +6,15 @@ the hub first: when it cannot be reached, a cached copy is used (said once), and
 the error says so at once.
 """
 
+import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import DFlashError
+from .pairs import PAIR_ALIASES, TINY_PAIR, PairNames
 
 log = logging.getLogger("dflash_mlx")
 # An endpoint found unreachable is not asked again for this long: a load asks for a target's
@@ -19,6 +22,93 @@ log = logging.getLogger("dflash_mlx")
 RECHECK_S = 60.0
 # endpoint -> [when it was found unreachable, why, whether the fallback to the cache was said]
 _DOWN: dict[str, list] = {}
+# The files a model folder needs; nothing else is fetched from the hub.
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
+
+# A check of a hub target from its config alone, before its weights are downloaded:
+# ``vet(repo, known, config, weight_names)`` gets the registry's entry (or None) and two
+# functions that fetch the config (a dict, or None if it is no JSON object) and the tensor
+# names of a sharded checkpoint's index; it raises to refuse, and returns the config it read.
+Vet = Callable[[str, Any, Callable[[], Any], Callable[[], list[str]]], dict[str, Any] | None]
+
+
+@dataclass(frozen=True)
+class PairFolders:
+    """A pair's local folders, after any download; ``target_config`` is the hub target's config
+    as its check read it (None for a local folder)."""
+
+    target: Path
+    draft: Path | None
+    target_config: dict[str, Any] | None = None
+
+
+def fetch_pair(names: PairNames, *, revision: str | None, vet: Vet) -> PairFolders:
+    """Local folders for a pair: local paths as they are, hub ids downloaded (the target only
+    after ``vet`` accepted its config)."""
+    target, config = target_folder(names.target, known=names.known, revision=revision, vet=vet)
+    if names.draft is None:
+        return PairFolders(target, None, config)
+    draft = local_folder(names.draft, what="drafter", revision=revision if names.draft_revision else None)
+    return PairFolders(target, draft, config)
+
+
+def target_folder(
+    target: str | Path, *, known: Any, revision: str | None, vet: Vet
+) -> tuple[Path, dict[str, Any] | None]:
+    """A target's local folder (see :func:`fetch_pair`), and the config ``vet`` read from the hub."""
+    text = str(target)
+    if Path(text).expanduser().exists() or not looks_like_hub_id(text):
+        return local_folder(target, what="target", embedded=True), None
+    config = vet(
+        text,
+        known,
+        lambda: json.loads(hub_file(text, "config.json", what="target", revision=revision).read_text()),
+        lambda: _weight_names(text, revision),
+    )
+    return local_folder(text, what="target", revision=revision), config
+
+
+def _weight_names(repo: str, revision: str | None) -> list[str]:
+    # The tensor names a sharded checkpoint's index lists; a single-file one has no index.
+    try:
+        index = json.loads(hub_file(repo, "model.safetensors.index.json", what="target", revision=revision).read_text())
+    except (DFlashError, json.JSONDecodeError, UnicodeDecodeError):
+        return []
+    return list(index.get("weight_map", {})) if isinstance(index, dict) else []
+
+
+def looks_like_hub_id(text: str) -> bool:
+    """Whether a name that is not a local path reads as a Hugging Face id ('org/name')."""
+    return not text.startswith((".", "/", "~")) and text.count("/") == 1
+
+
+def local_folder(path_or_repo: str | Path, *, what: str, revision: str | None = None, embedded: bool = False) -> Path:
+    """A local folder for ``path_or_repo``: the folder itself, or a hub snapshot.
+
+    ``embedded`` says that an embedded pair's name was accepted too, so that the error for
+    an unknown bare name lists them.
+
+    Raises:
+        DFlashError: If it is neither an existing folder nor a reachable hub repository.
+    """
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise DFlashError(f"The {what} path {path} is a file; pass the model's folder.")
+    text = str(path_or_repo)
+    if embedded and not any(c in text for c in "/\\~") and not text.startswith("."):  # a bare name
+        raise DFlashError(
+            f"The {what} {text!r} is neither an existing folder, a Hugging Face id like 'org/name', nor an "
+            f"embedded pair ({', '.join([*PAIR_ALIASES, TINY_PAIR])}). Check the path; leaving --model out gives "
+            "the default pair, SmolLM2-135M-Instruct."
+        )
+    if not looks_like_hub_id(text):
+        raise DFlashError(
+            f"The {what} {text!r} is neither an existing folder nor a Hugging Face id "
+            "like 'org/name'. Check the path."
+        )
+    return hub_snapshot(text, what=what, revision=revision, allow_patterns=ALLOW_PATTERNS)
 
 
 def hub_snapshot(

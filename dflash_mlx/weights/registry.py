@@ -6,13 +6,16 @@ a local Hugging Face cache snapshot of either all map to the same drafter. Only 
 quantization and dtype suffixes are stripped: fine-tunes such as ``Qwen3-4B-Instruct-2507``
 are different models and are not matched.
 
-This module only holds data and string matching; it imports nothing heavy, so the core
-loader can consult it.
+This module only holds data and string matching; it imports nothing heavy, so the command-line
+tools can consult it before loading anything.
 """
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from ..errors import DFlashError
+from .pairs import AUTO_DRAFT, PairNames, default_pair_draft
 
 # What the MLX community appends to a converted repository name: "-4bit", "-MLX-8bit",
 # "-bf16", "-4bit-DWQ", "-mxfp4" and the like.
@@ -168,7 +171,7 @@ KNOWN_PAIRS: tuple[KnownPair, ...] = (
 )
 
 
-# The default pair's target (dflash_mlx.weights.loading.DEFAULT_PAIR), whose drafter ships here.
+# The default pair's target (dflash_mlx.weights.pairs.DEFAULT_PAIR), whose drafter ships here.
 DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_TARGET_NAME = DEFAULT_TARGET.rsplit("/", 1)[-1]
 
@@ -226,6 +229,14 @@ def is_default_target(model: str | Path) -> bool:
     return name is not None and _matches(name, DEFAULT_TARGET_NAME)
 
 
+def known_draft(model: str | Path) -> str | None:
+    """The drafter for target ``model``: a known target's official one (a Hugging Face id), the
+    default pair's shipped folder for SmolLM2-135M-Instruct (its hub id or a GGUF of it), or None."""
+    if is_default_target(model):
+        return str(default_pair_draft())
+    return find_draft(model)
+
+
 def find_draft(model: str | Path) -> str | None:
     """The Hugging Face id of the official drafter for ``model``, or None if unknown."""
     pair = find_pair(model)
@@ -235,3 +246,34 @@ def find_draft(model: str | Path) -> str | None:
 def known_targets() -> list[str]:
     """The Hugging Face ids of every target with a known drafter that DFlash runs today."""
     return [p.target for p in KNOWN_PAIRS if p.needs is None]
+
+
+def look_up(names: PairNames) -> PairNames:
+    """``names`` with the registry's entry for the target, and ``AUTO_DRAFT`` replaced by the
+    target's known drafter (see :func:`known_draft`).
+
+    Raises:
+        DFlashError: If ``AUTO_DRAFT`` was asked for a target with no known drafter.
+    """
+    known = find_pair(names.target)
+    if names.draft != AUTO_DRAFT:
+        return replace(names, known=known)
+    draft = known_draft(names.target)
+    if draft is None:
+        raise DFlashError(
+            f"No known DFlash drafter for the target {str(names.target)!r}. Pass the drafter with --draft "
+            f"(known targets: {', '.join(known_targets())})."
+        )
+    # The target's revision means nothing for the drafter's repository.
+    return replace(names, draft=draft, draft_revision=False, known=known)
+
+
+def draft_for_cli(model: str | Path | None, draft: str | Path | None, no_draft: bool = False):
+    """The ``draft`` the command-line tools pass to :func:`dflash_mlx.load`.
+
+    A known target given without a drafter gets its official one (``AUTO_DRAFT``); otherwise
+    what was given, which for an unknown target means plain decoding.
+    """
+    if draft is None and model is not None and not no_draft and known_draft(model):
+        return AUTO_DRAFT
+    return draft
