@@ -125,25 +125,27 @@ class Verifier:
         starts = list(range(0, n - 1, step_size)) + [n - 1] if rotating and n > 1 else list(range(0, n, step_size))
         for i, end in zip(starts, starts[1:] + [n]):
             chunk = tokens[i:end]
-            logits, taps = self._forward(mx.array(chunk)[None])
+            # Only the last chunk's last position needs the head; the others' logits are never computed.
+            logits, taps = self._forward(mx.array(chunk)[None], last_logits=True)
             cache.append_pending(taps)
+            del taps  # handed over: not held while the next chunk makes its own
             drafter_state = []
             if self.draft is not None and cache.pending_taps is not None:
                 # Only the drafter's keys/values of a long prompt are kept, never all its raw taps.
                 self.draft.extend_context(cache.take_pending(), cache.draft, self.speedups)
                 drafter_state = [c.state for c in cache.draft]
             cache.tokens.extend(chunk)
-            mx.eval(logits, cache.pending_taps, [c.state for c in cache.target], drafter_state)
+            mx.eval(logits if end == n else [], cache.pending_taps, [c.state for c in cache.target], drafter_state)
             if end < n:
                 mx.clear_cache()  # as mlx-lm's prefill: a long prompt's chunk buffers are not kept
         return self._sample(self._logits(logits[0, -1:])).item()
 
-    def _forward(self, tokens: mx.array) -> tuple[mx.array, mx.array | None]:
+    def _forward(self, tokens: mx.array, last_logits: bool = False) -> tuple[mx.array, mx.array | None]:
         if self.rotating:
             # A rotating window (plain decoding only, so no taps): mlx-lm's own pass, as
             # mlx_lm generate runs it, since the window's state depends on how it is fed.
             return self.model(tokens, cache=self.cache.target), None
-        return tgt.forward_with_taps(self.model, tokens, self.cache.target, self.tap_ids, self.speedups)
+        return tgt.forward_with_taps(self.model, tokens, self.cache.target, self.tap_ids, self.speedups, last_logits)
 
     def _queue(self, token: mx.array, seen: Callable[[], list[int]]) -> None:
         # One plain step after ``token`` (1,), itself possibly unevaluated, started now and read

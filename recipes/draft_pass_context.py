@@ -108,12 +108,11 @@ def main() -> None:
             line = subprocess.run([sys.executable, *argv], env=env, check=True, capture_output=True, text=True)
             runs[name].append(json.loads(line.stdout.strip().splitlines()[-1]))
     print(f"median of {args.rounds} rounds (each a median of {args.reps} passes), ms")
-    print(f"{'context':>7} | {'pass before':>11} {'pass after':>10} | {'attention':>9} | beyond it: before, after")
+    print(f"{'context':>7} | pass: before, after | attention: before, after | beyond it: before, after")
     for c in map(str, args.contexts):
         med = {n: {k: statistics.median(r[c][k] for r in runs[n]) for k in ("pass_ms", "attention_ms")} for n in runs}
-        att = statistics.median([med["before"]["attention_ms"], med["after"]["attention_ms"]])
-        b, a = med["before"]["pass_ms"], med["after"]["pass_ms"]
-        print(f"{c:>7} | {b:>11.2f} {a:>10.2f} | {att:>9.2f} | {b - att:.2f}, {a - att:.2f}")
+        (b, att_b), (a, att_a) = ((med[n]["pass_ms"], med[n]["attention_ms"]) for n in ("before", "after"))
+        print(f"{c:>7} | {b:.2f}, {a:.2f} | {att_b:.2f}, {att_a:.2f} | {b - att_b:.2f}, {a - att_a:.2f}")
 
 
 if __name__ == "__main__":

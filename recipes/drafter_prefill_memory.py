@@ -10,17 +10,25 @@ in use before the prompt), and what stays held after.
 
     python -m dflash_mlx.cpu.openblas python recipes/drafter_prefill_memory.py
     PYTHONPATH=BEFORE python recipes/drafter_prefill_memory.py   # the version before, to compare
+
+``--shape qwen3-8b`` replaces the default pair with random weights in the shape of Qwen3-8B and
+its published drafter (z-lab/Qwen3-8B-DFlash-b16: 5 layers of hidden 4096, 32 heads over 8 KV
+heads of 128, taps of layers 1, 9, 17, 25, 33), in float32 as MLX's CPU backend runs it; the stand-in target has
+the real embedding and head (151,936 x 4096) but only 2 thin layers, since only its taps' width
+and its head matter here.
 """
 
 import argparse
 import inspect
 
 import mlx.core as mx
+from mlx_lm.models import qwen3
 
 from dflash_mlx import load
 from dflash_mlx.cache import make_cache
 from dflash_mlx.cpu.speedups import choose_speedups
 from dflash_mlx.models import target as tgt
+from dflash_mlx.models.drafter import DraftArgs, DraftModel
 from dflash_mlx.proposer import DFlashProposer
 from dflash_mlx.verify import Verifier
 
@@ -28,11 +36,33 @@ MB = 1024**2
 
 
 class TapsOnly(Verifier):
-    """A target that costs nothing: random taps of the drafter's width, one logits row."""
+    """A target that costs nothing: random taps of the drafter's width, one logits row. The
+    memory its making of them takes is left out of ``peak`` (the taps themselves are counted)."""
 
-    def _forward(self, tokens: mx.array):
+    peak = 0
+
+    def _forward(self, tokens: mx.array, last_logits: bool = False):
+        self.peak = max(self.peak, mx.get_peak_memory())
         width = len(self.tap_ids) * self.width
-        return mx.zeros((1, 1, self.vocab)), mx.random.normal((1, tokens.shape[1], width))
+        taps = mx.random.normal((1, tokens.shape[1], width), dtype=self.dtype)
+        mx.eval(taps)
+        mx.reset_peak_memory()
+        return mx.zeros((1, 1, self.vocab)), taps
+
+
+def qwen3_8b_shaped() -> tuple:
+    """A stand-in target and a random drafter in Qwen3-8B's and its DFlash drafter's shapes (float32)."""
+    shared = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+              "rms_norm_eps": 1e-6, "vocab_size": 151936, "rope_theta": 1000000.0, "max_position_embeddings": 40960}
+    target = qwen3.Model(qwen3.ModelArgs(model_type="qwen3", num_hidden_layers=2, intermediate_size=64,
+                                         tie_word_embeddings=False, **shared))
+    draft = DraftModel(DraftArgs.from_dict({
+        **shared, "model_type": "qwen3", "num_hidden_layers": 5, "intermediate_size": 12288, "num_target_layers": 36,
+        "block_size": 16, "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+    }))  # fmt: skip
+    for model in (target, draft):
+        mx.eval(model.parameters())
+    return target, draft
 
 
 def main() -> None:
@@ -43,9 +73,12 @@ def main() -> None:
         "--no-cpu-speedups", action="store_true",
         help="MLX's own ops, as on a GPU (the CPU's fused-exp attention keeps several score-sized arrays)",
     )  # fmt: skip
+    parser.add_argument("--shape", choices=["default-pair", "qwen3-8b"], default="default-pair")
     args = parser.parse_args()
-    model, draft, _ = load(dtype="float32")
-    speedups = None if args.no_cpu_speedups else choose_speedups(mx.float32)
+    model, draft = qwen3_8b_shaped() if args.shape == "qwen3-8b" else load(dtype="float32")[:2]
+    dtype = mx.float32
+    size = dtype.size
+    speedups = None if args.no_cpu_speedups else choose_speedups(dtype)
     a = draft.args
     # The version before this one's Verifier took no drafter: its taps waited in pending.
     feeds = "draft" in inspect.signature(Verifier.__init__).parameters
@@ -59,21 +92,23 @@ def main() -> None:
             model, cache, sampler=None, logits_processors=None, tap_ids=draft.target_layer_ids,
             speedups=speedups, **extra,
         )  # fmt: skip
-        verifier.width, verifier.vocab = a.hidden_size, tgt.vocab_size(model)
+        verifier.width, verifier.vocab, verifier.dtype = a.hidden_size, tgt.vocab_size(model), dtype
         mx.random.seed(0)
         mx.clear_cache()
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         last = verifier.prefill([1] * context, args.chunk)
-        prefill_peak = mx.get_peak_memory() - base
+        prefill_peak = max(verifier.peak, mx.get_peak_memory()) - base
         mx.reset_peak_memory()
         proposal = DFlashProposer(model, draft, cache, speedups=speedups).propose(last, draft.block_size - 1)
         mx.eval(proposal.tokens)
         pass_peak = mx.get_peak_memory() - base
         held = mx.get_active_memory() - base
-        kv = a.num_hidden_layers * 2 * context * a.num_key_value_heads * a.head_dim * 4
-        taps = context * len(draft.target_layer_ids) * a.hidden_size * 4
-        print(f"{context:>6} context: K/V {kv / MB:.1f} MB (raw taps would be {taps / MB:.1f}); peak increase: "
+        kv = a.num_hidden_layers * 2 * context * a.num_key_value_heads * a.head_dim * size
+        taps = context * len(draft.target_layer_ids) * a.hidden_size * size
+        handed = min(args.chunk, context) * len(draft.target_layer_ids) * a.hidden_size * size
+        print(f"{context:>6} context: K/V {kv / MB:.1f} MB (raw taps would be {taps / MB:.1f}, one chunk's taps "
+              f"{handed / MB:.1f}); peak increase: "
               f"prefill {prefill_peak / MB:.1f} MB ({prefill_peak / kv:.2f}x K/V), first pass {pass_peak / MB:.1f} MB "
               f"({pass_peak / kv:.2f}x); held after {held / MB:.1f} MB")  # fmt: skip
         del cache, verifier, proposal

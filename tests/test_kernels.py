@@ -81,6 +81,25 @@ def test_attention_matches_mlx_fast_with_its_gradient(mask_shape):
         assert mx.abs(a - b).max().item() < 2e-5
 
 
+@pytest.mark.parametrize("mask_shape", [None, (16, 40), (2, 4, 16, 40), "late"])
+def test_attention_over_chunks_of_keys_matches_mlx_fast(monkeypatch, mask_shape):
+    # Past CHUNK_ABOVE keys the scores are taken a chunk at a time (an online softmax): 40 keys in
+    # chunks of 14, 14 and 12. "late": rows that see no key of the first chunk, or of the first two.
+    monkeypatch.setattr(fast_math, "CHUNK_ABOVE", 32)
+    monkeypatch.setattr(fast_math, "KEY_CHUNK", 16)
+    q = mx.random.normal((2, 4, 16, 8)) * 3
+    k, v = mx.random.normal((2, 2, 40, 8)), mx.random.normal((2, 2, 40, 8))
+    if mask_shape == "late":
+        first_seen = mx.array([0, 20, 30, 39] * 4)[:, None]
+        mask = mx.arange(40)[None] >= first_seen
+    else:
+        mask = _mask(mask_shape)
+    ours = fast_math.attention(q, k, v, 0.35, mask, fast_exp=True)
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask=mask)
+    assert not mx.isnan(ours).any().item()
+    assert mx.abs(ours - theirs).max().item() < 2e-6
+
+
 def test_causal_mask_lets_each_query_see_the_context_and_itself():
     mask = fast_math.causal_mask(offset=3, length=2)
     assert mask.tolist() == [[True] * 4 + [False], [True] * 5]

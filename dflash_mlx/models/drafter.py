@@ -21,6 +21,9 @@ from ..cpu.speedups import CpuSpeedups
 from ..errors import DFlashError
 from . import target as tgt
 
+# Prompt positions whose taps extend_context projects at a time (see there).
+CONTEXT_SLICE = 128
+
 # Keys of the published checkpoints that may live under "dflash_config".
 _DFLASH_KEYS = (
     "block_size",
@@ -488,9 +491,14 @@ class DraftModel(nn.Module):
         """
         if not self.args.use_target_features:
             return  # the ablation never caches a context
-        context = self.hidden_norm(self.fc(taps))  # (1, Lc, H)
-        for layer, c in zip(self.layers, cache):
-            c.update_and_fetch(*layer.context_key_values(context, c.offset, speedups))
+        # A slice at a time, each written into the caches before the next, so that what the
+        # projections hold beyond the keys and values is one slice's, whatever the chunk.
+        for start in range(0, taps.shape[1], CONTEXT_SLICE):
+            context = self.hidden_norm(self.fc(taps[:, start : start + CONTEXT_SLICE]))  # (1, <= slice, H)
+            for layer, c in zip(self.layers, cache):
+                c.update_and_fetch(*layer.context_key_values(context, c.offset, speedups))
+            if start + CONTEXT_SLICE < taps.shape[1]:
+                mx.eval([c.state for c in cache])
 
     def block_hidden(
         self,

@@ -198,6 +198,7 @@ def forward_with_taps(
     cache: list[Any],
     tap_ids: list[int],
     speedups: CpuSpeedups | None = None,
+    last_logits: bool = False,
 ) -> tuple[mx.array, mx.array | None]:
     """Run the target on ``tokens`` and capture the hidden states after ``tap_ids``.
 
@@ -210,6 +211,8 @@ def forward_with_taps(
           portable path, mlx-lm's layers as they are). With ``start_every`` the pass starts
           running (``mx.async_eval``) while the rest of its graph is still being built, so
           not inside ``mx.compile`` or a gradient.
+        last_logits: The head on the last position only (``(B, 1, vocab)`` logits), as a prefill
+          needs: on every position a 512-token chunk of a 49k vocabulary is 100 MB and 29 GFLOP.
 
     Returns:
         ``(logits, taps)``: ``(B, L, vocab)`` logits and the taps concatenated
@@ -218,10 +221,10 @@ def forward_with_taps(
     start_every = speedups.start_every if speedups is not None else 0
     if model.model_type in hybrid.HYBRID_MODEL_TYPES:
         h, captured = hybrid.forward_with_taps(model, tokens, cache, tap_ids, start_every)
-        return _head(model, h, captured, tap_ids)
+        return _head(model, h, captured, tap_ids, last_logits)
     if model.model_type in gemma.GEMMA_MODEL_TYPES:
         h, captured = gemma.forward_with_taps(model, tokens, cache, tap_ids, start_every)
-        return _head(model, h, captured, tap_ids)
+        return _head(model, h, captured, tap_ids, last_logits)
     inner = model.model
     h = inner.embed_tokens(tokens)
     masks = _layer_masks(model, h, cache)
@@ -236,17 +239,19 @@ def forward_with_taps(
             captured[i] = h
         if start_every and (i + 1) % start_every == 0 and i + 1 < len(inner.layers):
             mx.async_eval(h)
-    return _head(model, h, captured, tap_ids)
+    return _head(model, h, captured, tap_ids, last_logits)
 
 
-def _head(model: nn.Module, h: mx.array, captured: dict, tap_ids: list[int]) -> tuple[mx.array, mx.array | None]:
+def _head(
+    model: nn.Module, h: mx.array, captured: dict, tap_ids: list[int], last_logits: bool = False
+) -> tuple[mx.array, mx.array | None]:
     inner = _text(model).model
     h = inner.norm(h)
     wanted = set(tap_ids)
     # HF's last hidden state is taken after the final norm; drafters were trained on that.
     if len(inner.layers) - 1 in wanted:
         captured[len(inner.layers) - 1] = h
-    logits = lm_head(model, h)
+    logits = lm_head(model, h[:, -1:] if last_logits else h)
     if not tap_ids:
         return logits, None
     return logits, mx.concatenate([captured[i] for i in tap_ids], axis=-1)
