@@ -21,8 +21,9 @@ from ..cpu.speedups import CpuSpeedups
 from ..errors import DFlashError
 from . import target as tgt
 
-# Prompt positions whose taps extend_context projects at a time (see there).
-CONTEXT_SLICE = 128
+# Prompt positions whose taps extend_context projects at a time (see there): at 64 an 8B-shaped
+# drafter's prefill peaks at 1.09x its K/V at 16k (1.10x at 128); BENCHMARKS.md, "Long prompts".
+CONTEXT_SLICE = 64
 
 # Keys of the published checkpoints that may live under "dflash_config".
 _DFLASH_KEYS = (
