@@ -15,16 +15,12 @@ previous version) and for this one, in fresh processes taking turns, --rounds ea
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
 
-ROOT = Path(__file__).resolve().parent.parent
+from turns import run_in_turns
 
 
 def measure(contexts: list[int], reps: int, new: int) -> dict:
@@ -98,15 +94,8 @@ def main() -> None:
                   f"beyond it {r['pass_ms'] - r['attention_ms']:.2f} ms")  # fmt: skip
         return
 
-    sides = {"before": str(Path(args.before).resolve()), "after": str(ROOT)}
-    runs = {name: [] for name in sides}
-    argv = [sys.argv[0], "--json", "--reps", str(args.reps), "--new", str(args.new), "--contexts"]
-    argv += [str(c) for c in args.contexts]
-    for _ in range(args.rounds):
-        for name, path in sides.items():
-            env = {**os.environ, "PYTHONPATH": path}
-            line = subprocess.run([sys.executable, *argv], env=env, check=True, capture_output=True, text=True)
-            runs[name].append(json.loads(line.stdout.strip().splitlines()[-1]))
+    argv = ["--json", "--reps", str(args.reps), "--new", str(args.new), "--contexts", *map(str, args.contexts)]
+    runs = run_in_turns(args.before, argv, args.rounds)
     print(f"median of {args.rounds} rounds (each a median of {args.reps} passes), ms")
     print(f"{'context':>7} | pass: before, after | attention: before, after | beyond it: before, after")
     for c in map(str, args.contexts):

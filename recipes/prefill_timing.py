@@ -10,14 +10,10 @@ measured for the dflash_mlx under DIR, in fresh processes taking turns, --rounds
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from turns import run_in_turns
 
 
 def measure(lengths: list[int], reps: int) -> dict:
@@ -56,14 +52,8 @@ def main() -> None:
             for length, seconds in result.items():
                 print(f"{length:>6} tokens: first token after {seconds:.2f} s ({length / seconds:.0f} prompt tok/s)")
         return
-    sides = {"before": str(Path(args.before).resolve()), "after": str(ROOT)}
-    runs = {name: [] for name in sides}
-    argv = [sys.argv[0], "--json", "--reps", str(args.reps), "--lengths", *map(str, args.lengths)]
-    for _ in range(args.rounds):
-        for name, path in sides.items():
-            env = {**os.environ, "PYTHONPATH": path}
-            line = subprocess.run([sys.executable, *argv], env=env, check=True, capture_output=True, text=True)
-            runs[name].append(json.loads(line.stdout.strip().splitlines()[-1]))
+    argv = ["--json", "--reps", str(args.reps), "--lengths", *map(str, args.lengths)]
+    runs = run_in_turns(args.before, argv, args.rounds)
     print(f"median of {args.rounds} rounds (each a median of {args.reps}), seconds to the first token")
     for length in map(str, args.lengths):
         b, a = (statistics.median(r[length] for r in runs[n]) for n in ("before", "after"))
