@@ -4,6 +4,9 @@
 25 seconds of "Retrying in 8s" lines before the error. Here one request without retries checks
 the hub first: when it cannot be reached, a cached copy is used (said once), and without one
 the error says so at once.
+
+A pair's names become local folders here (:func:`fetch_pair`): a local path is taken as it is,
+a hub id downloaded, a hub target only after its config alone has been vetted by the caller.
 """
 
 import json
