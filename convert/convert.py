@@ -42,12 +42,12 @@ from ..weights.files import install, partial_sibling
 from ..weights.gguf import convert_gguf, find_gguf
 from ..weights.casting import cast
 from ..weights.draft_loader import load_draft
-from ..weights.folders import check_tokenizer_files, is_drafter_config, read_config
+from ..weights.folders import check_not_drafter, check_tokenizer_files, is_drafter_config, read_config
 from ..weights.loading import load
 from ..weights.pairs import PAIR_MANIFEST, default_pair_draft, read_pair_manifest
 from ..weights.registry import known_draft
 from ..weights.hub import local_folder, target_folder
-from ..weights.target_checks import check_family_layout, vet_hub_target
+from ..weights.target_checks import check_target_config, vet_hub_target
 from ..weights.target_loader import load_target_model
 from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft
 
@@ -149,18 +149,8 @@ def _target_source(hf_path: str, revision: str | None) -> tuple[Path, dict[str, 
             f"{hf_path} is already a converted DFlash pair; load it directly, e.g. dflash-generate --model {hf_path}."
         )
     config = read_config(path, "target")
-    if is_drafter_config(config):
-        raise DFlashError(
-            f"{hf_path} is a DFlash drafter, not a target model. Pass it with --draft-hf-path "
-            "and give its target model with --hf-path."
-        )
-    model_type = config.get("model_type")
-    if model_type not in tgt.SUPPORTED_MODEL_TYPES:
-        raise DFlashError(
-            f"Unsupported target architecture model_type={model_type!r} in {hf_path}: DFlash supports "
-            f"{', '.join(tgt.SUPPORTED_MODEL_TYPES)} targets."
-        )
-    check_family_layout(config)
+    check_not_drafter(config, hf_path, "Pass it with --draft-hf-path and give its target model with --hf-path.")
+    check_target_config(config, hf_path)
     return path, config
 
 
@@ -406,7 +396,7 @@ def convert(
                 f"The drafter {draft_id} is already quantized; drop --draft-q-bits to convert it as it is."
             )
         draft_dtype = _draft_dtype(dtype, target_config, draft_config)
-        draft = _load_checked_draft(target_src, draft_src, draft_dtype)
+        draft = _load_checked_draft(target_src, target_config, draft_src, draft_dtype)
 
         if tmp is None:
             tmp = partial_sibling(dest)
@@ -475,7 +465,9 @@ def convert(
     return ConvertResult(path=dest, target=str(hf_path), draft=str(draft_id), check=result)
 
 
-def _load_checked_draft(target_src: Path, draft_src: Path, dtype: str | None) -> DraftModel:
+def _load_checked_draft(
+    target_src: Path, target_config: dict[str, Any], draft_src: Path, dtype: str | None
+) -> DraftModel:
     """The drafter, checked against the target before anything is converted."""
     if not any(target_src.glob("*.safetensors")):
         raise DFlashError(
@@ -484,7 +476,7 @@ def _load_checked_draft(target_src: Path, draft_src: Path, dtype: str | None) ->
         )
     check_tokenizer_files(target_src)  # a pair without them would only fail when loaded
     # Lazy: the target's weights are never read here, only its config and layer count.
-    target_skeleton, _ = load_target_model(target_src, config=read_config(target_src, "target"), lazy=True)
+    target_skeleton, _ = load_target_model(target_src, config=target_config, lazy=True)
     try:
         tokenizer = load_tokenizer(target_src)
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:

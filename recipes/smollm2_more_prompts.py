@@ -296,6 +296,13 @@ def main() -> None:
                         help="Response caches (JSONL or .gz) of dflash-train --data-only.")
     parser.add_argument("--magpie", type=Path, default=Path("assets/smollm2/data/magpie.jsonl"), help="magpie.py's kept prompts.")
     parser.add_argument("--out", type=Path, default=Path("assets/smollm2/data"))
+    parser.add_argument("--base", type=Path, nargs=2, default=None, metavar=("TRAIN", "HELDOUT"),
+                        help="Prompt files whose answered single-turn prompts get follow-ups (default: --existing).")
+    parser.add_argument("--also-existing", type=Path, nargs="*", default=[],
+                        help="More prompt files whose prompts are not repeated (e.g. the second set's, for a third).")
+    parser.add_argument("--kinds", nargs="+", default=["chitchat", "followup", "magpie"],
+                        choices=["chitchat", "followup", "magpie"], help="Which kinds of prompt to make.")
+    parser.add_argument("--name", default="2", help="Write prompts_train<NAME>.jsonl and prompts_heldout<NAME>.jsonl.")
     parser.add_argument("--max-prompt-tokens", type=int, default=384)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -304,15 +311,19 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
     old_train, old_heldout = read_jsonl(args.existing[0]), read_jsonl(args.existing[1])
-    existing = {key_of(r["messages"]) for r in old_train + old_heldout}
+    also = [r for p in args.also_existing for r in read_jsonl(p)]
+    existing = {key_of(r["messages"]) for r in old_train + old_heldout + also}
+    base_train, base_heldout = (read_jsonl(p) for p in args.base) if args.base else (old_train, old_heldout)
 
     candidates = []  # (record, held_out)
-    cc = chitchat_prompts()
+    cc = chitchat_prompts() if "chitchat" in args.kinds else []
     candidates += cc
-    responses = [ex for p in args.responses for ex in read_jsonl(p)]
-    fu, fu_why = followup_prompts(tokenizer, responses, old_train, old_heldout)
+    fu, fu_why = [], Counter()
+    if "followup" in args.kinds:
+        responses = [ex for p in args.responses for ex in read_jsonl(p)]
+        fu, fu_why = followup_prompts(tokenizer, responses, base_train, base_heldout)
     candidates += fu
-    magpie = read_jsonl(args.magpie) if args.magpie.is_file() else []
+    magpie = read_jsonl(args.magpie) if "magpie" in args.kinds and args.magpie.is_file() else []
     candidates += [(r, int(r["source"].split(":b")[1]) in MAGPIE_HELDOUT_BUCKETS) for r in magpie]
     print(f"candidates: chitchat {len(cc)}, followup {len(fu)} ({dict(fu_why)}), magpie {len(magpie)}")
 
@@ -344,8 +355,8 @@ def main() -> None:
 
     train, heldout = balanced_order(train, args.seed), balanced_order(heldout, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(args.out / "prompts_train2.jsonl", train)
-    write_jsonl(args.out / "prompts_heldout2.jsonl", heldout)
+    write_jsonl(args.out / f"prompts_train{args.name}.jsonl", train)
+    write_jsonl(args.out / f"prompts_heldout{args.name}.jsonl", heldout)
     print(table(train, heldout))
     for name, recs in (("train", train), ("held-out", heldout)):
         src = Counter(r["source"] for r in recs)

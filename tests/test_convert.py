@@ -512,7 +512,7 @@ def _bad_inputs(hf, tmp_path):
         ),
         "drafter-as-target": (
             dict(hf_path=str(hf / "draft")),
-            r"is a DFlash drafter, not a target model\. Pass it with --draft-hf-path",
+            r"holds a DFlash drafter, not a target model\. Pass it with --draft-hf-path",
         ),
         "target-as-drafter": (
             dict(draft_hf_path=str(hf / "target")),
@@ -577,7 +577,7 @@ def test_cli_errors_are_one_line(hf, tmp_path, capsys):
         main(["--hf-path", str(hf / "draft"), "--mlx-path", str(tmp_path / "out")])
     assert e.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("dflash-convert: error: ") and "is a DFlash drafter" in err
+    assert err.startswith("dflash-convert: error: ") and "holds a DFlash drafter, not a target model" in err
     with pytest.raises(SystemExit) as e:
         main(["--mlx-path", str(tmp_path / "out")])
     assert e.value.code == 2 and "--hf-path is required" in capsys.readouterr().err

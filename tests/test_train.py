@@ -409,11 +409,11 @@ def test_resume_matches_uninterrupted(setup, tmp_path, monkeypatch, capsys):
     # Ctrl+C during step 3: the step ends, is saved, and the run exits 130 saying where.
     real_get_lr = train_mod.get_lr
 
-    def get_lr(it, args):
+    def get_lr(it, args, elapsed=None):
         if it == 2 and not os.environ.get("_SENT"):
             monkeypatch.setenv("_SENT", "1")
             os.kill(os.getpid(), signal.SIGINT)
-        return real_get_lr(it, args)
+        return real_get_lr(it, args, elapsed)
 
     monkeypatch.setattr(train_mod, "get_lr", get_lr)
     before = signal.getsignal(signal.SIGINT)  # SIG_IGN when the suite runs in a background job
@@ -575,12 +575,27 @@ def test_get_lr_schedule():
     lrs = [get_lr(i, args) for i in range(110)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(x >= y for x, y in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
+    # With --minutes the decay follows the time trained, whatever the step.
+    timed = TrainingArgs(learning_rate=1.0, warmup=10, iters=110, min_lr_ratio=0.1, minutes=2.0)
+    assert get_lr(5, timed, 0.0) == lrs[5]  # warmup by steps still
+    assert get_lr(20, timed, 60.0) == pytest.approx(0.55) and get_lr(20, timed, 0.0) == pytest.approx(1.0)
+    assert get_lr(20, timed, 500.0) == pytest.approx(0.1)
+
+
+def test_minutes_stops_the_run_and_saves_it(setup, tmp_path, capsys):
+    out = tmp_path / "timed"
+    train(_args(setup, out, iters=10_000, minutes=0.002, eval_prompts=0))
+    step = json.loads((latest_checkpoint(out)[0] / "state.json").read_text())["step"]
+    assert 1 <= step < 10_000 and (out / "model.safetensors").exists()
+    assert f"stopped after 0.002 minutes at step {step}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["--block-size", "1"], "--block-size must be at least 2"),
+        (["--minutes", "0"], "--minutes must be greater than 0"),
+        (["--minutes", "5", "--resume"], "--minutes schedules one uninterrupted run and cannot be resumed"),
         (["--target-layer-ids", "1", "7"], "--target-layer-ids 1 7 must be distinct layers"),
         (["--data", "missing.jsonl"], "does not exist"),
         (["--iters", "0"], "--iters must be at least 1 (got 0)"),

@@ -41,7 +41,7 @@ from ..responses import AcceptanceStats
 from ..dtypes import DTYPES
 from ..weights.casting import cast, cast_pair
 from ..weights.draft_loader import MASK_TOKENS, load_draft, tokenizer_mask_token
-from ..weights.folders import is_drafter_config, read_config
+from ..weights.folders import check_not_drafter, read_config
 from ..weights.pairs import embedded_pair
 from ..weights.hub import local_folder
 from ..weights.target_loader import load_target
@@ -164,6 +164,11 @@ class TrainingArgs:
     stop_at: int | None = field(
         default=None, metadata={"help": "Stop after this step, to resume later (default: run all --iters)."}
     )
+    minutes: float | None = field(
+        default=None,
+        metadata={"help": "Train for this many minutes (at most --iters steps); the cosine decay runs over the time, "
+                          "so runs of different step costs compare at equal compute. Not with --resume."},
+    )
     resume: bool = field(default=False, metadata={"help": "Continue from the checkpoint in --out."})
     init_draft: str | None = field(
         default=None,
@@ -194,11 +199,15 @@ class TrainingArgs:
     seed: int = field(default=0, metadata={"help": "Seed for the drafter init and the data sampling."})
 
 
-def get_lr(it: int, args: TrainingArgs) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio * learning_rate``."""
+def get_lr(it: int, args: TrainingArgs, elapsed: float | None = None) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio * learning_rate``: over the steps up
+    to ``--iters``, or with ``--minutes`` over that time (``elapsed``: the seconds trained so far)."""
     if it < args.warmup:
         return args.learning_rate * (it + 1) / args.warmup
-    progress = min(1.0, (it - args.warmup) / max(1, args.iters - args.warmup))
+    if args.minutes is not None and elapsed is not None:
+        progress = min(1.0, elapsed / (60 * args.minutes))
+    else:
+        progress = min(1.0, (it - args.warmup) / max(1, args.iters - args.warmup))
     coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
     return args.learning_rate * (args.min_lr_ratio + (1 - args.min_lr_ratio) * coeff)
 
@@ -262,6 +271,11 @@ def _check_args(args: TrainingArgs) -> None:
         raise DFlashError(f"dtype={args.dtype!r} is not one of {', '.join(DTYPES)}.")
     if args.data is None:
         raise DFlashError("No training prompts: pass a JSONL file with --data.")
+    if args.minutes is not None and args.minutes <= 0:
+        raise DFlashError(f"--minutes must be greater than 0 (got {args.minutes:g}).")
+    if args.minutes is not None and args.resume:
+        raise DFlashError("--minutes schedules one uninterrupted run and cannot be resumed; leave out --resume "
+                          "(or --minutes, to continue by steps).")
     if args.resume and args.init_draft is not None:
         raise DFlashError("--resume continues the run in --out; --init-draft starts a new one. Pass one of them.")
 
@@ -435,12 +449,12 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
     """The frozen target, its tokenizer, the drafter config (the checkpoint's when resuming)
     and the target's record for the checkpoint; bad settings fail here, before any data."""
     target_path = local_folder(args.model, what="target") if args.model else embedded_pair()[0]
-    if is_drafter_config(read_config(target_path, "target")):
-        raise DFlashError(
-            f"{target_path} holds a DFlash drafter, not a target model. Pass the target it drafts for with "
-            "--model; to train this drafter further, pass it with --init-draft (a new run in a new --out), or "
-            "its run folder with --out and --resume if it holds a training_state."
-        )
+    check_not_drafter(
+        read_config(target_path, "target"),
+        target_path,
+        "Pass the target it drafts for with --model; to train this drafter further, pass it with --init-draft (a "
+        "new run in a new --out), or its run folder with --out and --resume if it holds a training_state.",
+    )
     target, tokenizer = load_target(target_path)
     cast_pair(target, None, args.dtype)
     target.freeze()
@@ -683,7 +697,9 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
         for b in map(_to_mx, val_batches):
             taps, target_final = taps_for(b, val_ex)
             val.append(loss_fn(taps, *[b[k] for k in _KEYS], target_final=target_final).item())
-        mean, hist = evaluate_acceptance(target, draft, eval_prompts, args.eval_max_tokens, stop_tokens)
+        mean, hist = None, {}
+        if eval_prompts:
+            mean, hist = evaluate_acceptance(target, draft, eval_prompts, args.eval_max_tokens, stop_tokens)
         draft.train()
         record = {
             "step": step,
@@ -692,7 +708,8 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
             "hist": hist,
         }
         val_text = f"val loss {record['val_loss']:.4f}" if val else "no val loss (no held-out set)"
-        print(f"eval step {step}: {val_text}, acceptance {mean:.2f} {hist}", flush=True)
+        accept_text = f"acceptance {mean:.2f} {hist}" if eval_prompts else "no acceptance (no eval prompts)"
+        print(f"eval step {step}: {val_text}, {accept_text}", flush=True)
         return record
 
     # ---- the loop ----
@@ -707,7 +724,7 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
     bar = Progress(args.iters, width=20, stream=sys.stdout)
     with open(out / "metrics.jsonl", "a") as metrics, interrupt_after_step() as interrupted:
         for it in range(start, end_step):
-            optimizer.learning_rate = get_lr(it, args)
+            optimizer.learning_rate = get_lr(it, args, time.perf_counter() - tic)
             batch = _to_mx(make_batch(train_ex, rng, **batch_kwargs))
             taps, last_hidden = taps_for(batch, train_ex)
             loss = step_fn(taps, last_hidden, *[batch[k] for k in _KEYS])
@@ -715,23 +732,32 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
             losses.append(loss.item())
             tokens_done += int(batch["weights"].size)
             step = it + 1
-            if step % args.log_every == 0 or step == args.iters:
+            if args.minutes is not None and time.perf_counter() - tic >= 60 * args.minutes:
+                end_step = step
+            last = step == end_step
+            if step % args.log_every == 0 or last:
                 elapsed = time.perf_counter() - tic
                 eta = elapsed / (step - start) * (args.iters - step)
+                if args.minutes is not None:
+                    eta = min(eta, max(0.0, 60 * args.minutes - elapsed))
                 # The mean training loss since the last progress line.
                 loss, losses = float(np.mean(losses)), []
                 eta_text = f"{int(eta) // 60}m{int(eta) % 60:02d}s"
                 bar.update(step, f"loss {loss:.3f} {tokens_done / elapsed:,.0f} tok/s ETA {eta_text}", elapsed=False)
-                metrics.write(json.dumps({"step": step, "loss": loss, "lr": get_lr(it, args)}) + "\n")
-            if (args.eval_every and step % args.eval_every == 0) or step == args.iters:
+                metrics.write(json.dumps({"step": step, "loss": loss, "lr": optimizer.learning_rate.item()}) + "\n")
+            if (args.eval_every and step % args.eval_every == 0) or step == args.iters or (last and args.minutes):
                 metrics.write(json.dumps(run_eval(step)) + "\n")
-            if step % args.save_every == 0 or step in (args.iters, args.stop_at) or interrupted:
+            if step % args.save_every == 0 or step in (args.iters, args.stop_at) or last or interrupted:
                 save(step=step)
             metrics.flush()
             if interrupted and step < end_step:
                 raise TrainingInterrupted(step, out)
+            if last:
+                break
     bar.close()
-    if end_step < args.iters:
+    if args.minutes is not None:
+        print(f"stopped after {args.minutes:g} minutes at step {end_step}; saved to {out}", flush=True)
+    elif end_step < args.iters:
         print(f"stopped at step {end_step} of {args.iters} (--stop-at); saved to {out}; rerun with --resume to continue",
               flush=True)  # fmt: skip
     if isinstance(draft.fc, ScaledLinear):

@@ -36,17 +36,19 @@ def read_pair(folders: PairFolders) -> PairSource:
           folder that holds no DFlash drafter.
     """
     config = folders.target_config or read_config(folders.target, "target")
-    if is_drafter_config(config):
-        raise DFlashError(
-            f"{folders.target} holds a DFlash drafter, not a target model. Pass it as the drafter (--draft) "
-            "and give the target model with --model."
-        )
+    check_not_drafter(config, folders.target, "Pass it as the drafter (--draft) and give the target model with --model.")
     names = tuple(read_weights(folders.target, "target"))  # a clear message for missing or corrupt files
     check_tokenizer_files(folders.target)
     if folders.draft is None:
         return PairSource(folders.target, config, names)
     draft_config = read_draft_config(folders.draft)
     return PairSource(folders.target, config, names, folders.draft, draft_config, read_weights(folders.draft, "drafter"))
+
+
+def check_not_drafter(config: dict[str, Any], where: str | Path, fix: str) -> None:
+    """Refuse a drafter's config given as the target's; ``fix`` (how the command takes each) ends the message."""
+    if is_drafter_config(config):
+        raise DFlashError(f"{where} holds a DFlash drafter, not a target model. {fix}")
 
 
 def read_draft_config(path: Path) -> dict[str, Any]:

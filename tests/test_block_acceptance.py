@@ -1,0 +1,49 @@
+"""Acceptance read off a whole response equals what the generation loop accepts, cycle by cycle."""
+
+import numpy as np
+import pytest
+
+from dflash_mlx import dflash_generate_step, load
+from dflash_mlx.bench.benchmark import encode, load_prompts
+from dflash_mlx.train.block_acceptance import accepted_prefix, response_acceptance
+from dflash_mlx.train.taps import TapStore
+from dflash_mlx.weights.pairs import TINY_PAIR, embedded_pair_path
+
+
+def test_accepted_prefix_stops_at_the_first_miss_or_the_end():
+    labels = np.array([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
+    drafts = np.array([[5, 6, 0, 8], [0, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
+    valid = np.ones_like(labels, bool)
+    valid[3, 2:] = False  # the response ends after two more tokens
+    assert accepted_prefix(drafts, labels, valid).tolist() == [2, 0, 4, 2]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load(TINY_PAIR, dtype="float32")
+
+
+@pytest.mark.parametrize("block_size", [16, 6])
+def test_every_cycle_of_the_loop_accepts_what_its_anchor_reads(tiny, block_size):
+    model, draft, tokenizer = tiny
+    row = next(r for r in load_prompts(embedded_pair_path(TINY_PAIR) / "prompts.jsonl") if r["category"] == "chat")
+    prompt = encode(tokenizer, row)
+    steps = list(dflash_generate_step(prompt, model, draft, max_tokens=80, block_size=block_size, adaptive=False,
+                                      stop_tokens=tokenizer.eos_token_ids))  # fmt: skip
+    response = [t for s in steps for t in s.tokens]
+    example = {"key": "k", "prompt_ids": list(prompt), "response_ids": response}
+    read = response_acceptance(draft, model, TapStore(model, draft.target_layer_ids, 4096), example, block_size)
+    at = dict(zip(read.anchors.tolist(), read.accepted.tolist()))
+    cycles, emitted = [], 0
+    for s in steps:
+        if s.num_draft:
+            # The cycle drafts from the last token emitted; it can verify no more than it drafted.
+            cycles.append((len(prompt) + emitted - 1, s.num_draft, s.num_accepted))
+        emitted += len(s.tokens)
+    assert [acc for _, _, acc in cycles] == [min(at[a], n) for a, n, _ in cycles]
+    # A trained pair: cycles that accepted several drafts and cycles that accepted none.
+    accepted = [acc for _, _, acc in cycles]
+    assert len(cycles) >= 10 and max(accepted) >= 3 and min(accepted) == 0
+    # Read one position off, the counts no longer match the loop's (so the check above can fail).
+    for shift in (-1, 1):
+        assert accepted != [min(at.get(a + shift, -1), n) for a, n, _ in cycles]
