@@ -1,21 +1,33 @@
 """Acceptance read off a whole response equals what the generation loop accepts, cycle by cycle."""
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 from dflash_mlx import dflash_generate_step, load
 from dflash_mlx.bench.benchmark import encode, load_prompts
-from dflash_mlx.train.block_acceptance import accepted_prefix, response_acceptance
+from dflash_mlx.train.block_acceptance import _accepted, response_acceptance
 from dflash_mlx.train.taps import TapStore
 from dflash_mlx.weights.pairs import TINY_PAIR, embedded_pair_path
 
 
-def test_accepted_prefix_stops_at_the_first_miss_or_the_end():
+class OneHotDraft:
+    """A drafter whose block hidden state is its logits: slot k of block i drafts argmax h[i, k]."""
+
+    def logits(self, target, h):
+        return h
+
+    def token_ids(self, ids):
+        return ids
+
+
+def test_accepted_stops_at_the_first_miss_or_the_end():
     labels = np.array([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
     drafts = np.array([[5, 6, 0, 8], [0, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
     valid = np.ones_like(labels, bool)
     valid[3, 2:] = False  # the response ends after two more tokens
-    assert accepted_prefix(drafts, labels, valid).tolist() == [2, 0, 4, 2]
+    h = mx.array(np.eye(10, dtype=np.float32)[drafts])
+    assert _accepted(OneHotDraft(), None, h, labels, valid).tolist() == [2, 0, 4, 2]
 
 
 @pytest.fixture(scope="module")

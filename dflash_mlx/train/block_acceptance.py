@@ -28,20 +28,10 @@ class ResponseAcceptance:
     anchors: np.ndarray
     accepted: np.ndarray
 
-    @property
-    def tau(self) -> float:
-        """Mean tokens a cycle emits from these anchors: its accepted drafts plus the target's own."""
-        return float(self.accepted.mean() + 1) if self.accepted.size else float("nan")
-
-
-def accepted_prefix(drafts: np.ndarray, labels: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Per block (row), how many leading drafts equal their labels before the first miss or
-    the first position without a label (past the response's end)."""
-    match = (drafts == labels) & valid
-    return np.cumprod(match, axis=1).sum(axis=1)
-
 
 def _accepted(draft, target, h: mx.array, labels: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Per block (row of ``h``), how many leading drafts equal their labels before the first
+    miss or the first slot without a label (past the response's end)."""
     # Slot by slot, the head only for blocks still accepted up to it: the head is most of the
     # cost, and most blocks stop at their first draft.
     accepted = np.zeros(len(labels), np.int64)
