@@ -59,3 +59,18 @@ def test_every_cycle_of_the_loop_accepts_what_its_anchor_reads(tiny, block_size)
     # Read one position off, the counts no longer match the loop's (so the check above can fail).
     for shift in (-1, 1):
         assert accepted != [min(at.get(a + shift, -1), n) for a, n, _ in cycles]
+
+
+def test_a_smaller_block_accepts_the_larger_read_capped_at_its_width(tiny):
+    # What recipes/smollm2_block_tau.py relies on to read every block size at once.
+    model, draft, tokenizer = tiny
+    row = next(r for r in load_prompts(embedded_pair_path(TINY_PAIR) / "prompts.jsonl") if r["category"] == "chat")
+    prompt = encode(tokenizer, row)
+    steps = list(dflash_generate_step(prompt, model, draft, max_tokens=60, block_size=16, adaptive=False,
+                                      stop_tokens=tokenizer.eos_token_ids))  # fmt: skip
+    example = {"key": "k", "prompt_ids": list(prompt), "response_ids": [t for s in steps for t in s.tokens]}
+    store = TapStore(model, draft.target_layer_ids, 4096)
+    full = response_acceptance(draft, model, store, example, 16).accepted
+    assert full.max() > 4  # the cap below bites
+    for B in (8, 5):
+        assert response_acceptance(draft, model, store, example, B).accepted.tolist() == np.minimum(full, B - 1).tolist()
