@@ -42,8 +42,10 @@ _MIN_QUERIES = 8
 # most KEY_CHUNK, each evaluated before the next (an online softmax), so what a pass holds beyond
 # the K/V stays one chunk's at any context. Measured on a 2-core EPYC (9 heads x 16 queries):
 # 0.4-0.7x the time of one pass over 4k-16k keys, 1.1x over 2-3k keys, hence the threshold.
+# Chunks of 1,024 keys took the time of 2,048's over 4k-32k keys with half the working set
+# (about 8 score-sized arrays: 4.3 against 8.1 MB at 16k); 512 were slower.
 CHUNK_ABOVE = 4096
-KEY_CHUNK = 2048
+KEY_CHUNK = 1024
 
 
 def _two_to_the_f(y: mx.array) -> tuple[mx.array, mx.array]:
