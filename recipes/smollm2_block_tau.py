@@ -86,9 +86,9 @@ def main():
             got = response_acceptance(draft, target, store, ex, block_size=max(args.block_sizes)).accepted
             accepted[category[ex["key"]]].append(got)
             accepted["all"].append(got)
+        reads = {c: np.concatenate(v) for c, v in sorted(accepted.items())}
         results[name] = {
-            B: {c: {"anchors": int(sum(a.size for a in v)), "tau": float(np.minimum(np.concatenate(v), B - 1).mean() + 1)}
-                for c, v in sorted(accepted.items())}
+            B: {c: {"anchors": int(read.size), "tau": float(np.minimum(read, B - 1).mean() + 1)} for c, read in reads.items()}
             for B in args.block_sizes
         }  # fmt: skip
         print(f"{name}: {len(examples)} responses, {results[name][args.block_sizes[0]]['all']['anchors']:,} anchors, "
