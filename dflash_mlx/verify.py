@@ -122,30 +122,41 @@ class Verifier:
         if self.draft is not None:
             # The whole prompt and a block after it, in buffers sized once.
             reserve(cache.draft, cache.draft_offset + cache.pending_length + n + self.draft.block_size, self.draft)
+        # The drafter's fc applied by the target as each tapped layer is done: a chunk holds one
+        # projected row per position instead of n_taps raw ones (FoldedTaps).
+        fold = self.draft.tap_blocks() if self.draft is not None and not rotating else None
         starts = list(range(0, n - 1, step_size)) + [n - 1] if rotating and n > 1 else list(range(0, n, step_size))
         for i, end in zip(starts, starts[1:] + [n]):
             chunk = tokens[i:end]
             # Only the last chunk's last position needs the head; the others' logits are never computed.
-            logits, taps = self._forward(mx.array(chunk)[None], last_logits=True)
-            cache.append_pending(taps)
-            del taps  # handed over: not held while the next chunk makes its own
-            drafter_state = []
+            logits, taps = self._forward(mx.array(chunk)[None], last_logits=True, fold=fold)
+            if fold is None:
+                cache.append_pending(taps)
+                taps = None
             if self.draft is not None and cache.pending_taps is not None:
-                # Only the drafter's keys/values of a long prompt are kept, never all its raw taps.
+                # Only the drafter's keys/values of a long prompt are kept, never all its raw taps
+                # (with a fold, these are an earlier turn's last verified block's).
                 self.draft.extend_context(cache.take_pending(), cache.draft, self.speedups)
-                drafter_state = [c.state for c in cache.draft]
+            if taps is not None:
+                self.draft.extend_context(taps, cache.draft, self.speedups, projected=True)
+            del taps  # handed over: not held while the next chunk makes its own
+            drafter_state = [c.state for c in cache.draft] if self.draft is not None else []
             cache.tokens.extend(chunk)
             mx.eval(logits if end == n else [], cache.pending_taps, [c.state for c in cache.target], drafter_state)
             if end < n:
                 mx.clear_cache()  # as mlx-lm's prefill: a long prompt's chunk buffers are not kept
         return self._sample(self._logits(logits[0, -1:])).item()
 
-    def _forward(self, tokens: mx.array, last_logits: bool = False) -> tuple[mx.array, mx.array | None]:
+    def _forward(
+        self, tokens: mx.array, last_logits: bool = False, fold: dict[int, mx.array] | None = None
+    ) -> tuple[mx.array, mx.array | None]:
         if self.rotating:
             # A rotating window (plain decoding only, so no taps): mlx-lm's own pass, as
             # mlx_lm generate runs it, since the window's state depends on how it is fed.
             return self.model(tokens, cache=self.cache.target), None
-        return tgt.forward_with_taps(self.model, tokens, self.cache.target, self.tap_ids, self.speedups, last_logits)
+        return tgt.forward_with_taps(
+            self.model, tokens, self.cache.target, self.tap_ids, self.speedups, last_logits, fold
+        )
 
     def _queue(self, token: mx.array, seen: Callable[[], list[int]]) -> None:
         # One plain step after ``token`` (1,), itself possibly unevaluated, started now and read

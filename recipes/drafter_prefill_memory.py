@@ -11,6 +11,11 @@ in use before the prompt), and what stays held after.
     python -m dflash_mlx.cpu.openblas python recipes/drafter_prefill_memory.py
     PYTHONPATH=BEFORE python recipes/drafter_prefill_memory.py   # the version before, to compare
 
+``--real-target`` runs the default pair's real target instead of the stand-in, and reports the
+prefill's peak with the drafter beyond the peak of the same prefill without it (the target alone,
+no taps): what drafting adds to a long prompt's prefill, the target's own activations and the
+taps it makes for the drafter included.
+
 ``--shape qwen3-8b`` replaces the default pair with random weights in the shape of Qwen3-8B and
 its published drafter (z-lab/Qwen3-8B-DFlash-b16: 5 layers of hidden 4096, 32 heads over 8 KV
 heads of 128, taps of layers 1, 9, 17, 25, 33), in float32 as MLX's CPU backend runs it; the stand-in target has
@@ -36,14 +41,15 @@ MB = 1024**2
 
 
 class TapsOnly(Verifier):
-    """A target that costs nothing: random taps of the drafter's width, one logits row. The
-    memory its making of them takes is left out of ``peak`` (the taps themselves are counted)."""
+    """A target that costs nothing: random taps of the drafter's width (or, asked to fold them,
+    of ``fc``'s output width), one logits row. The memory its making of them takes is left out
+    of ``peak`` (the taps themselves are counted)."""
 
     peak = 0
 
-    def _forward(self, tokens: mx.array, last_logits: bool = False):
+    def _forward(self, tokens: mx.array, last_logits: bool = False, fold=None):
         self.peak = max(self.peak, mx.get_peak_memory())
-        width = len(self.tap_ids) * self.width
+        width = self.width if fold else len(self.tap_ids) * self.width
         taps = mx.random.normal((1, tokens.shape[1], width), dtype=self.dtype)
         mx.eval(taps)
         mx.reset_peak_memory()
@@ -74,7 +80,10 @@ def main() -> None:
         help="MLX's own ops, as on a GPU (the CPU's fused-exp attention keeps several score-sized arrays)",
     )  # fmt: skip
     parser.add_argument("--shape", choices=["default-pair", "qwen3-8b"], default="default-pair")
+    parser.add_argument("--real-target", action="store_true", help="the default pair's own target (see above)")
     args = parser.parse_args()
+    if args.real_target:
+        return real_target(args)
     model, draft = qwen3_8b_shaped() if args.shape == "qwen3-8b" else load(dtype="float32")[:2]
     dtype = mx.float32
     size = dtype.size
@@ -112,6 +121,32 @@ def main() -> None:
               f"prefill {prefill_peak / MB:.1f} MB ({prefill_peak / kv:.2f}x K/V), first pass {pass_peak / MB:.1f} MB "
               f"({pass_peak / kv:.2f}x); held after {held / MB:.1f} MB")  # fmt: skip
         del cache, verifier, proposal
+
+
+def real_target(args) -> None:
+    model, draft = load(dtype="float32")[:2]
+    speedups = None if args.no_cpu_speedups else choose_speedups(mx.float32)
+    a = draft.args
+    for context in args.contexts:
+        peaks = []
+        for drafter in (None, draft):
+            cache = make_cache(model, drafter)
+            extra = {"draft": drafter} if "draft" in inspect.signature(Verifier.__init__).parameters else {}
+            verifier = Verifier(
+                model, cache, sampler=None, logits_processors=None,
+                tap_ids=drafter.target_layer_ids if drafter else [], speedups=speedups, **extra,
+            )  # fmt: skip
+            mx.clear_cache()
+            base = mx.get_active_memory()
+            mx.reset_peak_memory()
+            verifier.prefill([1 + i % 1000 for i in range(context)], args.chunk)
+            mx.eval([c.state for c in cache.draft or []])  # the version before left the last chunk's taps pending
+            peaks.append(mx.get_peak_memory() - base)
+            del cache, verifier
+        kv = a.num_hidden_layers * 2 * context * a.num_key_value_heads * a.head_dim * 4
+        added = peaks[1] - peaks[0]
+        print(f"{context:>6} context: target alone peaks {peaks[0] / MB:.1f} MB, with the drafter {peaks[1] / MB:.1f} "
+              f"MB: drafting adds {added / MB:.1f} MB ({added / kv:.2f}x the drafter's K/V, {kv / MB:.1f} MB)")
 
 
 if __name__ == "__main__":

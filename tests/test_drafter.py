@@ -1,4 +1,5 @@
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from helpers.checkpoints import draft_config
 
@@ -222,3 +223,43 @@ def test_the_prefill_leaves_no_taps_pending_and_the_drafts_unchanged(qwen3_pair)
         logits.append(draft.propose(model, block, cache.take_pending(), cache.draft))
         assert cache.draft_offset == 37
     assert mx.abs(logits[0] - logits[1]).max().item() < 1e-4
+
+
+def test_a_prefill_after_pending_taps_takes_them_in_first(qwen3_pair):
+    """Taps left pending by an earlier turn's last block are raw, the prefill's own are folded by
+    the target: the caches take the pending ones first, and the drafts are those of a prefill that
+    took the whole prompt raw."""
+    from dflash_mlx.cache import make_cache
+    from dflash_mlx.models import target as tgt
+    from dflash_mlx.verify import Verifier
+
+    model, draft, _ = qwen3_pair
+    prompt = [int(t) for t in mx.random.randint(0, 100, (37,)).tolist()]
+    logits = []
+    for pending in (0, 20):
+        cache = make_cache(model, draft)
+        if pending:
+            _, taps = tgt.forward_with_taps(model, mx.array([prompt[:pending]]), cache.target, draft.target_layer_ids)
+            cache.append_pending(taps)
+            cache.tokens.extend(prompt[:pending])
+        verifier = Verifier(
+            model, cache, sampler=None, logits_processors=None, tap_ids=draft.target_layer_ids,
+            speedups=None, draft=draft if pending else None,
+        )  # fmt: skip
+        last = verifier.prefill(prompt[pending:], 8)
+        assert cache.pending_length == (0 if pending else 37)
+        block = mx.array([[last] + [draft.mask_token_id] * (draft.block_size - 1)])
+        logits.append(draft.propose(model, block, cache.take_pending(), cache.draft))
+        assert cache.draft_offset == len(cache.tokens) == 37
+    assert mx.abs(logits[0] - logits[1]).max().item() < 1e-4
+
+
+def test_only_a_plain_linear_fc_is_folded():
+    draft = _draft()
+    blocks = draft.tap_blocks()
+    assert sorted(blocks) == [1, 2] and all(b.shape == (64, 64) for b in blocks.values())
+    assert mx.array_equal(mx.concatenate([blocks[1], blocks[2]], axis=1), draft.fc.weight).item()
+    nn.quantize(draft, group_size=32, bits=8, class_predicate=lambda path, m: path == "fc")
+    assert draft.tap_blocks() is None  # its taps go through the quantized fc as they are
+    ablation = DraftModel(DraftArgs.from_dict({**draft_config(), "use_target_features": False}))
+    assert ablation.tap_blocks() is None

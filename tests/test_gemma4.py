@@ -15,7 +15,7 @@ from helpers.hf_checkpoints import GEMMA_KINDS, GEMMA_WINDOW, write_hf_target
 from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import DFlashError, load, make_cache
-from dflash_mlx.models import gemma, sliding
+from dflash_mlx.models import sliding
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.drafter import DraftArgs
 
@@ -307,3 +307,8 @@ def test_convert_load_generate_chat(gemma_targets, kind, tmp_path, capsys):
     assert second == reply(fresh, turns)
     chat.close()
     fresh.close()
+
+
+@pytest.mark.parametrize("kind", GEMMA_KINDS)
+def test_taps_folded_as_made_equal_fc_of_the_taps(gemma_pairs, kind):
+    family.check_folded_taps(gemma_pairs[kind][0])

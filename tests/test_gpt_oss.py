@@ -332,3 +332,7 @@ def test_hub_layouts_mlx_lm_would_misread_are_refused_before_download(tmp_path, 
     with pytest.raises(DFlashError, match="snapshot_download was called"):
         load("someone/gpt-oss-fine")
     assert "someone/gpt-oss-fine/model.safetensors.index.json" in fetched
+
+
+def test_taps_folded_as_made_equal_fc_of_the_taps(pair):
+    family.check_folded_taps(pair[0])

@@ -436,3 +436,8 @@ def test_data_step_refills_rows_only_without_recurrent_layers(pairs, kind):
 
     model, _, _ = pairs[kind]
     assert batch_decode.supports(model) == (kind not in HYBRID)
+
+
+@pytest.mark.parametrize("kind", HF_KINDS)
+def test_taps_folded_as_made_equal_fc_of_the_taps(pairs, kind):
+    family.check_folded_taps(pairs[kind][0])

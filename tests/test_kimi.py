@@ -274,3 +274,7 @@ def test_registry_knows_the_kimi_pair(capsys):
     lines = capsys.readouterr().out.splitlines()
     line = next(line for line in lines if line.split()[:3] == ["moonshotai/Kimi-K2.5", "->", "z-lab/Kimi-K2.5-DFlash"])
     assert "needs" not in line
+
+
+def test_taps_folded_as_made_equal_fc_of_the_taps(pair):
+    family.check_folded_taps(pair[0])

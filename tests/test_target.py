@@ -2,6 +2,7 @@ import copy
 
 import mlx.core as mx
 import mlx.nn as nn
+from helpers import family
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.models import target as tgt
@@ -49,3 +50,8 @@ def test_no_taps(tiny_pair):
     logits, taps = tgt.forward_with_taps(model, mx.array([[1, 2]]), make_prompt_cache(model), [])
     assert taps is None and logits.shape[:2] == (1, 2)
 
+
+
+def test_taps_folded_as_made_equal_fc_of_the_taps(tiny_pair):
+    model, _, _ = tiny_pair
+    family.check_folded_taps(model)

@@ -478,7 +478,25 @@ class DraftModel(nn.Module):
         end = h.shape[1] if num_drafts is None else 1 + num_drafts
         return self.logits(model, h[:, 1:end])
 
-    def extend_context(self, taps: mx.array, cache: list[Any], speedups: CpuSpeedups | None = None) -> None:
+    def tap_blocks(self) -> dict[int, mx.array] | None:
+        """``fc``'s weight split by tap, for the target to project its taps as it makes them
+        (:class:`~dflash_mlx.models.target.FoldedTaps`): ``{layer: (H, H_tap) block}``, a layer
+        tapped twice getting the sum of its blocks. None where ``fc`` is not a plain linear map
+        of the concatenated taps (quantized, or with a bias) or the taps are not used."""
+        ids = self.target_layer_ids
+        fc = self.fc
+        if type(fc) is not nn.Linear or "bias" in fc or not ids or not self.args.use_target_features:
+            return None
+        width = fc.weight.shape[1] // len(ids)
+        blocks = {}
+        for k, layer in enumerate(ids):
+            block = fc.weight[:, k * width : (k + 1) * width]
+            blocks[layer] = block if layer not in blocks else blocks[layer] + block
+        return blocks
+
+    def extend_context(
+        self, taps: mx.array, cache: list[Any], speedups: CpuSpeedups | None = None, projected: bool = False
+    ) -> None:
         """Take the taps of new context positions into the context caches now, as the next
         pass would have (``fc`` + ``hidden_norm``, then each layer's keys and values).
 
@@ -486,16 +504,20 @@ class DraftModel(nn.Module):
         never pile up: only the drafter's keys and values of them are kept.
 
         Args:
-            taps: ``(1, Lc, n_taps * H)`` taps of the positions after the cached ones.
+            taps: ``(1, Lc, n_taps * H)`` taps of the positions after the cached ones, or with
+              ``projected`` their ``fc`` projection already (``(1, Lc, H)``, as the target
+              folds them with :meth:`tap_blocks`).
             cache: The drafter's per-layer context caches; they grow by ``Lc``.
             speedups: The CPU speedups, or None.
+            projected: ``taps`` went through ``fc`` already.
         """
         if not self.args.use_target_features:
             return  # the ablation never caches a context
         # A slice at a time, each written into the caches before the next, so that what the
         # projections hold beyond the keys and values is one slice's, whatever the chunk.
         for start in range(0, taps.shape[1], CONTEXT_SLICE):
-            context = self.hidden_norm(self.fc(taps[:, start : start + CONTEXT_SLICE]))  # (1, <= slice, H)
+            rows = taps[:, start : start + CONTEXT_SLICE]
+            context = self.hidden_norm(rows if projected else self.fc(rows))  # (1, <= slice, H)
             for layer, c in zip(self.layers, cache):
                 c.update_and_fetch(*layer.context_key_values(context, c.offset, speedups))
             if start + CONTEXT_SLICE < taps.shape[1]:

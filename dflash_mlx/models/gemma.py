@@ -99,10 +99,11 @@ def check_layout(config: dict) -> None:
 
 
 def forward_with_taps(
-    model: nn.Module, tokens: mx.array, cache: list[Any], tap_ids: list[int], start_every: int = 0
-) -> tuple[mx.array, dict[int, mx.array]]:
-    """The Gemma 4 decoder walked layer by layer, as mlx-lm's ``Gemma4TextModel.__call__``:
-    ``(last layer's output, {layer: its output})``, before the final norm."""
+    model: nn.Module, tokens: mx.array, cache: list[Any], tap_ids: list[int], captured: Any, start_every: int = 0
+) -> mx.array:
+    """The Gemma 4 decoder walked layer by layer, as mlx-lm's ``Gemma4TextModel.__call__``: the
+    last layer's output before the final norm; each layer in ``tap_ids`` has its output set in
+    ``captured`` (a dict, or ``target.FoldedTaps``)."""
     inner = text_model(model).model
     embedding = inner.embed_tokens(tokens)
     h = embedding * inner.embed_scale
@@ -115,7 +116,7 @@ def forward_with_taps(
     cache = list(cache) + [None] * (n - len(cache))
     masks = inner._make_masks(h, cache)
     shared = [(None, None)] * n  # each layer's (keys, values) and RoPE offset, for the layers reusing them
-    wanted, captured = set(tap_ids), {}
+    wanted = set(tap_ids)
     for i, (layer, c, mask, source, layer_input) in enumerate(
         zip(inner.layers, cache, masks, inner.previous_kvs, per_layer)
     ):
@@ -126,4 +127,4 @@ def forward_with_taps(
             captured[i] = h
         if start_every and (i + 1) % start_every == 0 and i + 1 < n:
             mx.async_eval(h)
-    return h, captured
+    return h

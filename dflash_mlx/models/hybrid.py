@@ -216,9 +216,10 @@ def check_layout(config: dict) -> None:
 
 
 def forward_with_taps(
-    model: nn.Module, tokens: mx.array, cache: list[Any], tap_ids: list[int], start_every: int = 0
-) -> tuple[mx.array, dict[int, mx.array]]:
-    """The hybrid decoder walked layer by layer: ``(last layer's output, {layer: its output})``.
+    model: nn.Module, tokens: mx.array, cache: list[Any], tap_ids: list[int], captured: Any, start_every: int = 0
+) -> mx.array:
+    """The hybrid decoder walked layer by layer: the last layer's output; each layer in
+    ``tap_ids`` has its output set in ``captured`` (a dict, or ``target.FoldedTaps``).
 
     Each linear attention layer's cache is told the layer's input first (see
     ``RecurrentCache.begin``). A pass of at most ``RECORD_POSITIONS`` tokens runs those layers
@@ -229,7 +230,7 @@ def forward_with_taps(
     h = inner.embed_tokens(tokens)
     fa_mask = create_attention_mask(h, cache[inner.fa_idx])
     ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
-    wanted, captured = set(tap_ids), {}
+    wanted = set(tap_ids)
     for i, (layer, c) in enumerate(zip(inner.layers, cache)):
         mask = ssm_mask if layer.is_linear else fa_mask
         if isinstance(c, RecurrentCache):
@@ -246,7 +247,7 @@ def forward_with_taps(
             captured[i] = h
         if start_every and (i + 1) % start_every == 0 and i + 1 < len(inner.layers):
             mx.async_eval(h)
-    return h, captured
+    return h
 
 
 def _recorded_layer(layer: nn.Module, x: mx.array, cache: RecurrentCache) -> mx.array:

@@ -192,6 +192,44 @@ def _cpu_layers(
     )
 
 
+class FoldedTaps:
+    """Taps projected by a drafter's linear ``fc`` as the target makes them.
+
+    ``fc(concat(taps)) == sum over k of taps[k] @ fc.weight[:, k*H:(k+1)*H].T``, so each tapped
+    layer's output is folded into one ``(B, L, H_fc)`` sum as soon as it exists: a prefill chunk
+    then holds that sum instead of ``n_taps`` hidden states waiting to be concatenated (and
+    their concatenation). Used as the layer walkers' ``captured`` mapping.
+
+    Args:
+        blocks: Each tapped layer's ``(H_fc, H)`` block of ``fc.weight`` (summed over the
+          places it appears in ``tap_ids``).
+        last: The target's last layer, whose tap is set twice (by the walker, then after the
+          final norm by ``_head``): it is folded in by :meth:`total`, from its last setting.
+    """
+
+    def __init__(self, blocks: dict[int, mx.array], last: int):
+        self.blocks, self.last = blocks, last
+        self.sum, self.last_tap = None, None
+
+    def __setitem__(self, layer: int, h: mx.array) -> None:
+        if layer == self.last:
+            self.last_tap = h
+            return
+        self._add(h @ self.blocks[layer].T)
+
+    def _add(self, part: mx.array) -> None:
+        self.sum = part if self.sum is None else self.sum + part
+        # Started now: MLX would otherwise run the target's whole pass first and fold the taps
+        # at the end, keeping every tapped layer's output until then.
+        mx.async_eval(self.sum)
+
+    def total(self) -> mx.array | None:
+        if self.last_tap is not None:
+            self._add(self.last_tap @ self.blocks[self.last].T)
+            self.last_tap = None
+        return self.sum
+
+
 def forward_with_taps(
     model: nn.Module,
     tokens: mx.array,
@@ -199,6 +237,7 @@ def forward_with_taps(
     tap_ids: list[int],
     speedups: CpuSpeedups | None = None,
     last_logits: bool = False,
+    fold: dict[int, mx.array] | None = None,
 ) -> tuple[mx.array, mx.array | None]:
     """Run the target on ``tokens`` and capture the hidden states after ``tap_ids``.
 
@@ -213,23 +252,26 @@ def forward_with_taps(
           not inside ``mx.compile`` or a gradient.
         last_logits: The head on the last position only (``(B, 1, vocab)`` logits), as a prefill
           needs: on every position a 512-token chunk of a 49k vocabulary is 100 MB and 29 GFLOP.
+        fold: Each tapped layer's block of a drafter's ``fc`` weight (:class:`FoldedTaps`;
+          :meth:`~dflash_mlx.models.drafter.DraftModel.tap_blocks`), or None for the raw taps.
 
     Returns:
         ``(logits, taps)``: ``(B, L, vocab)`` logits and the taps concatenated
-        in ``tap_ids`` order, ``(B, L, len(tap_ids) * H)``, or None if ``tap_ids`` is empty.
+        in ``tap_ids`` order, ``(B, L, len(tap_ids) * H)`` (with ``fold``: their ``fc``
+        projection, ``(B, L, H_fc)``), or None if ``tap_ids`` is empty.
     """
     start_every = speedups.start_every if speedups is not None else 0
+    captured = {} if fold is None else FoldedTaps(fold, num_layers(model) - 1)
     if model.model_type in hybrid.HYBRID_MODEL_TYPES:
-        h, captured = hybrid.forward_with_taps(model, tokens, cache, tap_ids, start_every)
+        h = hybrid.forward_with_taps(model, tokens, cache, tap_ids, captured, start_every)
         return _head(model, h, captured, tap_ids, last_logits)
     if model.model_type in gemma.GEMMA_MODEL_TYPES:
-        h, captured = gemma.forward_with_taps(model, tokens, cache, tap_ids, start_every)
+        h = gemma.forward_with_taps(model, tokens, cache, tap_ids, captured, start_every)
         return _head(model, h, captured, tap_ids, last_logits)
     inner = model.model
     h = inner.embed_tokens(tokens)
     masks = _layer_masks(model, h, cache)
     wanted = set(tap_ids)
-    captured = {}
     visible = None
     if _cpu_layers(model, h, cache, masks, speedups):
         visible = fast_math.causal_mask(cache[0].offset, h.shape[1])
@@ -243,7 +285,7 @@ def forward_with_taps(
 
 
 def _head(
-    model: nn.Module, h: mx.array, captured: dict, tap_ids: list[int], last_logits: bool = False
+    model: nn.Module, h: mx.array, captured: "dict | FoldedTaps", tap_ids: list[int], last_logits: bool = False
 ) -> tuple[mx.array, mx.array | None]:
     inner = _text(model).model
     h = inner.norm(h)
@@ -254,4 +296,6 @@ def _head(
     logits = lm_head(model, h[:, -1:] if last_logits else h)
     if not tap_ids:
         return logits, None
+    if isinstance(captured, FoldedTaps):
+        return logits, captured.total()
     return logits, mx.concatenate([captured[i] for i in tap_ids], axis=-1)

@@ -6,8 +6,10 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import make_cache
+from dflash_mlx.models import target as tgt
+from dflash_mlx.models.drafter import DraftArgs, DraftModel
 
-from .checkpoints import VOCAB
+from .checkpoints import VOCAB, draft_config
 from .decoding import run
 from .oracles import AcceptExactlyDraft, ScriptedDraft
 
@@ -21,6 +23,24 @@ def prompt_ids(length: int, seed: int = 3) -> list[int]:
 def reference(model, prompt: list[int], max_tokens: int = MAX_REF) -> list[int]:
     """mlx-lm's own greedy decoding, with the family's own caches."""
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+def check_folded_taps(model) -> None:
+    """The target's taps folded through a drafter's ``fc`` as each layer makes them (the
+    prefill's way) equal ``fc`` of the concatenated taps, a repeated layer and the (normed)
+    last layer among them."""
+    last = tgt.num_layers(model) - 1
+    tap_ids = [0, last, min(1, last), 0]
+    config = draft_config(num_target_layers=tgt.num_layers(model), target_layer_ids=tap_ids)
+    config["hidden_size"] = tgt.hidden_size(model)
+    mx.random.seed(6)
+    draft = DraftModel(DraftArgs.from_dict(config))
+    tokens = mx.array([prompt_ids(13)])
+    _, raw = tgt.forward_with_taps(model, tokens, make_cache(model).target, tap_ids)
+    _, folded = tgt.forward_with_taps(model, tokens, make_cache(model).target, tap_ids, fold=draft.tap_blocks())
+    expected = draft.fc(raw)
+    assert folded.shape == expected.shape == (1, 13, tgt.hidden_size(model))
+    assert (mx.abs(folded - expected).max() / mx.abs(expected).max()).item() < 1e-5
 
 
 def check_lossless(model, draft, block_size: int, prompt_len: int) -> None:
