@@ -55,3 +55,19 @@ def test_no_taps(tiny_pair):
 def test_taps_folded_as_made_equal_fc_of_the_taps(tiny_pair):
     model, _, _ = tiny_pair
     family.check_folded_taps(model)
+
+
+def test_folded_taps_keep_the_taps_dtype_and_their_precision():
+    mx.random.seed(2)
+    taps = [mx.random.normal((1, 9, 32)).astype(mx.bfloat16) for _ in range(3)]
+    weight = mx.random.normal((16, 3 * 32)).astype(mx.bfloat16)
+    folded = tgt.FoldedTaps({k: weight[:, k * 32 : (k + 1) * 32] for k in range(3)}, last=7)
+    for k, h in enumerate(taps):
+        folded[k] = h
+    total = folded.total()
+    exact = mx.concatenate(taps, axis=-1).astype(mx.float32) @ weight.astype(mx.float32).T
+    one_matmul = mx.concatenate(taps, axis=-1) @ weight.T
+    assert total.dtype == mx.bfloat16
+    # No further from the exact sum than the single bfloat16 matmul over the concatenated taps, within a rounding.
+    err = mx.abs(total.astype(mx.float32) - exact).max().item()
+    assert err <= 2 * mx.abs(one_matmul.astype(mx.float32) - exact).max().item() + 1e-6

@@ -209,7 +209,7 @@ class FoldedTaps:
 
     def __init__(self, blocks: dict[int, mx.array], last: int):
         self.blocks, self.last = blocks, last
-        self.sum, self.last_tap = None, None
+        self.sum, self.last_tap, self.dtype = None, None, None
 
     def __setitem__(self, layer: int, h: mx.array) -> None:
         if layer == self.last:
@@ -218,6 +218,9 @@ class FoldedTaps:
         self._add(h @ self.blocks[layer].T)
 
     def _add(self, part: mx.array) -> None:
+        # Summed in float32, as the one matmul over the concatenated taps accumulates.
+        self.dtype = part.dtype
+        part = part.astype(mx.float32)
         self.sum = part if self.sum is None else self.sum + part
         # Started now: MLX would otherwise run the target's whole pass first and fold the taps
         # at the end, keeping every tapped layer's output until then.
@@ -227,7 +230,7 @@ class FoldedTaps:
         if self.last_tap is not None:
             self._add(self.last_tap @ self.blocks[self.last].T)
             self.last_tap = None
-        return self.sum
+        return None if self.sum is None else self.sum.astype(self.dtype)
 
 
 def forward_with_taps(
@@ -254,6 +257,8 @@ def forward_with_taps(
           needs: on every position a 512-token chunk of a 49k vocabulary is 100 MB and 29 GFLOP.
         fold: Each tapped layer's block of a drafter's ``fc`` weight (:class:`FoldedTaps`;
           :meth:`~dflash_mlx.models.drafter.DraftModel.tap_blocks`), or None for the raw taps.
+          The folded sum is started as it grows (``mx.async_eval``), so not inside ``mx.compile``
+          or a gradient either.
 
     Returns:
         ``(logits, taps)``: ``(B, L, vocab)`` logits and the taps concatenated
