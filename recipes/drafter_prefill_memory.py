@@ -38,6 +38,13 @@ from dflash_mlx.proposer import DFlashProposer
 from dflash_mlx.verify import Verifier
 
 MB = 1024**2
+# The version before the prefill handed taps to the drafter took no drafter: its taps waited in pending.
+FEEDS = "draft" in inspect.signature(Verifier.__init__).parameters
+
+
+def kv_bytes(args: DraftArgs, context: int, size: int) -> int:
+    """The drafter's keys and values of ``context`` positions, from their shapes."""
+    return args.num_hidden_layers * 2 * context * args.num_key_value_heads * args.head_dim * size
 
 
 class TapsOnly(Verifier):
@@ -89,14 +96,12 @@ def main() -> None:
     size = dtype.size
     speedups = None if args.no_cpu_speedups else choose_speedups(dtype)
     a = draft.args
-    # The version before this one's Verifier took no drafter: its taps waited in pending.
-    feeds = "draft" in inspect.signature(Verifier.__init__).parameters
-    print(f"prefill hands taps to the drafter: {feeds}; CPU speedups: {speedups is not None}; "
+    print(f"prefill hands taps to the drafter: {FEEDS}; CPU speedups: {speedups is not None}; "
           f"drafter: {a.num_hidden_layers} layers, {a.num_key_value_heads} KV heads x {a.head_dim}, "
           f"{len(draft.target_layer_ids)} taps x {a.hidden_size}")  # fmt: skip
     for context in args.contexts:
         cache = make_cache(model, draft)
-        extra = {"draft": draft} if feeds else {}
+        extra = {"draft": draft} if FEEDS else {}
         verifier = TapsOnly(
             model, cache, sampler=None, logits_processors=None, tap_ids=draft.target_layer_ids,
             speedups=speedups, **extra,
@@ -113,7 +118,7 @@ def main() -> None:
         mx.eval(proposal.tokens)
         pass_peak = mx.get_peak_memory() - base
         held = mx.get_active_memory() - base
-        kv = a.num_hidden_layers * 2 * context * a.num_key_value_heads * a.head_dim * size
+        kv = kv_bytes(a, context, size)
         taps = context * len(draft.target_layer_ids) * a.hidden_size * size
         handed = min(args.chunk, context) * len(draft.target_layer_ids) * a.hidden_size * size
         print(f"{context:>6} context: K/V {kv / MB:.1f} MB (raw taps would be {taps / MB:.1f}, one chunk's taps "
@@ -131,7 +136,7 @@ def real_target(args) -> None:
         peaks = []
         for drafter in (None, draft):
             cache = make_cache(model, drafter)
-            extra = {"draft": drafter} if "draft" in inspect.signature(Verifier.__init__).parameters else {}
+            extra = {"draft": drafter} if FEEDS else {}
             verifier = Verifier(
                 model, cache, sampler=None, logits_processors=None,
                 tap_ids=drafter.target_layer_ids if drafter else [], speedups=speedups, **extra,
@@ -143,7 +148,7 @@ def real_target(args) -> None:
             mx.eval([c.state for c in cache.draft or []])  # the version before left the last chunk's taps pending
             peaks.append(mx.get_peak_memory() - base)
             del cache, verifier
-        kv = a.num_hidden_layers * 2 * context * a.num_key_value_heads * a.head_dim * 4
+        kv = kv_bytes(a, context, mx.float32.size)
         added = peaks[1] - peaks[0]
         print(f"{context:>6} context: target alone peaks {peaks[0] / MB:.1f} MB, with the drafter {peaks[1] / MB:.1f} "
               f"MB: drafting adds {added / MB:.1f} MB ({added / kv:.2f}x the drafter's K/V, {kv / MB:.1f} MB)")
