@@ -33,6 +33,18 @@ def test_exp_is_zero_below_its_range():
     assert mx.compile(fast_math._exp_nonpositive)(y).tolist() == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize("shape", [(1, 3, 3, 16, 1024), (2, 5, 70), (400,)])
+def test_shifted_exp_in_two_kernels_is_the_one_piece_exp(shape):
+    # The attention's exp runs as two compiled kernels to hold fewer score-sized arrays; it
+    # must give what the one-piece version gives, to the bit (below -43 included).
+    mx.random.seed(0)
+    scores = mx.random.normal(shape) * 20
+    top = mx.max(scores, axis=-1, keepdims=True)
+    one_piece = mx.compile(lambda s, t: fast_math._exp_nonpositive(s - t), shapeless=True)
+    assert mx.array_equal(fast_math._shifted_exp(scores, top), one_piece(scores, top)).item()
+    assert (scores - top < -43).any().item() and (scores - top > -0.5).any().item()
+
+
 @pytest.mark.parametrize("shape", [(16, 96), (1, 5, 40), (3,)])
 def test_swiglu_matches_mlx_lm(shape):
     gate = mx.random.normal(shape) * 8

@@ -43,7 +43,8 @@ _MIN_QUERIES = 8
 # the K/V stays one chunk's at any context. Measured on a 2-core EPYC (9 heads x 16 queries):
 # 0.4-0.7x the time of one pass over 4k-16k keys, 1.1x over 2-3k keys, hence the threshold.
 # Chunks of 1,024 keys took the time of 2,048's over 4k-32k keys with half the working set
-# (about 8 score-sized arrays: 4.3 against 8.1 MB at 16k); 512 were slower.
+# (about 8 score-sized arrays then: 4.3 against 8.1 MB at 16k; 6 since the exp's split below); 512 were
+# slower.
 CHUNK_ABOVE = 4096
 KEY_CHUNK = 1024
 
@@ -67,8 +68,13 @@ def _exp(x: mx.array) -> mx.array:
 
 
 def _exp_nonpositive(x: mx.array) -> mx.array:
-    # For x <= 0, shapeless: 2**-n comes exact from an integer shift converted to float.
-    p, n = _two_to_the_f(mx.maximum(x, _SHIFT_MIN) * _LOG2E)
+    # For x <= 0, shapeless.
+    return _scaled_down(x, *_two_to_the_f(mx.maximum(x, _SHIFT_MIN) * _LOG2E))
+
+
+def _scaled_down(x: mx.array, p: mx.array, n: mx.array) -> mx.array:
+    # exp(x) from _two_to_the_f's (2**f, n) of x log2 e: 2**-n comes exact from an integer
+    # shift converted to float.
     power = mx.left_shift(mx.array(1, dtype=mx.int64), (-n).astype(mx.int64)).astype(x.dtype)
     return mx.where(x < _SHIFT_MIN, 0.0, p / power)
 
@@ -106,9 +112,22 @@ def _masked_scores(scores: mx.array, mask: mx.array, scale: mx.array) -> mx.arra
     return mx.where(mask, scores * scale, -mx.inf)
 
 
+# Two kernels, not one: MLX fuses element-wise chains only so deep, and the polynomial and the
+# power in one compiled function came out as several kernels that held about 7 score-sized
+# arrays at once (the attention's working set per key chunk). Split where the polynomial ends,
+# they hold 4 (the scores, 2**f, n, the weights), with the same result to the bit.
 @partial(mx.compile, shapeless=True)
+def _shifted_exp_parts(scores: mx.array, top: mx.array) -> tuple[mx.array, mx.array]:
+    return _two_to_the_f(mx.maximum(scores - top, _SHIFT_MIN) * _LOG2E)
+
+
+@partial(mx.compile, shapeless=True)
+def _shifted_exp_scaled(scores: mx.array, top: mx.array, p: mx.array, n: mx.array) -> mx.array:
+    return _scaled_down(scores - top, p, n)
+
+
 def _shifted_exp_forward(scores: mx.array, top: mx.array) -> mx.array:
-    return _exp_nonpositive(scores - top)
+    return _shifted_exp_scaled(scores, top, *_shifted_exp_parts(scores, top))
 
 
 @mx.custom_function
