@@ -5,9 +5,9 @@ acceptance rule, same rollback, same handling of ``max_tokens`` and stop tokens)
 can be compared token for token and cycle for cycle.
 
 A sliding-window layer (gpt-oss) keeps its last pass until the crop after it, as transformers'
-assisted decoding has it keep it. A hybrid target (Qwen3.5: linear attention layers with a
-recurrent state) cannot crop its cache. There the loop copies the cache before each verify
-pass and, after a rejection, goes back to the copy and runs the target again over the kept
+assisted decoding has it keep it. A hybrid target's cache (Qwen3.5: linear attention layers with
+a recurrent state) is not cropped, even where transformers can crop it by recording every state
+of a pass: the loop copies the cache before each verify pass and, after a rejection, goes back to the copy and runs the target again over the kept
 tokens: slower than the MLX side's replay of the linear attention alone, and independent of it.
 """
 
@@ -18,6 +18,7 @@ from typing import Generator, NamedTuple
 import torch
 import torch.nn as nn
 from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from ..errors import DFlashError
 from .model import ReferenceDraft
@@ -132,8 +133,9 @@ def reference_generate_step(
 
     # Taps of committed positions that the drafter has not seen yet.
     posterior, pending = _verify(ids)
-    # Known once the layers hold state: False when one of them is recurrent.
-    croppable = cache.is_croppable
+    # Known once the layers hold state. A recurrent layer is never cropped (see above): transformers
+    # before 5.25 cannot, and from 5.25 it can only with past recording, another rollback than the copy.
+    croppable = cache.is_croppable and not any(isinstance(x, LinearAttentionCacheLayerMixin) for x in cache.layers)
     last = posterior[-1]
     yield ReferenceStep([last], 0, 0)
     generated, stopped = 1, last in stop_tokens

@@ -370,7 +370,9 @@ def load_reference(
     # Kimi K2.5 has a vision-language class only; a text prompt goes through its text model.
     causal = config.get("model_type") in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     auto = AutoModelForCausalLM if causal else AutoModelForImageTextToText
-    target = auto.from_pretrained(model, dtype=dtype, local_files_only=True)
+    # use_kernels=False: transformers' own PyTorch layers, never hub kernels fetched at load time (the
+    # default from transformers 5.25), so the reference stays offline and independent of other code.
+    target = auto.from_pretrained(model, dtype=dtype, local_files_only=True, use_kernels=False)
     # Inference only: no gradients for the target, even when a drafter is trained against it.
     target = target.to(device).eval().requires_grad_(False)
     try:
