@@ -43,8 +43,8 @@ _MIN_QUERIES = 8
 # the K/V stays one chunk's at any context. Measured on a 2-core EPYC (9 heads x 16 queries):
 # 0.4-0.7x the time of one pass over 4k-16k keys, 1.1x over 2-3k keys, hence the threshold.
 # Chunks of 1,024 keys took the time of 2,048's over 4k-32k keys with half the working set
-# (about 8 score-sized arrays then: 4.3 against 8.1 MB at 16k; 6 since the exp's split below); 512 were
-# slower.
+# (about 8 score-sized arrays then, 4.3 against 8.1 MB at 16k; about 6 since the exp's split
+# below); 512 were slower (a draft pass 11-23% slower at 16k-32k keys).
 CHUNK_ABOVE = 4096
 KEY_CHUNK = 1024
 
