@@ -7,8 +7,9 @@ can be compared token for token and cycle for cycle.
 A sliding-window layer (gpt-oss) keeps its last pass until the crop after it, as transformers'
 assisted decoding has it keep it. A hybrid target's cache (Qwen3.5: linear attention layers with
 a recurrent state) is not cropped, even where transformers can crop it by recording every state
-of a pass: the loop copies the cache before each verify pass and, after a rejection, goes back to the copy and runs the target again over the kept
-tokens: slower than the MLX side's replay of the linear attention alone, and independent of it.
+of a pass: the loop copies the cache before each verify pass and, after a rejection, goes back
+to the copy and runs the target again over the kept tokens: slower than the MLX side's replay
+of the linear attention alone, and independent of it.
 """
 
 import copy
