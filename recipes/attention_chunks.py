@@ -51,6 +51,10 @@ def measure(keys: list[int], chunks: list[int], reps: int) -> dict:
     return results
 
 
+def _label(chunk: str) -> str:
+    return chunk if chunk != "0" else "one pass"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, nargs="+", default=[4112, 8208, 16400, 32784])
@@ -71,8 +75,7 @@ def main() -> None:
                 ms = statistics.median(r[key][0] for r in runs[side])
                 cells.append(f"{ms:.1f} ms, {statistics.median(r[key][1] for r in runs[side]):.1f} MB")
             length, chunk = key.split()
-            label = chunk if chunk != "0" else "one pass"
-            print(f"{length:>6} | {label:>8} | {cells[0]} | {cells[1]}")
+            print(f"{length:>6} | {_label(chunk):>8} | {cells[0]} | {cells[1]}")
         return
     results = measure(args.keys, args.chunks, args.reps)
     if args.json:
@@ -80,8 +83,7 @@ def main() -> None:
         return
     for key, (ms, peak) in results.items():
         length, chunk = key.split()
-        label = chunk if chunk != "0" else "one pass"
-        print(f"{length:>6} keys, chunk {label:>8}: {ms:.1f} ms, peak {peak:.1f} MB over the inputs")
+        print(f"{length:>6} keys, chunk {_label(chunk):>8}: {ms:.1f} ms, peak {peak:.1f} MB over the inputs")
 
 
 if __name__ == "__main__":

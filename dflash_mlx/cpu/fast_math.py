@@ -69,12 +69,16 @@ def _exp(x: mx.array) -> mx.array:
 
 def _exp_nonpositive(x: mx.array) -> mx.array:
     # For x <= 0, shapeless.
-    return _scaled_down(x, *_two_to_the_f(mx.maximum(x, _SHIFT_MIN) * _LOG2E))
+    return _scaled_down(x, *_nonpositive_parts(x))
+
+
+def _nonpositive_parts(x: mx.array) -> tuple[mx.array, mx.array]:
+    # (2**f, n) of x log2 e, x clamped at _SHIFT_MIN so that n fits the shift below.
+    return _two_to_the_f(mx.maximum(x, _SHIFT_MIN) * _LOG2E)
 
 
 def _scaled_down(x: mx.array, p: mx.array, n: mx.array) -> mx.array:
-    # exp(x) from _two_to_the_f's (2**f, n) of x log2 e: 2**-n comes exact from an integer
-    # shift converted to float.
+    # exp(x) from _nonpositive_parts(x): 2**-n comes exact from an integer shift converted to float.
     power = mx.left_shift(mx.array(1, dtype=mx.int64), (-n).astype(mx.int64)).astype(x.dtype)
     return mx.where(x < _SHIFT_MIN, 0.0, p / power)
 
@@ -115,10 +119,11 @@ def _masked_scores(scores: mx.array, mask: mx.array, scale: mx.array) -> mx.arra
 # Two kernels, not one: MLX fuses element-wise chains only so deep, and the polynomial and the
 # power in one compiled function came out as several kernels that held about 7 score-sized
 # arrays at once (the attention's working set per key chunk). Split where the polynomial ends,
-# they hold 4 (the scores, 2**f, n, the weights), with the same result to the bit.
+# they hold 4 (the scores, 2**f, n, the weights), with the same result to the bit. Each kernel
+# subtracts ``top`` itself: handing the difference over would hold one array more.
 @partial(mx.compile, shapeless=True)
 def _shifted_exp_parts(scores: mx.array, top: mx.array) -> tuple[mx.array, mx.array]:
-    return _two_to_the_f(mx.maximum(scores - top, _SHIFT_MIN) * _LOG2E)
+    return _nonpositive_parts(scores - top)
 
 
 @partial(mx.compile, shapeless=True)
