@@ -1,5 +1,8 @@
 """Held-out greedy acceptance of a drafter at every anchor of cached target responses, per category.
 
+A second table splits each category by the prompts' source (``chat/topics``, ``chat/chitchat``, ...): a gain on
+the sources the training data has most of can hide a flat line on the others.
+
 Teacher-forced: the target's greedy responses to held-out prompts are cached once; then each
 drafter is read at every anchor of them (dflash_mlx.train.block_acceptance), without a
 generation loop: on 2 cores about 2 minutes per drafter (all block sizes from one read), plus 2-3 minutes for the
@@ -71,6 +74,11 @@ def main():
         _key(render_prompt(tokenizer, prompt)): rec.get("category", "all")
         for rec, prompt in zip(records, read_prompts(args.prompts))
     }
+    # "category/source kind", the kind being the source's part before its first colon.
+    group = {
+        _key(render_prompt(tokenizer, prompt)): f"{rec.get('category', 'all')}/{rec.get('source', '?').split(':')[0]}"
+        for rec, prompt in zip(records, read_prompts(args.prompts))
+    }
     examples = [ex for ex in read_cache(args.cache) if ex["key"] in category]
     tap_ids = {tuple(d.target_layer_ids) for d in drafts.values()}
     if len(tap_ids) != 1:
@@ -85,6 +93,7 @@ def main():
         for ex in examples:
             got = response_acceptance(draft, target, store, ex, block_size=max(args.block_sizes)).accepted
             accepted[category[ex["key"]]].append(got)
+            accepted[group[ex["key"]]].append(got)
             accepted["all"].append(got)
         reads = {c: np.concatenate(v) for c, v in sorted(accepted.items())}
         results[name] = {
@@ -93,11 +102,19 @@ def main():
         }  # fmt: skip
         print(f"{name}: {len(examples)} responses, {results[name][args.block_sizes[0]]['all']['anchors']:,} anchors, "
               f"{time.perf_counter() - tic:.0f} s (the first drafter's time includes the target's taps)", flush=True)  # fmt: skip
-    cats = list(results[args.draft[0]][args.block_sizes[0]])
+    first = results[args.draft[0]][args.block_sizes[0]]
+    cats = [c for c in first if "/" not in c]
     print("| drafter | block | " + " | ".join(cats) + " |")
     for name, rows in results.items():
         for B, row in rows.items():
             print(f"| {name} | {B} | " + " | ".join(f"{row[c]['tau']:.3f}" for c in cats) + " |")
+    groups = [g for g in first if "/" in g]
+    print(f"\nBy source, block {args.block_sizes[0]} (anchors: "
+          + ", ".join(f"{g} {first[g]['anchors']:,}" for g in groups) + ")")
+    print("| drafter | " + " | ".join(groups) + " |")
+    for name, rows in results.items():
+        row = rows[args.block_sizes[0]]
+        print(f"| {name} | " + " | ".join(f"{row[g]['tau']:.3f}" for g in groups) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
