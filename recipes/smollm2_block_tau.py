@@ -70,15 +70,11 @@ def main():
     target, tokenizer = load_target(Path(args.model))
     drafts = {d: load_draft(Path(d), target=target, tokenizer=tokenizer) for d in args.draft}
     records = [json.loads(line) for line in open(args.prompts) if line.strip()]
-    category = {
-        _key(render_prompt(tokenizer, prompt)): rec.get("category", "all")
-        for rec, prompt in zip(records, read_prompts(args.prompts))
-    }
-    # "category/source kind", the kind being the source's part before its first colon.
-    group = {
-        _key(render_prompt(tokenizer, prompt)): f"{rec.get('category', 'all')}/{rec.get('source', '?').split(':')[0]}"
-        for rec, prompt in zip(records, read_prompts(args.prompts))
-    }
+    category, group = {}, {}  # by response key: the category, and "category/source kind" (before the first colon)
+    for rec, prompt in zip(records, read_prompts(args.prompts)):
+        key = _key(render_prompt(tokenizer, prompt))
+        category[key] = rec.get("category", "all")
+        group[key] = f"{category[key]}/{rec.get('source', '?').split(':')[0]}"
     examples = [ex for ex in read_cache(args.cache) if ex["key"] in category]
     tap_ids = {tuple(d.target_layer_ids) for d in drafts.values()}
     if len(tap_ids) != 1:
