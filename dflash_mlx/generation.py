@@ -23,6 +23,7 @@ from .cli.options import MAX_SEED
 from .cpu.openblas import blas_in_use
 from .cpu.speedups import CpuSpeedups
 from .cpu.speedups import choose_speedups
+from .datastore import Datastore, DatastoreProposer
 from .errors import DFlashError
 from .kernels import check_kernels
 from .lookup import LookupProposer, PromptLookup
@@ -30,7 +31,7 @@ from .models import drafter2
 from .models import target as tgt
 from .models.drafter import DraftModel
 from .plain_speed import plain_tokens_per_second
-from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, PlainProposer, SelectorProposer
+from .proposer import AdaptiveProposer, Proposer, DFlashProposer, FallbackProposer, FirstOf, PlainProposer, SelectorProposer
 from .reasoning import join, reasoning_parser
 from .responses import AcceptanceStats, GenerationResponse
 from .sampling import can_sample_proposals, check_proposal
@@ -59,16 +60,45 @@ class StepOutput(NamedTuple):
     num_draft: int
     plain_tps: float | None = None
     draft_tps: float | None = None
+    source: str = ""
 
 
-def resolve_block_size(draft: nn.Module | None, block_size: int | str | None) -> int:
+# Drafts a draft-free cycle verifies from a prompt-lookup match of LONG_MATCH tokens or more, or
+# from the datastore (which sizes its own drafts by their estimated chance): on a CPU target a
+# verified draft costs a small share of a step, so a likely continuation pays well past one.
+FREE_DRAFTS = 7
+LONG_MATCH = 2
+
+
+def free_sources(
+    cache: DFlashCache, datastore: Datastore | None, lookup: int, width: int = FREE_DRAFTS
+) -> Proposer | None:
+    """What drafts without a drafter pass: up to ``width`` drafts from prompt lookup on a long
+    match, else from the datastore, else prompt lookup's ``lookup`` drafts on any match (None:
+    no such source)."""
+    any_match = LookupProposer(PromptLookup(lookup + 1), cache.tokens) if lookup else None
+    if datastore is None:
+        return any_match
+    long_match = LookupProposer(PromptLookup(width + 1, min_ngram=LONG_MATCH), cache.tokens)
+    store = DatastoreProposer(datastore, cache.tokens, width + 1)
+    return FirstOf(*(s for s in (long_match, store, any_match) if s is not None))
+
+
+def resolve_block_size(draft: nn.Module | None, block_size: int | str | None, datastore: bool = False) -> int:
     """Check ``block_size`` against the drafter; None and ``"auto"`` mean the drafter's trained
-    size (``"auto"`` verifies a chosen prefix of it each cycle)."""
+    size (``"auto"`` verifies a chosen prefix of it each cycle). Without a drafter, drafts come
+    only from a datastore: up to ``FREE_DRAFTS`` a cycle by default."""
     if block_size == "auto":
         if not isinstance(draft, DraftModel):
             raise DFlashError("block_size='auto' chooses how many of a DFlash drafter's drafts to verify: "
                               "pass a DFlash drafter, or a fixed block size.")  # fmt: skip
         return draft.block_size
+    if draft is None and datastore:
+        if block_size is None:
+            return FREE_DRAFTS + 1
+        if not isinstance(block_size, int) or not 1 <= block_size <= 64:
+            raise DFlashError(f"block_size must be an integer from 1 to 64 with a datastore alone (got {block_size!r}).")
+        return block_size
     if draft is None:
         if block_size not in (None, 1):
             raise DFlashError(
@@ -114,14 +144,19 @@ def check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallback
 
 def _make_proposer(
     model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, policy, speedups, block_size,
-    choose_width=False,
+    choose_width=False, datastore=None,
 ):  # fmt: skip
-    # Plain decoding; prompt lookup alone; the drafter, with the lookup fallback, paused while
-    # it loses to plain decoding (with a policy). Block size 1 never drafts.
+    # Plain decoding (or the datastore's drafts); prompt lookup alone (and the datastore); the
+    # drafter, with the lookup fallback, paused while it loses to plain decoding (with a
+    # policy) and then drafting from lookup and the datastore. Block size 1 never drafts.
     if draft is None:
-        return PlainProposer()
+        if datastore is None or block_size == 1:
+            return PlainProposer()
+        return free_sources(cache, datastore, min(1, block_size - 1), block_size - 1)
     if isinstance(draft, PromptLookup):
         lookup = LookupProposer(draft, cache.tokens)
+        if datastore is not None:
+            lookup = FirstOf(lookup, DatastoreProposer(datastore, cache.tokens, draft.block_size))
         return PlainProposer(lookup) if block_size == 1 else lookup
     sample = proposal == "sample" and can_sample_proposals(sampler)
     if isinstance(draft, drafter2.DraftModel):
@@ -142,8 +177,7 @@ def _make_proposer(
         drafter = FallbackProposer(drafter, lookup, lookup_fallback)
     if policy is None:
         return drafter
-    paused = LookupProposer(PromptLookup(policy.lookup + 1), cache.tokens) if policy.lookup else None
-    return AdaptiveProposer(drafter, policy, paused)
+    return AdaptiveProposer(drafter, policy, free_sources(cache, datastore, policy.lookup))
 
 
 @dataclass
@@ -187,6 +221,7 @@ def dflash_generate_step(
     policy: PolicyState | None = None,
     draft_window: int | None = None,
     draft_sinks: int = 4,
+    datastore: Datastore | None = None,
     seed: int | None = None,
     stop_tokens: set[int] | frozenset[int] = frozenset(),
     prompt_cache: DFlashCache | None = None,
@@ -252,6 +287,11 @@ def dflash_generate_step(
           drafts may differ. Ignored with a ``prompt_cache``, which keeps the window it was
           made with (:func:`dflash_mlx.cache.make_cache`).
         draft_sinks: The leading positions a ``draft_window`` always keeps.
+        datastore: The target's past text (:class:`dflash_mlx.datastore.Datastore`): cycles that
+          run no drafter pass (the adaptive policy's paused cycles, or every cycle without a
+          drafter or with prompt lookup) verify its continuation of the text where prompt
+          lookup finds no match of two tokens or more. None (default): prompt lookup alone.
+          The output is the same either way.
         seed: Seed MLX's random generator first: the same seed gives the same output.
         stop_tokens: Generation ends right after the first of these, even mid-block.
         prompt_cache: A ``DFlashCache`` to continue from; its common prefix with
@@ -283,7 +323,7 @@ def dflash_generate_step(
     choose_width = block_size == "auto"
     if choose_width and min_confidence > 0:
         raise DFlashError("block_size='auto' chooses each cycle's drafts itself; leave min_confidence at 0.")
-    block_size = resolve_block_size(draft, block_size)
+    block_size = resolve_block_size(draft, block_size, datastore is not None)
     sampler = None if is_greedy(sampler) else sampler
     if prompt_cache is None:
         cache = make_cache(model, draft, draft_window=draft_window, draft_sinks=draft_sinks)
@@ -306,7 +346,7 @@ def dflash_generate_step(
     proposer = _make_proposer(
         model, draft, cache, sampler=sampler, proposal=proposal, min_confidence=min_confidence,
         lookup_fallback=lookup_fallback, policy=policy, speedups=speedups, block_size=block_size,
-        choose_width=choose_width,
+        choose_width=choose_width, datastore=datastore,
     )  # fmt: skip
     verifier = Verifier(
         model, cache, sampler=sampler, logits_processors=logits_processors, tap_ids=proposer.tap_ids,
@@ -338,13 +378,27 @@ def dflash_generate_step(
                 cache.commit(last, emitted, verified=drafts.size + 1)
                 proposer.accept(len(emitted) - 1, verdict.taps)
                 last = emitted[-1]
-                num_draft = min(drafts.size, room - 1)
+                num_draft, source = min(drafts.size, room - 1), drafts.source
                 # The next drafter pass starts before this cycle's tokens are handed out, so it
                 # runs while the caller decodes and shows them.
                 drafts = proposer.propose(last, n) if budget.open else None
-                yield StepOutput(emitted, min(verdict.num_accepted, room - 1), num_draft, *proposer.rates())
+                yield StepOutput(
+                    emitted, min(verdict.num_accepted, room - 1), num_draft, *proposer.rates(), source=source
+                )
         finally:
             cache.drop_uncommitted()
+
+
+def _kept_in(datastore: Datastore, steps: Generator[StepOutput, None, None]) -> Generator[StepOutput, None, None]:
+    # What the target wrote drafts what follows: the reply goes into the datastore when it ends,
+    # however it ends (a stop, the budget, a caller that stops reading).
+    reply = []
+    try:
+        for step in steps:
+            reply.extend(step.tokens)
+            yield step
+    finally:
+        datastore.add(reply)
 
 
 def stream_generate(
@@ -394,6 +448,8 @@ def stream_generate(
     steps = dflash_generate_step(ids, model, draft, max_tokens=max_tokens, stop_tokens=stop_tokens, **kwargs)
     tic = time.perf_counter()
     prompt_tps, generated, acceptance = 0.0, 0, AcceptanceStats()
+    if kwargs.get("datastore") is not None:
+        steps = _kept_in(kwargs["datastore"], steps)
     # On a Mac, mlx-lm's wired limit keeps the weights resident while it runs (a no-op elsewhere).
     with wired_limit(model, [generation_stream]):
         for step in steps:
@@ -402,7 +458,7 @@ def stream_generate(
                 prompt_tps = (len(ids) - reused) / max(now - tic, 1e-9)
                 tic = now
             else:
-                acceptance.add(step.num_draft, len(step.tokens))
+                acceptance.add(step.num_draft, len(step.tokens), step.source)
             generated += len(step.tokens)
             finish = None
             tokens = list(step.tokens)
@@ -438,6 +494,8 @@ def stream_generate(
                 draft_tps=step.draft_tps,
                 drafting_cycles=acceptance.drafting_cycles,
                 plain_cycles=acceptance.plain_cycles,
+                draft_source=step.source,
+                accepted_by_source=dict(acceptance.by_source),
             )
             if finish:
                 break

@@ -49,7 +49,7 @@ class LookupProposer(Proposer):
 
     def propose(self, last: int, n: int) -> Proposal:
         found = self.settings.lookup(self.history + [last], min(n, self.settings.block_size - 1))
-        return Proposal(mx.array(found, dtype=mx.uint32), None)
+        return Proposal(mx.array(found, dtype=mx.uint32), None, "lookup")
 
     def plain_next(self) -> bool:
         return False  # whether the next lookup finds anything depends on this cycle's tokens

@@ -29,10 +29,12 @@ class Proposal:
         tokens: ``(n,)`` draft ids, possibly still being computed.
         q: ``(n, vocab)`` the distribution each draft was drawn from, or None when the
           drafts are one-hot (greedy or looked up).
+        source: What proposed them (``"drafter"``, ``"lookup"``, ``"datastore"``).
     """
 
     tokens: mx.array
     q: mx.array | None = None
+    source: str = ""
 
     @property
     def size(self) -> int:
@@ -150,7 +152,7 @@ class DFlashProposer(Proposer):
             q = None if q is None else self.draft.to_target_vocab(q, tgt.vocab_size(self.model))
         # Start drafting now, so that the verify graph is built while the pass runs.
         mx.async_eval(drafts)
-        return Proposal(drafts, q)
+        return Proposal(drafts, q, "drafter")
 
     @property
     def _fast_exp(self) -> bool:
@@ -204,7 +206,7 @@ class SelectorProposer(DFlashProposer):
             drafts, q = drafts[0], q[0]  # (n,), (n, V)
         drafts = drafts.astype(mx.uint32)
         mx.async_eval(drafts)
-        return Proposal(drafts, q)
+        return Proposal(drafts, q, "drafter")
 
 
 class FallbackProposer(Proposer):
@@ -242,6 +244,29 @@ class FallbackProposer(Proposer):
                 self.next_run = 1
         self.drafter.accept(num_accepted, taps)
 
+
+
+class FirstOf(Proposer):
+    """The first of several draft-free proposers (prompt lookup, the datastore) that has drafts
+    this cycle; none of them needs taps or is told the verdict."""
+
+    tap_ids: list[int] = []
+
+    def __init__(self, *sources: Proposer):
+        self.sources = sources
+
+    def propose(self, last: int, n: int) -> Proposal:
+        for source in self.sources:
+            proposal = source.propose(last, n)
+            if proposal.size:
+                return proposal
+        return Proposal(mx.zeros((0,), dtype=mx.uint32))
+
+    def plain_next(self) -> bool:
+        return False
+
+    def accept(self, num_accepted: int, taps: mx.array | None) -> None:
+        pass
 
 
 class AdaptiveProposer(Proposer):

@@ -26,6 +26,8 @@ class AcceptanceStats:
         draft_tokens: Drafts those cycles verified.
         plain_cycles: Cycles that verified no draft (one token each).
         histogram: Drafting cycles by ``(drafts verified, tokens emitted)``.
+        by_source: Accepted drafts by what proposed them (``"drafter"``, ``"lookup"``,
+          ``"datastore"``).
     """
 
     drafting_cycles: int = 0
@@ -33,9 +35,11 @@ class AcceptanceStats:
     draft_tokens: int = 0
     plain_cycles: int = 0
     histogram: Counter = field(default_factory=Counter)
+    by_source: Counter = field(default_factory=Counter)
 
-    def add(self, num_draft: int, num_tokens: int) -> None:
-        """One cycle that verified ``num_draft`` drafts and emitted ``num_tokens`` tokens."""
+    def add(self, num_draft: int, num_tokens: int, source: str = "") -> None:
+        """One cycle that verified ``num_draft`` drafts (proposed by ``source``) and emitted
+        ``num_tokens`` tokens."""
         if num_draft <= 0:
             self.plain_cycles += 1
             return
@@ -43,6 +47,8 @@ class AcceptanceStats:
         self.drafting_tokens += num_tokens
         self.draft_tokens += num_draft
         self.histogram[(num_draft, num_tokens)] += 1
+        if source:
+            self.by_source[source] += num_tokens - 1
 
     def merge(self, other: "AcceptanceStats") -> None:
         """Add ``other``'s counts to these (replies of a conversation, requests of a server)."""
@@ -51,6 +57,7 @@ class AcceptanceStats:
         self.draft_tokens += other.draft_tokens
         self.plain_cycles += other.plain_cycles
         self.histogram.update(other.histogram)
+        self.by_source.update(other.by_source)
 
     @classmethod
     def from_totals(cls, tau: float, drafting_cycles: int, plain_cycles: int = 0) -> "AcceptanceStats":
@@ -91,6 +98,12 @@ class AcceptanceStats:
         for (num_draft, length), n in sorted(self.histogram.items()):
             rows.setdefault(num_draft, [0] * (num_draft + 1))[length - 1] += n
         return rows
+
+    @property
+    def shares(self) -> dict[str, float]:
+        """Each source's share of the accepted drafts (empty before any was accepted)."""
+        total = sum(self.by_source.values())
+        return {k: v / total for k, v in sorted(self.by_source.items())} if total else {}
 
     def describe(self) -> str:
         """``tau 1.42 over 120 drafting cycles; 173 plain``: what tau is and what it counts."""
@@ -136,6 +149,9 @@ class GenerationResponse:
         plain_cycles: Cycles so far that verified none.
         reasoning: The new segment of reasoning, when ``stream_generate`` splits it from the
           answer (``parse_reasoning``); ``text`` is then the answer's segment.
+        draft_source: What proposed this cycle's drafts: ``"drafter"`` (the DFlash drafter),
+          ``"lookup"`` (prompt lookup), ``"datastore"`` (the target's past text), or ``""``.
+        accepted_by_source: Accepted drafts so far, by what proposed them.
     """
 
     text: str
@@ -156,6 +172,8 @@ class GenerationResponse:
     drafting_cycles: int = 0
     plain_cycles: int = 0
     reasoning: str = ""
+    draft_source: str = ""
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
 
     @property
     def drafting_slower(self) -> bool:

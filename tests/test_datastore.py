@@ -1,0 +1,151 @@
+"""The datastore: drafts from the target's own past text, lossless in the loop."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers.checkpoints import VOCAB
+from helpers.decoding import run
+from helpers.policy import Clock, CostlyDraft
+from mlx_lm.generate import generate_step
+
+from dflash_mlx import DFlashError, stream_generate
+from dflash_mlx.adaptive import PolicyState
+from dflash_mlx.datastore import Datastore, SuffixIndex, load_datastore, read_responses, suffix_array
+from dflash_mlx.lookup import PromptLookup
+
+
+def reference(model, prompt, max_tokens=120):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+
+
+def _prompt(length, seed):
+    return mx.random.randint(0, VOCAB - 4, (length,), key=mx.random.key(seed)).tolist()
+
+
+@pytest.mark.parametrize("alphabet", [2, 3, 50])
+def test_suffix_array_is_the_sorted_suffixes(alphabet):
+    rng = random.Random(alphabet)
+    for _ in range(60):
+        tokens = np.array([rng.randrange(alphabet) for _ in range(rng.randint(1, 60))])
+        expected = sorted(range(len(tokens)), key=lambda i: tokens[i:].tolist())
+        assert suffix_array(tokens).tolist() == expected
+
+
+def test_draft_follows_the_longest_match_and_the_most_frequent_continuation():
+    docs = [[1, 2, 3, 4, 5], [7, 2, 3, 4, 6], [8, 2, 3, 4, 6], [9, 1, 2, 3, 9]]
+    store = Datastore(SuffixIndex.build(docs, 10), 10, min_count=1, min_step=0.0, min_path=0.0)
+    # "2 3" is followed by 4 three times out of four, then 6 twice of three.
+    assert store.draft([0, 2, 3], 4).tokens == [4, 6]
+    # The longer match "1 2 3" has two continuations, 4 and 9, once each; 4 sorts first.
+    found = store.draft([0, 1, 2, 3], 4)
+    assert found.match == 3 and found.tokens[0] in (4, 9)
+    # Nothing crosses a document's end.
+    assert store.draft([4, 5], 4).tokens == []
+    # No match of min_order tokens: no drafts.
+    assert store.draft([5, 5, 5], 4) == store.draft([], 4)
+
+
+def test_draft_stops_where_the_continuation_is_unsure():
+    docs = [[1, 2, 3, 4]] * 3 + [[1, 2, 3, 5]] * 3 + [[1, 2, 9]]
+    strict = Datastore(SuffixIndex.build(docs, 10), 10, min_step=0.6, min_path=0.0, min_count=1)
+    assert strict.draft([1, 2], 4).tokens == [3]  # 3 follows "1 2" 6 times of 7; then 4 or 5 at 1/2
+    loose = Datastore(SuffixIndex.build(docs, 10), 10, min_step=0.4, min_path=0.0, min_count=1)
+    assert loose.draft([1, 2], 4).tokens == [3, 4]
+    counted = Datastore(SuffixIndex.build(docs, 10), 10, min_step=0.0, min_path=0.0, min_count=7)
+    assert counted.draft([1, 2], 4).tokens == []
+
+
+def test_session_replies_are_searched_first_and_bounded():
+    store = Datastore(SuffixIndex.build([[1, 2, 3]], 10), 10, min_count=1, session_tokens=8)
+    assert store.draft([1, 2], 3).tokens == [3]
+    store.add([1, 2, 7, 7])
+    assert store.draft([1, 2], 3).tokens[0] == 7  # the session's own text wins a tie
+    store.add([4, 4, 4, 4, 4])  # over the cap: the oldest reply goes
+    assert store.session_length == 5 and store.draft([1, 2], 3).tokens == [3]
+    assert store.nbytes > 0
+
+
+def test_built_once_and_kept(tmp_path):
+    cache = tmp_path / "responses.jsonl"
+    cache.write_text('{"key": "a", "prompt_ids": [1], "response_ids": [5, 6, 7, 8], "finish_reason": "stop"}\n'
+                     '{"key": "b", "prompt_ids": [1], "response_ids": [5, 6, 7, 9], "finish_reason": "stop"}\n')
+    first = load_datastore(cache, 10, cache_dir=tmp_path / "kept", min_count=1)
+    assert len(list((tmp_path / "kept").iterdir())) == 1
+    again = load_datastore(cache, 10, cache_dir=tmp_path / "kept", min_count=1)
+    assert np.array_equal(first.fixed.sa, again.fixed.sa) and again.draft([5, 6], 2).tokens == [7, 8]  # a tie goes to the smaller id
+    assert read_responses(cache) == [[5, 6, 7, 8], [5, 6, 7, 9]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    with pytest.raises(DFlashError, match="Cannot read the response cache"):
+        load_datastore(bad, 10, cache_dir=tmp_path / "kept")
+
+
+def _stores(model):
+    """Datastores over the target's own greedy text, over a corrupted copy of it, and over noise."""
+    texts = [reference(model, _prompt(n, seed), 120) for n, seed in ((7, 3), (30, 4), (1, 5))]
+    rng = random.Random(0)
+    corrupted = [[t if rng.random() > 0.2 else rng.randrange(VOCAB) for t in text] for text in texts]
+    noise = [[rng.randrange(VOCAB) for _ in range(200)] for _ in range(3)]
+    return {name: Datastore(SuffixIndex.build(docs, VOCAB), VOCAB, min_count=1)
+            for name, docs in (("exact", texts), ("corrupted", corrupted), ("noise", noise))}
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_lossless_with_a_datastore_alone(qwen3_pair, block_size):
+    model, _, _ = qwen3_pair
+    stores = _stores(model)
+    for prompt in (_prompt(7, 3), _prompt(30, 4), _prompt(1, 5)):
+        ref = reference(model, prompt)
+        for name, store in stores.items():
+            out, cycles = run(model, None, prompt, block_size=block_size, max_tokens=len(ref), datastore=store)
+            assert out == ref, (name, block_size, len(prompt))
+            if name == "exact" and len(prompt) > 1:
+                assert any(c.source == "datastore" and c.num_accepted > 0 for c in cycles)
+
+
+def test_lossless_with_prompt_lookup_and_a_datastore(qwen3_pair):
+    model, _, _ = qwen3_pair
+    store = _stores(model)["corrupted"]
+    for prompt in (_prompt(7, 3), _prompt(30, 4)):
+        ref = reference(model, prompt)
+        out, cycles = run(model, PromptLookup(8), prompt, max_tokens=len(ref), datastore=store)
+        assert out == ref
+        assert {c.source for c in cycles[1:]} <= {"lookup", "datastore", ""}
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_lossless_in_the_adaptive_policys_paused_cycles(qwen3_pair, block_size):
+    """A drafter that always loses is paused; its paused cycles verify the datastore's drafts."""
+    model, draft, _ = qwen3_pair
+    store = _stores(model)["exact"]
+    prompt = _prompt(1, 5)  # the text repeats no two tokens before the first paused cycle
+    ref = reference(model, prompt)
+    clock = Clock(step=0.01)
+    losing = CostlyDraft(draft, prompt + ref, clock, seconds=1.0, wrong_every=1)
+    # Measured before, so the first cycle is a paused one, where only the datastore has drafts.
+    policy = PolicyState.restored({"plain_time": 0.01}, clock=clock, lookup=0)
+    out, cycles = run(model, losing, prompt, block_size=block_size, max_tokens=len(ref), policy=policy,
+                      datastore=store)
+    assert out == ref
+    sources = {c.source for c in cycles[1:] if c.num_draft}
+    assert "datastore" in sources and "drafter" in sources
+
+
+def test_replies_join_the_datastore(qwen3_pair):
+    model, draft, tokenizer = qwen3_pair
+    store = Datastore(None, VOCAB)
+    prompt = _prompt(7, 3)
+    responses = list(stream_generate(model, None, tokenizer, prompt, max_tokens=20, datastore=store))
+    assert store.session_length == responses[-1].generation_tokens == 20
+    # The same prompt again: the reply is drafted from the first one, and is the same text.
+    again = list(stream_generate(model, None, tokenizer, prompt, max_tokens=20, datastore=store))
+    assert [t for r in again for t in r.tokens] == [t for r in responses for t in r.tokens]
+    assert again[-1].accepted_by_source.get("datastore", 0) > 0
+
+
+def test_block_size_with_a_datastore_alone(qwen3_pair):
+    model, _, _ = qwen3_pair
+    with pytest.raises(DFlashError, match="from 1 to 64 with a datastore alone"):
+        run(model, None, [1, 2, 3], block_size=0, datastore=Datastore(None, VOCAB))
