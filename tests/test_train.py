@@ -160,6 +160,35 @@ def test_make_batch_anchors_and_labels():
         assert np.all(b["weights"][n, k:] == 0) and np.allclose(b["weights"][n, :k], w[:k])
 
 
+def test_lookup_hits_are_what_prompt_lookup_drafts_right():
+    from dflash_mlx.lookup import PromptLookup
+    from dflash_mlx.train.data import lookup_hits
+
+    rng = np.random.default_rng(1)
+    settings = PromptLookup(9)
+    for _ in range(30):
+        ids = rng.integers(0, 4, size=int(rng.integers(1, 50))).tolist()
+        hits = lookup_hits(ids)
+        for a in range(len(ids)):
+            drafts = settings.lookup(ids[: a + 1], 8)
+            right = 0
+            while right < len(drafts) and a + 1 + right < len(ids) and drafts[right] == ids[a + 1 + right]:
+                right += 1
+            assert hits[a] == right, (ids, a)
+
+
+def test_make_batch_drops_anchors_that_lookup_predicts():
+    loop = [7, 8, 9] * 10
+    examples = [{"prompt_ids": [1, 2], "response_ids": [3, 4, 5, 6] + loop}]
+    kwargs = dict(batch_size=1, blocks_per_seq=64, block_size=4, max_seq_len=64, mask_token_id=99,
+                  weights=position_weights(4, 2.0), pad_to=8)  # fmt: skip
+    every = make_batch(examples, np.random.default_rng(0), **kwargs)
+    dropped = make_batch(examples, np.random.default_rng(0), **kwargs, drop_lookup=2)
+    assert max(every["anchors"]) > 12  # anchors inside the loop are drawn without the filter
+    # With it, only anchors before the loop has repeated are drawn: lookup drafts the rest.
+    assert set(dropped["anchors"].tolist()) <= set(range(2, 10))
+
+
 def test_packed_block_mask_isolates_blocks(qwen3_pair):
     model, draft, _ = qwen3_pair
     B, L, W = draft.block_size, 32, len(draft.target_layer_ids) * 64

@@ -338,6 +338,27 @@ def position_weights(block_size: int, loss_decay: float) -> np.ndarray:
     return np.exp(-(k - 1) / loss_decay) if loss_decay > 0 else np.ones_like(k)
 
 
+def lookup_hits(ids: list[int], max_ngram: int = 3) -> np.ndarray:
+    """For each position ``a`` of ``ids``: how many of the tokens after it prompt lookup drafts
+    right from ``ids[: a + 1]`` (the latest earlier match of its last 3, 2 or 1 tokens, as
+    :class:`dflash_mlx.lookup.PromptLookup` finds it), up to 8."""
+    n = len(ids)
+    hits = np.zeros(n, np.int32)
+    last_end: dict[tuple, int] = {}  # n-gram -> where its latest occurrence ends
+    for a in range(n):
+        for order in range(min(max_ngram, a + 1), 0, -1):
+            end = last_end.get(tuple(ids[a - order + 1 : a + 1]))
+            if end is not None:
+                k = 0
+                while k < 8 and end + 1 + k <= a and a + 1 + k < n and ids[end + 1 + k] == ids[a + 1 + k]:
+                    k += 1
+                hits[a] = k
+                break
+        for order in range(1, min(max_ngram, a + 1) + 1):
+            last_end[tuple(ids[a - order + 1 : a + 1])] = a
+    return hits
+
+
 def make_batch(
     examples: list[dict],
     rng: np.random.Generator,
@@ -349,13 +370,16 @@ def make_batch(
     mask_token_id: int,
     weights: np.ndarray,
     pad_to: int = 64,
+    drop_lookup: int = 0,
 ) -> dict[str, np.ndarray]:
     """Sample sequences and anchor positions for one training step.
 
     The sequences are packed side by side, each in a slot of ``L`` tokens (the longest,
     rounded up to ``pad_to`` so only a few shapes get compiled). Each block starts at a
     random anchor in the response: the anchor token is clean, the rest is the mask token,
-    and the labels are the next ``B - 1`` true tokens (weight 0 past the end).
+    and the labels are the next ``B - 1`` true tokens (weight 0 past the end). With
+    ``drop_lookup``, anchors whose next ``drop_lookup`` tokens prompt lookup already drafts right
+    are not drawn (the generation loop verifies lookup's drafts there without a drafter pass).
 
     Returns:
         ``index (S,)`` (the examples picked), ``tokens (S, L)``, ``blocks (N, B)``, ``anchors (N,)`` (positions in the packed
@@ -379,6 +403,10 @@ def make_batch(
     for s, (ex, ids) in enumerate(zip(chosen, seqs)):
         out["tokens"][s, : len(ids)] = ids
         candidates = np.arange(len(ex["prompt_ids"]), len(ids) - 1)
+        if drop_lookup > 0:
+            # (near the end, all the tokens left)
+            kept = candidates[lookup_hits(ids)[candidates] < np.minimum(drop_lookup, len(ids) - 1 - candidates)]
+            candidates = kept if len(kept) else candidates
         anchors = rng.choice(candidates, size=blocks_per_seq, replace=len(candidates) < blocks_per_seq)
         for j, a in enumerate(anchors):
             n = s * blocks_per_seq + j

@@ -178,6 +178,11 @@ class TrainingArgs:
                           "further on new data."},
     )
     cache_taps: bool = field(default=True, metadata={"help": "Keep each example's taps in memory."})
+    drop_lookup_anchors: int = field(
+        default=0,
+        metadata={"help": "Draw no training anchor whose next this many tokens prompt lookup already drafts right "
+                          "(the loop verifies lookup's drafts there without a drafter pass; 0: every anchor)."},
+    )
     tap_cache: str | None = field(
         default=None,
         metadata={"help": "Folder keeping each example's taps on disk (bfloat16), computed up front "
@@ -725,7 +730,7 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
     with open(out / "metrics.jsonl", "a") as metrics, interrupt_after_step() as interrupted:
         for it in range(start, end_step):
             optimizer.learning_rate = get_lr(it, args, time.perf_counter() - tic)
-            batch = _to_mx(make_batch(train_ex, rng, **batch_kwargs))
+            batch = _to_mx(make_batch(train_ex, rng, **batch_kwargs, drop_lookup=args.drop_lookup_anchors))
             taps, last_hidden = taps_for(batch, train_ex)
             loss = step_fn(taps, last_hidden, *[batch[k] for k in _KEYS])
             mx.eval(loss, state)
