@@ -726,6 +726,16 @@ def test_init_draft_starts_from_a_drafter_with_a_fresh_optimizer(setup, tmp_path
     assert (root / "target").is_dir()
 
 
+def test_init_draft_at_a_smaller_block_size(setup, tmp_path, capsys):
+    train(_args(setup, tmp_path / "first", iters=2))
+    smaller = train(_args(setup, tmp_path / "smaller", iters=2, block_size=2, drop_lookup_anchors=2,
+                          init_draft=str(tmp_path / "first")))  # fmt: skip
+    assert smaller.block_size == 2 and json.loads((tmp_path / "smaller" / "config.json").read_text())["block_size"] == 2
+    assert "at block size 2" in capsys.readouterr().out
+    with pytest.raises(DFlashError, match="was trained with --block-size 2, but this run asks for --block-size 4"):
+        train(_args(setup, tmp_path / "larger", iters=1, init_draft=str(tmp_path / "smaller")))
+
+
 def test_a_deeper_init_draft_run_grows_the_drafter_and_drafts_as_it_did(setup, tmp_path, capsys):
     first = train(_args(setup, tmp_path / "first", iters=6))
     grown = train(_args(setup, tmp_path / "grown", iters=1, warmup=1, learning_rate=1e-9, num_layers=3,

@@ -488,6 +488,11 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
         depth = config["num_hidden_layers"]
         grows = depth > len(init.layers)
         same_depth = {**config, "num_hidden_layers": len(init.layers)} if grows else config
+        # A smaller block than the starting drafter's: its weights draft any block up to its own
+        # (the block size only sets how many slots a pass fills).
+        shrinks = config["block_size"] < init_config.get("block_size", 0)
+        if shrinks:
+            same_depth = {**same_depth, "block_size": init_config["block_size"]}
         if (mismatch := drafter_mismatch(init_config, same_depth)) is not None:
             raise DFlashError(
                 f"--init-draft {args.init_draft} was trained with {mismatch[0]}, but this run asks for "
@@ -497,7 +502,11 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
             print(f"growing {args.init_draft} from {len(init.layers)} to {depth} layers, the new ones starting "
                   "as identities", flush=True)  # fmt: skip
             init = deepen(init, depth)
-        config = {**init_config, "num_hidden_layers": len(init.layers)}
+        config = {**init_config, "num_hidden_layers": len(init.layers), "block_size": config["block_size"]}
+        if shrinks:
+            init.args.block_size = config["block_size"]
+            print(f"training {args.init_draft} (block size {init_config['block_size']}) at block size "
+                  f"{config['block_size']}", flush=True)
     return target, tokenizer, config, target_info, init
 
 
