@@ -21,6 +21,7 @@ import gzip
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,10 +32,16 @@ from .errors import DFlashError
 from .proposer import Proposal, Proposer
 
 
-def suffix_array(tokens: np.ndarray) -> np.ndarray:
-    """The suffix array of ``tokens`` (non-negative ints), by prefix doubling: ``O(n log^2 n)``
-    in numpy, about 10 s for 5M tokens. Ties past a document's end are broken by its
-    separator, which the caller makes unique."""
+# Suffixes are sorted by their first SORTED tokens only (five doubling rounds): a draft never
+# reads deeper than its match plus its drafts.
+SORTED = 32
+
+
+def suffix_array(tokens: np.ndarray, depth: int | None = None) -> np.ndarray:
+    """The suffix array of ``tokens`` (non-negative ints) by prefix doubling in numpy, sorted
+    by the first ``depth`` tokens of each suffix (None: whole suffixes), suffixes equal that far
+    in text order. A document's end is a separator the caller makes unique, so no order depends
+    on what follows it."""
     n = len(tokens)
     if n == 0:
         return np.zeros(0, dtype=np.int32)
@@ -51,7 +58,7 @@ def suffix_array(tokens: np.ndarray) -> np.ndarray:
         new = np.empty(n, dtype=np.int64)
         new[order] = np.concatenate([[0], np.cumsum(sorted_key[1:] != sorted_key[:-1])])
         rank = new
-        if rank[order[-1]] == n - 1 or k >= n:
+        if rank[order[-1]] == n - 1 or k >= n or (depth is not None and 2 * k >= depth):
             return order.astype(np.int32)
         k *= 2
 
@@ -73,7 +80,7 @@ class SuffixIndex:
         tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         if len(tokens) and tokens.max() >= 2**31:
             raise DFlashError("The datastore holds at most 2**31 tokens and documents.")
-        return cls(tokens.astype(np.int32), suffix_array(tokens), vocab)
+        return cls(tokens.astype(np.int32), suffix_array(tokens, SORTED), vocab)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -171,6 +178,8 @@ class Datastore:
         min_path: Least estimated chance (the product of the steps' shares) of the whole draft.
         min_count: Least number of earlier occurrences of a drafted continuation.
         session_tokens: Most tokens of this process's replies kept (oldest dropped first).
+        learns: Whether :meth:`add` keeps replies (a benchmark's runs must not draft from each
+          other's answers to the same prompt).
     """
 
     fixed: SuffixIndex | None
@@ -181,13 +190,14 @@ class Datastore:
     min_path: float = 0.1
     min_count: int = 2
     session_tokens: int = 1 << 20
+    learns: bool = True
     _replies: list[list[int]] = field(default_factory=list, init=False, repr=False)
     _session: SuffixIndex | None = field(default=None, init=False, repr=False)
     _stale: bool = field(default=False, init=False, repr=False)
 
     def add(self, tokens: list[int]) -> None:
         """Keep a reply of the target's (token ids) for the drafts that follow."""
-        if len(tokens) < 2:
+        if len(tokens) < 2 or not self.learns:
             return
         self._replies.append([int(t) for t in tokens])
         total = sum(map(len, self._replies))
@@ -233,7 +243,7 @@ class Datastore:
 
     def _walk(self, index: SuffixIndex, lo: int, hi: int, depth: int, n: int) -> list[int]:
         out, path = [], 1.0
-        while len(out) < n and hi > lo:
+        while len(out) < n and hi > lo and depth < SORTED:
             values, counts = index.next_counts(lo, hi, depth)
             if len(values) == 0:
                 break
@@ -271,10 +281,14 @@ def load_datastore(responses: str | Path, vocab: int, cache_dir: str | Path | No
 
         cache_dir = default_cache_root() / "datastore"
     digest = hashlib.sha256(responses.read_bytes()).hexdigest()[:16]
-    path = Path(cache_dir) / f"{digest}-{vocab}.npz"
+    path = Path(cache_dir) / f"{digest}-{vocab}-{SORTED}.npz"
     index = SuffixIndex.load(path)
     if index is None:
-        index = SuffixIndex.build(read_responses(responses), vocab)
+        documents = read_responses(responses)
+        # Once per file and vocabulary; said, since it takes a while and writes to the cache folder.
+        print(f"Indexing {responses.name} for the datastore ({sum(map(len, documents)):,} tokens, once; "
+              f"kept in {path.parent})...", file=sys.stderr, flush=True)
+        index = SuffixIndex.build(documents, vocab)
         index.save(path)
     return Datastore(index, vocab, **settings)
 
@@ -298,3 +312,40 @@ class DatastoreProposer(Proposer):
 
     def accept(self, num_accepted: int, taps: mx.array | None) -> None:
         pass
+
+
+def default_pair_answers() -> Path:
+    """The default pair's shipped answers: the response cache its drafter was trained on."""
+    from .weights.pairs import DEFAULT_PAIR, embedded_pair_path
+
+    return embedded_pair_path(DEFAULT_PAIR) / "data" / "responses.jsonl.gz"
+
+
+def open_datastore(choice: str | None, model: str | Path | None, vocab: int, **settings) -> Datastore | None:
+    """The datastore a tool's ``--datastore`` asks for.
+
+    Args:
+        choice: ``"auto"`` (or None): the default pair's shipped answers for the default pair,
+          else an empty store that this process's replies fill; ``"none"``: no datastore; else
+          a response cache file (dflash-train's JSONL, gzipped or not).
+        model: The tool's ``--model`` (None: the default pair).
+        vocab: The target's vocabulary size.
+
+    Raises:
+        DFlashError: If the file is missing or is no response cache.
+    """
+    from .weights.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
+
+    if choice == "none":
+        return None
+    if choice in (None, "auto"):
+        default = is_embedded_pair(model) and embedded_pair_path(model or DEFAULT_PAIR) == embedded_pair_path()
+        path = default_pair_answers() if default else None
+        if path is None or not path.is_file():
+            return Datastore(None, vocab, **settings)
+    else:
+        path = Path(choice).expanduser()
+        if not path.is_file():
+            raise DFlashError(f"--datastore {choice}: no such file. Pass a response cache (dflash-train's JSONL, "
+                              "optionally gzipped), 'auto' or 'none'.")
+    return load_datastore(path, vocab, **settings)

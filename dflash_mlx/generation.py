@@ -75,13 +75,15 @@ def free_sources(
 ) -> Proposer | None:
     """What drafts without a drafter pass: up to ``width`` drafts from prompt lookup on a long
     match, else from the datastore, else prompt lookup's ``lookup`` drafts on any match (None:
-    no such source)."""
-    any_match = LookupProposer(PromptLookup(lookup + 1), cache.tokens) if lookup else None
+    ``lookup`` 0, plain steps)."""
+    if not lookup:  # paused cycles are plain steps (PolicyState(lookup=0))
+        return None
+    any_match = LookupProposer(PromptLookup(lookup + 1), cache.tokens)
     if datastore is None:
         return any_match
     long_match = LookupProposer(PromptLookup(width + 1, min_ngram=LONG_MATCH), cache.tokens)
     store = DatastoreProposer(datastore, cache.tokens, width + 1)
-    return FirstOf(*(s for s in (long_match, store, any_match) if s is not None))
+    return FirstOf(long_match, store, any_match)
 
 
 def resolve_block_size(draft: nn.Module | None, block_size: int | str | None, datastore: bool = False) -> int:
@@ -543,7 +545,7 @@ def generate(
                 in_reasoning = False
             print(response.text, end="", flush=True)
         if response.cycle > 0:
-            acceptance.add(response.num_draft, response.acceptance_length)
+            acceptance.add(response.num_draft, response.acceptance_length, response.draft_source)
     if verbose and response is not None:
         print()
         print("=" * 10)
@@ -560,6 +562,8 @@ def generate(
             # Drafting cycles by acceptance length: "length:cycles".
             hist = " ".join(f"{k}:{v}" for k, v in acceptance.lengths.items())
             print(f"Acceptance length: {acceptance.describe()}" + (f" [length:cycles {hist}]" if hist else ""))
+            if len(acceptance.shares) > 1:
+                print("Accepted drafts from: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in acceptance.shares.items()))
         if response.plain_tps is not None and response.draft_tps is not None:
             verdict = "slower" if response.drafting_slower else "faster"
             print(

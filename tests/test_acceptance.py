@@ -103,7 +103,7 @@ async def test_every_surface_shows_the_same_tau(scripted, pair_dirs, capsys, tmp
     from dflash_mlx.bench.stats import summarize
     from dflash_mlx.bench.timing import RunResult, _time_stream
 
-    out, gen_s, _, accept, sizes = _time_stream(
+    out, gen_s, _, accept, sizes, _ = _time_stream(
         stream_generate(model, draft, tokenizer, ids, policy=PolicyState(), **settings), lambda r: r.tokens
     )
     row = summarize([RunResult("dflash", BLOCK, 0, "chat", len(out), 10.0, 10.0, accept, verify_sizes=sizes)], {})[0]

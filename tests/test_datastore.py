@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx import DFlashError, stream_generate
 from dflash_mlx.adaptive import PolicyState
-from dflash_mlx.datastore import Datastore, SuffixIndex, load_datastore, read_responses, suffix_array
+from dflash_mlx.datastore import Datastore, SuffixIndex, load_datastore, open_datastore, read_responses, suffix_array
 from dflash_mlx.lookup import PromptLookup
 
 
@@ -31,6 +31,8 @@ def test_suffix_array_is_the_sorted_suffixes(alphabet):
         tokens = np.array([rng.randrange(alphabet) for _ in range(rng.randint(1, 60))])
         expected = sorted(range(len(tokens)), key=lambda i: tokens[i:].tolist())
         assert suffix_array(tokens).tolist() == expected
+        # Sorted by the first 4 tokens, ties in text order.
+        assert suffix_array(tokens, 4).tolist() == sorted(range(len(tokens)), key=lambda i: (tokens[i:i + 4].tolist(), i))
 
 
 def test_draft_follows_the_longest_match_and_the_most_frequent_continuation():
@@ -124,8 +126,9 @@ def test_lossless_in_the_adaptive_policys_paused_cycles(qwen3_pair, block_size):
     ref = reference(model, prompt)
     clock = Clock(step=0.01)
     losing = CostlyDraft(draft, prompt + ref, clock, seconds=1.0, wrong_every=1)
-    # Measured before, so the first cycle is a paused one, where only the datastore has drafts.
-    policy = PolicyState.restored({"plain_time": 0.01}, clock=clock, lookup=0)
+    # Measured before, so the first cycle is a paused one: the text repeats no two tokens yet, so
+    # the datastore drafts before prompt lookup's one-token match.
+    policy = PolicyState.restored({"plain_time": 0.01}, clock=clock)
     out, cycles = run(model, losing, prompt, block_size=block_size, max_tokens=len(ref), policy=policy,
                       datastore=store)
     assert out == ref
@@ -149,3 +152,21 @@ def test_block_size_with_a_datastore_alone(qwen3_pair):
     model, _, _ = qwen3_pair
     with pytest.raises(DFlashError, match="from 1 to 64 with a datastore alone"):
         run(model, None, [1, 2, 3], block_size=0, datastore=Datastore(None, VOCAB))
+
+
+def test_open_datastore_as_the_tools_ask(tmp_path, monkeypatch):
+    from dflash_mlx import datastore as ds
+
+    assert open_datastore("none", None, 10) is None
+    other = open_datastore("auto", str(tmp_path), 10)  # not the default pair: its replies only
+    assert other.fixed is None and other.session_length == 0
+    with pytest.raises(DFlashError, match="--datastore missing.jsonl: no such file"):
+        open_datastore("missing.jsonl", None, 10)
+    built = []
+    monkeypatch.setattr(ds, "load_datastore", lambda path, vocab, **kw: built.append(path) or "store")
+    assert open_datastore("auto", None, 10) == "store" and built == [ds.default_pair_answers()]
+    assert open_datastore(None, "smollm2", 10) == "store"
+    assert ds.default_pair_answers().is_file()  # it ships with the package
+    given = tmp_path / "mine.jsonl"
+    given.write_text("")
+    assert open_datastore(str(given), "dflash-tiny", 10) == "store" and built[-1] == given

@@ -965,3 +965,24 @@ async def test_real_pair_in_harmony_folds_the_analysis_channel(pair_dirs, tmp_pa
         assert not [n for n in notes(app) if "rejected" in n or "Error" in n]
         assert app.turns[-1]["content"] == "t7t8"
     engine.close()
+
+
+def test_reply_stats_compare_the_reply_with_its_own_plain_steps():
+    from dflash_mlx.responses import GenerationResponse
+    from dflash_mlx.tui.messages import ReplyStats
+
+    stats = ReplyStats()
+    # Cycle 0 is the prefill's token; then drafting cycles of 3 tokens in 0.1 s and plain steps of
+    # 1 token in 0.05 s: 20 tok/s plain, and the reply as a whole faster than that.
+    kinds = [(0, 1), (2, 3), (0, 1), (2, 3), (0, 1), (0, 1), (2, 3)]
+    tokens, elapsed = 0, 0.0
+    for cycle, (num_draft, emitted) in enumerate(kinds):
+        tokens += emitted
+        if cycle > 0:
+            elapsed += 0.1 if num_draft else 0.05
+        tps = (tokens - 1) / elapsed if elapsed else 0.0
+        stats.add(GenerationResponse("", [], emitted, 1.0, cycle, 4, 100.0, tokens, tps, 0.1, num_draft=num_draft))
+        if cycle == 4:
+            assert stats.plain_step_tps is None  # two plain steps say too little
+    assert stats.plain_steps == 3 and stats.plain_step_tps == pytest.approx(20.0)
+    assert stats.tps > stats.plain_step_tps

@@ -365,6 +365,7 @@ def make_app(
     chat_template_config: dict | None = None,
     base_url: str | None = None,
     api_key: str | None = None,
+    datastore: str = "auto",
 ) -> ChatApp:
     """A ``ChatApp`` on the real models; they load in the background once the app starts.
 
@@ -384,6 +385,8 @@ def make_app(
         chat_template_config: Keyword arguments for ``apply_chat_template``.
         base_url: Chat with this OpenAI-compatible server instead; ``model`` names its model.
         api_key: The server's API key.
+        datastore: Draft from the target's past text: ``"auto"``, ``"none"`` or a response cache
+          file (``--datastore``).
 
     Returns:
         ChatApp: Call ``.run()`` on it.
@@ -402,22 +405,26 @@ def make_app(
 
     engine = MLXEngine(
         model, draft, dtype=dtype, no_draft=no_draft, extra_eos_token=extra_eos_token,
-        chat_template_config=chat_template_config, policy_store=PolicyStore(),
+        chat_template_config=chat_template_config, policy_store=PolicyStore(), datastore=datastore,
     )  # fmt: skip
     return ChatApp(engine, settings=settings)
 
 
-def _prepare_embedded_pair(model: str | None) -> None:
-    """Convert the default pair's target now, on the plain terminal where its one-time
-    progress line shows, rather than inside the app, which hides stderr."""
+def _prepare_embedded_pair(model: str | None, datastore: str = "auto") -> None:
+    """Convert the default pair's target and index its datastore now, on the plain terminal where
+    their one-time progress lines show, rather than inside the app, which hides stderr."""
     from ..weights.pairs import is_embedded_pair
 
     if not is_embedded_pair(model):
         return
+    import json
+
+    from ..datastore import open_datastore
     from ..weights.pairs import DEFAULT_PAIR, embedded_pair
 
     try:
-        embedded_pair(model or DEFAULT_PAIR)
+        target, _ = embedded_pair(model or DEFAULT_PAIR)
+        open_datastore(datastore, model, json.loads((target / "config.json").read_text())["vocab_size"])
     except DFlashError as e:
         print(f"dflash-chat: error: {e}", file=sys.stderr)
         sys.exit(1)
@@ -433,7 +440,7 @@ def main(argv: list[str] | None = None) -> None:
             "with --base-url the server has its own."
         )
     if not args.base_url:
-        _prepare_embedded_pair(args.model)
+        _prepare_embedded_pair(args.model, args.datastore)
     kwargs = vars(args)
     kwargs.pop("blas")  # used by the console script before anything loaded
     app = make_app(**kwargs)

@@ -66,6 +66,8 @@ class MLXEngine:
         chat_template_config: Keyword arguments for ``apply_chat_template``.
         policy_store: Where what the adaptive policy measured is kept between sessions
           (:class:`dflash_mlx.adaptive.PolicyStore`); None: within this session only.
+        datastore: ``--datastore``: ``"auto"``, ``"none"`` or a response cache file
+          (:func:`dflash_mlx.datastore.open_datastore`); every reply joins it.
     """
 
     def __init__(
@@ -78,8 +80,10 @@ class MLXEngine:
         extra_eos_token: list[str] = (),
         chat_template_config: dict[str, Any] | None = None,
         policy_store: Any = None,
+        datastore: str = "auto",
     ):
         self.model_path, self.draft_path, self.dtype, self.no_draft = model, draft, dtype, no_draft
+        self.datastore_choice, self.datastore = datastore, None
         self.policy_store = policy_store
         self.extra_eos_token, self.template_kwargs = list(extra_eos_token), dict(chat_template_config or {})
         self._thread = MLXThread()
@@ -109,6 +113,8 @@ class MLXEngine:
         from ..cache import make_cache
         from ..chat_template import template_switches
         from ..cli.options import add_stop_tokens
+        from ..datastore import open_datastore
+        from ..models import target as tgt
         from ..weights.loading import load
         from ..weights.pairs import AUTO_DRAFT, DEFAULT_PAIR
         from ..weights.registry import draft_for_cli
@@ -119,6 +125,8 @@ class MLXEngine:
         if self.no_draft:
             self.draft = None
         self.cache = make_cache(self.model, self.draft)
+        if self.draft is not None:  # plain decoding stays plain
+            self.datastore = open_datastore(self.datastore_choice, self.model_path, tgt.vocab_size(self.model))
         name = DEFAULT_PAIR if self.model_path is None else Path(self.model_path).name
         if self.draft is None:
             name += " (no drafter)"
@@ -183,6 +191,7 @@ class MLXEngine:
             min_confidence=settings.min_confidence,
             lookup_fallback=settings.lookup_fallback,
             policy=self.policies[setup],
+            datastore=self.datastore,
             prompt_cache=self.cache,
             parse_reasoning=has_chat_template(self.tokenizer),
         )

@@ -73,6 +73,9 @@ class ReplyStats:
     block_size: int | None = None
     plain_tps: float | None = None
     draft_tps: float | None = None
+    # This reply's plain steps (cycles that verified no draft): their count and seconds.
+    plain_steps: int = 0
+    plain_seconds: float = 0.0
     _window: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW + 1), repr=False)
 
     def add(self, d: GenerationResponse) -> None:
@@ -88,7 +91,15 @@ class ReplyStats:
         self.finish_reason = d.finish_reason or self.finish_reason
         # Seconds since the first token, as stream_generate measured them.
         elapsed = (d.generation_tokens - 1) / d.generation_tps if d.generation_tps > 0 else 0.0
+        if d.cycle > 1 and d.num_draft == 0 and self._window and elapsed > self._window[-1][1]:
+            self.plain_steps += 1
+            self.plain_seconds += elapsed - self._window[-1][1]
         self._window.append((d.generation_tokens, elapsed))
+
+    @property
+    def plain_step_tps(self) -> float | None:
+        """Plain decoding's tokens per second, from this reply's own plain steps (None: too few)."""
+        return self.plain_steps / self.plain_seconds if self.plain_steps >= 3 and self.plain_seconds > 0 else None
 
     @property
     def ttft(self) -> float:

@@ -235,6 +235,8 @@ class StatsPanel(VerticalScroll):
         ]
         if r.plain_tps and r.draft_tps:  # measured by the adaptive policy; "faster": DFlash loses
             lines.insert(6, f"tok/s plain {r.plain_tps:>6.1f}" + (" faster" if r.plain_tps > r.draft_tps else ""))
+        if r.plain_step_tps:  # this reply against its own plain steps: what drafting bought
+            lines.insert(4, f"vs plain    {r.tps / r.plain_step_tps:>5.2f}x")
         self.query_one("#live", Static).update(Text("\n".join(lines)))
         total = conversation.acceptance
         caption = ["conversation", *_acceptance_lines("tau", total if total.cycles else None)]

@@ -170,6 +170,7 @@ def run_benchmark(
     draft_sinks: int = 4,
     kernels: str = "auto",
     progress: bool = True,
+    datastore: str | None = "auto",
 ) -> dict:
     """Run the methods on the prompts and return ``{"meta", "times", "rows", "runs"}``.
 
@@ -180,10 +181,14 @@ def run_benchmark(
     ``draft_window`` / ``draft_sinks``: the drafter's context window of the DFlash methods.
     ``kernels``: the Metal kernels (``"auto"``, ``"on"``, ``"off"``; :mod:`dflash_mlx.kernels`)
     of the target's quantized layers and of the DFlash loop; the results record it, and what
-    each kernel's dispatcher ran (``kernel_verdicts``).
+    each kernel's dispatcher ran (``kernel_verdicts``). ``datastore`` (``--datastore``): what
+    dflash-default drafts from in its paused cycles besides prompt lookup; it learns nothing from
+    the runs, so no run drafts from another's answer to the same prompt.
     """
     from ..cache import check_draft_window
+    from ..datastore import open_datastore
     from ..generation import check_cycle_settings
+    from ..models.target import vocab_size
     from ..models.hybrid import HYBRID_MODEL_TYPES
     from ..weights.loading import load
     from ..weights.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
@@ -269,9 +274,10 @@ def run_benchmark(
         print(f"Estimated run time: about {seconds:.0f} s ({len(rows_in)} prompts x {len(plan)} method/block "
               f"settings x ({runs} runs + a warm-up) x up to {max_tokens} tokens at a measured "
               f"{1e3 * step:.1f} ms plain step, and {timing_seconds:.0f} s of component timing)", file=sys.stderr)
+    store = open_datastore(datastore, model, vocab_size(target), learns=False) if "dflash-default" in methods else None
     runners = {
         (m, b): make_runner(m, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
-                            min_confidence, lookup_fallback, **window, kernels=kernels)
+                            min_confidence, lookup_fallback, **window, kernels=kernels, datastore=store)
         for m, b in plan
     }  # fmt: skip
     results, total, done, start = [], len(plan) * len(rows_in) * runs, 0, time.perf_counter()
@@ -294,14 +300,15 @@ def run_benchmark(
                     print(f"\r[{done}/{total}] prompt {i + 1}, run {r + 1}: {key[0]} B={key[1]}, ETA {eta:.0f}s   ",
                           end="", file=sys.stderr, flush=True)
         for method, b in plan:
-            out, gen_s, first_s, accept, sizes = median_run(samples[(method, b)])
+            out, gen_s, first_s, accept, sizes, sources = median_run(samples[(method, b)])
             # Losslessness check: every method must emit the first method's tokens.
             if out != samples[plan[0]][0][0]:
                 mismatches.append(f"{method} B={b} prompt {i}")
             results.append(
                 RunResult(method, b, i, row.get("category", "all"), len(out),
                           max(len(out) - 1, 0) / gen_s if gen_s > 0 else 0.0,
-                          len(ids) / first_s if first_s > 0 else 0.0, accept, peaks[(method, b)], out, sizes)
+                          len(ids) / first_s if first_s > 0 else 0.0, accept, peaks[(method, b)], out, sizes,
+                          sources)
             )
     if progress:
         print(file=sys.stderr)
@@ -323,6 +330,8 @@ def run_benchmark(
                  "prompt_set": (documents or f"{pair_name or DEFAULT_PAIR} long-context documents (embedded)")
                  if context else prompts or f"{pair_name or DEFAULT_PAIR} held-out prompts (embedded)",
                  "min_confidence": min_confidence, "lookup_fallback": lookup_fallback,
+                 "datastore": None if store is None else (
+                     f"{len(store.fixed):,} tokens" if store.fixed is not None else "empty"),
                  "context": [label(n) for n in context] if context else None, **window,
                  "kernels": kernels, "kernel_verdicts": kernel_verdicts()},
         "times": times,
@@ -394,6 +403,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-fallback", type=int, action=InRange, low=0, default=DEFAULT_LOOKUP_FALLBACK,
                    help="dflash-fallback: the most prompt-lookup cycles after the drafter misses its first draft "
                    f"(default: {DEFAULT_LOOKUP_FALLBACK}; 0 never falls back).")
+    p.add_argument("--datastore", default="auto", metavar="auto|none|FILE",
+                   help="dflash-default's datastore, as dflash-generate's --datastore (default: auto, the default "
+                   "pair's shipped answers); it learns nothing from the benchmark's own replies.")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="Compute dtype of the models (default: the one dflash-generate uses: float32 on a CPU, "
                    "where greedy output is the same for every method, as the benchmark checks; the checkpoint's "
@@ -454,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
             methods=tuple(args.methods) if args.methods else None,
             min_confidence=args.min_confidence, lookup_fallback=args.lookup_fallback, dtype=args.dtype,
             context=args.context, documents=args.documents, draft_window=args.draft_window,
-            draft_sinks=args.draft_sinks, kernels=args.kernels,
+            draft_sinks=args.draft_sinks, kernels=args.kernels, datastore=args.datastore,
         )
     except DFlashError as e:
         print(f"dflash-bench: error: {e}", file=sys.stderr)

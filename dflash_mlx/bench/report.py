@@ -84,8 +84,15 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         "by the baseline's real step against a lone AR pass (below). "
         "dflash-fallback has no limit: its prompt-lookup cycles run no drafter pass. dflash-default: generate's "
         "defaults (the adaptive policy, one state across the method's runs, warm-up first, as a chat or server "
-        "keeps it; while it pauses the drafter, cycles verify one prompt-lookup draft or step plainly); no limit.",
+        "keeps it; while it pauses the drafter, cycles verify up to 7 drafts of prompt lookup on a match of 2+ "
+        "tokens or of the datastore, else one prompt-lookup draft, or step plainly); no limit.",
     ]
+    shared = [r for r in rows if len(r.get("shares") or {}) > 1]
+    if shared:
+        lines += ["", "Accepted drafts by what proposed them (drafter: the DFlash drafter; lookup: prompt lookup; "
+                      "datastore: the target's past text):"]
+        lines += [f"- {r['method']} B={r['block_size']}: "
+                  + ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["shares"].items()) for r in shared]
     if meta.get("kernel_verdicts"):
         lines += ["", "Metal kernels (what each dispatcher ran at each shape class):"]
         lines += [f"- {v['kernel']} {v['shape']}: {'kernel' if v['enabled'] else 'twin'}, {v['reason']}"

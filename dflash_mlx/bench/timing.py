@@ -44,24 +44,26 @@ class RunResult:
     peak_memory_gb: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     verify_sizes: list[int] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # what proposed each cycle's drafts ("": not said)
 
     @property
     def acceptance(self) -> AcceptanceStats:
         """Its cycles counted as every tool counts them: those that verified more than one token
         drafted; the rest decoded plainly. Without sizes, each cycle verified ``block_size``."""
         stats, lengths = AcceptanceStats(), self.acceptance_lengths
-        for length, size in zip(lengths, self.verify_sizes or [self.block_size] * len(lengths)):
-            stats.add(size - 1, length)
+        sources = self.sources or [""] * len(lengths)
+        for length, size, source in zip(lengths, self.verify_sizes or [self.block_size] * len(lengths), sources):
+            stats.add(size - 1, length, source)
         return stats
 
 
 def _time_stream(
     responses: Iterator, get_tokens: Callable, num_draft: int = 0
-) -> tuple[list[int], float, float, list[int], list[int]]:
+) -> tuple[list[int], float, float, list[int], list[int], list[str]]:
     """Drain a stream: (ids, seconds after the first token, seconds to the first token, acceptances,
-    tokens verified per cycle). mlx-lm's streams say only which tokens were drafted: their cycles
-    verified ``num_draft`` drafts each (0: plain decoding)."""
-    ids, accept, first, tic, drafted, sizes = [], [], None, time.perf_counter(), 0, []
+    tokens verified per cycle, what drafted each cycle). mlx-lm's streams say only which tokens
+    were drafted: their cycles verified ``num_draft`` drafts each (0: plain decoding)."""
+    ids, accept, first, tic, drafted, sizes, sources = [], [], None, time.perf_counter(), 0, [], []
     for r in responses:
         if first is None:
             first = time.perf_counter()
@@ -77,11 +79,12 @@ def _time_stream(
         if getattr(r, "cycle", 0) > 0:
             accept.append(r.acceptance_length)
             sizes.append(r.num_draft + 1)
+            sources.append(r.draft_source)
     end = time.perf_counter()
     if drafted:
         accept.append(drafted)
         sizes.append(num_draft + 1)
-    return ids, end - (first or end), (first or end) - tic, accept, sizes
+    return ids, end - (first or end), (first or end) - tic, accept, sizes, sources
 
 
 def make_runner(
@@ -91,10 +94,12 @@ def make_runner(
     draft_window: int | None = None,
     draft_sinks: int = 4,
     kernels: str = "auto",
+    datastore=None,
 ):
     """A function ``prompt ids -> (ids, gen seconds, prompt seconds, acceptances)`` for one method;
     the DFlash methods' drafter sees ``draft_window`` positions (None: all) and their loop runs
-    the Metal kernels as ``kernels`` says (the target's own layers were chosen at load)."""
+    the Metal kernels as ``kernels`` says (the target's own layers were chosen at load).
+    ``datastore`` drafts in dflash-default's paused cycles, as generate's defaults do."""
     if method in ("baseline", "mlx-spec"):
         from mlx_lm.generate import stream_generate as mlx_lm_stream
 
@@ -116,19 +121,20 @@ def make_runner(
     return lambda ids: _time_stream(
         stream_generate(
             model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=width, min_confidence=cutoff,
-            lookup_fallback=fallback, adaptive=default, policy=policy,
+            lookup_fallback=fallback, adaptive=default, policy=policy, datastore=datastore if default else None,
             draft_window=draft_window if method != "lookup" else None, draft_sinks=draft_sinks, kernels=kernels,
         ),
         lambda r: r.tokens,
     )
 
 
-def median_run(results: list[tuple]) -> tuple[list[int], float, float, list[int], list[int]]:
+def median_run(results: list[tuple]) -> tuple[list[int], float, float, list[int], list[int], list[str]]:
     """Several runs of one method on one prompt: the first run's tokens and counts, median times."""
-    out, _, _, accept, sizes = results[0]
+    out, _, _, accept, sizes, *sources = results[0]  # a runner may not say what drafted
+    sources = sources[0] if sources else []
     gen = statistics.median(r[1] for r in results)
     first = statistics.median(r[2] for r in results)
-    return out, gen, first, accept, sizes
+    return out, gen, first, accept, sizes, sources
 
 
 def component_times(

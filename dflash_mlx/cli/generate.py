@@ -8,8 +8,10 @@ from mlx_lm.sample_utils import make_logits_processors
 from ..adaptive import PolicyStore
 from ..cache import DFlashCache
 from ..chat_template import has_chat_template, render_chat
+from ..datastore import open_datastore
 from ..errors import DFlashError
 from ..generation import generate, policy_key
+from ..models import target as tgt
 from ..models.drafter import DraftModel
 from ..sampling import make_sampler
 from .options import (
@@ -135,13 +137,15 @@ def main(argv: list[str] | None = None) -> None:
             prompt = render_chat(tokenizer, [{"role": "user", "content": prompt}], system_prompt=args.system_prompt,
                                  template_args=args.chat_template_config)  # fmt: skip
         cache = _window_cache(model, args.max_kv_size) if args.max_kv_size is not None else None
+        # Plain decoding (--no-draft, or no drafter) stays plain.
+        datastore = open_datastore(args.datastore, args.model, tgt.vocab_size(model)) if draft is not None else None
         # One-shot runs go on from what earlier ones measured of this pair on this machine.
         adaptive = args.seed is None if args.adaptive is None else args.adaptive
         store = key = policy = None
         if adaptive and isinstance(draft, DraftModel):
             setup = {k: getattr(args, k) for k in ("block_size", "temp", "top_p", "min_p", "top_k", "proposal",
                                                    "min_confidence", "lookup_fallback", "draft_window",
-                                                   "paused_lookup")}  # fmt: skip
+                                                   "paused_lookup", "datastore")}  # fmt: skip
             store, key = PolicyStore(), policy_key(model, draft, setup)
             policy = store.get(key, lookup=args.paused_lookup)
         text = generate(
@@ -163,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
             policy=policy,
             draft_window=args.draft_window,
             draft_sinks=args.draft_sinks,
+            datastore=datastore,
             seed=args.seed,
             prompt_cache=cache,
             # mlx-lm's prefill step: with a rotating window (--max-kv-size) the chunks shape the output.

@@ -204,6 +204,13 @@ def add_cycle_arguments(parser: argparse.ArgumentParser) -> None:
         help="After the drafter misses its first draft, draft up to this many cycles by prompt lookup "
         "(default: 0, never).",
     )  # fmt: skip
+    parser.add_argument(
+        "--datastore", default="auto", metavar="auto|none|FILE",
+        help="Draft from the target's own past text in the cycles that run no drafter pass, where prompt "
+        "lookup finds no match of 2 tokens or more: 'auto' (default) the default pair's shipped answers and "
+        "this process's replies (other pairs: the replies); FILE, a response cache (dflash-train's JSONL, "
+        ".gz too), and the replies; 'none', prompt lookup alone. Same output either way.",
+    )  # fmt: skip
 
 
 def add_window_arguments(parser: argparse.ArgumentParser) -> None:

@@ -94,17 +94,18 @@ class DFlashServer:
         queue_size, prompt_cache_size, max_context, chat_template_args, prefill_step_size: See
           ``Worker``.
         aliases: Other names accepted for the model.
+        datastore: See ``Worker``.
     """
 
     def __init__(self, model, draft, tokenizer, *, model_name: str = "default", host: str = "127.0.0.1",
                  port: int = 8080, api_key: str | None = None, defaults: Defaults = Defaults(),
                  queue_size: int = 16, prompt_cache_size: int = 4, max_context: int | None = None,
                  chat_template_args: dict | None = None, prefill_step_size: int = 512,
-                 aliases: tuple[str, ...] = ()):
+                 aliases: tuple[str, ...] = (), datastore=None):
         self.metrics = Metrics()
         self.worker = Worker(model, draft, tokenizer, queue_size=queue_size, prompt_cache_size=prompt_cache_size,
                              max_context=max_context, chat_template_args=chat_template_args,
-                             prefill_step_size=prefill_step_size, metrics=self.metrics)
+                             prefill_step_size=prefill_step_size, metrics=self.metrics, datastore=datastore)
         httpd = DFlashHTTPServer((host, port), APIHandler)
         httpd.worker, httpd.metrics, httpd.defaults, httpd.api_key = self.worker, self.metrics, defaults, api_key
         httpd.model_name, httpd.model_names = model_name, {model_name, *aliases}
@@ -199,6 +200,8 @@ def _error(message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     import json
 
+    from ..datastore import open_datastore
+    from ..models.target import vocab_size
     from ..weights.loading import load
     from ..weights.pairs import DEFAULT_PAIR
     from ..weights.registry import draft_for_cli
@@ -219,6 +222,10 @@ def main(argv: list[str] | None = None) -> None:
         _error(str(e))
     if args.no_draft:
         draft = None
+    try:  # plain decoding stays plain
+        datastore = open_datastore(args.datastore, args.model, vocab_size(model)) if draft is not None else None
+    except DFlashError as e:
+        _error(str(e))
     name = args.served_model_name or args.model or DEFAULT_PAIR
     aliases = tuple({Path(name).name} - {name})
     defaults = Defaults(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -229,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
                               api_key=args.api_key, defaults=defaults, queue_size=args.queue_size,
                               prompt_cache_size=args.prompt_cache_size, max_context=args.max_context,
                               chat_template_args=template_args, prefill_step_size=args.prefill_step_size,
-                              aliases=aliases)
+                              aliases=aliases, datastore=datastore)
     except OSError as e:
         _error(f"cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port or --host.")
     stop = threading.Event()

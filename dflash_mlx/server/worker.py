@@ -89,12 +89,16 @@ class Worker:
           ``max_position_embeddings``, when it has one).
         chat_template_args: Extra keyword arguments for ``apply_chat_template``.
         metrics: Counters shared with ``/metrics``.
+        datastore: The target's past text to draft from (:class:`dflash_mlx.datastore.Datastore`),
+          which every reply joins, or None. Drafts never change the output, but one client's
+          replies can speed up another's (only where the text repeats).
     """
 
     def __init__(self, model, draft, tokenizer, *, queue_size: int = 16, prompt_cache_size: int = 4,
                  max_context: int | None = None, chat_template_args: dict | None = None,
-                 prefill_step_size: int = 512, metrics: Metrics | None = None):
+                 prefill_step_size: int = 512, metrics: Metrics | None = None, datastore=None):
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
+        self.datastore = datastore  # every request's reply joins it
         self.max_block_size = draft.block_size if draft is not None else 1
         self.max_context = max_context or getattr(getattr(model, "args", None), "max_position_embeddings", None)
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
@@ -232,6 +236,7 @@ class Worker:
             seed=req.seed,
             policy=self.policies.setdefault(setup, PolicyState()),
             prompt_cache=self.caches.take(ids),
+            datastore=self.datastore,
             prefill_step_size=self.prefill_step_size,
             parse_reasoning=req.kind == CHAT and has_chat_template(self.tokenizer),
         )
