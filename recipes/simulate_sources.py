@@ -103,20 +103,39 @@ def main():
         return lookup_source(width, min_match)
 
     combined = lambda **kw: first_of(lookup_long(7, 2), store_source(7, **kw), lookup_source(1))
+    def extended(width):  # a long lookup match's drafts, continued by the datastore past where they end
+        lookup, store = PromptLookup(width + 1, max_ngram=3, min_ngram=2), Datastore(index, args.vocab)
+
+        def propose(history):
+            drafts = lookup.lookup(history, width)
+            if drafts:
+                more = store.draft(history + drafts, width - len(drafts)).tokens if len(drafts) < width else []
+                return "lookup", drafts + more
+            return "store", store.draft(history, width).tokens
+        return first_of(propose, lookup_source(1))
+
+    def longest(width):  # the longer of a long lookup match's drafts and the datastore's
+        lookup, store = PromptLookup(width + 1, max_ngram=3, min_ngram=2), Datastore(index, args.vocab)
+
+        def propose(history):
+            a, b = lookup.lookup(history, width), store.draft(history, width).tokens
+            return ("lookup", a) if len(a) >= len(b) and a else ("store", b)
+        return first_of(propose, lookup_source(1))
+
     setups = {
         "plain": lambda h: ("none", []),
         "lookup 1 (before: the paused cycles' drafts)": lookup_source(1),
         "lookup 7": lookup_source(7),
         "store 7": store_source(7),
-        "lookup>=2 7, else store 7, else lookup 1": combined(),
-        "  the same, store order <= 4": combined(max_order=4),
-        "  the same, store order <= 3": combined(max_order=3),
-        "  the same, store order <= 4, min count 4": combined(max_order=4, min_count=4),
-        "  the same, store order <= 4, step .4": combined(max_order=4, min_step=0.4),
-        "  the same, store order <= 4, path .2": combined(max_order=4, min_path=0.2),
-        "lookup>=3 7, else store 7 (order <= 4), else lookup 1": first_of(lookup_long(7, 3), store_source(7, max_order=4),
-                                                                         lookup_source(1)),
-        "store 7 (order <= 4), else lookup 7": first_of(store_source(7, max_order=4), lookup_source(7)),
+        "lookup>=2 7, else store 7, else lookup 1 (the default)": combined(),
+        "  the same, store order <= 8": combined(max_order=8),
+        "  the same, store min count 4": combined(min_count=4),
+        "  the same, store step .4": combined(min_step=0.4),
+        "lookup>=3 7, else store 7, else lookup 1": first_of(lookup_long(7, 3), store_source(7), lookup_source(1)),
+        "store 7, else lookup 7": first_of(store_source(7), lookup_source(7)),
+        "lookup>=2 7 continued by the store, else store 7, else lookup 1": extended(7),
+        "the longer of lookup>=2 7 and store 7, else lookup 1": longest(7),
+        "lookup>=2 15, else store 15, else lookup 1": first_of(lookup_long(15, 2), store_source(15), lookup_source(1)),
     }
     print(f"draft cost {args.draft_cost} of a step; speed = tokens per step-time against plain decoding")
     print(f"| setup | tokens per cycle (per drafting cycle) | speed | " + " | ".join(groups) + " | shares (lookup/store) |")
