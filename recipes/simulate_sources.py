@@ -102,7 +102,9 @@ def main():
     def lookup_long(width, min_match):  # lookup only on a match of min_match tokens or more
         return lookup_source(width, min_match)
 
-    combined = lambda **kw: first_of(lookup_long(7, 2), store_source(7, **kw), lookup_source(1))
+    def combined(**kw):  # the loop's default
+        return first_of(lookup_long(7, 2), store_source(7, **kw), lookup_source(1))
+
     def extended(width):  # a long lookup match's drafts, continued by the datastore past where they end
         lookup, store = PromptLookup(width + 1, max_ngram=3, min_ngram=2), Datastore(index, args.vocab)
 
@@ -138,7 +140,7 @@ def main():
         "lookup>=2 15, else store 15, else lookup 1": first_of(lookup_long(15, 2), store_source(15), lookup_source(1)),
     }
     print(f"draft cost {args.draft_cost} of a step; speed = tokens per step-time against plain decoding")
-    print(f"| setup | tokens per cycle (per drafting cycle) | speed | " + " | ".join(groups) + " | shares (lookup/store) |")
+    print("| setup | tokens per cycle (per drafting cycle) | speed | " + " | ".join(groups) + " | shares (lookup/store) |")
     for name, propose in setups.items():
         tic = time.perf_counter()
         per = defaultdict(lambda: [0, 0, 0, 0.0, 0])
