@@ -23,6 +23,7 @@ from .cli.options import MAX_SEED
 from .cpu.openblas import blas_in_use
 from .cpu.speedups import CpuSpeedups
 from .cpu.speedups import choose_speedups
+from .distributed import FollowProposer, Peers, check_sharded, target_group
 from .errors import DFlashError
 from .kernels import check_kernels
 from .lookup import LookupProposer, PromptLookup
@@ -308,9 +309,17 @@ def dflash_generate_step(
         lookup_fallback=lookup_fallback, policy=policy, speedups=speedups, block_size=block_size,
         choose_width=choose_width,
     )  # fmt: skip
+    # A sharded target: rank 0 decides each cycle and the others follow (dflash_mlx.distributed).
+    peers = Peers(target_group(model), block_size)
+    if peers.group is not None:
+        check_sharded(model, draft, choose_width)
+        if drafter is not None and tgt.head_group(model) is not None:
+            drafter.head_rows(model)  # every rank together: a collective, then rank 0 drafts alone
+    if not peers.leads:
+        proposer = FollowProposer(proposer.tap_ids)
     verifier = Verifier(
         model, cache, sampler=sampler, logits_processors=logits_processors, tap_ids=proposer.tap_ids,
-        speedups=speedups, kernels=kernels, draft=drafter,
+        speedups=speedups, kernels=kernels, draft=drafter, run_ahead=peers.group is None,
     )
 
     budget = Budget(max_tokens, frozenset(stop_tokens))
@@ -324,26 +333,44 @@ def dflash_generate_step(
         reuse = cache.reusable_prefix(ids)
         cache.trim_to(reuse)
         last = verifier.prefill(ids[reuse:], prefill_step_size)
-        yield StepOutput(budget.emit([last]), 0, 0)
-
+        drafts = None
         try:
             # The next cycle's drafts, their pass already started; None when generation is over.
-            drafts = proposer.propose(last, n) if budget.open else None
+            emitted = budget.emit([last]) if peers.leads else []
+            if peers.leads and budget.open:
+                drafts = proposer.propose(last, n)
+            emitted, _, drafts = peers.settle(emitted, 0, drafts)
+            if not peers.leads:
+                budget.emit(emitted)
+            last = emitted[-1]
+            yield StepOutput(emitted, 0, 0)
             while drafts is not None:
                 room = budget.room  # the drafts past it count as neither drafted nor accepted
                 verdict = verifier.verify(last, drafts, plain_next=room > 1 and proposer.plain_next())
-                emitted = budget.emit(verdict.tokens)
-                # Rewind: the target forgets the rejected drafts, the proposer keeps the taps
-                # of the kept positions.
-                cache.commit(last, emitted, verified=drafts.size + 1)
-                proposer.accept(len(emitted) - 1, verdict.taps)
-                last = emitted[-1]
-                num_draft = min(drafts.size, room - 1)
-                # The next drafter pass starts before this cycle's tokens are handed out, so it
-                # runs while the caller decodes and shows them.
-                drafts = proposer.propose(last, n) if budget.open else None
-                yield StepOutput(emitted, min(verdict.num_accepted, room - 1), num_draft, *proposer.rates())
+                verified, num_accepted, emitted, next_drafts = drafts.size + 1, verdict.num_accepted, [], None
+                if peers.leads:
+                    # Rewind: the target forgets the rejected drafts, the proposer keeps the taps
+                    # of the kept positions.
+                    emitted = budget.emit(verdict.tokens)
+                    cache.commit(last, emitted, verified)
+                    proposer.accept(len(emitted) - 1, verdict.taps)
+                    # The next drafter pass starts before this cycle's tokens are handed out, so it
+                    # runs while the caller decodes and shows them.
+                    next_drafts = proposer.propose(emitted[-1], n) if budget.open else None
+                emitted, num_accepted, next_drafts = peers.settle(emitted, num_accepted, next_drafts)
+                if not emitted:
+                    return  # rank 0 left early
+                if not peers.leads:
+                    cache.commit(last, budget.emit(emitted), verified)
+                last, drafts = emitted[-1], next_drafts
+                num_draft = min(verified - 1, room - 1)
+                yield StepOutput(emitted, min(num_accepted, room - 1), num_draft, *proposer.rates())
         finally:
+            if peers.leads and peers.group is not None and drafts is not None:
+                # Left between cycles: the others are verifying the drafts sent last. Take part in
+                # that pass, then tell them to stop.
+                verifier.verify(last, drafts)
+                peers.settle([], 0, None)
             cache.drop_uncommitted()
 
 
@@ -508,7 +535,9 @@ def generate(
                 f"Drafting: {response.draft_tps:.3f} tokens-per-sec, {verdict} than plain decoding "
                 f"({response.plain_tps:.3f} measured; {acceptance.plain_cycles} cycles decoded plainly)"
             )
-        elif acceptance.drafting_cycles >= 4:  # no plain cycle measured plain decoding; a few cycles say little
+        elif acceptance.drafting_cycles >= 4 and target_group(model) is None:
+            # No plain cycle measured plain decoding; a few cycles say little. (A sharded target's
+            # steps need every rank, and only rank 0 prints.)
             rate = plain_tokens_per_second(model, kwargs["prompt_cache"], sampler=kwargs.get("sampler"))
             if rate is not None:
                 verdict = "slower" if response.generation_tps < rate else "faster"

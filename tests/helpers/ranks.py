@@ -21,11 +21,12 @@ class Rank:
     stdout: str
     stderr: str
 
-    def json(self) -> dict:
-        """The last line of its output that is a JSON object."""
-        lines = [line for line in self.stdout.splitlines() if line.startswith("{")]
-        assert lines, f"rank {self.rank} printed no JSON (rc {self.returncode}):\n{self.stdout}\n{self.stderr[-3000:]}"
-        return json.loads(lines[-1])
+    def results(self) -> list[dict]:
+        """The JSON objects it printed, one a line."""
+        return [json.loads(line) for line in self.stdout.splitlines() if line.startswith("{")]
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (exit {self.returncode}):\n{self.stdout[-2000:]}\n{self.stderr[-3000:]}"
 
 
 def free_ports(n: int) -> list[int]:

@@ -1,6 +1,7 @@
 """Tiny fp32 targets built the same on every rank, and the program each rank of a multi-rank test
-runs: ``python sharded.py KIND MODE [--temp T --seed S]`` prints one JSON line with this rank's
-DFlash tokens and an unsharded run's (plain greedy, or seeded DFlash when sampling)."""
+runs: ``python sharded.py KIND:MODE ... [--temp T --seed S]`` prints, for each case, one JSON line
+with this rank's DFlash tokens on the sharded target and an unsharded run's (plain greedy, or
+seeded DFlash when sampling)."""
 
 import argparse
 import json
@@ -79,24 +80,29 @@ def tokens(model, draft, max_tokens: int, **kwargs) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("kind", choices=list(CONFIGS))
-    parser.add_argument("mode", choices=["tensor", "pipeline"])
+    parser.add_argument("cases", nargs="+", help="KIND:MODE, e.g. qwen3_5:tensor")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--temp", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--no-reference", action="store_true", help="skip the unsharded run")
     args = parser.parse_args()
     group = mx.distributed.init(strict=True)
     sampler = make_sampler(args.temp) if args.temp > 0 else None
     run = dict(sampler=sampler, seed=args.seed, adaptive=False)
-    # The unsharded reference first: plain greedy, or DFlash with the same seed when sampling.
-    reference = tokens(build_target(args.kind), build_draft() if sampler else None, args.max_tokens, **run)
-    model = build_target(args.kind)
-    if args.mode == "tensor":
-        model.shard(group)
-    else:
-        model.model.pipeline(group)
-    out = tokens(model, build_draft(), args.max_tokens, **run)
-    print(json.dumps({"rank": group.rank(), "size": group.size(), "reference": reference, "tokens": out}), flush=True)
+    for case in args.cases:
+        kind, mode = case.split(":")
+        # The unsharded reference first: plain greedy, or DFlash with the same seed when sampling.
+        reference = None
+        if not args.no_reference:
+            reference = tokens(build_target(kind), build_draft() if sampler else None, args.max_tokens, **run)
+        model = build_target(kind)
+        if mode == "tensor":
+            model.shard(group)
+        else:
+            model.model.pipeline(group)
+        print(json.dumps({"case": case, "rank": group.rank(), "started": True}), flush=True)
+        out = tokens(model, build_draft(), args.max_tokens, **run)
+        print(json.dumps({"case": case, "rank": group.rank(), "reference": reference, "tokens": out}), flush=True)
 
 
 if __name__ == "__main__":

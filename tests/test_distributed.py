@@ -1,0 +1,69 @@
+"""DFlash on a target sharded over 2 and 3 ranks: mlx.distributed's ring on 127.0.0.1, each rank a
+process (helpers/ranks.py), tiny fp32 targets built alike on every rank (helpers/sharded.py).
+
+On every rank, DFlash on the sharded target gives the unsharded target's plain greedy tokens
+(tensor parallel, including Qwen3.5's vocabulary-sharded head, and pipeline parallel, for a
+plain, a hybrid and an MLA family), and seeded sampling gives unsharded DFlash's tokens.
+"""
+
+import time
+
+import pytest
+from helpers.ranks import finish, launch, python, start, stop
+
+SHARDED = "tests/helpers/sharded.py"
+TIMEOUT = 240  # seconds for a whole launch, on two busy cores
+
+
+def _check(ranks, cases: list[str]) -> None:
+    for r in ranks:
+        assert r.returncode == 0, r.describe()
+    for r in ranks:
+        runs = {x["case"]: x for x in r.results() if "tokens" in x}
+        assert sorted(runs) == sorted(cases), r.describe()
+        for case in cases:
+            assert runs[case]["tokens"] == runs[case]["reference"], f"{case} on rank {r.rank}"
+
+
+def test_greedy_on_two_ranks_equals_plain_greedy(tmp_path):
+    cases = ["qwen3:tensor", "qwen3_5:tensor", "qwen3_5:pipeline", "kimi_k25:pipeline"]
+    _check(launch(2, python(SHARDED, *cases), tmp_path, TIMEOUT), cases)
+
+
+def test_greedy_on_three_ranks_equals_plain_greedy(tmp_path):
+    # Rank 2 holds one linear attention layer alone; rank 1 a dense layer of the MoE model.
+    cases = ["qwen3_5:pipeline", "kimi_k25:pipeline"]
+    _check(launch(3, python(SHARDED, *cases), tmp_path, TIMEOUT), cases)
+
+
+def test_seeded_sampling_equals_unsharded_dflash(tmp_path):
+    cases = ["qwen3_5:pipeline"]
+    _check(launch(2, python(SHARDED, *cases, "--temp", "1.0", "--seed", "7"), tmp_path, TIMEOUT), cases)
+
+
+def test_a_killed_rank_ends_the_job(tmp_path):
+    procs = start(2, python(SHARDED, "qwen3:tensor", "--max-tokens", "1000000", "--no-reference"), tmp_path)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "started" not in (tmp_path / "rank0.out").read_text():
+            assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "rank0.err").read_text()
+            time.sleep(0.2)
+        procs[1].kill()
+        ranks = finish(procs, tmp_path, timeout=30)
+    finally:
+        stop(procs)
+    assert ranks[0].returncode not in (0, None), ranks[0].describe()
+    assert "lost" in ranks[0].stderr or "Error" in ranks[0].stderr, ranks[0].describe()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--pipeline"], "this process is alone"), (["--pipeline-split", "3,1"], "--pipeline-split needs --pipeline"),
+     (["--tensor-parallel", "--pipeline"], "not allowed with")],
+)  # fmt: skip
+def test_parallel_flags_need_mlx_launch(flags, message, capsys):
+    from dflash_mlx.cli.generate import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", "nowhere", *flags])
+    assert message in capsys.readouterr().err
