@@ -6,10 +6,13 @@ On every rank, DFlash on the sharded target gives the unsharded target's plain g
 plain, a hybrid and an MLA family), and seeded sampling gives unsharded DFlash's tokens.
 """
 
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers.ranks import finish, launch, python, start, stop
+from helpers.sharded import write_pair
 
 SHARDED = "tests/helpers/sharded.py"
 TIMEOUT = 240  # seconds for a whole launch, on two busy cores
@@ -39,6 +42,22 @@ def test_greedy_on_three_ranks_equals_plain_greedy(tmp_path):
 def test_seeded_sampling_equals_unsharded_dflash(tmp_path):
     cases = ["qwen3_5:pipeline"]
     _check(launch(2, python(SHARDED, *cases, "--temp", "1.0", "--seed", "7"), tmp_path, TIMEOUT), cases)
+
+
+@pytest.mark.parametrize("flag", ["--pipeline", "--tensor-parallel"])
+def test_dflash_generate_on_two_ranks_prints_the_single_process_text(flag, tmp_path, capsys):
+    from dflash_mlx.cli.generate import main
+
+    target, draft = write_pair(tmp_path / "pair", "qwen3_moe")
+    argv = ["--model", str(target), "--draft", str(draft), "--temp", "0", "--prompt", "t5 t17 t42 t9",
+            "--max-tokens", "24", "--ignore-chat-template", "--verbose", "F"]  # fmt: skip
+    main(argv)
+    alone = capsys.readouterr().out
+    assert len(alone.split()) == 24
+    ranks = launch(2, [str(Path(sys.executable).parent / "dflash-generate"), *argv, flag], tmp_path, TIMEOUT)
+    assert [r.returncode for r in ranks] == [0, 0], "\n".join(r.describe() for r in ranks)
+    assert ranks[0].stdout == alone
+    assert ranks[1].stdout == ""  # rank 0 prints
 
 
 def test_a_killed_rank_ends_the_job(tmp_path):

@@ -71,6 +71,22 @@ def build_draft(seed: int = 1) -> DraftModel:
     return draft
 
 
+def write_pair(root: Path, kind: str) -> tuple[Path, Path]:
+    """``build_target(kind)`` saved as an MLX target folder with a tokenizer, and a drafter for it."""
+    from mlx.utils import tree_flatten
+
+    from helpers.checkpoints import write_draft, write_tokenizer
+
+    target = root / kind
+    target.mkdir(parents=True)
+    weights = dict(tree_flatten(build_target(kind).parameters()))
+    mx.save_safetensors(str(target / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (target / "config.json").write_text(json.dumps({**CONFIGS[kind], "torch_dtype": "float32"}, indent=2))
+    write_tokenizer(target)
+    write_draft(root / "draft", num_target_layers=LAYERS, block_size=4, target_layer_ids=TAP_IDS)
+    return target, root / "draft"
+
+
 def tokens(model, draft, max_tokens: int, **kwargs) -> list[int]:
     out = []
     for step in dflash_generate_step(PROMPT, model, draft, max_tokens=max_tokens, **kwargs):
