@@ -55,7 +55,7 @@ class Peers:
 
     The message is ``2 * block_size + 3`` int32 values, an ``all_sum`` in which only rank 0's
     values are not zero: ``[kept count, num_accepted, draft count + 1 (0: stop), kept tokens...,
-    drafts...]``; 132 bytes a cycle at block size 16. A kept count of 0 means rank 0 left the
+    drafts...]``; 140 bytes a cycle at block size 16. A kept count of 0 means rank 0 left the
     generation early: the others stop without keeping anything.
     """
 
