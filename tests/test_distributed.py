@@ -6,8 +6,11 @@ On every rank, DFlash on the sharded target gives the unsharded target's plain g
 plain, a hybrid and an MLA family), and seeded sampling gives unsharded DFlash's tokens.
 """
 
+import json
+import signal
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -58,6 +61,44 @@ def test_dflash_generate_on_two_ranks_prints_the_single_process_text(flag, tmp_p
     assert [r.returncode for r in ranks] == [0, 0], "\n".join(r.describe() for r in ranks)
     assert ranks[0].stdout == alone
     assert ranks[1].stdout == ""  # rank 0 prints
+
+
+def _complete(url: str, body: dict) -> dict:
+    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+        return json.loads(response.read())
+
+
+def test_dflash_serve_on_two_ranks_answers_as_one_process_does(tmp_path):
+    from dflash_mlx import load
+    from dflash_mlx.server.app import DFlashServer
+
+    target, draft = write_pair(tmp_path / "pair", "qwen3_moe")
+    requests = [
+        {"prompt": "t5 t17 t42 t9", "max_tokens": 16, "temperature": 0},
+        {"prompt": "t5 t17 t42 t9", "max_tokens": 16, "temperature": 0, "stop": ["t60"]},  # cut mid-generation
+        {"prompt": "t8 t3", "max_tokens": 12, "temperature": 1.0, "seed": 3},
+    ]
+    alone = DFlashServer(*load(target, draft), port=0).start()
+    try:
+        expected = [_complete(alone.url, r)["choices"][0]["text"] for r in requests]
+    finally:
+        alone.close()
+    procs = start(2, python("-m", "dflash_mlx.server.app", "--model", str(target), "--draft", str(draft), "--port", "0",
+                            "--tensor-parallel"), tmp_path)  # fmt: skip
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "http://127.0.0.1:" not in (err := (tmp_path / "rank0.err").read_text()):
+            assert time.monotonic() < deadline and procs[0].poll() is None, err
+            time.sleep(0.2)
+        url = err.split(" at ")[1].split("/v1")[0]
+        assert [_complete(url, r)["choices"][0]["text"] for r in requests] == expected
+        procs[0].send_signal(signal.SIGTERM)
+        ranks = finish(procs, tmp_path, timeout=30)
+    finally:
+        stop(procs)
+    assert [r.returncode for r in ranks] == [0, 0], "\n".join(r.describe() for r in ranks)
 
 
 def test_a_killed_rank_ends_the_job(tmp_path):
