@@ -203,7 +203,10 @@ def dflash_generate_step(
 
     Args:
         prompt: The prompt token ids (the chat template already applied).
-        model: The target, an mlx-lm model.
+        model: The target, an mlx-lm model; or its shard under ``mlx.launch``
+          (:func:`dflash_mlx.load` splits it), where every rank calls this with the same
+          arguments, rank 0 decides each cycle and the others yield its tokens
+          (:mod:`dflash_mlx.distributed`).
         draft: The DFlash drafter; a :class:`dflash_mlx.lookup.PromptLookup` to draft by
           prompt lookup alone; or None for plain decoding.
         block_size: Tokens verified per cycle, 1..drafter's trained size (default), or
