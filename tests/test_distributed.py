@@ -101,6 +101,22 @@ def test_dflash_serve_on_two_ranks_answers_as_one_process_does(tmp_path):
     assert [r.returncode for r in ranks] == [0, 0], "\n".join(r.describe() for r in ranks)
 
 
+def test_an_idle_dflash_serve_exits_when_a_rank_dies(tmp_path):
+    target, draft = write_pair(tmp_path / "pair", "qwen3_moe")
+    procs = start(2, python("-m", "dflash_mlx.server.app", "--model", str(target), "--draft", str(draft), "--port", "0",
+                            "--pipeline"), tmp_path)  # fmt: skip
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "http://127.0.0.1:" not in (err := (tmp_path / "rank0.err").read_text()):
+            assert time.monotonic() < deadline and procs[0].poll() is None, err
+            time.sleep(0.2)
+        procs[1].kill()
+        ranks = finish(procs, tmp_path, timeout=30)  # rank 0's heartbeat finds it within seconds
+    finally:
+        stop(procs)
+    assert ranks[0].returncode > 0, ranks[0].describe()  # exited by itself with an error, not ended by us
+
+
 def test_a_killed_rank_ends_the_job(tmp_path):
     procs = start(2, python(SHARDED, "qwen3:tensor", "--max-tokens", "1000000", "--no-reference"), tmp_path)
     try:
@@ -112,7 +128,7 @@ def test_a_killed_rank_ends_the_job(tmp_path):
         ranks = finish(procs, tmp_path, timeout=30)
     finally:
         stop(procs)
-    assert ranks[0].returncode not in (0, None), ranks[0].describe()
+    assert ranks[0].returncode > 0, ranks[0].describe()  # exited by itself with an error, not ended by us
     assert "lost" in ranks[0].stderr or "Error" in ranks[0].stderr, ranks[0].describe()
 
 

@@ -220,7 +220,11 @@ class Worker:
         # The thread never exits: one that used MLX and ends during interpreter shutdown can
         # abort the process (seen with MLX 0.32 on Linux).
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=None if self.ranks is None else self.ranks.HEARTBEAT)
+            except queue.Empty:
+                self.ranks.heartbeat()  # idle: a rank that died is found now, not at the next request
+                continue
             if job is None:
                 self.ranks.shut_down()
                 self.released.set()
