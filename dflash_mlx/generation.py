@@ -277,7 +277,8 @@ def dflash_generate_step(
 
     Raises:
         DFlashError: On an empty prompt, ``max_tokens < 1``, a bad ``block_size``,
-          ``proposal``, ``min_confidence``, ``lookup_fallback`` or ``kernels``.
+          ``proposal``, ``min_confidence``, ``lookup_fallback`` or ``kernels``; on a sharded
+          target, ``block_size="auto"`` or a DFlash2 drafter on a head split by vocabulary.
     """
     ids = _prompt_ids(prompt)
     check_kernels(kernels)
@@ -288,6 +289,10 @@ def dflash_generate_step(
     if choose_width and min_confidence > 0:
         raise DFlashError("block_size='auto' chooses each cycle's drafts itself; leave min_confidence at 0.")
     block_size = resolve_block_size(draft, block_size)
+    # A sharded target: rank 0 decides each cycle and the others follow (dflash_mlx.distributed).
+    peers = Peers(target_group(model), block_size)
+    if peers.group is not None:
+        check_sharded(model, draft, choose_width)
     sampler = None if is_greedy(sampler) else sampler
     if prompt_cache is None:
         cache = make_cache(model, draft, draft_window=draft_window, draft_sinks=draft_sinks)
@@ -312,12 +317,8 @@ def dflash_generate_step(
         lookup_fallback=lookup_fallback, policy=policy, speedups=speedups, block_size=block_size,
         choose_width=choose_width,
     )  # fmt: skip
-    # A sharded target: rank 0 decides each cycle and the others follow (dflash_mlx.distributed).
-    peers = Peers(target_group(model), block_size)
-    if peers.group is not None:
-        check_sharded(model, draft, choose_width)
-        if drafter is not None and tgt.head_group(model) is not None:
-            drafter.head_rows(model)  # every rank together: a collective, then rank 0 drafts alone
+    if peers.group is not None and drafter is not None and tgt.head_group(model) is not None:
+        drafter.head_rows(model)  # every rank together: a collective, then rank 0 drafts alone
     if not peers.leads:
         proposer = FollowProposer(proposer.tap_ids)
     verifier = Verifier(

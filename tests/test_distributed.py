@@ -32,7 +32,7 @@ def _check(ranks, cases: list[str]) -> None:
 
 
 def test_greedy_on_two_ranks_equals_plain_greedy(tmp_path):
-    cases = ["qwen3:tensor", "qwen3_5:tensor", "qwen3_5:pipeline", "kimi_k25:pipeline"]
+    cases = ["qwen3:tensor", "qwen3_5:tensor", "qwen3_5:pipeline", "kimi_k25:tensor", "kimi_k25:pipeline"]
     _check(launch(2, python(SHARDED, *cases), tmp_path, TIMEOUT), cases)
 
 
@@ -143,3 +143,11 @@ def test_parallel_flags_need_mlx_launch(flags, message, capsys):
     with pytest.raises(SystemExit):
         main(["--model", "nowhere", *flags])
     assert message in capsys.readouterr().err
+
+
+def test_a_sharded_target_refuses_block_size_auto():
+    from dflash_mlx.distributed import check_sharded
+    from dflash_mlx.errors import DFlashError
+
+    with pytest.raises(DFlashError, match="pass a fixed block size"):
+        check_sharded(None, None, choose_width=True)
