@@ -24,6 +24,7 @@ from .cpu.openblas import blas_in_use
 from .cpu.speedups import CpuSpeedups
 from .cpu.speedups import choose_speedups
 from .datastore import Datastore, DatastoreProposer
+from .distributed import FollowProposer, Peers, check_sharded, target_group
 from .errors import DFlashError
 from .kernels import check_kernels
 from .lookup import LookupProposer, PromptLookup
@@ -239,7 +240,10 @@ def dflash_generate_step(
 
     Args:
         prompt: The prompt token ids (the chat template already applied).
-        model: The target, an mlx-lm model.
+        model: The target, an mlx-lm model; or its shard under ``mlx.launch``
+          (:func:`dflash_mlx.load` splits it), where every rank calls this with the same
+          arguments, rank 0 decides each cycle and the others yield its tokens
+          (:mod:`dflash_mlx.distributed`).
         draft: The DFlash drafter; a :class:`dflash_mlx.lookup.PromptLookup` to draft by
           prompt lookup alone; or None for plain decoding.
         block_size: Tokens verified per cycle, 1..drafter's trained size (default), or
@@ -315,7 +319,8 @@ def dflash_generate_step(
 
     Raises:
         DFlashError: On an empty prompt, ``max_tokens < 1``, a bad ``block_size``,
-          ``proposal``, ``min_confidence``, ``lookup_fallback`` or ``kernels``.
+          ``proposal``, ``min_confidence``, ``lookup_fallback`` or ``kernels``; on a sharded
+          target, ``block_size="auto"`` or a DFlash2 drafter on a head split by vocabulary.
     """
     ids = _prompt_ids(prompt)
     check_kernels(kernels)
@@ -326,6 +331,10 @@ def dflash_generate_step(
     if choose_width and min_confidence > 0:
         raise DFlashError("block_size='auto' chooses each cycle's drafts itself; leave min_confidence at 0.")
     block_size = resolve_block_size(draft, block_size, datastore is not None)
+    # A sharded target: rank 0 decides each cycle and the others follow (dflash_mlx.distributed).
+    peers = Peers(target_group(model), block_size)
+    if peers.group is not None:
+        check_sharded(model, draft, choose_width)
     sampler = None if is_greedy(sampler) else sampler
     if prompt_cache is None:
         cache = make_cache(model, draft, draft_window=draft_window, draft_sinks=draft_sinks)
@@ -350,9 +359,13 @@ def dflash_generate_step(
         lookup_fallback=lookup_fallback, policy=policy, speedups=speedups, block_size=block_size,
         choose_width=choose_width, datastore=datastore,
     )  # fmt: skip
+    if peers.group is not None and drafter is not None and tgt.head_group(model) is not None:
+        drafter.head_rows(model)  # every rank together: a collective, then rank 0 drafts alone
+    if not peers.leads:
+        proposer = FollowProposer(proposer.tap_ids)
     verifier = Verifier(
         model, cache, sampler=sampler, logits_processors=logits_processors, tap_ids=proposer.tap_ids,
-        speedups=speedups, kernels=kernels, draft=drafter,
+        speedups=speedups, kernels=kernels, draft=drafter, run_ahead=peers.group is None,
     )
 
     budget = Budget(max_tokens, frozenset(stop_tokens))
@@ -366,28 +379,47 @@ def dflash_generate_step(
         reuse = cache.reusable_prefix(ids)
         cache.trim_to(reuse)
         last = verifier.prefill(ids[reuse:], prefill_step_size)
-        yield StepOutput(budget.emit([last]), 0, 0)
-
+        drafts = None
         try:
             # The next cycle's drafts, their pass already started; None when generation is over.
-            drafts = proposer.propose(last, n) if budget.open else None
+            emitted = budget.emit([last]) if peers.leads else []
+            if peers.leads and budget.open:
+                drafts = proposer.propose(last, n)
+            emitted, _, drafts = peers.settle(emitted, 0, drafts)
+            if not peers.leads:
+                budget.emit(emitted)
+            last = emitted[-1]
+            yield StepOutput(emitted, 0, 0)
             while drafts is not None:
                 room = budget.room  # the drafts past it count as neither drafted nor accepted
                 verdict = verifier.verify(last, drafts, plain_next=room > 1 and proposer.plain_next())
-                emitted = budget.emit(verdict.tokens)
-                # Rewind: the target forgets the rejected drafts, the proposer keeps the taps
-                # of the kept positions.
-                cache.commit(last, emitted, verified=drafts.size + 1)
-                proposer.accept(len(emitted) - 1, verdict.taps)
-                last = emitted[-1]
-                num_draft, source = min(drafts.size, room - 1), drafts.source
-                # The next drafter pass starts before this cycle's tokens are handed out, so it
-                # runs while the caller decodes and shows them.
-                drafts = proposer.propose(last, n) if budget.open else None
+                verified, num_accepted, emitted, next_drafts = drafts.size + 1, verdict.num_accepted, [], None
+                source = drafts.source
+                if peers.leads:
+                    # Rewind: the target forgets the rejected drafts, the proposer keeps the taps
+                    # of the kept positions.
+                    emitted = budget.emit(verdict.tokens)
+                    cache.commit(last, emitted, verified)
+                    proposer.accept(len(emitted) - 1, verdict.taps)
+                    # The next drafter pass starts before this cycle's tokens are handed out, so it
+                    # runs while the caller decodes and shows them.
+                    next_drafts = proposer.propose(emitted[-1], n) if budget.open else None
+                emitted, num_accepted, next_drafts = peers.settle(emitted, num_accepted, next_drafts)
+                if not emitted:
+                    return  # rank 0 left early
+                if not peers.leads:
+                    cache.commit(last, budget.emit(emitted), verified)
+                last, drafts = emitted[-1], next_drafts
+                num_draft = min(verified - 1, room - 1)
                 yield StepOutput(
-                    emitted, min(verdict.num_accepted, room - 1), num_draft, *proposer.rates(), source=source
+                    emitted, min(num_accepted, room - 1), num_draft, *proposer.rates(), source=source
                 )
         finally:
+            if peers.leads and peers.group is not None and drafts is not None:
+                # Left between cycles: the others are verifying the drafts sent last. Take part in
+                # that pass, then tell them to stop.
+                verifier.verify(last, drafts)
+                peers.settle([], 0, None)
             cache.drop_uncommitted()
 
 
@@ -570,7 +602,9 @@ def generate(
                 f"Drafting: {response.draft_tps:.3f} tokens-per-sec, {verdict} than plain decoding "
                 f"({response.plain_tps:.3f} measured; {acceptance.plain_cycles} cycles decoded plainly)"
             )
-        elif acceptance.drafting_cycles >= 4:  # no plain cycle measured plain decoding; a few cycles say little
+        elif acceptance.drafting_cycles >= 4 and target_group(model) is None:
+            # No plain cycle measured plain decoding; a few cycles say little. (A sharded target's
+            # steps need every rank, and only rank 0 prints.)
             rate = plain_tokens_per_second(model, kwargs["prompt_cache"], sampler=kwargs.get("sampler"))
             if rate is not None:
                 verdict = "slower" if response.generation_tps < rate else "faster"

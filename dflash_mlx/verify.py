@@ -58,6 +58,8 @@ class Verifier:
         draft: A DFlash drafter, which takes each prefill chunk's taps into its context cache
           as the chunk is done (:meth:`~dflash_mlx.models.drafter.DraftModel.extend_context`);
           None leaves them pending for the proposer.
+        run_ahead: Queue the next plain step before the host reads this one, where it can be
+          taken back (never on a sharded target: every rank must run the same passes).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class Verifier:
         speedups: CpuSpeedups | None,
         kernels: str = "auto",
         draft: DraftModel | None = None,
+        run_ahead: bool = True,
     ):
         self.model, self.cache, self.tap_ids, self.speedups = model, cache, tap_ids, speedups
         self.kernels = kernels
@@ -79,7 +82,7 @@ class Verifier:
         self.rotating = any(isinstance(c, RotatingKVCache) for c in cache.target)
         # A step may run ahead of the host only where one step can be taken back exactly
         # (a stop token read late): not a rotating window, not a recurrent state.
-        self.can_run_ahead = not self.rotating and model.model_type not in hybrid.HYBRID_MODEL_TYPES
+        self.can_run_ahead = run_ahead and not self.rotating and model.model_type not in hybrid.HYBRID_MODEL_TYPES
         self._ahead: tuple[mx.array, mx.array | None] | None = None  # a queued plain step
         self.greedy, self.sampler = sampler is None, sampler
         fast_exp = speedups is not None and speedups.fast_exp

@@ -2,6 +2,7 @@
 
 import sys
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -22,6 +23,7 @@ from .options import (
     add_decoding_arguments,
     add_kernels_argument,
     add_model_arguments,
+    add_parallel_arguments,
     add_stop_tokens,
     add_window_arguments,
     block_size_problem,
@@ -33,6 +35,7 @@ from .options import (
 def setup_arg_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="dflash-generate", description="Generate text with DFlash speculative decoding.")
     add_model_arguments(parser)
+    add_parallel_arguments(parser)
     add_blas_argument(parser)
     add_kernels_argument(parser)
     parser.add_argument("--prompt", "-p", default="Hello", help="The prompt ('-' reads stdin; default: 'Hello').")
@@ -116,8 +119,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--prompt is empty: pass at least one character.")
     try:
         draft_arg = draft_for_cli(args.model, args.draft, args.no_draft)
-        model, draft, tokenizer = load(args.model, draft_arg, dtype=args.dtype, kernels=args.kernels)
-        if draft is None and not args.no_draft:
+        if args.pipeline_split is not None and args.parallel != "pipeline":
+            parser.error("--pipeline-split needs --pipeline.")
+        model, draft, tokenizer = load(args.model, draft_arg, dtype=args.dtype, kernels=args.kernels,
+                                       parallel=args.parallel, pipeline_split=args.pipeline_split)  # fmt: skip
+        # Under mlx.launch every rank generates (its share of each target pass); rank 0 prints.
+        leads = mx.distributed.init().rank() == 0
+        if draft is None and not args.no_draft and leads:
             print("dflash-generate: no drafter given or known for this target: plain decoding "
                   "(pass --draft for DFlash).", file=sys.stderr)
         if args.no_draft:
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             draft,
             tokenizer,
             prompt,
-            verbose=args.verbose,
+            verbose=args.verbose and leads,
             show_reasoning=not args.hide_reasoning,
             parse_reasoning=parse_reasoning,
             max_tokens=args.max_tokens,
@@ -174,9 +182,9 @@ def main(argv: list[str] | None = None) -> None:
             prefill_step_size=2048 if cache is not None else 512,
             kernels=args.kernels,
         )
-        if store is not None:
+        if store is not None and leads:
             store.put(key, policy)
-        if not args.verbose:
+        if not args.verbose and leads:
             print(text)  # the text alone, as mlx_lm.generate does
     except DFlashError as e:
         print(f"dflash-generate: error: {e}", file=sys.stderr)

@@ -165,6 +165,35 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=list(DTYPES), default=None, help=DTYPE_HELP)
 
 
+def layer_counts(text: str) -> list[int]:
+    """``--pipeline-split``: layers per rank, comma-separated, rank 0's first."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer counts like 20,12 (got {text!r})") from None
+    if any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(f"every rank needs at least one layer (got {text!r})")
+    return counts
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """--tensor-parallel, --pipeline and --pipeline-split: how a target is split under mlx.launch."""
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument(
+        "--tensor-parallel", dest="parallel", action="store_const", const="tensor", default=None,
+        help="Under mlx.launch: split every target layer over the ranks (mlx-lm's model.shard; the default "
+        "where mlx-lm has it for the family).",
+    )  # fmt: skip
+    how.add_argument(
+        "--pipeline", dest="parallel", action="store_const", const="pipeline",
+        help="Under mlx.launch: give each rank a run of the target's layers (rank 0 the last ones).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pipeline-split", type=layer_counts, default=None, metavar="N,N,...",
+        help="With --pipeline: layers per rank, rank 0's first (default: even).",
+    )  # fmt: skip
+
+
 def add_decoding_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
     """The options of a reply: length, block size, temperature, stop tokens, chat template."""
     parser.add_argument(

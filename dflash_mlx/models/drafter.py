@@ -544,16 +544,22 @@ class DraftModel(nn.Module):
 
     def logits(self, model: nn.Module, h: mx.array) -> mx.array:
         """The target's head on hidden states ``(..., H)``: ``(..., V)`` over the drafter's vocabulary."""
-        if self.draft_vocab is None:
+        if self.draft_vocab is None and tgt.head_group(model) is None:
             return tgt.lm_head(model, h)
         return tgt.softcap(model, h @ self.head_rows(model).T)
 
     def head_rows(self, model: nn.Module) -> mx.array:
-        """The target head's rows of ``draft_vocab``, ``(N, H)``, read once per head and vocabulary."""
+        """The target head's rows of ``draft_vocab``, ``(N, H)``, read once per head and vocabulary.
+
+        A head split by vocabulary over several ranks (tensor parallel) gives all its rows: only
+        rank 0 drafts, and the head's own gather is a collective of every rank. Every rank must
+        then call this once, together (:func:`dflash_mlx.generation.dflash_generate_step` does).
+        """
         source = (tgt.head_weight(model), self.draft_vocab)
         cached = self._head.source
         if cached is None or any(a is not b for a, b in zip(cached, source)):
-            self._head.rows = tgt.head_rows(model, self.draft_vocab)
+            ids = self.draft_vocab if self.draft_vocab is not None else mx.arange(tgt.vocab_size(model))
+            self._head.rows = tgt.head_rows(model, ids)
             mx.eval(self._head.rows)
             self._head.source = source
         return self._head.rows

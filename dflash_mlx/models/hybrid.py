@@ -41,6 +41,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..errors import DFlashError
 from . import linear_attention
+from .stages import Stage
 
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
@@ -216,7 +217,13 @@ def check_layout(config: dict) -> None:
 
 
 def forward_with_taps(
-    model: nn.Module, tokens: mx.array, cache: list[Any], tap_ids: list[int], captured: Any, start_every: int = 0
+    model: nn.Module,
+    tokens: mx.array,
+    cache: list[Any],
+    tap_ids: list[int],
+    captured: Any,
+    start_every: int = 0,
+    stage_layers: int | None = None,
 ) -> mx.array:
     """The hybrid decoder walked layer by layer: the last layer's output; each layer in
     ``tap_ids`` has its output set in ``captured`` (a dict, or ``target.FoldedTaps``).
@@ -224,14 +231,18 @@ def forward_with_taps(
     Each linear attention layer's cache is told the layer's input first (see
     ``RecurrentCache.begin``). A pass of at most ``RECORD_POSITIONS`` tokens runs those layers
     through :func:`_recorded_layer` (the same output, and what a rollback selects from); the
-    other layers, and longer passes, run unchanged.
+    other layers, and longer passes, run unchanged. A pipelined target runs its stage's layers
+    (``stage_layers``: the target's number of layers; :class:`~dflash_mlx.models.stages.Stage`).
     """
     inner = model.model  # Qwen3.5's text model too (its Model's ``model`` property)
+    stage = Stage(inner, len(inner.layers) if stage_layers is None else stage_layers)
     h = inner.embed_tokens(tokens)
-    fa_mask = create_attention_mask(h, cache[inner.fa_idx])
-    ssm_mask = create_ssm_mask(h, cache[inner.ssm_idx])
+    # A pipeline stage's mask ids count its own layers, and it may lack one kind.
+    fa_mask = None if inner.fa_idx is None else create_attention_mask(h, cache[inner.fa_idx])
+    ssm_mask = None if inner.ssm_idx is None else create_ssm_mask(h, cache[inner.ssm_idx])
     wanted = set(tap_ids)
-    for i, (layer, c) in enumerate(zip(inner.layers, cache)):
+    h = stage.receive(h, captured)
+    for (i, layer), c in zip(stage.layers, cache):
         mask = ssm_mask if layer.is_linear else fa_mask
         if isinstance(c, RecurrentCache):
             c.begin(layer, h)
@@ -245,9 +256,9 @@ def forward_with_taps(
             h = layer(h, mask, c)
         if i in wanted:
             captured[i] = h
-        if start_every and (i + 1) % start_every == 0 and i + 1 < len(inner.layers):
+        if start_every and (i + 1) % start_every == 0 and i + 1 < stage.end:
             mx.async_eval(h)
-    return h
+    return stage.finish(h, captured, tap_ids)
 
 
 def _recorded_layer(layer: nn.Module, x: mx.array, cache: RecurrentCache) -> mx.array:

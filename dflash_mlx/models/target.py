@@ -11,12 +11,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3
-from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.base import create_attention_mask, gather_last_axis
 from mlx_lm.models.cache import KVCache
 
 from ..cpu import compiled_layers, fast_math
 from ..cpu.speedups import CpuSpeedups
 from . import gemma, hybrid, kimi
+from .stages import Stage
 
 # mlx-lm model families whose decoder we know how to walk layer by layer.
 SUPPORTED_MODEL_TYPES = (
@@ -79,7 +80,8 @@ def text_args(model: nn.Module) -> Any:
 
 
 def num_layers(model: nn.Module) -> int:
-    return len(_text(model).model.layers)
+    """The target's decoder layers, all of them (a pipeline stage holds only some)."""
+    return _text(model).args.num_hidden_layers
 
 
 def hidden_size(model: nn.Module) -> int:
@@ -116,7 +118,16 @@ def head_linear(model: nn.Module, h: mx.array) -> mx.array:
     text = _text(model)
     if getattr(text.args, "tie_word_embeddings", False):
         return text.model.embed_tokens.as_linear(h)
-    return text.lm_head(h)
+    group = head_group(model)
+    # A head sharded by vocabulary (mlx-lm's tensor parallel Qwen3.5) gives each rank a slice.
+    return text.lm_head(h) if group is None else gather_last_axis(text.lm_head(h), group)
+
+
+def head_group(model: nn.Module) -> mx.distributed.Group | None:
+    """The group over which the output head's rows are split by ``model.shard``, or None."""
+    layer = _head_layer(model)
+    sharded = isinstance(layer, (nn.AllToShardedLinear, nn.QuantizedAllToShardedLinear))
+    return layer.group if sharded and layer.group.size() > 1 else None
 
 
 def softcap(model: nn.Module, logits: mx.array) -> mx.array:
@@ -144,8 +155,19 @@ def head_rows(model: nn.Module, ids: mx.array) -> mx.array:
     ``lm_head(model, h)[..., ids]``.
 
     Only those rows are read (a quantized head's own groups, dequantized), never the whole head.
+    Under tensor parallelism each rank reads those in its slice and one ``all_sum`` joins them.
     """
-    layer = _head_layer(model)
+    layer, group = _head_layer(model), head_group(model)
+    if group is None:
+        return _rows(layer, ids)
+    local = layer.weight.shape[0]
+    index = ids - group.rank() * local
+    inside = (index >= 0) & (index < local)
+    rows = _rows(layer, mx.where(inside, index, 0))
+    return mx.distributed.all_sum(mx.where(inside[:, None], rows, mx.zeros_like(rows)), group=group)
+
+
+def _rows(layer: nn.Module, ids: mx.array) -> mx.array:
     if not hasattr(layer, "scales"):
         return layer.weight[ids]
     biases = layer.get("biases")
@@ -209,6 +231,7 @@ class FoldedTaps:
 
     def __init__(self, blocks: dict[int, mx.array], last: int):
         self.blocks, self.last = blocks, last
+        self.width = next(iter(blocks.values())).shape[0]  # H_fc
         self.sum, self.last_tap, self.dtype = None, None, None
 
     def __setitem__(self, layer: int, h: mx.array) -> None:
@@ -268,24 +291,28 @@ def forward_with_taps(
     start_every = speedups.start_every if speedups is not None else 0
     captured = {} if fold is None else FoldedTaps(fold, num_layers(model) - 1)
     if model.model_type in hybrid.HYBRID_MODEL_TYPES:
-        h = hybrid.forward_with_taps(model, tokens, cache, tap_ids, captured, start_every)
+        h = hybrid.forward_with_taps(model, tokens, cache, tap_ids, captured, start_every, num_layers(model))
         return _head(model, h, captured, tap_ids, last_logits)
     if model.model_type in gemma.GEMMA_MODEL_TYPES:
         h = gemma.forward_with_taps(model, tokens, cache, tap_ids, captured, start_every)
         return _head(model, h, captured, tap_ids, last_logits)
     inner = model.model
+    stage = Stage(inner, num_layers(model))
     h = inner.embed_tokens(tokens)
     masks = _layer_masks(model, h, cache)
     wanted = set(tap_ids)
     visible = None
-    if _cpu_layers(model, h, cache, masks, speedups):
+    if stage.size == 1 and _cpu_layers(model, h, cache, masks, speedups):
         visible = fast_math.causal_mask(cache[0].offset, h.shape[1])
-    for i, (layer, c, mask) in enumerate(zip(inner.layers, cache, masks)):
+    # A pipeline stage's masks are the first layers' (these families use one mask for all).
+    h = stage.receive(h, captured)
+    for (i, layer), c, mask in zip(stage.layers, cache, masks):
         h = layer(h, mask, c) if visible is None else _qwen3_block(layer, h, c, visible, speedups)
         if i in wanted:
             captured[i] = h
-        if start_every and (i + 1) % start_every == 0 and i + 1 < len(inner.layers):
+        if start_every and (i + 1) % start_every == 0 and i + 1 < stage.end:
             mx.async_eval(h)
+    h = stage.finish(h, captured, tap_ids)
     return _head(model, h, captured, tap_ids, last_logits)
 
 
@@ -295,9 +322,10 @@ def _head(
     inner = _text(model).model
     h = inner.norm(h)
     wanted = set(tap_ids)
+    last = num_layers(model) - 1
     # HF's last hidden state is taken after the final norm; drafters were trained on that.
-    if len(inner.layers) - 1 in wanted:
-        captured[len(inner.layers) - 1] = h
+    if last in wanted:
+        captured[last] = h
     logits = lm_head(model, h[:, -1:] if last_logits else h)
     if not tap_ids:
         return logits, None

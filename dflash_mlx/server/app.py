@@ -17,12 +17,22 @@ import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
-from ..cli.options import MAX_TEMP, ArgumentParser, InRange, add_blas_argument, add_cycle_arguments
+import mlx.core as mx
+
+from ..cli.options import (
+    MAX_TEMP,
+    ArgumentParser,
+    InRange,
+    add_blas_argument,
+    add_cycle_arguments,
+    add_parallel_arguments,
+)
 from ..dtypes import DTYPES
 from ..errors import DFlashError
 from .handler import APIHandler
 from .metrics import Metrics
 from .protocol import Defaults
+from .ranks import Ranks, follow
 from .worker import Worker
 
 log = logging.getLogger("dflash-serve")
@@ -95,17 +105,19 @@ class DFlashServer:
           ``Worker``.
         aliases: Other names accepted for the model.
         datastore: See ``Worker``.
+        ranks: On rank 0 of a sharded target, the other ranks (:class:`dflash_mlx.server.ranks.Ranks`).
     """
 
     def __init__(self, model, draft, tokenizer, *, model_name: str = "default", host: str = "127.0.0.1",
                  port: int = 8080, api_key: str | None = None, defaults: Defaults = Defaults(),
                  queue_size: int = 16, prompt_cache_size: int = 4, max_context: int | None = None,
                  chat_template_args: dict | None = None, prefill_step_size: int = 512,
-                 aliases: tuple[str, ...] = (), datastore=None):
+                 aliases: tuple[str, ...] = (), datastore=None, ranks=None):
         self.metrics = Metrics()
         self.worker = Worker(model, draft, tokenizer, queue_size=queue_size, prompt_cache_size=prompt_cache_size,
                              max_context=max_context, chat_template_args=chat_template_args,
-                             prefill_step_size=prefill_step_size, metrics=self.metrics, datastore=datastore)
+                             prefill_step_size=prefill_step_size, metrics=self.metrics, datastore=datastore,
+                             ranks=ranks)
         httpd = DFlashHTTPServer((host, port), APIHandler)
         httpd.worker, httpd.metrics, httpd.defaults, httpd.api_key = self.worker, self.metrics, defaults, api_key
         httpd.model_name, httpd.model_names = model_name, {model_name, *aliases}
@@ -135,6 +147,8 @@ class DFlashServer:
         deadline = time.monotonic() + timeout
         while self.worker.running is not None and time.monotonic() < deadline:
             time.sleep(0.01)
+        if self.worker.ranks is not None and not self.worker.released.wait(max(0.0, deadline - time.monotonic())):
+            log.warning("the other ranks were not told to stop within %g s", timeout)
         if not self.httpd.drain(max(0.0, deadline - time.monotonic())):
             log.warning("stopped with a client still being answered after %g s", timeout)
         self.httpd.server_close()
@@ -181,6 +195,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="Cast both models to this dtype (default: float32 on a CPU when it fits, else the "
                    "checkpoint's).")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_parallel_arguments(p)
     add_blas_argument(p)
     return p
 
@@ -216,12 +231,20 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--chat-template-args must be a JSON object.")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.pipeline_split is not None and args.parallel != "pipeline":
+            parser.error("--pipeline-split needs --pipeline.")
         model, draft, tokenizer = load(args.model, draft_for_cli(args.model, args.draft, args.no_draft),
-                                       dtype=args.dtype)
+                                       dtype=args.dtype, parallel=args.parallel, pipeline_split=args.pipeline_split)
     except DFlashError as e:
         _error(str(e))
     if args.no_draft:
         draft = None
+    # Under mlx.launch: rank 0 serves, the others run what it announces.
+    group = mx.distributed.init()
+    if group.size() > 1 and group.rank() > 0:
+        follow(model, draft, tokenizer, prompt_cache_size=args.prompt_cache_size,
+               prefill_step_size=args.prefill_step_size)
+        return
     try:  # plain decoding stays plain
         datastore = open_datastore(args.datastore, args.model, vocab_size(model)) if draft is not None else None
     except DFlashError as e:
@@ -236,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
                               api_key=args.api_key, defaults=defaults, queue_size=args.queue_size,
                               prompt_cache_size=args.prompt_cache_size, max_context=args.max_context,
                               chat_template_args=template_args, prefill_step_size=args.prefill_step_size,
-                              aliases=aliases, datastore=datastore)
+                              aliases=aliases, datastore=datastore, ranks=Ranks(group) if group.size() > 1 else None)
     except OSError as e:
         _error(f"cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port or --host.")
     stop = threading.Event()

@@ -78,6 +78,30 @@ class PromptCaches:
         return best[0]
 
 
+def generate_for(model, draft, tokenizer, generation: dict, *, prompt_cache: DFlashCache, policy: PolicyState | None,
+                 prefill_step_size: int, datastore=None):  # fmt: skip
+    """``stream_generate`` for a request's plain ``generation`` settings (what rank 0 sends the
+    other ranks of a sharded target, :mod:`dflash_mlx.server.ranks`); only rank 0 drafts, so only
+    its call takes the ``datastore``."""
+    g = generation
+    processors = make_logits_processors(repetition_penalty=g["repetition_penalty"]) if g["repetition_penalty"] else None
+    return stream_generate(
+        model, draft, tokenizer, g["ids"],
+        max_tokens=g["max_tokens"],
+        block_size=g["block_size"],
+        sampler=make_sampler(g["temperature"], g["top_p"], g["min_p"], g["top_k"]),
+        logits_processors=processors,
+        min_confidence=g["min_confidence"],
+        lookup_fallback=g["lookup_fallback"],
+        seed=g["seed"],
+        policy=policy,
+        prompt_cache=prompt_cache,
+        datastore=datastore,
+        prefill_step_size=prefill_step_size,
+        parse_reasoning=g["parse_reasoning"],
+    )  # fmt: skip
+
+
 class Worker:
     """Runs requests on the pair, one at a time, from a bounded queue.
 
@@ -92,13 +116,17 @@ class Worker:
         datastore: The target's past text to draft from (:class:`dflash_mlx.datastore.Datastore`),
           which every reply joins, or None. Drafts never change the output, but one client's
           replies can speed up another's (only where the text repeats).
+        ranks: On rank 0 of a sharded target, the other ranks (:class:`dflash_mlx.server.ranks.Ranks`),
+          told each request before it runs and the shutdown after the last; None alone.
     """
 
     def __init__(self, model, draft, tokenizer, *, queue_size: int = 16, prompt_cache_size: int = 4,
                  max_context: int | None = None, chat_template_args: dict | None = None,
-                 prefill_step_size: int = 512, metrics: Metrics | None = None, datastore=None):
+                 prefill_step_size: int = 512, metrics: Metrics | None = None, datastore=None, ranks=None):
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
         self.datastore = datastore  # every request's reply joins it
+        self.ranks = ranks
+        self.released = threading.Event()  # the other ranks were told to stop
         self.max_block_size = draft.block_size if draft is not None else 1
         self.max_context = max_context or getattr(getattr(model, "args", None), "max_position_embeddings", None)
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None)
@@ -189,6 +217,8 @@ class Worker:
                 break
             job.events.put(("error", APIError(503, "The server is shutting down.", type="server_error",
                                               code="shutting_down")))
+        if self.ranks is not None:
+            self._queue.put(None)  # the worker thread, after the running job, tells the other ranks
 
     # ---- the worker thread -------------------------------------------------------------
 
@@ -196,7 +226,15 @@ class Worker:
         # The thread never exits: one that used MLX and ends during interpreter shutdown can
         # abort the process (seen with MLX 0.32 on Linux).
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=None if self.ranks is None else self.ranks.HEARTBEAT)
+            except queue.Empty:
+                self.ranks.heartbeat()  # idle: a rank that died is found now, not at the next request
+                continue
+            if job is None:
+                self.ranks.shut_down()
+                self.released.set()
+                continue
             if job.cancelled.is_set():
                 continue
             self.running = job
@@ -209,6 +247,9 @@ class Worker:
                 job.events.put(("error", APIError(400, str(e))))
             except Exception as e:  # the server must outlive any one request
                 log.exception("request %s failed", job.request.id)
+                if self.ranks is not None:
+                    # The ranks may be out of step (a rank died mid-pass): end this one as well.
+                    self.ranks.abort()
                 job.events.put(("error", APIError(500, f"{type(e).__name__}: {e}", type="server_error")))
             finally:
                 self.running = None
@@ -223,23 +264,17 @@ class Worker:
         acceptance = AcceptanceStats()
         setup = (block_size, req.temperature > 0, req.min_confidence, req.lookup_fallback)
         stop = StopMatcher(req.stop)
-        processors = (make_logits_processors(repetition_penalty=req.repetition_penalty)
-                      if req.repetition_penalty else None)
-        responses = stream_generate(
-            self.model, self.draft, self.tokenizer, ids,
-            max_tokens=req.max_tokens,
-            block_size=block_size,
-            sampler=make_sampler(req.temperature, req.top_p, req.min_p, req.top_k),
-            logits_processors=processors,
-            min_confidence=req.min_confidence,
-            lookup_fallback=req.lookup_fallback,
-            seed=req.seed,
-            policy=self.policies.setdefault(setup, PolicyState()),
-            prompt_cache=self.caches.take(ids),
-            datastore=self.datastore,
-            prefill_step_size=self.prefill_step_size,
-            parse_reasoning=req.kind == CHAT and has_chat_template(self.tokenizer),
-        )
+        generation = {
+            "ids": ids, "max_tokens": req.max_tokens, "block_size": block_size, "temperature": req.temperature,
+            "top_p": req.top_p, "min_p": req.min_p, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty,
+            "min_confidence": req.min_confidence, "lookup_fallback": req.lookup_fallback, "seed": req.seed,
+            "parse_reasoning": req.kind == CHAT and has_chat_template(self.tokenizer),
+        }  # fmt: skip
+        if self.ranks is not None:
+            self.ranks.announce(generation)  # the other ranks run the same generation with this one
+        responses = generate_for(self.model, self.draft, self.tokenizer, generation, prompt_cache=self.caches.take(ids),
+                                 policy=self.policies.setdefault(setup, PolicyState()),
+                                 prefill_step_size=self.prefill_step_size, datastore=self.datastore)  # fmt: skip
         last, finish = None, None
         try:
             for last in responses:

@@ -25,6 +25,7 @@ from .options import check_load_options
 from .pairs import name_pair
 from .registry import look_up
 from .target_checks import check_target, vet_hub_target
+from .sharding import check_sharding_options
 from .target_loader import build_target
 
 
@@ -35,6 +36,8 @@ def load(
     dtype: str | None = None,
     revision: str | None = None,
     kernels: str = "auto",
+    parallel: str | None = None,
+    pipeline_split: list[int] | None = None,
 ) -> tuple[nn.Module, DraftModel | None, TokenizerWrapper]:
     """Load a target, its DFlash drafter and the tokenizer.
 
@@ -57,6 +60,12 @@ def load(
           affine-quantized linear layers run their 2..16-row matmuls through ``verify_qmm``,
           where it checked itself faster (``"auto"``, default) or wherever it can run
           (``"on"``). Elsewhere the target is mlx-lm's, unchanged; ``"on"`` there is an error.
+        parallel: Under ``mlx.launch`` with several ranks, how the target is split over them
+          (:mod:`dflash_mlx.weights.sharding`): ``"tensor"`` (mlx-lm's ``model.shard``) or
+          ``"pipeline"`` (``model.model.pipeline``; rank 0 runs the last layers). None (default):
+          tensor parallel where mlx-lm has it for the family, else the pipeline; on one rank, whole.
+          The drafter is whole on every rank.
+        pipeline_split: Layers per rank for the pipeline, rank 0's first (default: even).
 
     Returns:
         ``(model, draft, tokenizer)``; ``draft`` is None when none was given.
@@ -67,9 +76,10 @@ def load(
           with no known drafter, or a bad ``kernels`` (``"on"`` without a Metal device).
     """
     check_load_options(dtype=dtype, kernels=kernels)
+    check_sharding_options(parallel, pipeline_split)
     names = look_up(name_pair(model, draft))
     source = check_target(read_pair(fetch_pair(names, revision=revision, vet=vet_hub_target)))
-    target, tokenizer = build_target(source)
+    target, tokenizer = build_target(source, parallel=parallel, pipeline_split=pipeline_split)
     shape = target_shape(target)
     drafter = None
     if source.draft is not None:

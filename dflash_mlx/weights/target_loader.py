@@ -11,6 +11,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 from ..errors import DFlashError
 from .folders import PairSource, read_pair
 from .hub import PairFolders
+from .sharding import shard_target, world_size
 from .target_checks import check_target
 
 
@@ -24,10 +25,17 @@ def load_target(path: Path) -> tuple[nn.Module, TokenizerWrapper]:
     return build_target(check_target(read_pair(PairFolders(path, None))))
 
 
-def build_target(source: PairSource) -> tuple[nn.Module, TokenizerWrapper]:
-    """The target of a read and checked pair, built by mlx-lm's loader, and its tokenizer."""
+def build_target(
+    source: PairSource, *, parallel: str | None = None, pipeline_split: list[int] | None = None
+) -> tuple[nn.Module, TokenizerWrapper]:
+    """The target of a read and checked pair, built by mlx-lm's loader, and its tokenizer; split
+    over the ranks when there are several (:func:`dflash_mlx.weights.sharding.shard_target`)."""
     path = source.target
-    model, config = load_target_model(path, config=source.target_config)
+    several = world_size() > 1
+    # Several ranks: built lazily, so that each reads only the weights its shard keeps.
+    model, config = load_target_model(path, config=source.target_config, lazy=several)
+    if several or parallel is not None:
+        shard_target(model, parallel, pipeline_split)  # alone, an error that says to use mlx.launch
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:

@@ -1,0 +1,83 @@
+"""A target split over the ranks of ``mlx.distributed``, by mlx-lm's own sharding.
+
+Under ``mlx.launch`` every rank loads the same pair: the target lazily, then split by mlx-lm's
+``model.shard(group)`` (tensor parallel: each rank a slice of every layer) or
+``model.model.pipeline(group)`` (pipeline parallel: each rank a run of layers, rank 0 the last
+ones), and only then read, so that a rank reads only the weights it keeps. The drafter is
+whole on every rank. How generation then runs on all of them: :mod:`dflash_mlx.distributed`.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import DFlashError
+from ..models import hybrid, kimi
+
+PARALLEL = ("tensor", "pipeline")
+# The families whose mlx-lm decoder pipelines (PipelineMixin) and whose taps we walk.
+PIPELINE_MODEL_TYPES = ("qwen2", "qwen3_moe") + hybrid.HYBRID_MODEL_TYPES + kimi.KIMI_MODEL_TYPES
+_ALONE = (
+    "parallel={parallel!r} splits the target over several ranks, but this process is alone. "
+    "Start it with mlx.launch (e.g. mlx.launch -n 2 -- dflash-generate ...)."
+)
+
+
+def world_size() -> int:
+    """The ranks this process was started among (1 outside ``mlx.launch``)."""
+    return mx.distributed.init().size()
+
+
+def check_sharding_options(parallel: str | None, pipeline_split: list[int] | None) -> None:
+    """Refuse a bad ``parallel`` or ``pipeline_split`` before anything is read."""
+    if parallel is not None and parallel not in PARALLEL:
+        raise DFlashError(f"parallel must be one of {', '.join(PARALLEL)} or None (got {parallel!r}).")
+    if pipeline_split is not None and parallel != "pipeline":
+        raise DFlashError("pipeline_split splits a pipeline: pass it with parallel='pipeline' (--pipeline).")
+    if parallel is not None and world_size() == 1:
+        raise DFlashError(_ALONE.format(parallel=parallel))
+    if pipeline_split is not None and len(pipeline_split) != world_size():
+        raise DFlashError(
+            f"pipeline_split {list(pipeline_split)} has {len(pipeline_split)} entries for {world_size()} ranks: "
+            "give one number of layers per rank, rank 0's first (rank 0 runs the last layers)."
+        )
+
+
+def shard_target(model: nn.Module, parallel: str | None, pipeline_split: list[int] | None = None) -> str | None:
+    """Split ``model`` (loaded lazily) over the world group; returns how, or None when alone.
+
+    ``parallel`` None picks tensor parallelism where mlx-lm has it for the family, else the
+    pipeline. The weights a rank keeps are read here, then the ranks wait for each other.
+
+    Raises:
+        DFlashError: If ``parallel`` is given on one rank, or the family cannot be split that way.
+    """
+    group = mx.distributed.init()
+    if group.size() == 1:
+        if parallel is not None:
+            raise DFlashError(_ALONE.format(parallel=parallel))
+        return None
+    model_type = model.model_type
+    can_tensor = hasattr(model, "shard")
+    can_pipeline = hasattr(model.model, "pipeline") and model_type in PIPELINE_MODEL_TYPES
+    parallel = parallel or ("tensor" if can_tensor else "pipeline" if can_pipeline else None)
+    if parallel is None or (parallel == "tensor" and not can_tensor):
+        raise DFlashError(
+            f"mlx-lm cannot split a {model_type} target over ranks by tensor parallelism"
+            + (": pass --pipeline." if can_pipeline else ", nor can DFlash as a pipeline. Run it on one machine.")
+        )
+    if parallel == "pipeline" and not can_pipeline:
+        raise DFlashError(
+            f"A {model_type} target cannot run as a pipeline here (the families that can: "
+            f"{', '.join(PIPELINE_MODEL_TYPES)}). Pass --tensor-parallel, or run it on one machine."
+        )
+    try:
+        if parallel == "tensor":
+            model.shard(group)
+        else:
+            model.model.pipeline(group, split=pipeline_split)
+    except (AssertionError, ValueError) as e:
+        raise DFlashError(f"Could not split the {model_type} target over {group.size()} ranks ({e}).") from e
+    mx.eval(model.parameters())
+    # Every rank has its weights before any of them starts (as mlx-lm's sharded_load).
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    return parallel

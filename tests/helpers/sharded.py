@@ -1,0 +1,125 @@
+"""Tiny fp32 targets built the same on every rank, and the program each rank of a multi-rank test
+runs: ``python sharded.py KIND:MODE ... [--temp T --seed S]`` prints, for each case, one JSON line
+with this rank's DFlash tokens on the sharded target and an unsharded run's (plain greedy, or
+seeded DFlash when sampling)."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_map_with_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers.checkpoints import HIDDEN, VOCAB, draft_config  # noqa: E402
+
+from dflash_mlx.generation import dflash_generate_step  # noqa: E402
+from dflash_mlx.models.drafter import DraftArgs, DraftModel  # noqa: E402
+from dflash_mlx.sampling import make_sampler  # noqa: E402
+
+LAYERS = 4
+COMMON = {
+    "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+    "num_hidden_layers": LAYERS, "rope_theta": 10000.0,
+}  # fmt: skip
+CONFIGS = {
+    "qwen3": {**COMMON, "model_type": "qwen3", "tie_word_embeddings": True},
+    "qwen3_moe": {**COMMON, "model_type": "qwen3_moe", "tie_word_embeddings": False, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "norm_topk_prob": True},
+    "qwen3_5": {"model_type": "qwen3_5", "text_config": {
+        **COMMON, "model_type": "qwen3_5_text", "tie_word_embeddings": False, "full_attention_interval": 2,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [1, 1, 0]}}},
+    "kimi_k25": {"model_type": "kimi_k25", "text_config": {
+        **COMMON, "model_type": "deepseek_v3", "num_key_value_heads": 4, "moe_intermediate_size": 32,
+        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}},
+}  # fmt: skip
+TAP_IDS = (0, 2, 3)  # on every stage of a 2- or 3-rank pipeline, and the last layer
+PROMPT = [5, 17, 42, 9, 88, 3, 61, 27]
+
+
+def build_target(kind: str, seed: int = 0):
+    """The same random target on every rank (larger embeddings, sharper attention: far from ties)."""
+    from mlx_lm.utils import _get_classes
+
+    config = CONFIGS[kind]
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    inner = model.model
+    inner.embed_tokens.weight = mx.random.normal(inner.embed_tokens.weight.shape) * 0.5
+    # Layers that change the residual stream more than mlx-lm's init does, so that the tokens
+    # depend on the whole context (a tied head would otherwise echo the last token).
+    layers = tree_map_with_path(lambda k, w: w * 3.0 if k.endswith("weight") and w.ndim >= 2 else w, inner.layers)
+    inner.update({"layers": layers})
+    mx.eval(model.parameters())
+    return model
+
+
+def build_draft(seed: int = 1) -> DraftModel:
+    mx.random.seed(seed)
+    draft = DraftModel(DraftArgs.from_dict(draft_config(num_target_layers=LAYERS, block_size=4, target_layer_ids=TAP_IDS)))
+    mx.eval(draft.parameters())
+    return draft
+
+
+def write_pair(root: Path, kind: str) -> tuple[Path, Path]:
+    """``build_target(kind)`` saved as an MLX target folder with a tokenizer, and a drafter for it."""
+    from mlx.utils import tree_flatten
+
+    from helpers.checkpoints import write_draft, write_tokenizer
+
+    target = root / kind
+    target.mkdir(parents=True)
+    weights = dict(tree_flatten(build_target(kind).parameters()))
+    mx.save_safetensors(str(target / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (target / "config.json").write_text(json.dumps({**CONFIGS[kind], "torch_dtype": "float32"}, indent=2))
+    write_tokenizer(target)
+    write_draft(root / "draft", num_target_layers=LAYERS, block_size=4, target_layer_ids=TAP_IDS)
+    return target, root / "draft"
+
+
+def tokens(model, draft, max_tokens: int, **kwargs) -> list[int]:
+    out = []
+    for step in dflash_generate_step(PROMPT, model, draft, max_tokens=max_tokens, **kwargs):
+        out += step.tokens
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("cases", nargs="+", help="KIND:MODE, e.g. qwen3_5:tensor")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--temp", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--no-reference", action="store_true", help="skip the unsharded run")
+    args = parser.parse_args()
+    group = mx.distributed.init(strict=True)
+    sampler = make_sampler(args.temp) if args.temp > 0 else None
+    run = dict(sampler=sampler, seed=args.seed, adaptive=False)
+    for case in args.cases:
+        kind, mode = case.split(":")
+        # The unsharded reference first: plain greedy, or DFlash with the same seed when sampling.
+        reference = None
+        if not args.no_reference:
+            reference = tokens(build_target(kind), build_draft() if sampler else None, args.max_tokens, **run)
+        model = build_target(kind)
+        if mode == "tensor":
+            model.shard(group)
+        else:
+            model.model.pipeline(group)
+        print(json.dumps({"case": case, "rank": group.rank(), "started": True}), flush=True)
+        out = tokens(model, build_draft(), args.max_tokens, **run)
+        print(json.dumps({"case": case, "rank": group.rank(), "reference": reference, "tokens": out}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""DFlash on a target sharded over 2 and 3 ranks: mlx.distributed's ring on 127.0.0.1, each rank a
+process (helpers/ranks.py), tiny fp32 targets built alike on every rank (helpers/sharded.py).
+
+On every rank, DFlash on the sharded target gives the unsharded target's plain greedy tokens
+(tensor parallel, including Qwen3.5's vocabulary-sharded head, and pipeline parallel, for a
+plain, a hybrid and an MLA family), and seeded sampling gives unsharded DFlash's tokens.
+"""
+
+import json
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from helpers.ranks import finish, launch, python, start, stop
+from helpers.sharded import write_pair
+
+SHARDED = "tests/helpers/sharded.py"
+TIMEOUT = 240  # seconds for a whole launch, on two busy cores
+
+
+def _check(ranks, cases: list[str]) -> None:
+    for r in ranks:
+        assert r.returncode == 0, r.describe()
+    for r in ranks:
+        runs = {x["case"]: x for x in r.results() if "tokens" in x}
+        assert sorted(runs) == sorted(cases), r.describe()
+        for case in cases:
+            assert runs[case]["tokens"] == runs[case]["reference"], f"{case} on rank {r.rank}"
+
+
+def test_greedy_on_two_ranks_equals_plain_greedy(tmp_path):
+    cases = ["qwen3:tensor", "qwen3_5:tensor", "qwen3_5:pipeline", "kimi_k25:tensor", "kimi_k25:pipeline"]
+    _check(launch(2, python(SHARDED, *cases), tmp_path, TIMEOUT), cases)
+
+
+def test_greedy_on_three_ranks_equals_plain_greedy(tmp_path):
+    # Rank 2 holds one linear attention layer alone; rank 1 a dense layer of the MoE model.
+    cases = ["qwen3_5:pipeline", "kimi_k25:pipeline"]
+    _check(launch(3, python(SHARDED, *cases), tmp_path, TIMEOUT), cases)
+
+
+def test_seeded_sampling_equals_unsharded_dflash(tmp_path):
+    cases = ["qwen3_5:pipeline"]
+    _check(launch(2, python(SHARDED, *cases, "--temp", "1.0", "--seed", "7"), tmp_path, TIMEOUT), cases)
+
+
+@pytest.mark.parametrize("flag", ["--pipeline", "--tensor-parallel"])
+def test_dflash_generate_on_two_ranks_prints_the_single_process_text(flag, tmp_path, capsys):
+    from dflash_mlx.cli.generate import main
+
+    target, draft = write_pair(tmp_path / "pair", "qwen3_moe")
+    argv = ["--model", str(target), "--draft", str(draft), "--temp", "0", "--prompt", "t5 t17 t42 t9",
+            "--max-tokens", "24", "--ignore-chat-template", "--verbose", "F"]  # fmt: skip
+    main(argv)
+    alone = capsys.readouterr().out
+    assert len(alone.split()) == 24
+    ranks = launch(2, [str(Path(sys.executable).parent / "dflash-generate"), *argv, flag], tmp_path, TIMEOUT)
+    assert [r.returncode for r in ranks] == [0, 0], "\n".join(r.describe() for r in ranks)
+    assert ranks[0].stdout == alone
+    assert ranks[1].stdout == ""  # rank 0 prints
+
+
+def _complete(url: str, body: dict) -> dict:
+    request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+        return json.loads(response.read())
+
+
+def test_dflash_serve_on_two_ranks_answers_as_one_process_does(tmp_path):
+    from dflash_mlx import load
+    from dflash_mlx.server.app import DFlashServer
+
+    target, draft = write_pair(tmp_path / "pair", "qwen3_moe")
+    requests = [
+        {"prompt": "t5 t17 t42 t9", "max_tokens": 16, "temperature": 0},
+        {"prompt": "t5 t17 t42 t9", "max_tokens": 16, "temperature": 0, "stop": ["t60"]},  # cut mid-generation
+        {"prompt": "t8 t3", "max_tokens": 12, "temperature": 1.0, "seed": 3},
+    ]
+    alone = DFlashServer(*load(target, draft), port=0).start()
+    try:
+        expected = [_complete(alone.url, r)["choices"][0]["text"] for r in requests]
+    finally:
+        alone.close()
+    procs = start(2, python("-m", "dflash_mlx.server.app", "--model", str(target), "--draft", str(draft), "--port", "0",
+                            "--tensor-parallel"), tmp_path)  # fmt: skip
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "http://127.0.0.1:" not in (err := (tmp_path / "rank0.err").read_text()):
+            assert time.monotonic() < deadline and procs[0].poll() is None, err
+            time.sleep(0.2)
+        url = err.split(" at ")[1].split("/v1")[0]
+        assert [_complete(url, r)["choices"][0]["text"] for r in requests] == expected
+        procs[0].send_signal(signal.SIGTERM)
+        ranks = finish(procs, tmp_path, timeout=30)
+    finally:
+        stop(procs)
+    assert [r.returncode for r in ranks] == [0, 0], "\n".join(r.describe() for r in ranks)
+
+
+def test_an_idle_dflash_serve_exits_when_a_rank_dies(tmp_path):
+    target, draft = write_pair(tmp_path / "pair", "qwen3_moe")
+    procs = start(2, python("-m", "dflash_mlx.server.app", "--model", str(target), "--draft", str(draft), "--port", "0",
+                            "--pipeline"), tmp_path)  # fmt: skip
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "http://127.0.0.1:" not in (err := (tmp_path / "rank0.err").read_text()):
+            assert time.monotonic() < deadline and procs[0].poll() is None, err
+            time.sleep(0.2)
+        procs[1].kill()
+        ranks = finish(procs, tmp_path, timeout=30)  # rank 0's heartbeat finds it within seconds
+    finally:
+        stop(procs)
+    assert ranks[0].returncode > 0, ranks[0].describe()  # exited by itself with an error, not ended by us
+
+
+def test_a_killed_rank_ends_the_job(tmp_path):
+    procs = start(2, python(SHARDED, "qwen3:tensor", "--max-tokens", "1000000", "--no-reference"), tmp_path)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while "started" not in (tmp_path / "rank0.out").read_text():
+            assert time.monotonic() < deadline and procs[0].poll() is None, (tmp_path / "rank0.err").read_text()
+            time.sleep(0.2)
+        procs[1].kill()
+        ranks = finish(procs, tmp_path, timeout=30)
+    finally:
+        stop(procs)
+    assert ranks[0].returncode > 0, ranks[0].describe()  # exited by itself with an error, not ended by us
+    assert "lost" in ranks[0].stderr or "Error" in ranks[0].stderr, ranks[0].describe()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--pipeline"], "this process is alone"), (["--pipeline-split", "3,1"], "--pipeline-split needs --pipeline"),
+     (["--tensor-parallel", "--pipeline"], "not allowed with")],
+)  # fmt: skip
+def test_parallel_flags_need_mlx_launch(flags, message, capsys):
+    from dflash_mlx.cli.generate import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", "nowhere", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_a_sharded_target_refuses_block_size_auto():
+    from dflash_mlx.distributed import check_sharded
+    from dflash_mlx.errors import DFlashError
+
+    with pytest.raises(DFlashError, match="pass a fixed block size"):
+        check_sharded(None, None, choose_width=True)
