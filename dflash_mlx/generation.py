@@ -26,11 +26,11 @@ from .cpu.speedups import choose_speedups
 from .errors import DFlashError
 from .kernels import check_kernels
 from .lookup import LookupProposer, PromptLookup
-from .models import drafter2
+from .models import drafter2, hybrid
 from .models import target as tgt
 from .models.drafter import DraftModel
 from .plain_speed import plain_tokens_per_second
-from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, PlainProposer, SelectorProposer
+from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, PlainProposer, SelectorProposer, TreeProposer
 from .reasoning import join, reasoning_parser
 from .responses import AcceptanceStats, GenerationResponse
 from .sampling import can_sample_proposals, check_proposal
@@ -112,12 +112,33 @@ def check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallback
         raise DFlashError(f"lookup_fallback must be a non-negative integer of cycles (got {lookup_fallback!r}).")
 
 
+def check_tree_budget(tree_budget: int | None, model: nn.Module, draft, block_size, min_confidence: float) -> int:
+    """``tree_budget`` as a number of nodes (0: a path), checked against the pair and the settings."""
+    if tree_budget is None or tree_budget == 0:
+        return 0
+    if not isinstance(tree_budget, int) or isinstance(tree_budget, bool) or tree_budget < 0:
+        raise DFlashError(f"tree_budget must be a non-negative integer of nodes, 0 for a path (got {tree_budget!r}).")
+    if isinstance(draft, drafter2.DraftModel):
+        # Its selector scores each draft given the one before, not one distribution per position.
+        raise DFlashError("A DFlash2 drafter drafts one path through its selector, not a tree: use tree_budget=0.")
+    if not isinstance(draft, DraftModel):
+        raise DFlashError(f"tree_budget={tree_budget} builds trees from a DFlash drafter's block: pass one (--draft).")
+    if block_size == "auto" or min_confidence > 0:
+        raise DFlashError("A draft tree chooses its own nodes: leave block_size fixed and min_confidence at 0.")
+    if model.model_type in hybrid.HYBRID_MODEL_TYPES:
+        raise DFlashError(
+            f"Draft trees are not implemented for {model.model_type} targets (their recurrent layers would need "
+            "a state per branch); use tree_budget=0."
+        )
+    return tree_budget
+
+
 def _make_proposer(
     model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, policy, speedups, block_size,
-    choose_width=False,
+    choose_width=False, tree_budget=0,
 ):  # fmt: skip
-    # Plain decoding; prompt lookup alone; the drafter, with the lookup fallback, paused while
-    # it loses to plain decoding (with a policy). Block size 1 never drafts.
+    # Plain decoding; prompt lookup alone; the drafter (or its trees), with the lookup fallback,
+    # paused while it loses to plain decoding (with a policy). Block size 1 never drafts.
     if draft is None:
         return PlainProposer()
     if isinstance(draft, PromptLookup):
@@ -129,6 +150,8 @@ def _make_proposer(
         if choose_width or min_confidence > 0:
             raise DFlashError("A DFlash2 drafter verifies whole blocks: use a fixed block_size and min_confidence=0.")
         drafter = SelectorProposer(model, draft, cache, sampler=sampler if sample else None, speedups=speedups)
+    elif tree_budget:
+        drafter = TreeProposer(model, draft, cache, tree_budget, speedups=speedups)
     else:
         width = VerifyWidth(model, draft, cache, speedups) if choose_width else None
         drafter = DFlashProposer(
@@ -177,6 +200,7 @@ def dflash_generate_step(
     draft: DraftModel | PromptLookup | None,
     *,
     block_size: int | str | None = None,
+    tree_budget: int | None = None,
     max_tokens: int = 256,
     sampler: SampleFn | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
@@ -210,6 +234,13 @@ def dflash_generate_step(
           from the measured cost of verify passes of each width at this context (kept on disk,
           :mod:`dflash_mlx.verify_width`) and the drafter's confidences, scaled by how often they
           were right so far. Same output either way.
+        tree_budget: Verify a draft tree of up to this many nodes each cycle instead of one path
+          (DDTree, :mod:`dflash_mlx.tree`): the most likely continuations of up to
+          ``block_size - 1`` tokens under the drafter's per-position distributions, all checked in
+          one target pass, the longest one the target agrees with kept. 0 or None (default): the
+          drafter's single path. Same output either way; ``num_draft`` counts the tree's nodes.
+          Not for hybrid (recurrent) targets, DFlash2 drafters, ``block_size="auto"`` or
+          ``min_confidence``.
         max_tokens: The most tokens to generate.
         sampler: ``logprobs -> token ids``: :func:`dflash_mlx.sampling.make_sampler` or any
           mlx-lm sampler. Greedy when None.
@@ -272,7 +303,7 @@ def dflash_generate_step(
         StepOutput: The tokens of each cycle with its acceptance counts.
 
     Raises:
-        DFlashError: On an empty prompt, ``max_tokens < 1``, a bad ``block_size``,
+        DFlashError: On an empty prompt, ``max_tokens < 1``, a bad ``block_size``, ``tree_budget``,
           ``proposal``, ``min_confidence``, ``lookup_fallback`` or ``kernels``.
     """
     ids = _prompt_ids(prompt)
@@ -280,6 +311,7 @@ def dflash_generate_step(
     check_cycle_settings(max_tokens, min_confidence, lookup_fallback, proposal)
     if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
         raise DFlashError(f"seed must be an integer from 0 to {MAX_SEED} (got {seed!r}).")
+    tree_budget = check_tree_budget(tree_budget, model, draft, block_size, min_confidence)
     choose_width = block_size == "auto"
     if choose_width and min_confidence > 0:
         raise DFlashError("block_size='auto' chooses each cycle's drafts itself; leave min_confidence at 0.")
@@ -306,7 +338,7 @@ def dflash_generate_step(
     proposer = _make_proposer(
         model, draft, cache, sampler=sampler, proposal=proposal, min_confidence=min_confidence,
         lookup_fallback=lookup_fallback, policy=policy, speedups=speedups, block_size=block_size,
-        choose_width=choose_width,
+        choose_width=choose_width, tree_budget=tree_budget,
     )  # fmt: skip
     verifier = Verifier(
         model, cache, sampler=sampler, logits_processors=logits_processors, tap_ids=proposer.tap_ids,
@@ -335,7 +367,7 @@ def dflash_generate_step(
                 emitted = budget.emit(verdict.tokens)
                 # Rewind: the target forgets the rejected drafts, the proposer keeps the taps
                 # of the kept positions.
-                cache.commit(last, emitted, verified=drafts.size + 1)
+                cache.commit(last, emitted, verified=verdict.cached)
                 proposer.accept(len(emitted) - 1, verdict.taps)
                 last = emitted[-1]
                 num_draft = min(drafts.size, room - 1)

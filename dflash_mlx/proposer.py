@@ -19,6 +19,7 @@ from .cache import DFlashCache
 from .cpu.speedups import CpuSpeedups
 from .models import target as tgt
 from .sampling import Sampler, sample_rows, top_probability
+from .tree import DraftTree, build_tree, top_log_probs
 
 
 @dataclass
@@ -29,10 +30,12 @@ class Proposal:
         tokens: ``(n,)`` draft ids, possibly still being computed.
         q: ``(n, vocab)`` the distribution each draft was drawn from, or None when the
           drafts are one-hot (greedy or looked up).
+        tree: The drafts as a draft tree's nodes (``tokens`` in node order), or None for a path.
     """
 
     tokens: mx.array
     q: mx.array | None = None
+    tree: DraftTree | None = None
 
     @property
     def size(self) -> int:
@@ -177,6 +180,32 @@ class DFlashProposer(Proposer):
             self.width.update(num_accepted)
         if taps is not None:
             self.cache.append_pending(taps[:, : num_accepted + 1])
+
+
+class TreeProposer(DFlashProposer):
+    """The DFlash drafter's block as a draft tree (DDTree, :mod:`dflash_mlx.tree`): from one
+    pass, the ``budget`` most likely continuations of up to ``n`` tokens, verified together.
+
+    The tree is the drafter's (its most likely nodes), whatever the sampler: the target's own
+    sample at each node picks the child to follow, so every emitted token is a target sample.
+    """
+
+    def __init__(self, model: nn.Module, draft: nn.Module, cache: DFlashCache, budget: int, **kwargs):
+        super().__init__(model, draft, cache, **kwargs)
+        self.budget = budget
+
+    def propose(self, last: int, n: int) -> Proposal:
+        block = mx.array([[last] + [self.draft.mask_token_id] * (self.draft.block_size - 1)], dtype=mx.uint32)
+        taps = self.cache.take_pending()
+        logits = self.draft.propose(self.model, block, taps, self.cache.draft, self.speedups, num_drafts=n)[0, :n]
+        # The heap runs on the host: each position's top `budget` ids are all it can use.
+        log_probs, ids = top_log_probs(logits, min(self.budget, logits.shape[-1]))
+        tree = build_tree(log_probs, ids, self.budget)
+        tokens = mx.array(tree.tokens, dtype=mx.uint32)
+        if self.draft.draft_vocab is not None:
+            tokens = self.draft.token_ids(tokens).astype(mx.uint32)
+            tree = DraftTree(tokens.tolist(), tree.parents, tree.depths)
+        return Proposal(tokens, tree=tree)
 
 
 class SelectorProposer(DFlashProposer):

@@ -11,7 +11,7 @@ from dflash_mlx.models.drafter import DraftArgs, DraftModel
 
 from .checkpoints import VOCAB, draft_config
 from .decoding import run
-from .oracles import AcceptExactlyDraft, ScriptedDraft
+from .oracles import AcceptExactlyDraft, ScriptedDraft, SecondChoiceDraft
 
 MAX_REF = 64
 
@@ -50,6 +50,21 @@ def check_lossless(model, draft, block_size: int, prompt_len: int) -> None:
     for max_tokens in (1, block_size + 1, MAX_REF):
         out, _ = run(model, draft, prompt, block_size=block_size, max_tokens=max_tokens)
         assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
+
+
+def check_tree_lossless(model, draft, max_tokens: int = 24) -> None:
+    """Draft trees of budgets 1, 4, 16 and 64 across prompt lengths, from a random drafter and from
+    one whose first choice at the first position is always wrong (so that the target follows a
+    branch): mlx-lm's greedy tokens, and every layer's cache at the committed length."""
+    for budget, prompt_len in ((1, 1), (4, 9), (16, 30), (64, 9)):
+        prompt = prompt_ids(prompt_len)
+        ref = reference(model, prompt, max_tokens)
+        for drafter in (draft, SecondChoiceDraft(draft, prompt + ref, VOCAB)):
+            cache = make_cache(model, drafter)
+            out, _ = run(model, drafter, prompt, tree_budget=budget, max_tokens=max_tokens, prompt_cache=cache,
+                         adaptive=False)  # fmt: skip
+            assert out == ref, (prompt_len, budget, type(drafter).__name__)
+            assert all(c.offset == len(cache.tokens) for c in cache.target)
 
 
 def check_every_acceptance_length(model, draft, block_size: int) -> None:
