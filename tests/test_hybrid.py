@@ -441,3 +441,15 @@ def test_data_step_refills_rows_only_without_recurrent_layers(pairs, kind):
 @pytest.mark.parametrize("kind", HF_KINDS)
 def test_taps_folded_as_made_equal_fc_of_the_taps(pairs, kind):
     family.check_folded_taps(pairs[kind][0])
+
+
+def test_draft_trees_on_moe_are_lossless(pairs):
+    """Draft trees through the MoE target's experts (a batch of nodes routed row by row)."""
+    family.check_tree_lossless(*pairs["qwen3_moe"][:2])
+
+
+@pytest.mark.parametrize("kind", HYBRID)
+def test_draft_trees_on_a_recurrent_target_are_refused_in_one_line(pairs, kind):
+    model, draft, _ = pairs[kind]
+    with pytest.raises(DFlashError, match=f"Draft trees are not implemented for {kind} targets"):
+        run(model, draft, prompt_ids(5), tree_budget=4, max_tokens=4)

@@ -52,14 +52,16 @@ def check_lossless(model, draft, block_size: int, prompt_len: int) -> None:
         assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
 
 
-def check_tree_lossless(model, draft, max_tokens: int = 24) -> None:
-    """Draft trees of budgets 1, 4, 16 and 64 across prompt lengths, from a random drafter and from
-    one whose first choice at the first position is always wrong (so that the target follows a
-    branch): mlx-lm's greedy tokens, and every layer's cache at the committed length."""
+def check_tree_lossless(model, draft, max_tokens: int = 16) -> None:
+    """Draft trees of budgets 1, 4, 16 and 64 across prompt lengths, from a random drafter and (at the
+    budgets that hold both branches) from one whose first choice at the first position is always
+    wrong, so that the target follows a branch: mlx-lm's greedy tokens, and every layer's cache at
+    the committed length."""
     for budget, prompt_len in ((1, 1), (4, 9), (16, 30), (64, 9)):
         prompt = prompt_ids(prompt_len)
         ref = reference(model, prompt, max_tokens)
-        for drafter in (draft, SecondChoiceDraft(draft, prompt + ref, VOCAB)):
+        drafters = [draft] + ([SecondChoiceDraft(draft, prompt + ref, VOCAB)] if budget >= 16 else [])
+        for drafter in drafters:
             cache = make_cache(model, drafter)
             out, _ = run(model, drafter, prompt, tree_budget=budget, max_tokens=max_tokens, prompt_cache=cache,
                          adaptive=False)  # fmt: skip
