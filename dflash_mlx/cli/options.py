@@ -204,6 +204,11 @@ def add_cycle_arguments(parser: argparse.ArgumentParser) -> None:
         help="After the drafter misses its first draft, draft up to this many cycles by prompt lookup "
         "(default: 0, never).",
     )  # fmt: skip
+    parser.add_argument(
+        "--tree-budget", type=int, action=InRange, low=0, default=0, metavar="N",
+        help="Verify a draft tree of up to N nodes a cycle (DDTree: the drafter's most likely continuations, "
+        "one target pass) instead of its one path (default: 0, the path). Not for hybrid targets.",
+    )  # fmt: skip
 
 
 def add_window_arguments(parser: argparse.ArgumentParser) -> None:
