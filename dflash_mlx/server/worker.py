@@ -217,7 +217,7 @@ class Worker:
         # "auto" verifies up to the drafter's block size.
         num_spec_tokens = (block_size if isinstance(block_size, int) else self.max_block_size) - 1
         acceptance = AcceptanceStats()
-        setup = (block_size, req.temperature > 0, req.min_confidence, req.lookup_fallback)
+        setup = (block_size, req.temperature > 0, req.min_confidence, req.lookup_fallback, req.tree_budget)
         stop = StopMatcher(req.stop)
         processors = (make_logits_processors(repetition_penalty=req.repetition_penalty)
                       if req.repetition_penalty else None)
@@ -229,6 +229,7 @@ class Worker:
             logits_processors=processors,
             min_confidence=req.min_confidence,
             lookup_fallback=req.lookup_fallback,
+            tree_budget=req.tree_budget if self.draft is not None else 0,
             seed=req.seed,
             policy=self.policies.setdefault(setup, PolicyState()),
             prompt_cache=self.caches.take(ids),
