@@ -39,6 +39,7 @@ from .stats import summarize
 from .timing import (
     DEFAULT_LOOKUP_FALLBACK,
     DEFAULT_MIN_CONFIDENCE,
+    DEFAULT_TREE_BUDGET,
     DFLASH_METHODS,
     METHODS,
     RunResult,
@@ -170,6 +171,7 @@ def run_benchmark(
     draft_sinks: int = 4,
     kernels: str = "auto",
     progress: bool = True,
+    tree_budget: int = DEFAULT_TREE_BUDGET,
 ) -> dict:
     """Run the methods on the prompts and return ``{"meta", "times", "rows", "runs"}``.
 
@@ -180,7 +182,8 @@ def run_benchmark(
     ``draft_window`` / ``draft_sinks``: the drafter's context window of the DFlash methods.
     ``kernels``: the Metal kernels (``"auto"``, ``"on"``, ``"off"``; :mod:`dflash_mlx.kernels`)
     of the target's quantized layers and of the DFlash loop; the results record it, and what
-    each kernel's dispatcher ran (``kernel_verdicts``).
+    each kernel's dispatcher ran (``kernel_verdicts``). ``tree_budget``: dflash-tree's nodes a cycle
+    (its trees are as deep as the drafter's block; it runs only when named in ``methods``).
     """
     from ..cache import check_draft_window
     from ..generation import check_cycle_settings
@@ -204,7 +207,8 @@ def run_benchmark(
     defaults = methods is None
     if methods is None:
         has_ar = ar_draft is not None or (ar_path is not None and Path(ar_path).is_dir())
-        methods = tuple(m for m in METHODS if m != "mlx-spec" or has_ar)
+        # dflash-tree runs when asked for: its row is another setting of the same drafter.
+        methods = tuple(m for m in METHODS if (m != "mlx-spec" or has_ar) and m != "dflash-tree")
         if not has_ar and progress:
             print("dflash-bench: mlx-spec left out: no small autoregressive draft for this target "
                   "(pass --ar-draft FOLDER to include it)", file=sys.stderr)  # fmt: skip
@@ -258,7 +262,7 @@ def run_benchmark(
     timing_seconds = time.perf_counter() - tic  # the component times are taken again at the end
     def sizes(m: str) -> tuple[int, ...]:
         # dflash-auto picks each cycle's width up to the drafter's block size; dflash-default runs at it.
-        if m in ("dflash-auto", "dflash-default"):
+        if m in ("dflash-auto", "dflash-default", "dflash-tree"):
             return (drafter.block_size,)
         return block_sizes if m in (*DFLASH_METHODS, "lookup") else (1,)
 
@@ -271,7 +275,7 @@ def run_benchmark(
               f"{1e3 * step:.1f} ms plain step, and {timing_seconds:.0f} s of component timing)", file=sys.stderr)
     runners = {
         (m, b): make_runner(m, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
-                            min_confidence, lookup_fallback, **window, kernels=kernels)
+                            min_confidence, lookup_fallback, **window, kernels=kernels, tree_budget=tree_budget)
         for m, b in plan
     }  # fmt: skip
     results, total, done, start = [], len(plan) * len(rows_in) * runs, 0, time.perf_counter()
@@ -323,6 +327,7 @@ def run_benchmark(
                  "prompt_set": (documents or f"{pair_name or DEFAULT_PAIR} long-context documents (embedded)")
                  if context else prompts or f"{pair_name or DEFAULT_PAIR} held-out prompts (embedded)",
                  "min_confidence": min_confidence, "lookup_fallback": lookup_fallback,
+                 "tree_budget": tree_budget if "dflash-tree" in methods else None,
                  "context": [label(n) for n in context] if context else None, **window,
                  "kernels": kernels, "kernel_verdicts": kernel_verdicts()},
         "times": times,
@@ -394,6 +399,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookup-fallback", type=int, action=InRange, low=0, default=DEFAULT_LOOKUP_FALLBACK,
                    help="dflash-fallback: the most prompt-lookup cycles after the drafter misses its first draft "
                    f"(default: {DEFAULT_LOOKUP_FALLBACK}; 0 never falls back).")
+    p.add_argument("--tree-budget", type=int, action=InRange, low=1, default=DEFAULT_TREE_BUDGET,
+                   help=f"dflash-tree: the most draft tree nodes a cycle (default: {DEFAULT_TREE_BUDGET}).")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="Compute dtype of the models (default: the one dflash-generate uses: float32 on a CPU, "
                    "where greedy output is the same for every method, as the benchmark checks; the checkpoint's "
@@ -454,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
             methods=tuple(args.methods) if args.methods else None,
             min_confidence=args.min_confidence, lookup_fallback=args.lookup_fallback, dtype=args.dtype,
             context=args.context, documents=args.documents, draft_window=args.draft_window,
-            draft_sinks=args.draft_sinks, kernels=args.kernels,
+            draft_sinks=args.draft_sinks, kernels=args.kernels, tree_budget=args.tree_budget,
         )
     except DFlashError as e:
         print(f"dflash-bench: error: {e}", file=sys.stderr)

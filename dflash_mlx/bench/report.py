@@ -84,7 +84,9 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         "by the baseline's real step against a lone AR pass (below). "
         "dflash-fallback has no limit: its prompt-lookup cycles run no drafter pass. dflash-default: generate's "
         "defaults (the adaptive policy, one state across the method's runs, warm-up first, as a chat or server "
-        "keeps it; while it pauses the drafter, cycles verify one prompt-lookup draft or step plainly); no limit.",
+        "keeps it; while it pauses the drafter, cycles verify one prompt-lookup draft or step plainly); no limit. "
+        "dflash-tree: a draft tree (DDTree) of up to --tree-budget nodes a cycle, as deep as the drafter's block; "
+        "verified counts its nodes and root; no limit.",
     ]
     if meta.get("kernel_verdicts"):
         lines += ["", "Metal kernels (what each dispatcher ran at each shape class):"]
