@@ -39,6 +39,9 @@ from .verify_width import VerifyWidth, machine_key, model_key
 
 SampleFn = Callable[[mx.array], mx.array]  # any mlx-lm sampler: logprobs -> token ids
 
+# tree_budget="auto" verifies up to this many draft tree nodes a cycle.
+MAX_AUTO_TREE_BUDGET = 64
+
 # A stream for generation on whichever thread runs the generator (CLI or TUI worker).
 generation_stream = mx.new_thread_local_stream(mx.default_device())
 
@@ -112,12 +115,17 @@ def check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallback
         raise DFlashError(f"lookup_fallback must be a non-negative integer of cycles (got {lookup_fallback!r}).")
 
 
-def check_tree_budget(tree_budget: int | None, model: nn.Module, draft, block_size, min_confidence: float) -> int:
-    """``tree_budget`` as a number of nodes (0: a path), checked against the pair and the settings."""
+def check_tree_budget(
+    tree_budget: int | str | None, model: nn.Module, draft, block_size, min_confidence: float
+) -> int | str:
+    """``tree_budget`` as a number of nodes (0: a path) or ``"auto"``, checked against the pair and the settings."""
     if tree_budget is None or tree_budget == 0:
         return 0
-    if not isinstance(tree_budget, int) or isinstance(tree_budget, bool) or tree_budget < 0:
-        raise DFlashError(f"tree_budget must be a non-negative integer of nodes, 0 for a path (got {tree_budget!r}).")
+    valid = isinstance(tree_budget, int) and not isinstance(tree_budget, bool) and tree_budget > 0
+    if not valid and tree_budget != "auto":
+        raise DFlashError(
+            f"tree_budget must be a non-negative integer of nodes (0: a path) or 'auto' (got {tree_budget!r})."
+        )
     if isinstance(draft, drafter2.DraftModel):
         # Its selector scores each draft given the one before, not one distribution per position.
         raise DFlashError("A DFlash2 drafter drafts one path through its selector, not a tree: use tree_budget=0.")
@@ -150,6 +158,9 @@ def _make_proposer(
         if choose_width or min_confidence > 0:
             raise DFlashError("A DFlash2 drafter verifies whole blocks: use a fixed block_size and min_confidence=0.")
         drafter = SelectorProposer(model, draft, cache, sampler=sampler if sample else None, speedups=speedups)
+    elif tree_budget == "auto":
+        width = VerifyWidth(model, draft, cache, speedups, tree_nodes=MAX_AUTO_TREE_BUDGET)
+        drafter = TreeProposer(model, draft, cache, MAX_AUTO_TREE_BUDGET, speedups=speedups, width=width)
     elif tree_budget:
         drafter = TreeProposer(model, draft, cache, tree_budget, speedups=speedups)
     else:
@@ -200,7 +211,7 @@ def dflash_generate_step(
     draft: DraftModel | PromptLookup | None,
     *,
     block_size: int | str | None = None,
-    tree_budget: int | None = None,
+    tree_budget: int | str | None = None,
     max_tokens: int = 256,
     sampler: SampleFn | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
@@ -238,7 +249,11 @@ def dflash_generate_step(
           (DDTree, :mod:`dflash_mlx.tree`): the most likely continuations of up to
           ``block_size - 1`` tokens under the drafter's per-position distributions, all checked in
           one target pass, the longest one the target agrees with kept. 0 or None (default): the
-          drafter's single path. Same output either way; ``num_draft`` counts the tree's nodes.
+          drafter's single path. ``"auto"``: each cycle, the first nodes of a tree of
+          ``MAX_AUTO_TREE_BUDGET`` that give the most tokens per second, from the measured cost of
+          tree passes of each size (kept on disk, as for ``block_size="auto"``) and the drafter's
+          path probabilities, scaled by how often they were right so far. Same output either way;
+          ``num_draft`` counts the tree's nodes.
           Not for hybrid (recurrent) targets, DFlash2 drafters, ``block_size="auto"`` or
           ``min_confidence``.
         max_tokens: The most tokens to generate.

@@ -7,6 +7,7 @@ were drawn from, or None when they are certain (greedy or looked-up drafts).
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -188,6 +189,8 @@ class TreeProposer(DFlashProposer):
 
     The tree is the drafter's (its most likely nodes), whatever the sampler: the target's own
     sample at each node picks the child to follow, so every emitted token is a target sample.
+    With ``width`` (``tree_budget="auto"``), each cycle verifies the first of the ``budget``
+    nodes that give the most tokens per second (:class:`dflash_mlx.verify_width.VerifyWidth`).
     """
 
     def __init__(self, model: nn.Module, draft: nn.Module, cache: DFlashCache, budget: int, **kwargs):
@@ -197,14 +200,18 @@ class TreeProposer(DFlashProposer):
     def propose(self, last: int, n: int) -> Proposal:
         block = mx.array([[last] + [self.draft.mask_token_id] * (self.draft.block_size - 1)], dtype=mx.uint32)
         taps = self.cache.take_pending()
+        if self.width is not None:
+            self.width.costs()  # measured before this pass's taps leave pending, if the bucket is new
         logits = self.draft.propose(self.model, block, taps, self.cache.draft, self.speedups, num_drafts=n)[0, :n]
         # The heap runs on the host: each position's top `budget` ids are all it can use.
         log_probs, ids = top_log_probs(logits, min(self.budget, logits.shape[-1]))
         tree = build_tree(log_probs, ids, self.budget)
+        if self.width is not None and tree.size > 1:
+            tree = tree.first(self.width.choose_nodes([math.exp(lp) for lp in tree.log_probs]))
         tokens = mx.array(tree.tokens, dtype=mx.uint32)
         if self.draft.draft_vocab is not None:
             tokens = self.draft.token_ids(tokens).astype(mx.uint32)
-            tree = DraftTree(tokens.tolist(), tree.parents, tree.depths)
+            tree = DraftTree(tokens.tolist(), tree.parents, tree.depths, tree.log_probs)
         return Proposal(tokens, tree=tree)
 
 

@@ -36,11 +36,14 @@ class DraftTree:
           were chosen (best first).
         parents: ``parents[i]`` is node ``i``'s parent index (``parents[0] == -1``, the root).
         depths: Node ``i``'s depth at ``depths[i - 1]`` (a child of the root has depth 1).
+        log_probs: Node ``i``'s path log-probability under the drafter at ``log_probs[i - 1]``
+          (empty when not known).
     """
 
     tokens: list[int]
     parents: list[int]
     depths: list[int]
+    log_probs: list[float] = field(default_factory=list)
     children: list[dict[int, int]] = field(default_factory=list)
 
     def __post_init__(self):
@@ -81,6 +84,10 @@ class DraftTree:
     def path_tokens(self, path: list[int]) -> list[int]:
         return [self.tokens[i - 1] for i in path[1:]]
 
+    def first(self, n: int) -> "DraftTree":
+        """The tree of the first ``n`` nodes: a parent comes before its children, so it is whole."""
+        return DraftTree(self.tokens[:n], self.parents[: n + 1], self.depths[:n], self.log_probs[:n])
+
 
 def top_log_probs(logits: mx.array, k: int) -> tuple[list[list[float]], list[list[int]]]:
     """Each row's ``k`` most likely ids and their log-probabilities, most likely first (one host read)."""
@@ -108,10 +115,11 @@ def build_tree(log_probs: list[list[float]], ids: list[list[int]], budget: int) 
         budget: The most nodes (not counting the root).
 
     Returns:
-        The tree, nodes in the order they were chosen.
+        The tree, nodes in the order they were chosen: its first ``n`` nodes are the tree of
+        budget ``n`` (a node of rank ``r`` comes after its ``r`` elder siblings).
     """
     depth_limit, k = len(ids), len(ids[0]) if ids else 0
-    tokens, parents, depths = [], [-1], []
+    tokens, parents, depths, path_log_probs = [], [-1], [], []
     if budget <= 0 or depth_limit == 0:
         return DraftTree(tokens, parents, depths)
     # (-log w, ranks along the path, parent index, depth, rank, log w)
@@ -121,6 +129,7 @@ def build_tree(log_probs: list[list[float]], ids: list[list[int]], budget: int) 
         tokens.append(ids[depth - 1][rank])
         parents.append(parent)
         depths.append(depth)
+        path_log_probs.append(logw)
         index = len(tokens)
         if rank + 1 < k:
             sibling = logw - log_probs[depth - 1][rank] + log_probs[depth - 1][rank + 1]
@@ -128,7 +137,12 @@ def build_tree(log_probs: list[list[float]], ids: list[list[int]], budget: int) 
         if depth < depth_limit:
             child = logw + log_probs[depth][0]
             heapq.heappush(heap, (-child, ranks + (0,), index, depth + 1, 0, child))
-    return DraftTree(tokens, parents, depths)
+    return DraftTree(tokens, parents, depths, path_log_probs)
+
+
+def chain(n: int) -> DraftTree:
+    """A tree of ``n`` nodes in one line (token 0 each): a tree pass of that size, for timing."""
+    return DraftTree([0] * n, list(range(-1, n)), list(range(1, n + 1)))
 
 
 def layer_mask(cache: Any, tree: DraftTree, ancestors: mx.array, depths: mx.array) -> mx.array:

@@ -23,7 +23,7 @@ def test_generates_with_a_pair(pair_dirs, capsys):
 
 
 OPTIONS = [["--min-confidence", "0.05"], ["--lookup-fallback", "4"], ["--adaptive", "false"], ["--adaptive", "True"],
-           ["--kernels", "off"], ["--tree-budget", "8"]]  # fmt: skip
+           ["--kernels", "off"], ["--tree-budget", "8"], ["--tree-budget", "auto"]]  # fmt: skip
 
 
 @pytest.mark.parametrize("option", OPTIONS)

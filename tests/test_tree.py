@@ -141,11 +141,25 @@ def test_repetition_penalty_sees_each_nodes_own_path(qwen3_pair):
     assert run(model, oracle, prompt, tree_budget=16, **kwargs)[0] == plain
 
 
+def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(qwen3_pair):
+    """tree_budget="auto": greedy output unchanged; a drafter whose right token is its second choice gets
+    trees with both branches, a random one that is never right gets trees of a node or few."""
+    model, draft, _ = qwen3_pair
+    prompt = prompt_ids(9)
+    ref = reference(model, prompt, 40)
+    oracle = SecondChoiceDraft(draft, prompt + ref, VOCAB)
+    out, cycles = run(model, oracle, prompt, tree_budget="auto", max_tokens=40, adaptive=False)
+    assert out == ref and max(c.num_accepted for c in cycles[1:]) > 1
+    out, cycles = run(model, draft, prompt, tree_budget="auto", max_tokens=40, adaptive=False)
+    assert out == ref and cycles[-2].num_draft < cycles[1].num_draft
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         (dict(tree_budget=-1), "tree_budget must be a non-negative integer"),
         (dict(tree_budget=2.5), "tree_budget must be a non-negative integer"),
+        (dict(tree_budget="big"), "or 'auto' \\(got 'big'\\)"),
         (dict(tree_budget=4, block_size="auto"), "leave block_size fixed"),
         (dict(tree_budget=4, min_confidence=0.5), "leave block_size fixed"),
     ],

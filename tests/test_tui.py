@@ -220,6 +220,7 @@ async def test_ctrl_j_adds_a_newline_and_up_recalls_history():
         ("/cutoff 0.5", "min_confidence", 0.5),
         ("/fallback 4", "lookup_fallback", 4),
         ("/tree 16", "tree_budget", 16),
+        ("/tree auto", "tree_budget", "auto"),
     ],
 )
 async def test_setting_commands_apply_to_the_next_reply(line, field, value):

@@ -38,7 +38,7 @@ HELP = """\
 - `/fallback N`: after the drafter misses its first draft, draft up to N cycles by prompt lookup
   (0 = never; faster where the drafter is often wrong, same text)
 - `/tree N`: verify a draft tree of up to N nodes a cycle, the drafter's most likely continuations
-  (0 = its one path; same text)
+  (0 = its one path; `/tree auto`: the nodes that pay best each cycle; same text)
 - `/clear`: start a new conversation
 - `/save FILE`: save the transcript (`.md` or `.json`); `/save! FILE` overwrites
 - `/help`: this message
@@ -72,7 +72,7 @@ class Settings:
     system_prompt: str | None = None
     min_confidence: float = 0.0
     lookup_fallback: int = 0
-    tree_budget: int = 0
+    tree_budget: int | str = 0
     thinking: bool | None = None
     reasoning_effort: str | None = None
 
@@ -96,7 +96,7 @@ class Settings:
             mode += f" · cutoff {self.min_confidence:g}"
         if self.dflash and self.lookup_fallback > 0:
             mode += f" · fallback {self.lookup_fallback}"
-        if self.dflash and self.tree_budget > 0:
+        if self.dflash and self.tree_budget:
             mode += f" · tree {self.tree_budget}"
         text = f"{mode} · temp {self.temp:g} · max {self.max_tokens}"
         if self.thinking is not None:
@@ -222,8 +222,11 @@ def parse_command(
         n = _int(arg)
         if not has_draft:
             return error("/tree needs a drafter, but none is loaded. Restart with --draft.")
+        if arg.strip().lower() == "auto":
+            return Command("set", replace(settings, tree_budget="auto"), "Tree auto: each cycle verifies the "
+                           "draft tree nodes that pay best.")  # fmt: skip
         if n is None or not 0 <= n <= MAX_TREE_BUDGET:
-            return usage_error(f"an integer from 0 to {MAX_TREE_BUDGET}", "/tree 16")
+            return usage_error(f"an integer from 0 to {MAX_TREE_BUDGET}, or auto", "/tree 16")
         what = f"a draft tree of up to {n} nodes a cycle" if n else "the drafter's one path"
         return Command("set", replace(settings, tree_budget=n), f"Tree {n}: {what}.")
     if name == "/dflash":
