@@ -133,10 +133,10 @@ def check_tree_budget(
         raise DFlashError(f"tree_budget={tree_budget} builds trees from a DFlash drafter's block: pass one (--draft).")
     if block_size == "auto" or min_confidence > 0:
         raise DFlashError("A draft tree chooses its own nodes: leave block_size fixed and min_confidence at 0.")
-    if model.model_type in hybrid.HYBRID_MODEL_TYPES:
+    if tree_budget == "auto" and model.model_type in hybrid.HYBRID_MODEL_TYPES:
         raise DFlashError(
-            f"Draft trees are not implemented for {model.model_type} targets (their recurrent layers would need "
-            "a state per branch); use tree_budget=0."
+            "tree_budget='auto' times tree passes on the live cache and rolls them back, which a hybrid target's "
+            "recurrent state cannot do cheaply; pass a fixed tree_budget."
         )
     return tree_budget
 
@@ -254,8 +254,9 @@ def dflash_generate_step(
           tree passes of each size (kept on disk, as for ``block_size="auto"``) and the drafter's
           path probabilities, scaled by how often they were right so far. Same output either way;
           ``num_draft`` counts the tree's nodes.
-          Not for hybrid (recurrent) targets, DFlash2 drafters, ``block_size="auto"`` or
-          ``min_confidence``.
+          On hybrid targets each node's recurrent state continues its parent's (forked at
+          branches); ``"auto"`` is not for them. Not with DFlash2 drafters, ``block_size="auto"``
+          or ``min_confidence``.
         max_tokens: The most tokens to generate.
         sampler: ``logprobs -> token ids``: :func:`dflash_mlx.sampling.make_sampler` or any
           mlx-lm sampler. Greedy when None.

@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .errors import DFlashError
+from .models.hybrid import RecurrentCache
 from .models.sliding import SlidingKVCache
 
 
@@ -189,15 +190,18 @@ def tree_caches(caches: list[Any], tree: DraftTree) -> tuple[list[TreeCache], li
     positions = (offset + depths).astype(mx.int32)
     masks, built = [], {}
     for c in caches:
+        if isinstance(c, RecurrentCache):
+            masks.append(None)  # a linear attention layer follows each node's path itself
+            continue
         key = (type(c), c.seen if isinstance(c, SlidingKVCache) else c.offset, getattr(c, "window", None))
         if key not in built:
             built[key] = layer_mask(c, tree, ancestors, depths)
         masks.append(built[key])
-    return [TreeCache(c, positions) for c in caches], masks
+    return [c if isinstance(c, RecurrentCache) else TreeCache(c, positions) for c in caches], masks
 
 
 def check_tree_caches(caches: list[Any]) -> None:
-    kinds = {type(c).__name__ for c in caches if type(c) not in (KVCache, SlidingKVCache)}
+    kinds = {type(c).__name__ for c in caches if type(c) not in (KVCache, SlidingKVCache, RecurrentCache)}
     if kinds:
         raise DFlashError(
             f"Draft trees need attention caches that keep every position (got {sorted(kinds)}); "
@@ -210,6 +214,9 @@ def keep_path(caches: list[Any], start: int, path: list[int]) -> None:
     ``path`` (indices into the pass) at ``start, start + 1, ...`` and forget the rest."""
     index = mx.array(path)
     for c in caches:
+        if isinstance(c, RecurrentCache):
+            c.keep(path)
+            continue
         added = c.offset - start
         # The buffer row of position p: p itself, or p - start for a sliding window's buffer.
         first = start - (c.start if isinstance(c, SlidingKVCache) else 0)

@@ -218,8 +218,8 @@ def add_cycle_arguments(parser: argparse.ArgumentParser) -> None:
         "--tree-budget", type=tree_budget_arg, action=InRange, low=0, default=0, metavar="N",
         help="Verify a draft tree of up to N nodes a cycle (DDTree: the drafter's most likely continuations, "
         "one target pass) instead of its one path (default: 0, the path), or 'auto': each cycle the nodes that "
-        "pay best, from tree pass costs measured once per machine, model and context length. Not for hybrid "
-        "targets.",
+        "pay best, from tree pass costs measured once per machine, model and context length (not on hybrid "
+        "targets).",
     )  # fmt: skip
 
 

@@ -299,12 +299,13 @@ def forward_with_taps(
 def _forward_tree(
     model: nn.Module, tokens: mx.array, cache: list[Any], tap_ids: list[int], tree: "DraftTree"
 ) -> tuple[mx.array, mx.array | None]:
-    # The tree as a batch of one-token rows, node i in row i (dflash_mlx.tree); tree_caches
-    # refuses a layer that cannot hold every node (a recurrent one).
+    # The tree as a batch of one-token rows, node i in row i (dflash_mlx.tree).
     rows = tokens.reshape(-1, 1)  # (n + 1, 1)
     views, masks = tree_caches(cache, tree)
     captured = {}
-    if model.model_type in gemma.GEMMA_MODEL_TYPES:
+    if model.model_type in hybrid.HYBRID_MODEL_TYPES:
+        h = hybrid.forward_tree(model, rows, views, masks, tap_ids, captured, tree.parents)
+    elif model.model_type in gemma.GEMMA_MODEL_TYPES:
         h = gemma.forward_with_taps(model, rows, views, tap_ids, captured, masks=masks)
     else:
         inner = model.model
