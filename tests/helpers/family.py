@@ -67,6 +67,21 @@ def check_tree_lossless(model, draft, max_tokens: int = 16) -> None:
                          adaptive=False)  # fmt: skip
             assert out == ref, (prompt_len, budget, type(drafter).__name__)
             assert all(c.offset == len(cache.tokens) for c in cache.target)
+    # A stop token inside an accepted path, then the next turn through the same cache.
+    prompt = prompt_ids(9)
+    ref = reference(model, prompt, max_tokens)
+    stop_index = next((i for i in range(3, max_tokens) if ref[i] not in ref[:i]), None)
+    if stop_index is None:
+        return
+    branching = SecondChoiceDraft(draft, prompt + ref, VOCAB)
+    cache = make_cache(model, branching)
+    out, _ = run(model, branching, prompt, tree_budget=16, max_tokens=max_tokens, stop_tokens={ref[stop_index]},
+                 prompt_cache=cache, adaptive=False)  # fmt: skip
+    assert out == ref[: stop_index + 1] and cache.offset == len(cache.tokens)
+    follow = prompt + out + prompt_ids(4, seed=9)
+    branching.sequence = follow + reference(model, follow, max_tokens)
+    again, _ = run(model, branching, follow, tree_budget=16, max_tokens=max_tokens, prompt_cache=cache, adaptive=False)
+    assert again == reference(model, follow, max_tokens)
 
 
 def check_every_acceptance_length(model, draft, block_size: int) -> None:
