@@ -129,6 +129,15 @@ def test_an_oracle_tree_keeps_the_block_and_the_taps_of_its_path(qwen3_pair):
     assert cache.draft_offset + cache.pending_length == len(cache.tokens)
 
 
+@pytest.mark.parametrize("kwargs", [dict(lookup_fallback=4, adaptive=False), dict(adaptive=True)])
+def test_trees_with_the_lookup_fallback_and_the_adaptive_policy(qwen3_pair, kwargs):
+    """Trees mixed with prompt-lookup paths and paused (plain) cycles: still mlx-lm's greedy tokens."""
+    model, draft, _ = qwen3_pair
+    prompt = prompt_ids(9) * 2  # repeated text, for prompt lookup to find
+    out, cycles = run(model, draft, prompt, tree_budget=8, max_tokens=30, **kwargs)
+    assert out == reference(model, prompt, 30)
+
+
 def test_repetition_penalty_sees_each_nodes_own_path(qwen3_pair):
     """Logits processors get each node's own preceding tokens: same tokens as the path's."""
     from mlx_lm.sample_utils import make_logits_processors
