@@ -181,8 +181,8 @@ class TreeCache:
         return mx.broadcast_to(keys, (n, *keys.shape[1:])), mx.broadcast_to(values, (n, *values.shape[1:]))
 
 
-def tree_caches(caches: list[Any], tree: DraftTree) -> tuple[list[TreeCache], list[mx.array]]:
-    """Each layer's :class:`TreeCache` and mask for one tree pass (before it runs)."""
+def tree_caches(caches: list[Any], tree: DraftTree) -> tuple[list[Any], list[mx.array | None]]:
+    """Each layer's view for one tree pass (a :class:`TreeCache`, or a recurrent cache itself) and its mask."""
     check_tree_caches(caches)
     offset = caches[0].offset
     depths = mx.array([0] + tree.depths)
