@@ -26,7 +26,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--tree-budget", type=int, default=None, help="Draft trees of up to N nodes (default: the path).")
+    parser.add_argument("--tree-budget", type=int, default=None,
+                        help="Draft trees of up to N nodes (default: the path).")  # fmt: skip
     parser.add_argument("--dtype", default=None, help="Cast both models (default: as load() gives them).")
     args = parser.parse_args()
 

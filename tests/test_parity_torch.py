@@ -416,7 +416,7 @@ def test_ddtree_matches_the_authors_loop(dirs, trained, monkeypatch, budget):
     model, draft, target, _ = trained("qwen3-tied")
     theirs = DFlashDraftModel.from_pretrained(dirs["trained-qwen3-tied"], dtype=torch.float32).to(DEVICE).eval()
     prompt = _prompt(9)
-    # Past its buffer's end their last blocks are cut short; ours run further, and only the cycles before that are compared.
+    # Past its buffer's end their last blocks are cut short: only the cycles before that are compared.
     result = ddtree.ddtree_generate(
         theirs, target, _tensor([prompt]), mask_token_id=draft.mask_token_id, max_new_tokens=2 * MAX_TOKENS,
         block_size=draft.block_size, stop_token_ids=None, temperature=0.0, tree_budget=budget, save_tree_traces=True,

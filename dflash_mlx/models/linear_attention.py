@@ -88,7 +88,9 @@ def linear_attention(attn: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array
     return out, conv_input, states
 
 
-def tree_linear_attention(attn: nn.Module, x: mx.array, cache: Any, parents: list[int]) -> tuple[mx.array, mx.array, list]:
+def tree_linear_attention(
+    attn: nn.Module, x: mx.array, cache: Any, parents: list[int]
+) -> tuple[mx.array, mx.array, list[mx.array]]:
     """``attn`` over a draft tree's nodes, each row continuing its own path (:mod:`dflash_mlx.tree`).
 
     The convolution of a node sees the inputs of its nearest ancestors (before the root, the conv
