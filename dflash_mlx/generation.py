@@ -28,11 +28,13 @@ from .distributed import FollowProposer, Peers, check_sharded, target_group
 from .errors import DFlashError
 from .kernels import check_kernels
 from .lookup import LookupProposer, PromptLookup
-from .models import drafter2
+from .models import drafter2, hybrid
 from .models import target as tgt
 from .models.drafter import DraftModel
 from .plain_speed import plain_tokens_per_second
-from .proposer import AdaptiveProposer, Proposer, DFlashProposer, FallbackProposer, FirstOf, PlainProposer, SelectorProposer
+from .proposer import (
+    AdaptiveProposer, DFlashProposer, FallbackProposer, FirstOf, PlainProposer, Proposer, SelectorProposer, TreeProposer,
+)  # fmt: skip
 from .reasoning import join, reasoning_parser
 from .responses import AcceptanceStats, GenerationResponse
 from .sampling import can_sample_proposals, check_proposal
@@ -40,6 +42,9 @@ from .verify import LogitsProcessor, Verifier
 from .verify_width import VerifyWidth, machine_key, model_key
 
 SampleFn = Callable[[mx.array], mx.array]  # any mlx-lm sampler: logprobs -> token ids
+
+# tree_budget="auto" verifies up to this many draft tree nodes a cycle.
+MAX_AUTO_TREE_BUDGET = 64
 
 # A stream for generation on whichever thread runs the generator (CLI or TUI worker).
 generation_stream = mx.new_thread_local_stream(mx.default_device())
@@ -145,13 +150,39 @@ def check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallback
         raise DFlashError(f"lookup_fallback must be a non-negative integer of cycles (got {lookup_fallback!r}).")
 
 
+def check_tree_budget(
+    tree_budget: int | str | None, model: nn.Module, draft, block_size, min_confidence: float
+) -> int | str:
+    """``tree_budget`` as a number of nodes (0: a path) or ``"auto"``, checked against the pair and the settings."""
+    if tree_budget is None or tree_budget == 0:
+        return 0
+    valid = isinstance(tree_budget, int) and not isinstance(tree_budget, bool) and tree_budget > 0
+    if not valid and tree_budget != "auto":
+        raise DFlashError(
+            f"tree_budget must be a non-negative integer of nodes (0: a path) or 'auto' (got {tree_budget!r})."
+        )
+    if isinstance(draft, drafter2.DraftModel):
+        # Its selector scores each draft given the one before, not one distribution per position.
+        raise DFlashError("A DFlash2 drafter drafts one path through its selector, not a tree: use tree_budget=0.")
+    if not isinstance(draft, DraftModel):
+        raise DFlashError(f"tree_budget={tree_budget} builds trees from a DFlash drafter's block: pass one (--draft).")
+    if block_size == "auto" or min_confidence > 0:
+        raise DFlashError("A draft tree chooses its own nodes: leave block_size fixed and min_confidence at 0.")
+    if tree_budget == "auto" and model.model_type in hybrid.HYBRID_MODEL_TYPES:
+        raise DFlashError(
+            "tree_budget='auto' times tree passes on the live cache and rolls them back, which a hybrid target's "
+            "recurrent state cannot do cheaply; pass a fixed tree_budget."
+        )
+    return tree_budget
+
+
 def _make_proposer(
     model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, policy, speedups, block_size,
-    choose_width=False, datastore=None,
+    choose_width=False, tree_budget=0, datastore=None,
 ):  # fmt: skip
     # Plain decoding (or the datastore's drafts); prompt lookup alone (and the datastore); the
-    # drafter, with the lookup fallback, paused while it loses to plain decoding (with a
-    # policy) and then drafting from lookup and the datastore. Block size 1 never drafts.
+    # drafter (or its trees), with the lookup fallback, paused while it loses to plain decoding
+    # (with a policy) and then drafting from lookup and the datastore. Block size 1 never drafts.
     if draft is None:
         if datastore is None or block_size == 1:
             return PlainProposer()
@@ -167,6 +198,11 @@ def _make_proposer(
         if choose_width or min_confidence > 0:
             raise DFlashError("A DFlash2 drafter verifies whole blocks: use a fixed block_size and min_confidence=0.")
         drafter = SelectorProposer(model, draft, cache, sampler=sampler if sample else None, speedups=speedups)
+    elif tree_budget == "auto":
+        width = VerifyWidth(model, draft, cache, speedups, tree_nodes=MAX_AUTO_TREE_BUDGET)
+        drafter = TreeProposer(model, draft, cache, MAX_AUTO_TREE_BUDGET, speedups=speedups, width=width)
+    elif tree_budget:
+        drafter = TreeProposer(model, draft, cache, tree_budget, speedups=speedups)
     else:
         width = VerifyWidth(model, draft, cache, speedups) if choose_width else None
         drafter = DFlashProposer(
@@ -214,6 +250,7 @@ def dflash_generate_step(
     draft: DraftModel | PromptLookup | None,
     *,
     block_size: int | str | None = None,
+    tree_budget: int | str | None = None,
     max_tokens: int = 256,
     sampler: SampleFn | None = None,
     logits_processors: list[LogitsProcessor] | None = None,
@@ -251,6 +288,18 @@ def dflash_generate_step(
           from the measured cost of verify passes of each width at this context (kept on disk,
           :mod:`dflash_mlx.verify_width`) and the drafter's confidences, scaled by how often they
           were right so far. Same output either way.
+        tree_budget: Verify a draft tree of up to this many nodes each cycle instead of one path
+          (DDTree, :mod:`dflash_mlx.tree`): the most likely continuations of up to
+          ``block_size - 1`` tokens under the drafter's per-position distributions, all checked in
+          one target pass, the longest one the target agrees with kept. 0 or None (default): the
+          drafter's single path. ``"auto"``: each cycle, the first nodes of a tree of
+          ``MAX_AUTO_TREE_BUDGET`` that give the most tokens per second, from the measured cost of
+          tree passes of each size (kept on disk, as for ``block_size="auto"``) and the drafter's
+          path probabilities, scaled by how often they were right so far. Same output either way;
+          ``num_draft`` counts the tree's nodes.
+          On hybrid targets each node's recurrent state continues its parent's (forked at
+          branches); ``"auto"`` is not for them. Not with DFlash2 drafters, ``block_size="auto"``
+          or ``min_confidence``.
         max_tokens: The most tokens to generate.
         sampler: ``logprobs -> token ids``: :func:`dflash_mlx.sampling.make_sampler` or any
           mlx-lm sampler. Greedy when None.
@@ -318,15 +367,16 @@ def dflash_generate_step(
         StepOutput: The tokens of each cycle with its acceptance counts.
 
     Raises:
-        DFlashError: On an empty prompt, ``max_tokens < 1``, a bad ``block_size``,
+        DFlashError: On an empty prompt, ``max_tokens < 1``, a bad ``block_size``, ``tree_budget``,
           ``proposal``, ``min_confidence``, ``lookup_fallback`` or ``kernels``; on a sharded
-          target, ``block_size="auto"`` or a DFlash2 drafter on a head split by vocabulary.
+          target, ``block_size="auto"``, a draft tree or a DFlash2 drafter on a head split by vocabulary.
     """
     ids = _prompt_ids(prompt)
     check_kernels(kernels)
     check_cycle_settings(max_tokens, min_confidence, lookup_fallback, proposal)
     if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
         raise DFlashError(f"seed must be an integer from 0 to {MAX_SEED} (got {seed!r}).")
+    tree_budget = check_tree_budget(tree_budget, model, draft, block_size, min_confidence)
     choose_width = block_size == "auto"
     if choose_width and min_confidence > 0:
         raise DFlashError("block_size='auto' chooses each cycle's drafts itself; leave min_confidence at 0.")
@@ -335,6 +385,8 @@ def dflash_generate_step(
     peers = Peers(target_group(model), block_size)
     if peers.group is not None:
         check_sharded(model, draft, choose_width)
+        if tree_budget:
+            raise DFlashError("Draft trees run in one process only for now: leave tree_budget at 0 on a sharded target.")
     sampler = None if is_greedy(sampler) else sampler
     if prompt_cache is None:
         cache = make_cache(model, draft, draft_window=draft_window, draft_sinks=draft_sinks)
@@ -357,7 +409,7 @@ def dflash_generate_step(
     proposer = _make_proposer(
         model, draft, cache, sampler=sampler, proposal=proposal, min_confidence=min_confidence,
         lookup_fallback=lookup_fallback, policy=policy, speedups=speedups, block_size=block_size,
-        choose_width=choose_width, datastore=datastore,
+        choose_width=choose_width, tree_budget=tree_budget, datastore=datastore,
     )  # fmt: skip
     if peers.group is not None and drafter is not None and tgt.head_group(model) is not None:
         drafter.head_rows(model)  # every rank together: a collective, then rank 0 drafts alone
@@ -393,8 +445,8 @@ def dflash_generate_step(
             while drafts is not None:
                 room = budget.room  # the drafts past it count as neither drafted nor accepted
                 verdict = verifier.verify(last, drafts, plain_next=room > 1 and proposer.plain_next())
-                verified, num_accepted, emitted, next_drafts = drafts.size + 1, verdict.num_accepted, [], None
-                source = drafts.source
+                verified, num_accepted, emitted, next_drafts = verdict.cached, verdict.num_accepted, [], None
+                source, num_draft = drafts.source, min(drafts.size, room - 1)
                 if peers.leads:
                     # Rewind: the target forgets the rejected drafts, the proposer keeps the taps
                     # of the kept positions.
@@ -410,7 +462,6 @@ def dflash_generate_step(
                 if not peers.leads:
                     cache.commit(last, budget.emit(emitted), verified)
                 last, drafts = emitted[-1], next_drafts
-                num_draft = min(verified - 1, room - 1)
                 yield StepOutput(
                     emitted, min(num_accepted, room - 1), num_draft, *proposer.rates(), source=source
                 )

@@ -7,6 +7,7 @@ were drawn from, or None when they are certain (greedy or looked-up drafts).
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -19,6 +20,7 @@ from .cache import DFlashCache
 from .cpu.speedups import CpuSpeedups
 from .models import target as tgt
 from .sampling import Sampler, sample_rows, top_probability
+from .tree import DraftTree, build_tree, top_log_probs
 
 
 @dataclass
@@ -30,11 +32,13 @@ class Proposal:
         q: ``(n, vocab)`` the distribution each draft was drawn from, or None when the
           drafts are one-hot (greedy or looked up).
         source: What proposed them (``"drafter"``, ``"lookup"``, ``"datastore"``).
+        tree: The drafts as a draft tree's nodes (``tokens`` in node order), or None for a path.
     """
 
     tokens: mx.array
     q: mx.array | None = None
     source: str = ""
+    tree: DraftTree | None = None
 
     @property
     def size(self) -> int:
@@ -179,6 +183,38 @@ class DFlashProposer(Proposer):
             self.width.update(num_accepted)
         if taps is not None:
             self.cache.append_pending(taps[:, : num_accepted + 1])
+
+
+class TreeProposer(DFlashProposer):
+    """The DFlash drafter's block as a draft tree (DDTree, :mod:`dflash_mlx.tree`): from one
+    pass, the ``budget`` most likely continuations of up to ``n`` tokens, verified together.
+
+    The tree is the drafter's (its most likely nodes), whatever the sampler: the target's own
+    sample at each node picks the child to follow, so every emitted token is a target sample.
+    With ``width`` (``tree_budget="auto"``), each cycle verifies the first of the ``budget``
+    nodes that give the most tokens per second (:class:`dflash_mlx.verify_width.VerifyWidth`).
+    """
+
+    def __init__(self, model: nn.Module, draft: nn.Module, cache: DFlashCache, budget: int, **kwargs):
+        super().__init__(model, draft, cache, **kwargs)
+        self.budget = budget
+
+    def propose(self, last: int, n: int) -> Proposal:
+        block = mx.array([[last] + [self.draft.mask_token_id] * (self.draft.block_size - 1)], dtype=mx.uint32)
+        taps = self.cache.take_pending()
+        if self.width is not None:
+            self.width.costs()  # measured before this pass's taps leave pending, if the bucket is new
+        logits = self.draft.propose(self.model, block, taps, self.cache.draft, self.speedups, num_drafts=n)[0, :n]
+        # The heap runs on the host: each position's top `budget` ids are all it can use.
+        log_probs, ids = top_log_probs(logits, min(self.budget, logits.shape[-1]))
+        tree = build_tree(log_probs, ids, self.budget)
+        if self.width is not None and tree.size > 1:
+            tree = tree.first(self.width.choose_nodes([math.exp(lp) for lp in tree.log_probs]))
+        tokens = mx.array(tree.tokens, dtype=mx.uint32)
+        if self.draft.draft_vocab is not None:
+            tokens = self.draft.token_ids(tokens).astype(mx.uint32)
+            tree = DraftTree(tokens.tolist(), tree.parents, tree.depths, tree.log_probs)
+        return Proposal(tokens, tree=tree)
 
 
 class SelectorProposer(DFlashProposer):

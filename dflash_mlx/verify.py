@@ -21,6 +21,7 @@ from .models import target as tgt
 from .models.drafter import DraftModel
 from .proposer import Proposal
 from .sampling import Sampler, accept_one_hot, sample_rows, speculative_accept
+from .tree import DraftTree, keep_path
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
@@ -32,13 +33,16 @@ class Verdict:
     Args:
         num_accepted: How many leading drafts the target kept (0..n).
         tokens: The kept drafts and then the target's own token after them (the bonus).
-        taps: ``(1, n + 1, n_taps * H)`` taps of the verified block ``[last, drafts...]``,
-          or None when no proposer needs them.
+        taps: ``(1, n + 1, n_taps * H)`` taps of the verified block ``[last, drafts...]``
+          (of a tree: of the root and the accepted path), or None when no proposer needs them.
+        cached: Positions the pass left in the target's cache (the block; of a tree, the root
+          and the accepted path, the rest already dropped).
     """
 
     num_accepted: int
     tokens: list[int]
     taps: mx.array | None
+    cached: int
 
 
 class Verifier:
@@ -178,7 +182,7 @@ class Verifier:
         (token, taps), self._ahead = self._ahead, None
         if queue_next:
             self._queue(token, lambda: self.cache.tokens + [last])
-        return Verdict(0, [token.item()], taps)
+        return Verdict(0, [token.item()], taps, 1)
 
     def _take_back(self) -> None:
         # A step queued for a plain cycle that did not come (the cycle drafts after all).
@@ -197,6 +201,8 @@ class Verifier:
         if proposal.size == 0 and self.can_run_ahead:
             return self._plain(last, plain_next)
         self._take_back()
+        if proposal.tree is not None:
+            return self._verify_tree(last, proposal)
         block = mx.concatenate([mx.array([last], dtype=mx.uint32), proposal.tokens])[None]
         logits, taps = self._forward(block)
         logits = self._logits(logits[0], block)
@@ -205,7 +211,7 @@ class Verifier:
             accepted = greedy_accept(logits, proposal.tokens, mode=self.kernels)  # (2,): num_accepted, bonus
             mx.eval(block, accepted)
             n, bonus = accepted.tolist()
-            return Verdict(n, block.tolist()[0][1 : n + 1] + [bonus], taps)
+            return Verdict(n, block.tolist()[0][1 : n + 1] + [bonus], taps, block.shape[1])
         if proposal.q is None:
             target_tokens = self._sample(logits)  # (n + 1,)
             passed = accept_one_hot(block[0, 1:], target_tokens)
@@ -217,4 +223,32 @@ class Verifier:
         n = 0
         while n < len(drafted) and passed[n]:
             n += 1
-        return Verdict(n, drafted[:n] + [posterior[n]], taps)
+        return Verdict(n, drafted[:n] + [posterior[n]], taps, block.shape[1])
+
+    def _verify_tree(self, last: int, proposal: Proposal) -> Verdict:
+        # DDTree: one pass over the root and every node, the target's own token at each, then the
+        # walk down the children that match them. Sampled, each node's draw is the target's sample
+        # given its path, so following the matching child emits target samples only.
+        tree, start = proposal.tree, self.cache.offset
+        block = mx.concatenate([mx.array([last], dtype=mx.uint32), proposal.tokens])[None]
+        logits, taps = tgt.forward_with_taps(self.model, block, self.cache.target, self.tap_ids, tree=tree)
+        logits = self._tree_logits(logits[0], tree, last)
+        target_tokens = self._sample(logits)  # (n + 1,)
+        path, bonus = tree.walk(target_tokens.tolist())
+        keep_path(self.cache.target, start, path)
+        if taps is not None:
+            taps = taps[:, mx.array(path)]
+        return Verdict(len(path) - 1, tree.path_tokens(path) + [bonus], taps, len(path))
+
+    def _tree_logits(self, logits: mx.array, tree: DraftTree, last: int) -> mx.array:
+        # Row i sees the cached tokens, the root and the tokens on the path to node i.
+        if not self.logits_processors:
+            return logits
+        rows = []
+        for i in range(tree.size + 1):
+            path = []
+            while i > 0:
+                path.append(tree.tokens[i - 1])
+                i = tree.parents[i]
+            rows.append(self.cache.tokens + [last] + path[::-1])
+        return mx.concatenate([self._logits(logits[i : i + 1], None, seen) for i, seen in enumerate(rows)], axis=0)

@@ -1,4 +1,5 @@
-"""``block_size="auto"``: each cycle, verify the number of drafts that gives the most tokens per second.
+"""``block_size="auto"``: each cycle, verify the number of drafts that gives the most tokens per second
+(and ``tree_budget="auto"``: the number of draft tree nodes).
 
 A cycle that verifies ``n`` drafts costs one draft pass plus a target pass of ``n + 1`` tokens,
 and yields ``1 + sum_k P(the first k drafts are all accepted)`` tokens. The pass costs are
@@ -7,6 +8,11 @@ cache where the loop runs (a few timed target passes, each trimmed off again), a
 disk. The acceptance chances come from the drafter's own confidences, scaled by how often
 its confident drafts were really accepted so far in this generation. Verifying any prefix
 of the drafts is exact, so the output never depends on the choice.
+
+A draft tree's nodes come best first, so its first ``n`` nodes are the tree of budget ``n``; such
+a cycle yields ``1 + sum over its nodes of P(the node's path is accepted)`` tokens, each chance
+the drafter's probability of the path, scaled the same way, and its verify pass is a tree pass of
+``n + 1`` rows, timed as such (:func:`dflash_mlx.tree.chain`).
 """
 
 import hashlib
@@ -25,6 +31,7 @@ from .errors import DFlashError
 from .weights.files import JsonStore
 from .models import hybrid
 from .models import target as tgt
+from .tree import chain
 
 MIN_BUCKET = 256  # contexts up to this many tokens share one measurement
 
@@ -98,9 +105,12 @@ class CostStore(JsonStore):
         self.write(key, {"draft": costs.draft, "verify": {str(k): v for k, v in costs.verify.items()}})
 
 
-def measure(model, draft, cache, tap_ids: list[int], widths: list[int], speedups, repeats: int = 2) -> PassCosts:
+def measure(
+    model, draft, cache, tap_ids: list[int], widths: list[int], speedups, repeats: int = 2, tree: bool = False
+) -> PassCosts:
     """Time a draft pass and a target pass of each width where the loop is (the fastest of
-    ``repeats``); each pass is trimmed off again, so the caches end as they began."""
+    ``repeats``); each pass is trimmed off again, so the caches end as they began. With ``tree``,
+    each target pass is a draft tree's of ``width`` rows."""
 
     def fastest(fn) -> float:
         fn()  # compiled and warm
@@ -112,9 +122,11 @@ def measure(model, draft, cache, tap_ids: list[int], widths: list[int], speedups
         return best
 
     def target_pass(width: int):
+        shape = chain(width - 1) if tree else None
+
         def run():
             logits, taps = tgt.forward_with_taps(model, mx.ones((1, width), dtype=mx.uint32), cache.target,
-                                                 tap_ids, speedups)  # fmt: skip
+                                                 tap_ids, speedups, tree=shape)  # fmt: skip
             mx.eval(logits, taps)
             cache.trim_target(width)
 
@@ -137,9 +149,15 @@ class VerifyWidth:
         speedups: The CPU speedups the loop runs with.
         store: Where measured costs are kept (None: ``~/.cache/dflash-mlx/pass-costs.json``).
         prior: Pseudo-counts of the calibration ratio's prior of 1 (trust the confidences).
+        tree_nodes: Choose a draft tree's number of nodes, up to this many, instead (0: drafts).
     """
 
-    def __init__(self, model, draft, cache, speedups=None, store: CostStore | None = None, prior: float = 4.0):
+    tree = False  # choosing a draft tree's nodes, not a number of drafts
+
+    def __init__(
+        self, model, draft, cache, speedups=None, store: CostStore | None = None, prior: float = 4.0,
+        tree_nodes: int = 0,
+    ):  # fmt: skip
         if getattr(model, "model_type", None) in hybrid.HYBRID_MODEL_TYPES:
             raise DFlashError(
                 "block_size='auto' times verify passes on the live cache and trims them off, which a hybrid "
@@ -147,8 +165,10 @@ class VerifyWidth:
             )
         self.model, self.draft, self.cache, self.speedups = model, draft, cache, speedups
         self.store = store or CostStore()
-        self.widths = timed_widths(draft.block_size)
-        self.prefix = f"{machine_key()}|{model_key(model)}|widths {','.join(map(str, self.widths))}"
+        self.tree = tree_nodes > 0
+        self.widths = timed_widths(tree_nodes + 1 if self.tree else draft.block_size)
+        kind = "tree widths" if self.tree else "widths"
+        self.prefix = f"{machine_key()}|{model_key(model)}|{kind} {','.join(map(str, self.widths))}"
         self.memo: dict[int, PassCosts] = {}
         self.accepted, self.expected = prior, prior  # calibration: accepted drafts / sum of confidences
         self.pending_taps: list[float] | None = None  # confidences of the drafts verified this cycle
@@ -165,7 +185,8 @@ class VerifyWidth:
             costs = self.store.get(key)
             if costs is None:
                 tap_ids = self.draft.target_layer_ids
-                costs = measure(self.model, self.draft, self.cache, tap_ids, self.widths, self.speedups)
+                costs = measure(self.model, self.draft, self.cache, tap_ids, self.widths, self.speedups,
+                                tree=self.tree)  # fmt: skip
                 self.store.put(key, costs)
             self.memo[b] = costs
         return self.memo[b]
@@ -183,10 +204,28 @@ class VerifyWidth:
         self.pending_taps = confidences[:best_n]
         return best_n
 
+    def choose_nodes(self, path_probs: list[float]) -> int:
+        """How many of a draft tree's nodes (best first, with these path probabilities) to verify."""
+        costs = self.costs()
+        best_n, best_rate, expected = 1, -1.0, 1.0
+        for n, p in enumerate(path_probs, 1):
+            expected += min(1.0, self.ratio * p)
+            rate = expected / (costs.draft + costs.verify_at(n + 1))
+            if rate >= best_rate * (1 - 1e-9):
+                best_n, best_rate = n, rate
+        # Calibrated as for drafts: the accepted path's length against the chances summed.
+        self.pending_taps = [sum(path_probs[:best_n])]
+        return best_n
+
     def update(self, num_accepted: int) -> None:
         """The target accepted ``num_accepted`` of this cycle's drafts: each draft it judged counts
         (those up to and including the first miss)."""
         if self.pending_taps is None:
+            return
+        if self.tree:
+            self.accepted += num_accepted
+            self.expected += self.pending_taps[0]
+            self.pending_taps = None
             return
         judged = self.pending_taps[: num_accepted + 1]
         self.accepted += min(num_accepted, len(judged))

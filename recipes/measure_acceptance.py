@@ -3,6 +3,7 @@
     python recipes/measure_acceptance.py --prompts assets/dflash-tiny/prompts.jsonl
     python recipes/measure_acceptance.py --draft runs/draft --prompts valid.jsonl --skip 8 --num-prompts 32
     python recipes/measure_acceptance.py --prompts valid.jsonl --skip 8 --kind completion --num-prompts 24
+    python recipes/measure_acceptance.py --num-prompts 4 --max-tokens 96 --tree-budget 16
 """
 
 import argparse
@@ -25,6 +26,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--tree-budget", type=int, default=None,
+                        help="Draft trees of up to N nodes (default: the path).")  # fmt: skip
     parser.add_argument("--dtype", default=None, help="Cast both models (default: as load() gives them).")
     args = parser.parse_args()
 
@@ -36,7 +39,8 @@ def main() -> None:
     rows = rows[: args.num_prompts]
     prompts = [render_prompt(tokenizer, row) for row in rows]
     mean, hist = evaluate_acceptance(
-        model, draft, prompts, args.max_tokens, frozenset(tokenizer.eos_token_ids), block_size=args.block_size
+        model, draft, prompts, args.max_tokens, frozenset(tokenizer.eos_token_ids), block_size=args.block_size,
+        tree_budget=args.tree_budget,
     )
     print(json.dumps({
         "prompts": len(rows),
@@ -44,6 +48,7 @@ def main() -> None:
         "mean_acceptance": round(mean, 3),
         "hist": hist,
         "dtype": str(draft.norm.weight.dtype),
+        "tree_budget": args.tree_budget,
     }))  # fmt: skip
 
 

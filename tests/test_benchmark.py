@@ -538,3 +538,14 @@ def test_the_default_dtype_is_the_one_generate_uses(pair_dirs, prompts, monkeypa
 
     monkeypatch.setattr(loading, "load", gpu_like_load)
     assert run_benchmark(**kwargs)["meta"]["dtype"] == "bfloat16" and loaded == [None]
+
+
+def test_dflash_tree_runs_when_named_and_gives_the_same_tokens(pair_dirs, prompts):
+    result = run_benchmark(
+        model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts), max_tokens=8,
+        block_sizes=(4,), runs=1, methods=("baseline", "dflash-tree"), tree_budget=8, progress=False,
+    )
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {"baseline", "dflash-tree"} and rows["dflash-tree"]["block_size"] == 16
+    assert result["meta"]["tree_budget"] == 8
+    assert 1 < rows["dflash-tree"]["verify_size"] <= 9  # the nodes and the root

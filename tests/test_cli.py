@@ -23,7 +23,7 @@ def test_generates_with_a_pair(pair_dirs, capsys):
 
 
 OPTIONS = [["--min-confidence", "0.05"], ["--lookup-fallback", "4"], ["--adaptive", "false"], ["--adaptive", "True"],
-           ["--kernels", "off"]]  # fmt: skip
+           ["--kernels", "off"], ["--tree-budget", "8"], ["--tree-budget", "auto"]]  # fmt: skip
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -265,6 +265,7 @@ def test_help_states_the_dtype_default(tool):
         (["--temp", "11"], "--temp must be from 0 to 10 (got 11)."),
         (["--min-confidence", "1.5"], "--min-confidence must be from 0 to 1 (got 1.5)."),
         (["--lookup-fallback", "-1"], "--lookup-fallback must be at least 0 (got -1)."),
+        (["--tree-budget", "-1"], "--tree-budget must be at least 0 (got -1)."),
         (["--chat-template-config", "{x"], "argument --chat-template-config: not valid JSON"),
     ],
 )

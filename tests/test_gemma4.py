@@ -312,3 +312,9 @@ def test_convert_load_generate_chat(gemma_targets, kind, tmp_path, capsys):
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
 def test_taps_folded_as_made_equal_fc_of_the_taps(gemma_pairs, kind):
     family.check_folded_taps(gemma_pairs[kind][0])
+
+
+@pytest.mark.parametrize("kind", GEMMA_KINDS)
+def test_draft_trees_are_lossless(gemma_pairs, kind):
+    """Trees through sliding and full layers, layers that reuse an earlier one's keys, per-layer inputs."""
+    family.check_tree_lossless(*gemma_pairs[kind][:2])

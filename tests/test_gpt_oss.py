@@ -336,3 +336,8 @@ def test_hub_layouts_mlx_lm_would_misread_are_refused_before_download(tmp_path, 
 
 def test_taps_folded_as_made_equal_fc_of_the_taps(pair):
     family.check_folded_taps(pair[0])
+
+
+def test_draft_trees_are_lossless(pair):
+    """Trees through sliding-window layers: each node sees the window back from its own position."""
+    family.check_tree_lossless(*pair[:2])

@@ -441,3 +441,44 @@ def test_data_step_refills_rows_only_without_recurrent_layers(pairs, kind):
 @pytest.mark.parametrize("kind", HF_KINDS)
 def test_taps_folded_as_made_equal_fc_of_the_taps(pairs, kind):
     family.check_folded_taps(pairs[kind][0])
+
+
+def test_draft_trees_on_moe_are_lossless(pairs):
+    """Draft trees through the MoE target's experts (a batch of nodes routed row by row)."""
+    family.check_tree_lossless(*pairs["qwen3_moe"][:2])
+
+
+@pytest.mark.parametrize("kind", HYBRID)
+def test_draft_trees_fork_the_recurrent_state_losslessly(pairs, kind):
+    """Each node's Gated DeltaNet state continues its own path (forked at every branch); the
+    accepted path's state is installed, and a cut inside it (max_tokens) rolls back along it."""
+    family.check_tree_lossless(*pairs[kind][:2])
+
+
+def test_tree_recurrence_equals_each_path_alone():
+    """gated_delta_tree_ops: every node's output and state equal the sequential recurrence over its path."""
+    from dflash_mlx.kernels.gdn import gated_delta_states_ops, gated_delta_tree_ops
+
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    N, Hk, Hv, Dk, Dv = len(parents), 2, 4, 8, 6
+    keys = mx.random.split(mx.random.key(0), 6)
+    q = mx.random.normal((N, Hk, Dk), key=keys[0]) * 0.3
+    k = mx.random.normal((N, Hk, Dk), key=keys[1]) * 0.3
+    v = mx.random.normal((N, Hv, Dv), key=keys[2])
+    g = mx.random.uniform(0.5, 1.0, (N, Hv), key=keys[3])
+    beta = mx.random.uniform(0.0, 1.0, (N, Hv), key=keys[4])
+    state = mx.random.normal((1, Hv, Dv, Dk), key=keys[5])
+    y, states = gated_delta_tree_ops(q, k, v, g, beta, state, parents)
+    for i in range(N):
+        path = [i]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        at = mx.array(path[::-1])
+        ys, last, _ = gated_delta_states_ops(q[at][None], k[at][None], v[at][None], g[at][None], beta[at][None], state)
+        assert mx.allclose(y[i], ys[0, -1], atol=1e-5).item() and mx.allclose(states[i], last, atol=1e-5).item()
+
+
+def test_auto_tree_budget_on_a_recurrent_target_is_refused_in_one_line(pairs):
+    model, draft, _ = pairs["qwen3_5"]
+    with pytest.raises(DFlashError, match="tree_budget='auto' times tree passes"):
+        run(model, draft, prompt_ids(5), tree_budget="auto", max_tokens=4)

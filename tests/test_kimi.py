@@ -278,3 +278,8 @@ def test_registry_knows_the_kimi_pair(capsys):
 
 def test_taps_folded_as_made_equal_fc_of_the_taps(pair):
     family.check_folded_taps(pair[0])
+
+
+def test_draft_trees_are_lossless(pair):
+    """Trees through latent attention, whose mask is a boolean array folded into its RoPE scores."""
+    family.check_tree_lossless(*pair[:2])

@@ -8,6 +8,7 @@ when available, else on CPU; MLX runs on its default device.
 import ast
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -389,6 +390,48 @@ def test_transformers_dflash_matches(trained, kind, record_property):
     assert their_lengths[:n] == result.acceptance_lengths[:n]
     assert max(result.acceptance_lengths[:n]) > 1
     record_property("max_abs_diff", max(diffs))
+
+
+# --- the authors' DDTree loop ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [4, 16])
+def test_ddtree_matches_the_authors_loop(dirs, trained, monkeypatch, budget):
+    """Our draft trees (node tokens and parents) and acceptance lengths, cycle for cycle, equal those of
+    ``ddtree_generate`` in the authors' ddtree.py (github.com/liranringel/ddtree) with the same fitted
+    drafter in their drafter class. It is on no package index: this runs where it is on PYTHONPATH."""
+    ddtree = pytest.importorskip("ddtree", reason="the authors' ddtree.py is not on PyPI; put it on PYTHONPATH")
+    from model import DFlashDraftModel  # their drafter class, beside ddtree.py
+
+    from dflash_mlx import proposer
+
+    class CropToLength(DynamicCache):
+        # ddtree.py crops its caches to a length, as transformers 4 did; transformers 5 crops by a count.
+        def crop(self, length):
+            if length < self.get_seq_length():
+                super().crop(length - self.get_seq_length())
+
+    monkeypatch.setattr(ddtree, "DynamicCache", CropToLength)
+    monkeypatch.setattr(ddtree, "cuda_time", time.perf_counter)  # its stage clock syncs CUDA
+    model, draft, target, _ = trained("qwen3-tied")
+    theirs = DFlashDraftModel.from_pretrained(dirs["trained-qwen3-tied"], dtype=torch.float32).to(DEVICE).eval()
+    prompt = _prompt(9)
+    # Past its buffer's end their last blocks are cut short: only the cycles before that are compared.
+    result = ddtree.ddtree_generate(
+        theirs, target, _tensor([prompt]), mask_token_id=draft.mask_token_id, max_new_tokens=2 * MAX_TOKENS,
+        block_size=draft.block_size, stop_token_ids=None, temperature=0.0, tree_budget=budget, save_tree_traces=True,
+    )  # fmt: skip
+    trees = []
+    build = proposer.build_tree
+    monkeypatch.setattr(proposer, "build_tree", lambda *args: trees.append(build(*args)) or trees[-1])
+    steps = _mlx_steps(prompt, model, draft, max_tokens=MAX_TOKENS, tree_budget=budget)
+    assert [t for s in steps for t in s[0]] == result.output_ids[0, len(prompt) :].tolist()[:MAX_TOKENS]
+    n = len(steps) - 2  # the last cycle is cut to max_tokens
+    lengths = [s[1] + 1 for s in steps[1:]][:n]
+    assert lengths == result.acceptance_lengths[:n]
+    assert max(lengths) > 1
+    theirs_trees = [(r["tree"]["node_token_ids"], r["tree"]["parents"]) for r in result.round_trees[:n]]
+    assert [(t.tokens, t.parents) for t in trees[:n]] == theirs_trees
 
 
 # --- the reference's own input checks --------------------------------------------------------

@@ -77,16 +77,17 @@ def _drafter(pair, proposal):
     return draft  # the random drafter's own distribution q
 
 
-def _excess(pair, exact, proposal, sampler=None, drafter=None) -> list[float]:
+def _excess(pair, exact, proposal, sampler=None, drafter=None, runs=RUNS, **kwargs) -> list[float]:
     """TV distance minus its bound, per position; all negative for a correct sampler."""
     model, drafter = pair[0], drafter or _drafter(pair, proposal)
     counts = np.zeros((DEPTH, VOCAB))
     sampler = sampler or make_sampler(TEMP)
-    for seed in range(RUNS):
-        out = _tokens(model, drafter, sampler=sampler, proposal=proposal, seed=seed, block_size=DEPTH, max_tokens=DEPTH)
+    for seed in range(runs):
+        out = _tokens(model, drafter, sampler=sampler, proposal=proposal, seed=seed, block_size=DEPTH, max_tokens=DEPTH,
+                      **kwargs)  # fmt: skip
         for pos, tok in enumerate(out):
             counts[pos, tok] += 1
-    return [_tv(counts[p], exact[p]) - _tv_bound(exact[p], RUNS) for p in range(DEPTH)]
+    return [_tv(counts[p], exact[p]) - _tv_bound(exact[p], runs) for p in range(DEPTH)]
 
 
 @pytest.mark.parametrize("proposal", ["greedy", "sample"])
@@ -204,6 +205,26 @@ def test_distribution_matches_target_with_adaptive(pair, exact, lookup):
     # The drafter's whole block first, then paused cycles: no draft, or one looked-up draft.
     assert {k for k in kinds if k[0] == 0} == {(0, DEPTH - 1)}
     assert {n for i, n in kinds if i == 1} == ({0} if lookup == 0 else {0, 1})
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_distribution_matches_target_with_draft_trees(pair, exact, monkeypatch, broken):
+    """Draft trees sample the target at every node and follow the child equal to its draw. The
+    drafter sure of the target's greedy continuation, with branches beside it (budget 6): right.
+    Negative control: a walk that follows the drafter's first child whatever the target drew."""
+    from dflash_mlx.tree import DraftTree
+
+    def first_child(tree, target_tokens):
+        path = [0]
+        while tree.children[path[-1]]:
+            path.append(min(tree.children[path[-1]].values()))
+        return path, target_tokens[path[-1]]
+
+    if broken:
+        monkeypatch.setattr(DraftTree, "walk", first_child)
+    # The broken walk emits the drafter's path every time: far fewer runs show it.
+    excess = _excess(pair, exact, "greedy", runs=RUNS // 6 if broken else RUNS, tree_budget=6, adaptive=False)
+    assert (max(excess) > 0) == broken, excess
 
 
 @pytest.mark.parametrize("proposal", ["greedy", "sample"])

@@ -196,6 +196,8 @@ def test_sampling_parameters_stop_and_seed(server):
     assert cut["choices"][0]["finish_reason"] == "stop"
     auto = _post(server.url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 16, "block_size": "auto"})[1]
     assert auto["choices"][0]["text"] == text  # greedy: the same tokens, whatever widths auto chose
+    tree = _post(server.url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 16, "tree_budget": 8})[1]
+    assert tree["choices"][0]["text"] == text  # greedy: the same tokens through draft trees
     streamed = _stream(server.url, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 16, "stop": word})
     assert _stream_text(streamed, chat=False) == text[: text.index(word)]
 
@@ -222,6 +224,7 @@ BAD = [
     ("/v1/completions", {"prompt": "t1", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "t1", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "t1", "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "t1", "tree_budget": -1}, 400, "tree_budget"),
     ("/v1/completions", {"prompt": "t1", "seed": -1}, 400, "seed"),
     ("/v1/completions", {"prompt": "t1", "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"prompt": "t1", "max_tokens": 0}, 400, "max_tokens"),

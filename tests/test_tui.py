@@ -219,6 +219,8 @@ async def test_ctrl_j_adds_a_newline_and_up_recalls_history():
         ("/dflash off", "dflash", False),
         ("/cutoff 0.5", "min_confidence", 0.5),
         ("/fallback 4", "lookup_fallback", 4),
+        ("/tree 16", "tree_budget", 16),
+        ("/tree auto", "tree_budget", "auto"),
     ],
 )
 async def test_setting_commands_apply_to_the_next_reply(line, field, value):
@@ -252,6 +254,8 @@ async def test_setting_commands_apply_to_the_next_reply(line, field, value):
         ("/cutoff", "got nothing"),
         ("/fallback -1", "an integer from 0 to 1024"),
         ("/fallback x", "Usage: /fallback 4"),
+        ("/tree -1", "an integer from 0 to 1024"),
+        ("/tree x", "Usage: /tree 16"),
         ("/save", "a file name"),
         ("/save notes.exe", ".md or .json"),
         ("/frobnicate", "Unknown command '/frobnicate'"),
@@ -544,7 +548,7 @@ async def test_real_pair_dflash_off_gives_the_same_greedy_reply(pair):
 
 
 @pytest.mark.parametrize(
-    "field, values", [("min_confidence", (0.0, 0.999)), ("lookup_fallback", (0, 8))]
+    "field, values", [("min_confidence", (0.0, 0.999)), ("lookup_fallback", (0, 8)), ("tree_budget", (0, 8))]
 )
 def test_engine_passes_the_cutoff_and_fallback_and_keeps_the_text(pair, monkeypatch, field, values):
     gen = importlib.import_module("dflash_mlx.generation")  # the package's generate() hides the module

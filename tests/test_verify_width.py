@@ -33,6 +33,18 @@ class _Fixed(VerifyWidth):
         return self._costs
 
 
+def test_choose_nodes_maximizes_expected_tokens_per_second_and_calibrates():
+    """A draft tree's first n nodes yield 1 + the sum of their path chances (tree_budget="auto")."""
+    flat = _Fixed(PassCosts(0.002, {1: 0.01, 65: 0.01}))
+    flat.tree = True
+    assert flat.choose_nodes([0.6, 0.4, 0.3, 0.2]) == 4  # a bigger tree costs nothing more
+    steep = _Fixed(PassCosts(0.02, {1: 0.01, 65: 0.65}))  # 10 ms a row: a node pays only if nearly sure
+    steep.tree = True
+    assert steep.choose_nodes([0.99, 0.98, 0.3, 0.2]) == 2
+    steep.update(0)  # expected 1.97 accepted, got 0: trust the drafter less
+    assert steep.ratio < 1
+
+
 def test_choose_maximizes_expected_tokens_per_second():
     flat = _Fixed(PassCosts(0.002, {1: 0.01, 16: 0.01}))
     assert flat.choose([0.9] * 15) == 15  # a wider verify costs nothing more: verify everything

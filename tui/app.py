@@ -359,6 +359,7 @@ def make_app(
     system_prompt: str | None = None,
     min_confidence: float = 0.0,
     lookup_fallback: int = 0,
+    tree_budget: int = 0,
     dtype: str | None = None,
     no_draft: bool = False,
     extra_eos_token: list[str] = (),
@@ -379,6 +380,7 @@ def make_app(
         min_confidence: Verify only the drafter's confident leading drafts (0: the whole block).
         lookup_fallback: Draft up to this many cycles by prompt lookup after the drafter
           misses its first draft (0: never).
+        tree_budget: Verify a draft tree of up to this many nodes a cycle (0: the drafter's path).
         dtype: Cast both models to this dtype (default: see ``dflash_mlx.load``).
         no_draft: Plain decoding, without the drafter.
         extra_eos_token: More tokens (text or ids) that end a reply.
@@ -398,6 +400,7 @@ def make_app(
         system_prompt=system_prompt,
         min_confidence=min_confidence,
         lookup_fallback=lookup_fallback,
+        tree_budget=tree_budget,
     )
     if base_url:
         return ChatApp(RemoteEngine(base_url, api_key=api_key, model=model), settings=settings)

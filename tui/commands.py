@@ -17,6 +17,7 @@ from ..cli.options import MAX_TEMP
 # Limits that keep a typo (``/max 1000000000``) from hanging the app.
 MAX_TOKENS_LIMIT = 32768
 MAX_FALLBACK = 1024
+MAX_TREE_BUDGET = 1024
 SAVE_FORMATS = {".md": "markdown", ".markdown": "markdown", ".txt": "markdown", ".json": "json"}
 
 HELP = """\
@@ -36,6 +37,8 @@ HELP = """\
   faster on CPUs, same text)
 - `/fallback N`: after the drafter misses its first draft, draft up to N cycles by prompt lookup
   (0 = never; faster where the drafter is often wrong, same text)
+- `/tree N`: verify a draft tree of up to N nodes a cycle, the drafter's most likely continuations
+  (0 = its one path; `/tree auto`: the nodes that pay best each cycle; same text)
 - `/clear`: start a new conversation
 - `/save FILE`: save the transcript (`.md` or `.json`); `/save! FILE` overwrites
 - `/help`: this message
@@ -55,6 +58,7 @@ class Settings:
         min_confidence: Verify only the drafter's confident leading drafts (0: the whole block).
         lookup_fallback: Draft up to this many cycles by prompt lookup after the drafter misses
           its first draft (0: never).
+        tree_budget: Verify a draft tree of up to this many nodes a cycle (0: the drafter's path).
         system_prompt: The system message put first in the chat template, if any.
         thinking: The chat template's ``enable_thinking``; None leaves the template's default.
         reasoning_effort: The chat template's ``reasoning_effort`` (gpt-oss: low, medium,
@@ -68,6 +72,7 @@ class Settings:
     system_prompt: str | None = None
     min_confidence: float = 0.0
     lookup_fallback: int = 0
+    tree_budget: int | str = 0
     thinking: bool | None = None
     reasoning_effort: str | None = None
 
@@ -91,6 +96,8 @@ class Settings:
             mode += f" · cutoff {self.min_confidence:g}"
         if self.dflash and self.lookup_fallback > 0:
             mode += f" · fallback {self.lookup_fallback}"
+        if self.dflash and self.tree_budget:
+            mode += f" · tree {self.tree_budget}"
         text = f"{mode} · temp {self.temp:g} · max {self.max_tokens}"
         if self.thinking is not None:
             text += f" · thinking {'on' if self.thinking else 'off'}"
@@ -211,6 +218,17 @@ def parse_command(
             return usage_error(f"an integer from 0 to {MAX_FALLBACK}", "/fallback 4")
         what = f"up to {n} prompt-lookup cycles after a missed first draft" if n else "always the drafter"
         return Command("set", replace(settings, lookup_fallback=n), f"Fallback {n}: {what}.")
+    if name == "/tree":
+        n = _int(arg)
+        if not has_draft:
+            return error("/tree needs a drafter, but none is loaded. Restart with --draft.")
+        if arg.strip().lower() == "auto":
+            return Command("set", replace(settings, tree_budget="auto"), "Tree auto: each cycle verifies the "
+                           "draft tree nodes that pay best.")  # fmt: skip
+        if n is None or not 0 <= n <= MAX_TREE_BUDGET:
+            return usage_error(f"an integer from 0 to {MAX_TREE_BUDGET}, or auto", "/tree 16")
+        what = f"a draft tree of up to {n} nodes a cycle" if n else "the drafter's one path"
+        return Command("set", replace(settings, tree_budget=n), f"Tree {n}: {what}.")
     if name == "/dflash":
         if arg.lower() not in ("on", "off"):
             return usage_error("on or off", "/dflash off")

@@ -172,7 +172,7 @@ class MLXEngine:
             block_size = settings.block_size if settings.dflash else 1
         else:
             block_size = None
-        setup = (block_size, settings.temp > 0, settings.min_confidence, settings.lookup_fallback)
+        setup = (block_size, settings.temp > 0, settings.min_confidence, settings.lookup_fallback, settings.tree_budget)
         if setup not in self.policies:
             self.policies[setup] = PolicyState()
             if self.policy_store is not None and isinstance(self.draft, DraftModel):
@@ -190,6 +190,7 @@ class MLXEngine:
             sampler=make_sampler(settings.temp),
             min_confidence=settings.min_confidence,
             lookup_fallback=settings.lookup_fallback,
+            tree_budget=settings.tree_budget if settings.dflash else 0,
             policy=self.policies[setup],
             datastore=self.datastore,
             prompt_cache=self.cache,
@@ -274,6 +275,8 @@ class RemoteEngine:
             # Our own knobs only for our own server: another may refuse unknown fields.
             block_size = settings.block_size if settings.dflash else 1
             params.update(min_confidence=settings.min_confidence, lookup_fallback=settings.lookup_fallback)
+            if settings.tree_budget and settings.dflash:
+                params["tree_budget"] = settings.tree_budget
             if block_size is not None:
                 params["block_size"] = block_size
         # Only what /think set: a server that takes neither field would refuse the request.

@@ -39,6 +39,7 @@ from .stats import summarize
 from .timing import (
     DEFAULT_LOOKUP_FALLBACK,
     DEFAULT_MIN_CONFIDENCE,
+    DEFAULT_TREE_BUDGET,
     DFLASH_METHODS,
     METHODS,
     RunResult,
@@ -171,6 +172,7 @@ def run_benchmark(
     kernels: str = "auto",
     progress: bool = True,
     datastore: str | None = "auto",
+    tree_budget: int = DEFAULT_TREE_BUDGET,
 ) -> dict:
     """Run the methods on the prompts and return ``{"meta", "times", "rows", "runs"}``.
 
@@ -184,6 +186,8 @@ def run_benchmark(
     each kernel's dispatcher ran (``kernel_verdicts``). ``datastore`` (``--datastore``): what
     dflash-default drafts from in its paused cycles besides prompt lookup; it learns nothing from
     the runs, so no run drafts from another's answer to the same prompt.
+    each kernel's dispatcher ran (``kernel_verdicts``). ``tree_budget``: dflash-tree's nodes a cycle
+    (its trees are as deep as the drafter's block; it runs only when named in ``methods``).
     """
     from ..cache import check_draft_window
     from ..datastore import open_datastore
@@ -209,7 +213,8 @@ def run_benchmark(
     defaults = methods is None
     if methods is None:
         has_ar = ar_draft is not None or (ar_path is not None and Path(ar_path).is_dir())
-        methods = tuple(m for m in METHODS if m != "mlx-spec" or has_ar)
+        # dflash-tree runs when asked for: its row is another setting of the same drafter.
+        methods = tuple(m for m in METHODS if (m != "mlx-spec" or has_ar) and m != "dflash-tree")
         if not has_ar and progress:
             print("dflash-bench: mlx-spec left out: no small autoregressive draft for this target "
                   "(pass --ar-draft FOLDER to include it)", file=sys.stderr)  # fmt: skip
@@ -263,7 +268,7 @@ def run_benchmark(
     timing_seconds = time.perf_counter() - tic  # the component times are taken again at the end
     def sizes(m: str) -> tuple[int, ...]:
         # dflash-auto picks each cycle's width up to the drafter's block size; dflash-default runs at it.
-        if m in ("dflash-auto", "dflash-default"):
+        if m in ("dflash-auto", "dflash-default", "dflash-tree"):
             return (drafter.block_size,)
         return block_sizes if m in (*DFLASH_METHODS, "lookup") else (1,)
 
@@ -277,7 +282,8 @@ def run_benchmark(
     store = open_datastore(datastore, model, vocab_size(target), learns=False) if "dflash-default" in methods else None
     runners = {
         (m, b): make_runner(m, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
-                            min_confidence, lookup_fallback, **window, kernels=kernels, datastore=store)
+                            min_confidence, lookup_fallback, **window, kernels=kernels, datastore=store,
+                            tree_budget=tree_budget)
         for m, b in plan
     }  # fmt: skip
     results, total, done, start = [], len(plan) * len(rows_in) * runs, 0, time.perf_counter()
@@ -332,6 +338,7 @@ def run_benchmark(
                  "min_confidence": min_confidence, "lookup_fallback": lookup_fallback,
                  "datastore": None if store is None else (
                      f"{len(store.fixed):,} tokens" if store.fixed is not None else "empty"),
+                 "tree_budget": tree_budget if "dflash-tree" in methods else None,
                  "context": [label(n) for n in context] if context else None, **window,
                  "kernels": kernels, "kernel_verdicts": kernel_verdicts()},
         "times": times,
@@ -406,6 +413,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--datastore", default="auto", metavar="auto|none|FILE",
                    help="dflash-default's datastore, as dflash-generate's --datastore (default: auto, the default "
                    "pair's shipped answers); it learns nothing from the benchmark's own replies.")
+    p.add_argument("--tree-budget", type=int, action=InRange, low=1, default=DEFAULT_TREE_BUDGET,
+                   help=f"dflash-tree: the most draft tree nodes a cycle (default: {DEFAULT_TREE_BUDGET}).")
     p.add_argument("--dtype", choices=list(DTYPES), default=None,
                    help="Compute dtype of the models (default: the one dflash-generate uses: float32 on a CPU, "
                    "where greedy output is the same for every method, as the benchmark checks; the checkpoint's "
@@ -467,6 +476,7 @@ def main(argv: list[str] | None = None) -> None:
             min_confidence=args.min_confidence, lookup_fallback=args.lookup_fallback, dtype=args.dtype,
             context=args.context, documents=args.documents, draft_window=args.draft_window,
             draft_sinks=args.draft_sinks, kernels=args.kernels, datastore=args.datastore,
+            tree_budget=args.tree_budget,
         )
     except DFlashError as e:
         print(f"dflash-bench: error: {e}", file=sys.stderr)

@@ -85,7 +85,9 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         "dflash-fallback has no limit: its prompt-lookup cycles run no drafter pass. dflash-default: generate's "
         "defaults (the adaptive policy, one state across the method's runs, warm-up first, as a chat or server "
         "keeps it; while it pauses the drafter, cycles verify up to 7 drafts of prompt lookup on a match of 2+ "
-        "tokens or of the datastore, else one prompt-lookup draft, or step plainly); no limit.",
+        "tokens or of the datastore, else one prompt-lookup draft, or step plainly); no limit. "
+        "dflash-tree: a draft tree (DDTree) of up to --tree-budget nodes a cycle, as deep as the drafter's block; "
+        "verified counts its nodes and root; no limit.",
     ]
     shared = [r for r in rows if len(r.get("shares") or {}) > 1]
     if shared:

@@ -19,14 +19,17 @@ from ..responses import AcceptanceStats
 
 METHODS = (
     "baseline", "mlx-spec", "lookup", "dflash", "dflash-cut", "dflash-fallback", "dflash-auto", "dflash-default",
+    "dflash-tree",
 )  # fmt: skip
 # DFlash methods: the paper's fixed block, the block cut at the drafter's first unsure draft,
 # the fixed block with prompt-lookup cycles after the drafter's first-draft misses,
 # block_size="auto" (up to the largest block size: each cycle's width chosen from the passes' costs),
-# and generate's defaults (the adaptive policy, which pauses the drafter while it loses).
-DFLASH_METHODS = ("dflash", "dflash-cut", "dflash-fallback", "dflash-auto", "dflash-default")
+# generate's defaults (the adaptive policy, which pauses the drafter while it loses), and draft
+# trees (DDTree: the drafter's most likely continuations, up to its block size deep, in one pass).
+DFLASH_METHODS = ("dflash", "dflash-cut", "dflash-fallback", "dflash-auto", "dflash-default", "dflash-tree")
 DEFAULT_MIN_CONFIDENCE = 0.5  # dflash-cut's cutoff
 DEFAULT_LOOKUP_FALLBACK = 4  # dflash-fallback's most lookup cycles in a row
+DEFAULT_TREE_BUDGET = 16  # dflash-tree's nodes a cycle
 
 
 @dataclass
@@ -95,11 +98,13 @@ def make_runner(
     draft_sinks: int = 4,
     kernels: str = "auto",
     datastore=None,
+    tree_budget: int = DEFAULT_TREE_BUDGET,
 ):
     """A function ``prompt ids -> (ids, gen seconds, prompt seconds, acceptances)`` for one method;
     the DFlash methods' drafter sees ``draft_window`` positions (None: all) and their loop runs
     the Metal kernels as ``kernels`` says (the target's own layers were chosen at load).
-    ``datastore`` drafts in dflash-default's paused cycles, as generate's defaults do."""
+    ``datastore`` drafts in dflash-default's paused cycles, as generate's defaults do;
+    dflash-tree's trees have up to ``tree_budget`` nodes."""
     if method in ("baseline", "mlx-spec"):
         from mlx_lm.generate import stream_generate as mlx_lm_stream
 
@@ -122,6 +127,7 @@ def make_runner(
         stream_generate(
             model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=width, min_confidence=cutoff,
             lookup_fallback=fallback, adaptive=default, policy=policy, datastore=datastore if default else None,
+            tree_budget=tree_budget if method == "dflash-tree" else 0,
             draft_window=draft_window if method != "lookup" else None, draft_sinks=draft_sinks, kernels=kernels,
         ),
         lambda r: r.tokens,

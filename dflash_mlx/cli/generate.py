@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         if adaptive and isinstance(draft, DraftModel):
             setup = {k: getattr(args, k) for k in ("block_size", "temp", "top_p", "min_p", "top_k", "proposal",
                                                    "min_confidence", "lookup_fallback", "draft_window",
-                                                   "paused_lookup", "datastore")}  # fmt: skip
+                                                   "paused_lookup", "datastore", "tree_budget")}  # fmt: skip
             store, key = PolicyStore(), policy_key(model, draft, setup)
             policy = store.get(key, lookup=args.paused_lookup)
         text = generate(
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             proposal=args.proposal,
             min_confidence=args.min_confidence,
             lookup_fallback=args.lookup_fallback,
+            tree_budget=args.tree_budget,
             adaptive=args.adaptive,
             policy=policy,
             draft_window=args.draft_window,

@@ -106,6 +106,16 @@ def block_size_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is not a block size: pass an integer or 'auto'.") from None
 
 
+def tree_budget_arg(text: str) -> int | str:
+    """A draft tree budget on the command line: an integer, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a tree budget: pass an integer or 'auto'.") from None
+
+
 def block_size_problem(block_size: int | str | None, trained: int | None, flag: str = "--block-size") -> str | None:
     """Why ``block_size`` does not suit the loaded drafter (``trained`` is its block size, None
     without a drafter), or None if it does. Checked after loading, since only the drafter knows."""
@@ -239,6 +249,13 @@ def add_cycle_arguments(parser: argparse.ArgumentParser) -> None:
         "lookup finds no match of 2 tokens or more: 'auto' (default) the default pair's shipped answers and "
         "this process's replies (other pairs: the replies); FILE, a response cache (dflash-train's JSONL, "
         ".gz too), and the replies; 'none', prompt lookup alone. Same output either way.",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tree-budget", type=tree_budget_arg, action=InRange, low=0, default=0, metavar="N",
+        help="Verify a draft tree of up to N nodes a cycle (DDTree: the drafter's most likely continuations, "
+        "one target pass) instead of its one path (default: 0, the path), or 'auto': each cycle the nodes that "
+        "pay best, from tree pass costs measured once per machine, model and context length (not on hybrid "
+        "targets).",
     )  # fmt: skip
 
 

@@ -99,11 +99,18 @@ def check_layout(config: dict) -> None:
 
 
 def forward_with_taps(
-    model: nn.Module, tokens: mx.array, cache: list[Any], tap_ids: list[int], captured: Any, start_every: int = 0
+    model: nn.Module,
+    tokens: mx.array,
+    cache: list[Any],
+    tap_ids: list[int],
+    captured: Any,
+    start_every: int = 0,
+    masks: list[mx.array] | None = None,
 ) -> mx.array:
     """The Gemma 4 decoder walked layer by layer, as mlx-lm's ``Gemma4TextModel.__call__``: the
     last layer's output before the final norm; each layer in ``tap_ids`` has its output set in
-    ``captured`` (a dict, or ``target.FoldedTaps``)."""
+    ``captured`` (a dict, or ``target.FoldedTaps``). ``masks``: one per cached layer (a draft
+    tree's), instead of the model's own; a layer that reuses another's keys takes its mask."""
     inner = text_model(model).model
     embedding = inner.embed_tokens(tokens)
     h = embedding * inner.embed_scale
@@ -114,7 +121,10 @@ def forward_with_taps(
         per_layer = [inputs[:, :, i, :] for i in range(n)]  # (B, L, hidden_size_per_layer_input) each
     # Layers that reuse an earlier layer's keys and values keep no cache of their own.
     cache = list(cache) + [None] * (n - len(cache))
-    masks = inner._make_masks(h, cache)
+    if masks is None:
+        masks = inner._make_masks(h, cache)
+    else:
+        masks = [masks[source] for source in inner.previous_kvs]
     shared = [(None, None)] * n  # each layer's (keys, values) and RoPE offset, for the layers reusing them
     wanted = set(tap_ids)
     for i, (layer, c, mask, source, layer_input) in enumerate(

@@ -71,6 +71,7 @@ class RecurrentCache(ArraysCache):
         # That pass's convolution inputs (B, K - 1 + L, C) and state after each position
         # (L of (B, Hv, Dv, Dk)), when it ran through ``linear_attention``.
         self._steps: tuple[mx.array, list[mx.array]] | None = None
+        self._tree: tuple[mx.array, list[mx.array]] | None = None  # a draft tree pass's, until keep()
         self.checkpoints: dict[int, list] = {}
 
     def begin(self, layer: nn.Module, h: mx.array) -> None:
@@ -86,6 +87,27 @@ class RecurrentCache(ArraysCache):
         """Keep the pass's convolution inputs and per-position states (``linear_attention``'s),
         so that :meth:`trim` selects a state instead of replaying the kept tokens."""
         self._steps = (conv_input, states)
+
+    def fork(self, sources: mx.array, states: list[mx.array]) -> None:
+        """A draft tree pass ran over this layer (``linear_attention.tree_linear_attention``'s conv
+        sources and per-node states); the state stays as it was until :meth:`keep`."""
+        if self._before is not None and self._inputs is not None and self.offset > 0:
+            self.checkpoint()  # as begin(): the previous pass was a prefill
+        self._before = self._inputs = self._steps = None
+        self._tree = (sources, states)
+
+    def keep(self, path: list[int]) -> None:
+        """Take the state after the last node of ``path`` (root first) as this layer's, ``len(path)``
+        tokens on; :meth:`trim` can then go back along the path like after a verify pass."""
+        sources, states = self._tree
+        width = sources.shape[0] - len(states)  # K - 1
+        rows = list(range(width)) + [width + i for i in path]
+        conv_input = sources[mx.array(rows)][None]  # (1, K - 1 + len(path), conv_dim)
+        self._before = (list(self.cache), self.offset)
+        self._steps = (conv_input, [states[i] for i in path])
+        self.cache = [mx.contiguous(conv_input[:, -width:]), states[path[-1]]]
+        self.offset += len(path)
+        self._tree = None
 
     def checkpoint(self) -> None:
         """Keep the current state for :meth:`restore` (the newest ``MAX_CHECKPOINTS``)."""
@@ -259,6 +281,36 @@ def forward_with_taps(
         if start_every and (i + 1) % start_every == 0 and i + 1 < stage.end:
             mx.async_eval(h)
     return stage.finish(h, captured, tap_ids)
+
+
+def forward_tree(
+    model: nn.Module, rows: mx.array, views: list[Any], masks: list, tap_ids: list[int], captured: Any,
+    parents: list[int],
+) -> mx.array:
+    """The hybrid decoder over a draft tree's nodes, one per row (:mod:`dflash_mlx.tree`): full
+    attention layers through their tree views and masks, linear attention layers continuing each
+    node's own path (``linear_attention.tree_linear_attention``, states forked at every branch)."""
+    inner = model.model
+    h = inner.embed_tokens(rows)
+    wanted = set(tap_ids)
+    for i, (layer, c, mask) in enumerate(zip(inner.layers, views, masks)):
+        if isinstance(c, RecurrentCache):
+            if not linear_attention.supports(layer.linear_attn, None, c):
+                raise DFlashError(
+                    f"Draft trees need a Gated DeltaNet layer this library walks itself (got "
+                    f"{type(layer.linear_attn).__name__}); use tree_budget=0."
+                )
+            r, sources, states = linear_attention.tree_linear_attention(
+                layer.linear_attn, layer.input_layernorm(h), c, parents
+            )
+            c.fork(sources, states)
+            h = h + r
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        else:
+            h = layer(h, mask, c)
+        if i in wanted:
+            captured[i] = h
+    return h
 
 
 def _recorded_layer(layer: nn.Module, x: mx.array, cache: RecurrentCache) -> mx.array:

@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_5, qwen3_next
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from ..kernels.gdn import gated_delta_states
+from ..kernels.gdn import gated_delta_states, gated_delta_tree_ops
 
 # The layers whose forward this mirrors: any other runs as it is (and rolls back by replay).
 LAYERS = (qwen3_5.GatedDeltaNet, qwen3_next.Qwen3NextGatedDeltaNet)
@@ -86,3 +86,58 @@ def linear_attention(attn: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array
     cache.advance(L)
     out = attn.out_proj(attn.norm(y, z).reshape(B, L, -1))
     return out, conv_input, states
+
+
+def tree_linear_attention(
+    attn: nn.Module, x: mx.array, cache: Any, parents: list[int]
+) -> tuple[mx.array, mx.array, list[mx.array]]:
+    """``attn`` over a draft tree's nodes, each row continuing its own path (:mod:`dflash_mlx.tree`).
+
+    The convolution of a node sees the inputs of its nearest ancestors (before the root, the conv
+    state) and its own; its recurrent state is its parent's, stepped by its own input. The cache is
+    left as it was: the accepted node's states are installed afterwards (``RecurrentCache.keep``).
+
+    Args:
+        attn: A Gated DeltaNet layer of ``LAYERS``.
+        x: ``(N, 1, hidden)`` the normalized layer input of each node, the root first.
+        cache: The layer's ``[conv_state, recurrent_state]`` before the tree.
+        parents: Each node's parent index (``-1`` for the root).
+
+    Returns:
+        ``(out, sources, states)``: the ``(N, 1, hidden)`` outputs; ``(K - 1 + N, conv_dim)`` the conv
+        state before the tree, then each node's convolution input; the recurrent state after each
+        node, ``N`` ``(1, Hv, Dv, Dk)``.
+    """
+    N = x.shape[0]
+    K = attn.conv_kernel_size
+    qkv, z, b, a = _projections(attn, x)  # (N, 1, ...) each
+    conv_state = cache[0]
+    if conv_state is None:
+        conv_state = mx.zeros((1, K - 1, attn.conv_dim), dtype=x.dtype)
+    sources = mx.concatenate([conv_state[0], qkv[:, 0]], axis=0)  # (K - 1 + N, conv_dim)
+    rows = []
+    for i in range(N):
+        path, j = [], i
+        while j >= 0 and len(path) < K:
+            path.append(K - 1 + j)
+            j = parents[j]
+        path += list(range(K - 2, K - 2 - (K - len(path)), -1))  # before the root: the conv state, newest first
+        rows.append(path[::-1])
+    windows = sources[mx.array(rows)]  # (N, K, conv_dim)
+    conv_out = nn.silu(attn.conv1d(windows))[:, -1:]  # (N, 1, conv_dim)
+    q, k, v = [
+        t.reshape(N, 1, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [attn.key_dim, 2 * attn.key_dim], -1),
+            [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
+            [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
+    state = cache[1]
+    if state is None:
+        state = mx.zeros((1, attn.num_v_heads, attn.head_v_dim, attn.head_k_dim), dtype=mx.float32)
+    g = compute_g(attn.A_log, a, attn.dt_bias)
+    y, states = gated_delta_tree_ops(q[:, 0], k[:, 0], v[:, 0], g[:, 0], mx.sigmoid(b)[:, 0], state, parents)
+    out = attn.out_proj(attn.norm(y[:, None], z).reshape(N, 1, -1))
+    return out, sources, states

@@ -65,13 +65,15 @@ class SlidingKVCache:
         find the ``window - 1`` positions before it."""
         return 0 if self.start == 0 else self.start + self.window - 1
 
-    def _seen(self) -> int:
-        # Positions before the next pass that its first query sees.
+    @property
+    def seen(self) -> int:
+        """Positions before the next pass that its first query sees (what ``update_and_fetch``
+        returns ahead of the pass)."""
         return min(self.stored, self.window - 1)
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
         # window_size is the layer's own window, the one this cache was made with.
-        seen = self._seen()
+        seen = self.seen
         if return_array or seen + N > self.window:
             return create_causal_mask(N, seen, window_size=self.window)
         return "causal" if N > 1 else None
@@ -133,7 +135,7 @@ class SlidingKVCache:
         """Keep the current state for :meth:`restore` (the newest ``MAX_CHECKPOINTS``): a copy of
         the positions a next query sees, not a view that would keep the whole buffer alive."""
         if self.offset > 0:
-            kept = self._seen()
+            kept = self.seen
             a = self.stored - kept
             self.checkpoints[self.offset] = (
                 _fresh(self.keys[..., a : self.stored, :], kept),

@@ -16,6 +16,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..cpu import compiled_layers, fast_math
 from ..cpu.speedups import CpuSpeedups
+from ..tree import DraftTree, tree_caches
 from . import gemma, hybrid, kimi
 from .stages import Stage
 
@@ -264,6 +265,7 @@ def forward_with_taps(
     speedups: CpuSpeedups | None = None,
     last_logits: bool = False,
     fold: dict[int, mx.array] | None = None,
+    tree: "DraftTree | None" = None,
 ) -> tuple[mx.array, mx.array | None]:
     """Run the target on ``tokens`` and capture the hidden states after ``tap_ids``.
 
@@ -282,12 +284,17 @@ def forward_with_taps(
           :meth:`~dflash_mlx.models.drafter.DraftModel.tap_blocks`), or None for the raw taps.
           The folded sum is started as it grows (``mx.async_eval``), so not inside ``mx.compile``
           or a gradient either.
+        tree: A draft tree whose root and nodes ``tokens`` (``(1, n + 1)``) are: each is run at
+          its own position, seeing the cache and its ancestors only (:mod:`dflash_mlx.tree`).
+          The cache then holds all the nodes, in order, until :func:`dflash_mlx.tree.keep_path`.
 
     Returns:
         ``(logits, taps)``: ``(B, L, vocab)`` logits and the taps concatenated
         in ``tap_ids`` order, ``(B, L, len(tap_ids) * H)`` (with ``fold``: their ``fc``
         projection, ``(B, L, H_fc)``), or None if ``tap_ids`` is empty.
     """
+    if tree is not None:
+        return _forward_tree(model, tokens, cache, tap_ids, tree)
     start_every = speedups.start_every if speedups is not None else 0
     captured = {} if fold is None else FoldedTaps(fold, num_layers(model) - 1)
     if model.model_type in hybrid.HYBRID_MODEL_TYPES:
@@ -314,6 +321,30 @@ def forward_with_taps(
             mx.async_eval(h)
     h = stage.finish(h, captured, tap_ids)
     return _head(model, h, captured, tap_ids, last_logits)
+
+
+def _forward_tree(
+    model: nn.Module, tokens: mx.array, cache: list[Any], tap_ids: list[int], tree: "DraftTree"
+) -> tuple[mx.array, mx.array | None]:
+    # The tree as a batch of one-token rows, node i in row i (dflash_mlx.tree).
+    rows = tokens.reshape(-1, 1)  # (n + 1, 1)
+    views, masks = tree_caches(cache, tree)
+    captured = {}
+    if model.model_type in hybrid.HYBRID_MODEL_TYPES:
+        h = hybrid.forward_tree(model, rows, views, masks, tap_ids, captured, tree.parents)
+    elif model.model_type in gemma.GEMMA_MODEL_TYPES:
+        h = gemma.forward_with_taps(model, rows, views, tap_ids, captured, masks=masks)
+    else:
+        inner = model.model
+        h = inner.embed_tokens(rows)
+        wanted = set(tap_ids)
+        for i, (layer, c, mask) in enumerate(zip(inner.layers, views, masks)):
+            h = layer(h, mask, c)
+            if i in wanted:
+                captured[i] = h
+    logits, taps = _head(model, h, captured, tap_ids)
+    # (n + 1, 1, ...) -> (1, n + 1, ...), a block's layout
+    return logits.swapaxes(0, 1), None if taps is None else taps.swapaxes(0, 1)
 
 
 def _head(

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     aliases = tuple({Path(name).name} - {name})
     defaults = Defaults(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                         max_tokens=args.max_tokens, min_confidence=args.min_confidence,
-                        lookup_fallback=args.lookup_fallback)
+                        lookup_fallback=args.lookup_fallback, tree_budget=args.tree_budget)
     try:
         server = DFlashServer(model, draft, tokenizer, model_name=name, host=args.host, port=args.port,
                               api_key=args.api_key, defaults=defaults, queue_size=args.queue_size,

@@ -3,7 +3,7 @@
 Pure functions and plain dataclasses, no HTTP and no MLX, so every rule is testable alone.
 Parameter names and defaults follow ``mlx_lm.server`` (``max_tokens``/``max_completion_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``stop``, ``seed``);
-``block_size``, ``min_confidence`` and ``lookup_fallback`` are ours. A chat request's
+``block_size``, ``min_confidence``, ``lookup_fallback`` and ``tree_budget`` are ours. A chat request's
 ``chat_template_kwargs`` (as vLLM and SGLang take it, e.g. ``{"enable_thinking": false}``) and
 ``reasoning_effort`` (which gpt-oss's template reads) reach the chat template; a reasoning
 model's reasoning comes back apart from its answer, as ``reasoning_content`` (as vLLM sends it).
@@ -54,6 +54,7 @@ class Defaults:
     max_tokens: int = 512
     min_confidence: float = 0.0
     lookup_fallback: int = 0
+    tree_budget: int | str = 0
 
 
 @dataclass
@@ -77,6 +78,7 @@ class CompletionRequest:
     block_size: int | str | None = None  # or "auto"
     min_confidence: float = 0.0
     lookup_fallback: int = 0
+    tree_budget: int | str = 0  # draft tree nodes a cycle (0: the drafter's path), or "auto"
     template_args: dict[str, Any] = field(default_factory=dict)  # for the chat template
     id: str = ""
     created: int = 0
@@ -179,6 +181,10 @@ def parse_request(body: Any, kind: str, defaults: Defaults = Defaults()) -> Comp
         req.block_size = _number(body, "block_size", None, lo=1, integer=True, optional=True)
     req.min_confidence = float(_number(body, "min_confidence", defaults.min_confidence, lo=0, hi=1))
     req.lookup_fallback = _number(body, "lookup_fallback", defaults.lookup_fallback, lo=0, hi=1024, integer=True)
+    if body.get("tree_budget") == "auto":
+        req.tree_budget = "auto"
+    else:
+        req.tree_budget = _number(body, "tree_budget", defaults.tree_budget, lo=0, hi=1024, integer=True)
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:

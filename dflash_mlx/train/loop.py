@@ -435,14 +435,16 @@ def evaluate_acceptance(
     max_tokens: int,
     stop_tokens,
     block_size: int | None = None,
+    tree_budget: int | None = None,
 ) -> tuple[float, dict[int, int]]:
     """Mean acceptance length (tau over drafting cycles, :class:`dflash_mlx.responses.AcceptanceStats`)
-    with the real speculative loop, and drafting cycles by acceptance length."""
+    with the real speculative loop, and drafting cycles by acceptance length (with ``tree_budget``,
+    of draft trees)."""
     acceptance = AcceptanceStats()
     for ids in prompts:
         steps = dflash_generate_step(
             ids, target, draft, max_tokens=max_tokens, stop_tokens=stop_tokens, block_size=block_size,
-            adaptive=False,  # the drafter's own acceptance, every cycle drafted
+            tree_budget=tree_budget, adaptive=False,  # the drafter's own acceptance, every cycle drafted
         )
         for i, step in enumerate(steps):
             if i > 0:  # the prefill's token is no cycle

@@ -11,7 +11,7 @@ from dflash_mlx.models.drafter import DraftArgs, DraftModel
 
 from .checkpoints import VOCAB, draft_config
 from .decoding import run
-from .oracles import AcceptExactlyDraft, ScriptedDraft
+from .oracles import AcceptExactlyDraft, ScriptedDraft, SecondChoiceDraft
 
 MAX_REF = 64
 
@@ -50,6 +50,38 @@ def check_lossless(model, draft, block_size: int, prompt_len: int) -> None:
     for max_tokens in (1, block_size + 1, MAX_REF):
         out, _ = run(model, draft, prompt, block_size=block_size, max_tokens=max_tokens)
         assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
+
+
+def check_tree_lossless(model, draft, max_tokens: int = 16) -> None:
+    """Draft trees of budgets 1, 4, 16 and 64 across prompt lengths, from a random drafter and (at the
+    budgets that hold both branches) from one whose first choice at the first position is always
+    wrong, so that the target follows a branch: mlx-lm's greedy tokens, and every layer's cache at
+    the committed length."""
+    for budget, prompt_len in ((1, 1), (4, 9), (16, 30), (64, 9)):
+        prompt = prompt_ids(prompt_len)
+        ref = reference(model, prompt, max_tokens)
+        drafters = [draft] + ([SecondChoiceDraft(draft, prompt + ref, VOCAB)] if budget >= 16 else [])
+        for drafter in drafters:
+            cache = make_cache(model, drafter)
+            out, _ = run(model, drafter, prompt, tree_budget=budget, max_tokens=max_tokens, prompt_cache=cache,
+                         adaptive=False)  # fmt: skip
+            assert out == ref, (prompt_len, budget, type(drafter).__name__)
+            assert all(c.offset == len(cache.tokens) for c in cache.target)
+    # A stop token inside an accepted path, then the next turn through the same cache.
+    prompt = prompt_ids(9)
+    ref = reference(model, prompt, max_tokens)
+    stop_index = next((i for i in range(3, max_tokens) if ref[i] not in ref[:i]), None)
+    if stop_index is None:
+        return
+    branching = SecondChoiceDraft(draft, prompt + ref, VOCAB)
+    cache = make_cache(model, branching)
+    out, _ = run(model, branching, prompt, tree_budget=16, max_tokens=max_tokens, stop_tokens={ref[stop_index]},
+                 prompt_cache=cache, adaptive=False)  # fmt: skip
+    assert out == ref[: stop_index + 1] and cache.offset == len(cache.tokens)
+    follow = prompt + out + prompt_ids(4, seed=9)
+    branching.sequence = follow + reference(model, follow, max_tokens)
+    again, _ = run(model, branching, follow, tree_budget=16, max_tokens=max_tokens, prompt_cache=cache, adaptive=False)
+    assert again == reference(model, follow, max_tokens)
 
 
 def check_every_acceptance_length(model, draft, block_size: int) -> None:

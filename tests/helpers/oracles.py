@@ -48,3 +48,16 @@ class AcceptExactlyDraft(ScriptedDraft):
         wrong = mx.arange(ids.shape[0]) >= right
         ids = mx.where(wrong, (ids + 1) % self.vocab, ids)
         return mx.eye(self.vocab)[ids][None] * 10.0
+
+
+class SecondChoiceDraft(ScriptedDraft):
+    """The target's own continuation, except that at the block's first position a wrong token is
+    the first choice (probability about 0.6) and the right one the second (about 0.4): a path is
+    always rejected at once, a draft tree with a branch there is accepted down that branch."""
+
+    def propose(self, model, block, taps, cache, speedups=None, num_drafts=None):
+        logits = super().propose(model, block, taps, cache, speedups, num_drafts)
+        right = mx.argmax(logits[0, 0]).item()
+        wrong = (right + 1) % self.vocab
+        first = mx.zeros((self.vocab,)).at[mx.array([right, wrong])].add(mx.array([9.6, 10.0]))
+        return mx.concatenate([first[None, None], logits[:, 1:]], axis=1)
