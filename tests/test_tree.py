@@ -150,9 +150,16 @@ def test_repetition_penalty_sees_each_nodes_own_path(qwen3_pair):
     assert run(model, oracle, prompt, tree_budget=16, **kwargs)[0] == plain
 
 
-def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(qwen3_pair):
+def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(qwen3_pair, monkeypatch):
     """tree_budget="auto": greedy output unchanged; a drafter whose right token is its second choice gets
     trees with both branches, a random one that is never right gets trees of a node or few."""
+    from dflash_mlx import verify_width
+
+    # Pass costs as on a small CPU target (a node costs a few percent of a pass), not timed here: timings on
+    # a busy machine would make the choice, and so this test, depend on the load.
+    monkeypatch.setattr(verify_width, "measure", lambda model, draft, cache, tap_ids, widths, *a, **k:
+                        verify_width.PassCosts(0.01, {w: 0.05 * (1 + 0.05 * (w - 1)) for w in widths}))
+    monkeypatch.setattr(verify_width.CostStore, "get", lambda self, key: None)  # nothing timed earlier either
     model, draft, _ = qwen3_pair
     prompt = prompt_ids(9)
     ref = reference(model, prompt, 40)
