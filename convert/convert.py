@@ -44,7 +44,7 @@ from ..weights.casting import cast
 from ..weights.draft_loader import load_draft
 from ..weights.folders import check_not_drafter, check_tokenizer_files, is_drafter_config, read_config
 from ..weights.loading import load
-from ..weights.pairs import PAIR_MANIFEST, default_pair_draft, read_pair_manifest
+from ..weights.pairs import PAIR_MANIFEST, read_pair_manifest
 from ..weights.registry import known_draft
 from ..weights.hub import local_folder, target_folder
 from ..weights.target_checks import check_target_config, vet_hub_target
@@ -164,7 +164,7 @@ def _draft_source(
             raise DFlashError(
                 f"No known DFlash drafter for the target {hf_path!r}: pass its drafter with --draft "
                 f"(known targets: {', '.join(registry.known_targets())}; and {registry.DEFAULT_TARGET} or a GGUF "
-                f"of it, the default pair's target, whose drafter ships in {default_pair_draft()}; "
+                f"of it, the default pair's target, whose drafter ships in this package (--model smollm2); "
                 "dflash-convert --list shows the pairs)."
             )
         revision = None  # the target's revision means nothing for the drafter's repository
@@ -495,7 +495,9 @@ def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
 
 def _format_pairs() -> str:
     # The default pair's drafter ships in this package; the others are on the hub.
-    lines = [f"{registry.DEFAULT_TARGET:36} -> {default_pair_draft()}  (the default pair; also for its GGUF)"]
+    # Named as a user passes it, not by where this install keeps it.
+    lines = [f"{registry.DEFAULT_TARGET:36} -> smollm2 (the default pair; its drafter ships in this package; "
+             "also for its GGUF)"]  # fmt: skip
     for p in registry.KNOWN_PAIRS:
         supported = "" if p.model_type in tgt.SUPPORTED_MODEL_TYPES else f"  (needs {p.model_type} support)"
         lines.append(f"{p.target:36} -> {p.draft}{supported}")

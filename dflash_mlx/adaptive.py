@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import DFlashError
-from .weights.files import JsonStore
+from .store import JsonStore
 
 
 @dataclass

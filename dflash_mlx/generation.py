@@ -19,13 +19,13 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import PolicyState
 from .cache import DFlashCache, check_draft_window, make_cache
-from .cli.options import MAX_SEED
 from .cpu.openblas import blas_in_use
 from .cpu.speedups import CpuSpeedups
 from .cpu.speedups import choose_speedups
 from .datastore import Datastore, DatastoreProposer
 from .distributed import FollowProposer, Peers, check_sharded, target_group
 from .errors import DFlashError
+from .inputs import MAX_SEED, check_text
 from .kernels import check_kernels
 from .lookup import LookupProposer, PromptLookup
 from .models import drafter2, hybrid
@@ -520,6 +520,7 @@ def stream_generate(
     if isinstance(prompt, str):
         if not prompt:
             raise DFlashError("The prompt is empty: pass at least one character.")
+        check_text(prompt)
         bos = tokenizer.bos_token
         prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
     ids = _prompt_ids(prompt)
@@ -615,6 +616,9 @@ def generate(
         kwargs["prompt_cache"] = make_cache(model, draft, **window)
     if verbose:
         print("=" * 10)
+    # The rates a policy comes with were measured by earlier runs, not this one.
+    policy = kwargs.get("policy") or getattr(kwargs.get("prompt_cache"), "policy", None)
+    earlier = (policy.plain_tps, policy.draft_tps) if policy is not None else (None, None)
     for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         text += response.text
         if verbose and show_reasoning and response.reasoning:
@@ -644,14 +648,17 @@ def generate(
         if draft is not None:
             # Drafting cycles by acceptance length: "length:cycles".
             hist = " ".join(f"{k}:{v}" for k, v in acceptance.lengths.items())
-            print(f"Acceptance length: {acceptance.describe()}" + (f" [length:cycles {hist}]" if hist else ""))
+            print(f"Acceptance length: {acceptance.describe()}" + (f" [length:cycles {hist}]" if hist else "")
+                  + (" (tau = tokens per drafting cycle)" if acceptance.drafting_cycles else ""))  # fmt: skip
             if len(acceptance.shares) > 1:
                 print("Accepted drafts from: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in acceptance.shares.items()))
         if response.plain_tps is not None and response.draft_tps is not None:
             verdict = "slower" if response.drafting_slower else "faster"
+            draft_when = " (measured by an earlier run)" if response.draft_tps == earlier[1] else ""
+            plain_when = "measured by an earlier run" if response.plain_tps == earlier[0] else "measured"
             print(
-                f"Drafting: {response.draft_tps:.3f} tokens-per-sec, {verdict} than plain decoding "
-                f"({response.plain_tps:.3f} measured; {acceptance.plain_cycles} cycles decoded plainly)"
+                f"Drafting: {response.draft_tps:.3f} tokens-per-sec{draft_when}, {verdict} than plain decoding "
+                f"({response.plain_tps:.3f} {plain_when}; {acceptance.plain_cycles} cycles decoded plainly)"
             )
         elif acceptance.drafting_cycles >= 4 and target_group(model) is None:
             # No plain cycle measured plain decoding; a few cycles say little. (A sharded target's

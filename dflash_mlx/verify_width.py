@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import DFlashError
-from .weights.files import JsonStore
+from .store import JsonStore
 from .models import hybrid
 from .models import target as tgt
 from .tree import chain

@@ -5,7 +5,6 @@ more than --no-draft? Greedy, the default pair, the same prompt, interleaved run
 """
 
 import time, statistics
-import mlx.core as mx
 from dflash_mlx import load, dflash_generate_step
 from dflash_mlx.adaptive import PolicyState
 from dflash_mlx.chat_template import render_chat

@@ -409,9 +409,9 @@ def test_dflash_generate_goes_on_from_the_last_run(pair_dirs, tmp_path, monkeypa
     # plain cycles that an earlier run's losing windows set up.
     from dflash_mlx.adaptive import PolicyStore
     from dflash_mlx.cli.generate import main
-    from dflash_mlx.weights import gguf
+    from dflash_mlx import store
 
-    monkeypatch.setattr(gguf, "default_cache_root", lambda: tmp_path)
+    monkeypatch.setattr(store, "default_cache_root", lambda: tmp_path)
     args = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
             "--prompt", "t1 t2 t3", "--max-tokens", "30", "--block-size", "4", "--paused-lookup", "0"]  # fmt: skip
     main(args)

@@ -3,7 +3,6 @@ import shutil
 import types
 
 import pytest
-from helpers.checkpoints import write_target
 
 from dflash_mlx import DFlashError
 from dflash_mlx.bench import benchmark

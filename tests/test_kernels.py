@@ -4,7 +4,7 @@ import pytest
 from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
 from mlx_lm.models.cache import make_prompt_cache
 
-from dflash_mlx.cpu import compiled_layers, fast_math
+from dflash_mlx.cpu import fast_math
 from dflash_mlx.cpu.speedups import CPU_SPEEDUPS, CpuSpeedups
 from dflash_mlx.models import target as tgt
 

@@ -4,7 +4,7 @@ import json
 
 import mlx.core as mx
 import pytest
-from helpers.checkpoints import VOCAB, draft_config, write_draft, write_target
+from helpers.checkpoints import draft_config, write_draft, write_target
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import DFlashError, dflash_generate_step, load

@@ -2,7 +2,6 @@
 
 import json
 
-import mlx.core as mx
 import pytest
 from helpers.decoding import run
 from test_generate import _prompt, reference

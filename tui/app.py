@@ -16,8 +16,16 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Markdown, Static
 from textual.worker import get_current_worker
 
-from ..cli.options import ArgumentParser, add_blas_argument, add_decoding_arguments, add_model_arguments, block_size_problem
+from ..cli.options import (
+    ArgumentParser,
+    InRange,
+    add_blas_argument,
+    add_decoding_arguments,
+    add_model_arguments,
+    block_size_problem,
+)
 from ..errors import DFlashError
+from ..inputs import text_problem
 from .commands import HELP, Settings, parse_command, save_transcript
 from .engine import MLXEngine, RemoteEngine, StreamEngine, StreamFn
 from .messages import ConversationStats, CycleUpdate, LoadFailed, ModelReady, ReplyDone, ReplyStats
@@ -44,10 +52,11 @@ class ChatApp(App):
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
-    def __init__(self, engine: MLXEngine | StreamFn, *, settings: Settings | None = None):
+    def __init__(self, engine: MLXEngine | StreamFn, *, settings: Settings | None = None, note: str | None = None):
         super().__init__()
         self.engine = engine if hasattr(engine, "load") else StreamEngine(engine)
         self.settings = settings or Settings()
+        self.note = note  # shown under the welcome line (why the settings are what they are)
         self.info: ModelReady | None = None
         self.turns: list[dict[str, str]] = []
         self.conversation = ConversationStats()
@@ -70,6 +79,8 @@ class ChatApp(App):
 
     def on_mount(self) -> None:
         self.query_one(Transcript).mount(Note(WELCOME))
+        if self.note:
+            self.query_one(Transcript).mount(Note(self.note))
         self.query_one(PromptInput).focus()
         self._refresh()
         self.load_models()
@@ -194,6 +205,10 @@ class ChatApp(App):
             return
         if self.generating:
             self.notify("Still generating: press Esc to stop the reply first.", severity="warning")
+            return
+        problem = text_problem(message, "This message")
+        if problem:
+            self._note(problem, error=True)
             return
         if self.info is None:
             self.notify("The models are still loading; your message is kept.", severity="warning")
@@ -340,6 +355,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     add_blas_argument(parser)
     add_decoding_arguments(parser, max_tokens=512)
     parser.add_argument(
+        "--top-p", type=float, action=InRange, low=0.0, high=1.0, default=None,
+        help="Nucleus sampling threshold (default: 0, off; the default pair: 0.9 with --temp 0.2, as its model "
+        "card samples, unless --temp or --top-p is given).",
+    )  # fmt: skip
+    # None: not given, so that the default pair can take its model card's sampling.
+    parser.set_defaults(temp=None)
+    parser.add_argument(
         "--base-url",
         default=None,
         help="Chat with an OpenAI-compatible server instead (dflash-serve, vLLM, SGLang, mlx_lm.server), "
@@ -354,7 +376,8 @@ def make_app(
     draft: str | None = None,
     *,
     block_size: int | None = None,
-    temp: float = 0.0,
+    temp: float | None = None,
+    top_p: float | None = None,
     max_tokens: int = 512,
     system_prompt: str | None = None,
     min_confidence: float = 0.0,
@@ -374,7 +397,9 @@ def make_app(
         model: Target folder, pair folder or Hugging Face id; None is the embedded default pair.
         draft: Drafter folder or Hugging Face id (see ``MLXEngine``).
         block_size: Tokens verified per cycle; None is the drafter's trained block size.
-        temp: Sampling temperature (0 = greedy).
+        temp: Sampling temperature (0 = greedy). None with ``top_p`` None: the default pair
+          samples as its model card does (``DEFAULT_PAIR_SAMPLING``), anything else greedily.
+        top_p: Nucleus sampling threshold (0 = off).
         max_tokens: The most tokens per reply.
         system_prompt: System message for the chat template.
         min_confidence: Verify only the drafter's confident leading drafts (0: the whole block).
@@ -393,9 +418,18 @@ def make_app(
     Returns:
         ChatApp: Call ``.run()`` on it.
     """
+    from ..weights.pairs import DEFAULT_PAIR_SAMPLING, is_default_pair
+
+    note = None
+    if temp is None and top_p is None and not base_url and is_default_pair(model):
+        temp, top_p = DEFAULT_PAIR_SAMPLING["temp"], DEFAULT_PAIR_SAMPLING["top_p"]
+        note = (f"Sampling at temp {temp:g}, top-p {top_p:g}, as SmolLM2-135M-Instruct's model card does: greedy "
+                "decoding makes this small model repeat itself. DFlash keeps the target's own distribution. "
+                "/temp 0 decodes greedily.")  # fmt: skip
     settings = Settings(
         block_size=block_size,
-        temp=temp,
+        temp=temp or 0.0,
+        top_p=top_p or 0.0,
         max_tokens=max_tokens,
         system_prompt=system_prompt,
         min_confidence=min_confidence,
@@ -403,14 +437,14 @@ def make_app(
         tree_budget=tree_budget,
     )
     if base_url:
-        return ChatApp(RemoteEngine(base_url, api_key=api_key, model=model), settings=settings)
+        return ChatApp(RemoteEngine(base_url, api_key=api_key, model=model), settings=settings, note=note)
     from ..adaptive import PolicyStore
 
     engine = MLXEngine(
         model, draft, dtype=dtype, no_draft=no_draft, extra_eos_token=extra_eos_token,
         chat_template_config=chat_template_config, policy_store=PolicyStore(), datastore=datastore,
     )  # fmt: skip
-    return ChatApp(engine, settings=settings)
+    return ChatApp(engine, settings=settings, note=note)
 
 
 def _prepare_embedded_pair(model: str | None, datastore: str = "auto") -> None:

@@ -53,6 +53,7 @@ class Settings:
     Args:
         block_size: Tokens verified per cycle; None means the drafter's trained block size.
         temp: Sampling temperature; 0 is greedy decoding.
+        top_p: Nucleus sampling threshold; 0 is off.
         max_tokens: The most tokens per reply.
         dflash: Draft with the drafter (True) or decode one token per target pass (False).
         min_confidence: Verify only the drafter's confident leading drafts (0: the whole block).
@@ -68,6 +69,7 @@ class Settings:
     block_size: int | str | None = None
     temp: float = 0.0
     max_tokens: int = 512
+    top_p: float = 0.0
     dflash: bool = True
     system_prompt: str | None = None
     min_confidence: float = 0.0
@@ -98,7 +100,8 @@ class Settings:
             mode += f" · fallback {self.lookup_fallback}"
         if self.dflash and self.tree_budget:
             mode += f" · tree {self.tree_budget}"
-        text = f"{mode} · temp {self.temp:g} · max {self.max_tokens}"
+        top_p = f" · top-p {self.top_p:g}" if self.temp > 0 and 0 < self.top_p < 1 else ""
+        text = f"{mode} · temp {self.temp:g}{top_p} · max {self.max_tokens}"
         if self.thinking is not None:
             text += f" · thinking {'on' if self.thinking else 'off'}"
         if self.reasoning_effort is not None:

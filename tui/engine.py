@@ -187,7 +187,7 @@ class MLXEngine:
             self._prompt(messages, settings),
             max_tokens=settings.max_tokens,
             block_size=block_size,
-            sampler=make_sampler(settings.temp),
+            sampler=make_sampler(settings.temp, settings.top_p),
             min_confidence=settings.min_confidence,
             lookup_fallback=settings.lookup_fallback,
             tree_budget=settings.tree_budget if settings.dflash else 0,
@@ -271,6 +271,8 @@ class RemoteEngine:
         if settings.system_prompt:
             messages = [{"role": "system", "content": settings.system_prompt}, *messages]
         params: dict[str, Any] = {"max_tokens": settings.max_tokens, "temperature": settings.temp}
+        if 0 < settings.top_p < 1:
+            params["top_p"] = settings.top_p
         if self.client.info is not None and self.client.info.kind == "dflash":
             # Our own knobs only for our own server: another may refuse unknown fields.
             block_size = settings.block_size if settings.dflash else 1

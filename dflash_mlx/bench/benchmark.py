@@ -31,7 +31,7 @@ from ..dtypes import DTYPES, dtype_name
 from ..errors import DFlashError
 from ..kernels import check_kernels
 from ..models import target as tgt
-from ..weights.files import write_text_atomic
+from ..store import write_text_atomic
 from ..weights.jsonl import read_objects
 from .context import parse_lengths
 from .report import markdown, plots, stamp

@@ -12,11 +12,11 @@ from ..chat_template import has_chat_template, render_chat
 from ..datastore import open_datastore
 from ..errors import DFlashError
 from ..generation import generate, policy_key
+from ..inputs import MAX_SEED, check_text, decode_utf8
 from ..models import target as tgt
 from ..models.drafter import DraftModel
 from ..sampling import make_sampler
 from .options import (
-    MAX_SEED,
     ArgumentParser,
     InRange,
     add_blas_argument,
@@ -93,8 +93,9 @@ def setup_arg_parser() -> ArgumentParser:
         "DFlash rolls back rejected drafts, which a rotating cache cannot (default: no limit).",
     )  # fmt: skip
     parser.add_argument(
-        "--verbose", type=str2bool, default=True,
-        help="True/T: the text as it streams, then the statistics; False/F: only the text (default: True).",
+        "--verbose", type=str2bool, nargs="?", const=True, default=True,
+        help="True/T (or the bare flag): the text as it streams, then the statistics (tau = tokens per drafting "
+        "cycle, the mean acceptance length); False/F: only the text (default: True).",
     )  # fmt: skip
     return parser
 
@@ -114,7 +115,12 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:
+        # Bytes, decoded here: a stream that is not UTF-8 is one line, not a tokenizer's traceback.
+        prompt = decode_utf8(sys.stdin.buffer.read()) if args.prompt == "-" else args.prompt
+        check_text(prompt, "--prompt" if args.prompt != "-" else "stdin")
+    except DFlashError as e:
+        parser.error(str(e))
     if not prompt:
         parser.error("--prompt is empty: pass at least one character.")
     try:

@@ -19,7 +19,6 @@ DTYPE_HELP = (
 )
 # The largest sampling temperature any tool takes (dflash-chat's /temp too).
 MAX_TEMP = 10.0
-MAX_SEED = 2**64 - 1  # what mx.random.seed takes
 
 
 class ArgumentParser(argparse.ArgumentParser):

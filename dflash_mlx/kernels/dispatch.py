@@ -24,7 +24,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..errors import DFlashError
-from ..weights.files import JsonStore
+from ..store import JsonStore
 
 logger = logging.getLogger(__name__)
 

@@ -95,6 +95,9 @@ class APIHandler(BaseHTTPRequestHandler):
             if path in ("/v1/models", "/models") or path.startswith("/v1/models/"):
                 self._check_key()
                 return self._send_models(path)
+            if path in ROUTES:
+                raise APIError(405, f"{path} takes POST with a JSON body, not GET.", code="method_not_allowed",
+                               headers={"Allow": "POST"})
             raise APIError(404, f"No route GET {path}.", code="not_found")
         except APIError as e:
             self._send_error(e)
@@ -129,6 +132,8 @@ class APIHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
         try:
+            if path in ("/health", "/metrics", "/v1/models", "/models") or path.startswith("/v1/models/"):
+                raise APIError(405, f"{path} takes GET, not POST.", code="method_not_allowed", headers={"Allow": "GET"})
             if path not in ROUTES:
                 raise APIError(404, f"No route POST {path}; use /v1/chat/completions or /v1/completions.",
                                code="not_found")
@@ -216,8 +221,11 @@ class APIHandler(BaseHTTPRequestHandler):
             while event is not None:
                 kind = event[0]
                 if kind == "delta":
-                    self._sse(chunk(req, event[1], cycle=event[3], first=first, reasoning=event[2]))
-                    first = False
+                    # A cycle that ends inside a character or a stop string's possible start adds no text:
+                    # no chunk (but the chat's first, which carries the role).
+                    if event[1] or event[2] or (first and req.kind == CHAT):
+                        self._sse(chunk(req, event[1], cycle=event[3], first=first, reasoning=event[2]))
+                        first = False
                 elif kind == "done":
                     _, finish, usage, metrics = event
                     self._sse(chunk(req, None, finish))

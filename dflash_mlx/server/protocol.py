@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..chat_template import REASONING_EFFORTS
-from ..cli.options import MAX_SEED
+from ..inputs import MAX_SEED, text_problem
 from ..responses import AcceptanceStats
 
 CHAT, TEXT = "chat", "text"
@@ -119,7 +119,15 @@ def _content(message: Any, i: int) -> str:
     if not isinstance(content, str):
         raise APIError(400, f"messages[{i}].content must be a string or a list of text parts.",
                        param="messages")
+    _check_text(content, f"messages[{i}].content", "messages")
     return content
+
+
+def _check_text(text: str, what: str, param: str) -> None:
+    # JSON's \ud800 escapes decode to strings no tokenizer can encode.
+    problem = text_problem(text, what)
+    if problem:
+        raise APIError(400, problem, param=param)
 
 
 def parse_request(body: Any, kind: str, defaults: Defaults = Defaults()) -> CompletionRequest:
@@ -149,6 +157,8 @@ def parse_request(body: Any, kind: str, defaults: Defaults = Defaults()) -> Comp
         if not (isinstance(prompt, str) and prompt) and not ids:
             raise APIError(400, "'prompt' is required: a non-empty string (or one list of token ids).",
                            param="prompt")
+        if isinstance(prompt, str):
+            _check_text(prompt, "'prompt'", "prompt")
         req.prompt = prompt
     n = body.get("n", 1)
     if n != 1:

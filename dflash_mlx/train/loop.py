@@ -30,11 +30,12 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..cli.options import MAX_SEED, ArgumentParser, add_blas_argument
+from ..cli.options import ArgumentParser, add_blas_argument
 from ..cli.progress import Progress
 from ..cpu.speedups import choose_speedups
 from ..errors import DFlashError
 from ..generation import dflash_generate_step
+from ..inputs import MAX_SEED
 from ..models import target as tgt
 from ..models.drafter import DraftModel, DraftArgs, default_target_layer_ids
 from ..responses import AcceptanceStats

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from ..cli.progress import Progress
 from ..errors import DFlashError
 from ..models import target as tgt
-from ..weights.files import write_text_atomic
+from ..store import write_text_atomic
 
 _FORMAT = 1
 

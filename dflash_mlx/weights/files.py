@@ -1,6 +1,5 @@
 """Files and folders a user owns are built next to their destination and moved into place in one rename."""
 
-import json
 import os
 import shutil
 import uuid
@@ -33,45 +32,3 @@ def install(tmp: Path, dest: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink()
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a hidden sibling renamed into place: an interrupted or
-    concurrent write never leaves half a file. Errors propagate; the sibling is removed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-class JsonStore:
-    """One JSON object kept in a file (by default ``name`` in dflash-mlx's cache folder), read and
-    written whole. Missing or unreadable reads as empty; a write that fails (a read-only home) is
-    dropped: what it held is measured again next time."""
-
-    def __init__(self, name: str, path: str | Path | None = None):
-        if path is None:
-            from .gguf import default_cache_root
-
-            path = default_cache_root() / name
-        self.path = Path(path)
-
-    def read(self) -> dict:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    def write(self, key: str, value) -> None:
-        data = self.read()
-        data[key] = value
-        try:
-            write_text_atomic(self.path, json.dumps(data, indent=1))
-        except OSError:
-            pass

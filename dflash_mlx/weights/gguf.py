@@ -28,6 +28,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from ..dtypes import DTYPES
 from ..errors import DFlashError
+from ..store import default_cache_root
 from .files import install, partial_sibling
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -193,11 +194,6 @@ def smollm2_gguf() -> Path:
     return file
 
 
-def default_cache_root() -> Path:
-    """Where converted default models are kept: ``~/.cache/dflash-mlx``."""
-    return Path.home() / ".cache" / "dflash-mlx"
-
-
 def prepare_default_target(cache_root: str | Path | None = None, *, dtype: str | None = "float32") -> Path:
     """Convert the SmolLM2-135M-Instruct GGUF once into a cache folder and return it.
 
@@ -227,8 +223,10 @@ def prepare_default_target(cache_root: str | Path | None = None, *, dtype: str |
     dest = root / f"smollm2-135m-instruct-{digest.hexdigest()[:10]}"
     if (dest / "config.json").is_file():
         return dest
-    print(f"dflash-mlx: converting {src.name} once into {dest}", file=sys.stderr, flush=True)
     parts = _convert(src, dtype)
+    size = sum(w.nbytes for w in parts[1].values())  # the weights are lazy: known before they are computed
+    print(f"dflash-mlx: converting {src.name} once into {dest} ({size / 1e6:.0f} MB; later runs reuse it)",
+          file=sys.stderr, flush=True)  # fmt: skip
     tmp = partial_sibling(dest)
     try:
         _write(tmp, *parts)

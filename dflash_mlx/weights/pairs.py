@@ -20,6 +20,10 @@ PAIR_ALIASES = {"smollm2": DEFAULT_PAIR}
 PAIR_MANIFEST = "dflash_pair.json"
 # Pass as ``draft`` to take the drafter from a pair folder or the registry of known pairs.
 AUTO_DRAFT = "auto"
+# How the chat decodes the default pair unless told otherwise: SmolLM2-135M-Instruct's model card
+# samples at these settings (its GGUF carries none), and greedy decoding makes the 135M target
+# repeat itself. Lossless either way: every token is a sample of the target's own distribution.
+DEFAULT_PAIR_SAMPLING = {"temp": 0.2, "top_p": 0.9}
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,11 @@ def default_pair_path() -> Path:
 def is_embedded_pair(model: str | Path | None) -> bool:
     """Whether ``model`` names an embedded pair (a folder of that name takes precedence)."""
     return model is None or (_pair_name(model) in EMBEDDED_PAIRS and not Path(model).exists())
+
+
+def is_default_pair(model: str | Path | None) -> bool:
+    """Whether ``model`` names the default pair (None does)."""
+    return is_embedded_pair(model) and (model is None or _pair_name(model) == DEFAULT_PAIR)
 
 
 def default_pair_draft() -> Path:
