@@ -44,7 +44,7 @@ from ..weights.casting import cast
 from ..weights.draft_loader import load_draft
 from ..weights.folders import check_not_drafter, check_tokenizer_files, is_drafter_config, read_config
 from ..weights.loading import load
-from ..weights.pairs import PAIR_MANIFEST, read_pair_manifest
+from ..weights.pairs import PAIR_MANIFEST, default_pair_draft, read_pair_manifest
 from ..weights.registry import known_draft
 from ..weights.hub import local_folder, target_folder
 from ..weights.target_checks import check_target_config, vet_hub_target
@@ -164,7 +164,7 @@ def _draft_source(
             raise DFlashError(
                 f"No known DFlash drafter for the target {hf_path!r}: pass its drafter with --draft "
                 f"(known targets: {', '.join(registry.known_targets())}; and {registry.DEFAULT_TARGET} or a GGUF "
-                f"of it, the default pair's target, whose drafter ships in this package (--model smollm2); "
+                f"of it, the default pair's target, whose drafter ships in {default_pair_draft()}; "
                 "dflash-convert --list shows the pairs)."
             )
         revision = None  # the target's revision means nothing for the drafter's repository

@@ -65,6 +65,8 @@ def test_installed_package_is_imported_not_the_source(venv, tmp_path):
     for pair in ("smollm2", "dflash-tiny"):
         assert (assets / pair / "prompts.jsonl").is_file() and (assets / pair / "draft" / "model.safetensors").is_file()
     assert not (assets / "smollm2" / "data").exists()
+    # Nor do the autoregressive baseline drafts and the bench's saved results.
+    assert not list(assets.glob("*/ar-draft")) and not list(assets.glob("bench/*.json"))
     # The CPU harness compiles kernel sources against this header.
     assert (site / "dflash_mlx" / "kernels" / "metal_cpu.h").is_file()
 

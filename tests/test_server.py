@@ -262,6 +262,52 @@ def test_every_bad_request_gets_a_4xx_with_an_openai_error_body(server, caplog):
     assert status == 200 and ok["usage"]["completion_tokens"] >= 1
 
 
+def test_text_that_is_not_utf8_is_a_400_with_one_line(server):
+    # A JSON escape of a lone surrogate decodes to a string no tokenizer can encode.
+    for path, body, param in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "caf\ud800"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udce9"}]}]},
+         "messages"),
+        ("/v1/completions", {"prompt": "\ud800 t1"}, "prompt"),
+    ]:
+        status, err, _ = _post(server.url, path, body)
+        assert status == 400 and err["error"]["param"] == param, err
+        assert "is not valid UTF-8 text" in err["error"]["message"] and "\n" not in err["error"]["message"]
+    # Bytes that are not UTF-8 at all.
+    status, err, _ = _post(server.url, "/v1/completions", b'{"prompt": "caf\xe9"}')
+    assert status == 400 and err["error"]["message"].startswith("The request body is not valid JSON")
+
+
+def test_the_wrong_method_is_a_405_that_names_the_right_one(server):
+    for method, path, allow in [("GET", "/v1/chat/completions", "POST"), ("GET", "/v1/completions", "POST"),
+                                ("POST", "/v1/models", "GET"), ("POST", "/health", "GET")]:  # fmt: skip
+        conn, resp = _request(server.url, method, path, {} if method == "POST" else None)
+        body = json.loads(resp.read())
+        conn.close()
+        assert resp.status == 405 and resp.getheader("Allow") == allow, (method, path)
+        assert body["error"]["code"] == "method_not_allowed" and f"takes {allow}" in body["error"]["message"]
+    conn, resp = _request(server.url, "GET", "/v1/nothing")
+    assert resp.status == 404
+    conn.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_stream_sends_no_empty_chunks(server, path):
+    # A stop string that never comes holds back the text's tail, so early cycles add no text.
+    body = {"stop": ["#" * 30], "max_tokens": MAX_TOKENS, "temperature": 0}
+    body.update({"messages": [{"role": "user", "content": "t1 t2 t3"}]} if "chat" in path else {"prompt": "t1 t2"})
+    events = _stream(server.url, path, body)
+    chunks = [c["choices"][0] for c in events if c["choices"]]
+    chat = "chat" in path
+    assert chunks[-1]["finish_reason"] and len(chunks) > 2
+    for i, c in enumerate(chunks[:-1]):
+        if chat:
+            assert c["delta"].get("content") or c["delta"].get("reasoning_content") or (i == 0 and c["delta"]["role"])
+        else:
+            assert c["text"], chunks
+    assert _stream_text(events, chat) == _stream_text(_stream(server.url, path, {**body, "stop": []}), chat)
+
+
 def test_models_health_and_prometheus_metrics(server):
     conn, resp = _request(server.url, "GET", "/v1/models")
     models = json.loads(resp.read())
