@@ -114,6 +114,17 @@ def test_python_on_the_reference_blas_is_told_once_how_to_start_with_openblas(
         assert "run python -m dflash_mlx.cpu.openblas python chat_bot.py" in notes[0] and f"LD_PRELOAD={DEBIAN}" in notes[0]
 
 
+def test_a_tool_run_with_blas_bundled_is_not_told_to_restart(monkeypatch, caplog):
+    monkeypatch.setattr(blas, "_noted", False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(blas, "blas_in_use", lambda: "reference BLAS bundled with MLX (libblas.so.3)")
+    monkeypatch.setattr(blas, "find_openblas", lambda: DEBIAN)
+    blas.use_openblas("dflash-generate", "bundled", environ={}, execv=lambda *a: pytest.fail("restarted"))
+    with caplog.at_level(logging.WARNING, logger="dflash_mlx"):
+        blas.note_reference_blas()
+    assert not caplog.records
+
+
 def test_readme_says_how_to_run_a_python_script_with_openblas():
     readme = (REPO / "README.md").read_text()
     section = readme[readme.index("## Use it from Python") :]

@@ -195,6 +195,8 @@ def use_openblas(prog: str, choice: str = "auto", *, environ: dict[str, str] | N
     """
     global _noted
     environ = dict(os.environ if environ is None else environ)
+    if choice == "bundled":
+        _noted = True  # asked for by name: load() need not say that it is slower
     if sys.platform != "linux" or choice == "bundled" or _preloaded(environ):
         return
     library = find_openblas()
