@@ -64,7 +64,8 @@ def test_installed_package_is_imported_not_the_source(venv, tmp_path):
     assets = site / "dflash_mlx" / "assets"
     for pair in ("smollm2", "dflash-tiny"):
         assert (assets / pair / "prompts.jsonl").is_file() and (assets / pair / "draft" / "model.safetensors").is_file()
-    assert not (assets / "smollm2" / "data").exists()
+    # Of the default pair's data, only its response cache ships (the datastore it drafts from).
+    assert sorted(p.name for p in (assets / "smollm2" / "data").iterdir()) == ["responses.jsonl.gz"]
     # Nor do the autoregressive baseline drafts and the bench's saved results.
     assert not list(assets.glob("*/ar-draft")) and not list(assets.glob("bench/*.json"))
     # The CPU harness compiles kernel sources against this header.
