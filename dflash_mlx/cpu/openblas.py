@@ -227,7 +227,8 @@ def note_reference_blas() -> None:
         logging.getLogger("dflash_mlx").warning(REFERENCE_NOTE)
     else:
         # LD_PRELOAD acts only at process start: the fix is a new start, which the tools make by themselves.
-        script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "your_script.py"
+        argv0 = sys.argv[0] if sys.argv else ""
+        script = argv0 if argv0.endswith(".py") and not argv0.endswith("__main__.py") else "your_script.py"
         logging.getLogger("dflash_mlx").warning(
             "MLX is running on its bundled reference BLAS, 3-10x slower on this CPU than the OpenBLAS installed "
             f"here: run python -m dflash_mlx.cpu.openblas python {script} (or start Python with "
