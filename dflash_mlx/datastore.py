@@ -277,7 +277,7 @@ def load_datastore(responses: str | Path, vocab: int, cache_dir: str | Path | No
     ``cache_dir`` (dflash-mlx's cache folder by default), keyed by the file's contents."""
     responses = Path(responses)
     if cache_dir is None:
-        from .weights.gguf import default_cache_root
+        from .store import default_cache_root
 
         cache_dir = default_cache_root() / "datastore"
     digest = hashlib.sha256(responses.read_bytes()).hexdigest()[:16]
