@@ -22,6 +22,21 @@ from ..kernels.gdn import gated_delta_states, gated_delta_tree_ops
 LAYERS = (qwen3_5.GatedDeltaNet, qwen3_next.Qwen3NextGatedDeltaNet)
 
 
+def _heads(attn, conv_out: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """The convolution's output split into normalised queries and keys and the values, per head."""
+    B, L = conv_out.shape[:2]
+    q, k, v = [
+        t.reshape(B, L, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [attn.key_dim, 2 * attn.key_dim], -1),
+            [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
+            [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
+    return q, k, v
+
+
 def supports(attn: nn.Module, mask: mx.array | None, cache: Any) -> bool:
     """Whether :func:`linear_attention` gives ``attn``'s output here: one of ``LAYERS``, not
     sharded, with no padding mask and no per-row lengths in the cache."""
@@ -67,15 +82,7 @@ def linear_attention(attn: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
     cache[0] = mx.contiguous(conv_input[:, -(attn.conv_kernel_size - 1) :, :])
     conv_out = nn.silu(attn.conv1d(conv_input))
-    q, k, v = [
-        t.reshape(B, L, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [attn.key_dim, 2 * attn.key_dim], -1),
-            [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
-            [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
+    q, k, v = _heads(attn, conv_out)
     state = cache[1]
     if state is None:
         state = mx.zeros((B, attn.num_v_heads, attn.head_v_dim, attn.head_k_dim), dtype=mx.float32)
@@ -125,15 +132,7 @@ def tree_linear_attention(
         rows.append(path[::-1])
     windows = sources[mx.array(rows)]  # (N, K, conv_dim)
     conv_out = nn.silu(attn.conv1d(windows))[:, -1:]  # (N, 1, conv_dim)
-    q, k, v = [
-        t.reshape(N, 1, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [attn.key_dim, 2 * attn.key_dim], -1),
-            [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
-            [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
+    q, k, v = _heads(attn, conv_out)
     state = cache[1]
     if state is None:
         state = mx.zeros((1, attn.num_v_heads, attn.head_v_dim, attn.head_k_dim), dtype=mx.float32)
