@@ -23,7 +23,7 @@ _SHARDED = (nn.AllToShardedLinear, nn.ShardedToAllLinear, nn.QuantizedAllToShard
 
 def target_group(model: nn.Module) -> mx.distributed.Group | None:
     """The group a target is sharded over (pipeline or tensor parallel), or None if it is whole."""
-    inner = model.model  # a vision-language target's text decoder too
+    inner = getattr(tgt._text(model), "model", None)  # a vision-language target's text decoder too
     if getattr(inner, "pipeline_size", 1) > 1:
         return mx.distributed.init()  # mlx-lm's pipeline sends and receives in the world group
     for _, module in model.named_modules():
