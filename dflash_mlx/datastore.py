@@ -109,21 +109,19 @@ class SuffixIndex:
 
     def narrow(self, lo: int, hi: int, depth: int, token: int) -> tuple[int, int]:
         """The part of a range (whose suffixes share ``depth`` tokens) that continues with ``token``."""
-        a, b = lo, hi
-        while a < b:  # first suffix whose next token is >= token
-            mid = (a + b) // 2
-            if self._token_at(mid, depth) < token:
-                a = mid + 1
+        start = self._bound_at(lo, hi, depth, token, upper=False)
+        return start, self._bound_at(start, hi, depth, token, upper=True)
+
+    def _bound_at(self, lo: int, hi: int, depth: int, token: int, upper: bool) -> int:
+        # First suffix in [lo, hi) whose token at ``depth`` is >= (upper: >) ``token``.
+        while lo < hi:
+            mid = (lo + hi) // 2
+            at = self._token_at(mid, depth)
+            if at < token or (upper and at == token):
+                lo = mid + 1
             else:
-                b = mid
-        start, b = a, hi
-        while a < b:  # first suffix whose next token is > token
-            mid = (a + b) // 2
-            if self._token_at(mid, depth) <= token:
-                a = mid + 1
-            else:
-                b = mid
-        return start, a
+                hi = mid
+        return lo
 
     def next_counts(self, lo: int, hi: int, depth: int, limit: int = 1 << 16) -> tuple[np.ndarray, np.ndarray]:
         """The tokens that follow the range's common prefix of ``depth`` tokens, and how many

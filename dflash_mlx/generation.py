@@ -186,7 +186,7 @@ def _make_proposer(
     if draft is None:
         if datastore is None or block_size == 1:
             return PlainProposer()
-        return free_sources(cache, datastore, min(1, block_size - 1), block_size - 1)
+        return free_sources(cache, datastore, 1, block_size - 1)
     if isinstance(draft, PromptLookup):
         lookup = LookupProposer(draft, cache.tokens)
         if datastore is not None:
