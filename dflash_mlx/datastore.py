@@ -156,10 +156,12 @@ class SuffixIndex:
 
 @dataclass(frozen=True)
 class Draft:
-    """A datastore draft: its tokens and the length of the text's suffix it matched."""
+    """A datastore draft: its tokens, the length of the text's suffix it matched, and each
+    token's share of the continuations there (given the tokens before it)."""
 
     tokens: list[int]
     match: int
+    shares: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -220,27 +222,26 @@ class Datastore:
         return [i for i in (self._session, self.fixed) if i is not None and len(i)]
 
     def draft(self, text: list[int], n: int) -> Draft:
-        """Up to ``n`` tokens to follow ``text``, from the longest match of its suffix in either part
-        (the session's replies first on a tie)."""
+        """Up to ``n`` tokens to follow ``text``, from the longest suffix of it that either part holds:
+        the session's replies first, then the fixed part where the session's continuation is too
+        unsure (a phrase the session said once must not hide what the cache says every time)."""
         indexes = self._indexes()
         if n < 1 or not indexes:
             return Draft([], 0)
-        best, best_range, best_order = None, (0, 0), 0
         for order in range(min(self.max_order, len(text)), self.min_order - 1, -1):
             pattern = [int(t) for t in text[-order:]]
-            for index in indexes:
-                lo, hi = index.find(pattern)
-                if hi > lo:
-                    best, best_range, best_order = index, (lo, hi), order
-                    break
-            if best is not None:
-                break
-        if best is None:
-            return Draft([], 0)
-        return Draft(self._walk(best, *best_range, best_order, n), best_order)
+            ranges = [(index, index.find(pattern)) for index in indexes]
+            ranges = [(index, lo, hi) for index, (lo, hi) in ranges if hi > lo]
+            for index, lo, hi in ranges:
+                tokens, shares = self._walk(index, lo, hi, order, n)
+                if tokens:
+                    return Draft(tokens, order, shares)
+            if ranges:
+                return Draft([], order)
+        return Draft([], 0)
 
-    def _walk(self, index: SuffixIndex, lo: int, hi: int, depth: int, n: int) -> list[int]:
-        out, path = [], 1.0
+    def _walk(self, index: SuffixIndex, lo: int, hi: int, depth: int, n: int) -> tuple[list[int], list[float]]:
+        out, shares, path = [], [], 1.0
         while len(out) < n and hi > lo and depth < SORTED:
             values, counts = index.next_counts(lo, hi, depth)
             if len(values) == 0:
@@ -252,10 +253,11 @@ class Datastore:
             if token >= self.vocab or count < self.min_count or share < self.min_step or path < self.min_path:
                 break
             out.append(token)
+            shares.append(share)
             # Suffixes are sorted, so those that continue with ``token`` are a contiguous run.
             lo, hi = index.narrow(lo, hi, depth, token)
             depth += 1
-        return out
+        return out, shares
 
 
 def read_responses(path: str | Path) -> list[list[int]]:

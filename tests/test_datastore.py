@@ -69,6 +69,17 @@ def test_session_replies_are_searched_first_and_bounded():
     assert store.nbytes > 0
 
 
+def test_a_phrase_the_session_said_once_does_not_hide_the_cache():
+    # The cache continues [1, 2] with 3 every time; the session said [1, 2, 9] once, too few to draft.
+    store = Datastore(SuffixIndex.build([[1, 2, 3, 4]] * 3, 10), 10, min_count=2)
+    assert store.draft([1, 2], 2).tokens == [3, 4]
+    store.add([5, 1, 2, 9])
+    draft = store.draft([1, 2], 2)
+    assert draft.tokens == [3, 4] and draft.match == 2 and draft.shares == [1.0, 1.0]
+    store.add([6, 1, 2, 9])  # twice now: the session's own continuation wins
+    assert store.draft([1, 2], 2).tokens == [9]
+
+
 def test_built_once_and_kept(tmp_path):
     cache = tmp_path / "responses.jsonl"
     cache.write_text('{"key": "a", "prompt_ids": [1], "response_ids": [5, 6, 7, 8], "finish_reason": "stop"}\n'
