@@ -13,12 +13,82 @@ Plain Python only.
 
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from .errors import DFlashError
 from .store import JsonStore
+
+
+@dataclass
+class FreeStats:
+    """What free drafts taught so far: their chances and their cost, in plain steps.
+
+    Kept by the pair's policy state, so a chat's next reply starts from what the last one learned.
+
+    Args:
+        first: A verify cycle's cost beyond a plain step's for its first draft, in plain steps.
+        each: Each further draft's.
+        prior: Pseudo-counts behind the starting chances and costs.
+    """
+
+    first: float = 0.15
+    each: float = 0.06
+    prior: float = 4.0
+    step: float | None = None  # seconds of a plain cycle, a running mean (None: not timed yet)
+    # (kind, position) -> [right, judged]: how often a draft there was right, given the ones before.
+    hits: dict = field(default_factory=lambda: defaultdict(lambda: [1.0, 2.0]))
+    # kind -> [right, expected]: the datastore's drafts right against the sum of their shares.
+    trust: dict = field(default_factory=lambda: defaultdict(lambda: [4.0, 4.0]))
+
+    def chances(self, kind: str, count: int, shares: list[float] | None = None) -> list[float]:
+        """Each draft's chance of being right given the ones before it."""
+        if shares is not None:
+            right, expected = self.trust[kind]
+            return [min(1.0, s * right / expected) for s in shares[:count]]
+        return [self.hits[(kind, i)][0] / self.hits[(kind, i)][1] for i in range(count)]
+
+    def cost(self, k: int) -> float:
+        """A cycle of ``k`` drafts, in plain steps."""
+        return 1.0 if k == 0 else 1.0 + self.first + self.each * (k - 1)
+
+    def best(self, chances: list[float]) -> tuple[int, float]:
+        """The number of drafts to verify (0: none) and its tokens per plain step."""
+        best_k, best_rate, alive, expected = 0, 1.0, 1.0, 1.0
+        for k, c in enumerate(chances, 1):
+            alive *= c
+            expected += alive
+            rate = expected / self.cost(k)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, best_rate
+
+    def judged(self, kind: str, accepted: int, chances: list[float], shares: list[float] | None) -> None:
+        """The target kept ``accepted`` of a cycle's drafts, which had these chances."""
+        judged = min(accepted + 1, len(chances))
+        if shares is not None:
+            trust = self.trust[kind]
+            trust[0] += accepted
+            trust[1] += sum(shares[:judged])
+            return
+        for i in range(judged):
+            hit = self.hits[(kind, i)]
+            hit[1] += 1
+            hit[0] += i < accepted
+
+    def timed(self, seconds: float, drafts: int) -> None:
+        """A cycle of ``drafts`` drafts took ``seconds``: the plain step's time, or the first
+        draft's cost (the part a further draft adds is the verify pass's, which varies less)."""
+        if drafts == 0:
+            self.step = seconds if self.step is None else 0.9 * self.step + 0.1 * seconds
+            return
+        if self.step is None:
+            return
+        first = seconds / self.step - 1.0 - self.each * (drafts - 1)
+        weight = 1.0 / self.prior
+        self.first = min(max((1 - weight) * self.first + weight * first, 0.0), 4.0)
 
 
 @dataclass
@@ -70,6 +140,8 @@ class PolicyState:
     window_seconds: float = field(default=0.0, init=False)
     window_tokens: int = field(default=0, init=False)
     window_cycles: int = field(default=0, init=False)
+    # What draft-free cycles learned (dflash_mlx.free_drafts), kept with the rest for the next call.
+    free: FreeStats = field(default_factory=FreeStats, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         for name in ("window", "refresh", "max_run"):

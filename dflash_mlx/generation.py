@@ -25,6 +25,7 @@ from .cpu.speedups import choose_speedups
 from .datastore import Datastore, DatastoreProposer
 from .distributed import FollowProposer, Peers, check_sharded, target_group
 from .errors import DFlashError
+from .free_drafts import FreeDrafts
 from .inputs import MAX_SEED, check_text
 from .kernels import check_kernels
 from .lookup import LookupProposer, PromptLookup
@@ -69,27 +70,22 @@ class StepOutput(NamedTuple):
     source: str = ""
 
 
-# Drafts a draft-free cycle verifies from a prompt-lookup match of LONG_MATCH tokens or more, or
-# from the datastore (which sizes its own drafts by their estimated chance): on a CPU target a
-# verified draft costs a small share of a step, so a likely continuation pays well past one.
+# The most drafts a draft-free cycle verifies (prompt lookup's or the datastore's, each cycle as
+# many as pay by their learned chances and this machine's cycle costs: dflash_mlx.free_drafts).
 FREE_DRAFTS = 7
-LONG_MATCH = 2
 
 
 def free_sources(
     cache: DFlashCache, datastore: Datastore | None, lookup: int, width: int = FREE_DRAFTS
 ) -> Proposer | None:
-    """What drafts without a drafter pass: up to ``width`` drafts from prompt lookup on a long
-    match, else from the datastore, else prompt lookup's ``lookup`` drafts on any match (None:
-    ``lookup`` 0, plain steps)."""
+    """What drafts without a drafter pass: with a datastore, up to ``width`` drafts from it or
+    from prompt lookup, as many as pay (:class:`~dflash_mlx.free_drafts.FreeDrafts`); without,
+    prompt lookup's ``lookup`` drafts on any match (None: ``lookup`` 0, plain steps)."""
     if not lookup:  # paused cycles are plain steps (PolicyState(lookup=0))
         return None
-    any_match = LookupProposer(PromptLookup(lookup + 1), cache.tokens)
     if datastore is None:
-        return any_match
-    long_match = LookupProposer(PromptLookup(width + 1, min_ngram=LONG_MATCH), cache.tokens)
-    store = DatastoreProposer(datastore, cache.tokens, width + 1)
-    return FirstOf(long_match, store, any_match)
+        return LookupProposer(PromptLookup(lookup + 1), cache.tokens)
+    return FreeDrafts(cache.tokens, datastore, width, cache.policy.free, clock=cache.policy.clock)
 
 
 def resolve_block_size(draft: nn.Module | None, block_size: int | str | None, datastore: bool = False) -> int:

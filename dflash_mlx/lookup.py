@@ -29,13 +29,17 @@ class PromptLookup:
 
     def lookup(self, tokens: list[int], count: int) -> list[int]:
         """Up to ``count`` tokens that followed the latest earlier match of a suffix of ``tokens``."""
+        return self.lookup_match(tokens, count)[0]
+
+    def lookup_match(self, tokens: list[int], count: int) -> tuple[list[int], int]:
+        """:meth:`lookup`'s tokens and the length of the suffix matched (0: none)."""
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             suffix, end = tokens[-n:], tokens[-1]
             for start in range(len(tokens) - n - 1, -1, -1):
                 # Compare one token before slicing: a miss scans the whole history in Python.
                 if tokens[start + n - 1] == end and tokens[start : start + n] == suffix:
-                    return tokens[start + n : start + n + count]
-        return []
+                    return tokens[start + n : start + n + count], n
+        return [], 0
 
 
 class LookupProposer(Proposer):

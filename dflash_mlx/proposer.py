@@ -346,6 +346,8 @@ class AdaptiveProposer(Proposer):
 
     def accept(self, num_accepted: int, taps: mx.array | None) -> None:
         self.inner.accept(num_accepted, taps)
+        if not self.drafting and self.paused is not None:
+            self.paused.accept(num_accepted, taps)
         if self.started is None:  # a cycle the loop proposed itself (no room for drafts)
             return
         seconds, self.started = self.policy.clock() - self.started, None

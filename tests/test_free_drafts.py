@@ -1,0 +1,72 @@
+"""Draft-free cycles verify as many of prompt lookup's or the datastore's drafts as pay."""
+
+import pytest
+
+from dflash_mlx.adaptive import FreeStats
+from dflash_mlx.datastore import Datastore, SuffixIndex
+from dflash_mlx.free_drafts import FreeDrafts
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_number_of_drafts_is_the_most_tokens_per_step():
+    stats = FreeStats(first=0.2, each=0.1)
+    assert stats.best([0.1, 0.9]) == (0, 1.0)  # 1.1 tokens for 1.2 steps, 1.19 for 1.3: a plain step
+    k, rate = stats.best([0.9, 0.9, 0.1, 0.9])
+    # 1.9/1.2, 2.71/1.3, 2.791/1.4, 2.8639/1.5: two drafts
+    assert k == 2 and rate == pytest.approx(2.71 / 1.3)
+    assert stats.best([1.0] * 7)[0] == 7
+
+
+def test_chances_are_learned_per_kind_and_position():
+    stats = FreeStats()
+    assert stats.chances("lookup 1", 2) == [0.5, 0.5]  # the prior
+    for _ in range(8):
+        stats.judged("lookup 1", 0, [0.5, 0.5], None)  # the first draft wrong: the second never judged
+    first, second = stats.chances("lookup 1", 2)
+    assert first == pytest.approx(1 / 10) and second == 0.5
+    assert stats.chances("lookup 3", 1) == [0.5]  # another match length, another kind
+    # The datastore's shares, scaled by how often its drafts were right against their shares.
+    for _ in range(4):
+        stats.judged("datastore 4", 1, [0.8, 0.8], [0.8, 0.8])  # 1 right where 1.6 were expected
+    assert stats.chances("datastore 4", 2, [0.8, 0.5]) == pytest.approx([0.8 * 8 / 10.4, 0.5 * 8 / 10.4])
+
+
+def test_cycle_times_set_the_first_drafts_cost():
+    stats = FreeStats(first=0.15, each=0.05, prior=4.0)
+    stats.timed(2.0, 3)  # no plain step timed yet: nothing to compare with
+    assert stats.first == 0.15
+    stats.timed(1.0, 0)
+    stats.timed(1.0 + 0.95 + 0.05 * 2, 3)  # the first draft cost 0.95 of a step here
+    assert stats.first == pytest.approx(0.75 * 0.15 + 0.25 * 0.95)
+
+
+def test_a_source_that_keeps_missing_gives_way_to_plain_steps():
+    text = [1, 2, 3, 9, 9, 1]  # and then 2: lookup finds [3, ...] after [1, 2]; the target never agrees
+    clock = Clock()
+    drafts = FreeDrafts(text, None, 4, FreeStats(), clock=clock)
+    sizes = []
+    for _ in range(12):
+        proposal = drafts.propose(2, 4)
+        sizes.append(proposal.size)
+        clock.now += 1.0
+        drafts.accept(0, None)
+    assert sizes[0] > 0 and sizes[-1] == 0 and proposal.source == ""
+
+
+def test_costly_drafting_cycles_shorten_the_drafts():
+    store = Datastore(SuffixIndex.build([[1, 2, 3, 4, 5, 6, 7, 8]] * 4, 10), 10)
+    clock = Clock()
+    stats = FreeStats(first=0.1, each=0.1)
+    drafts = FreeDrafts([0, 1], store, 6, stats, clock=clock)
+    assert drafts.propose(2, 6).tokens.tolist() == [3, 4, 5, 6, 7, 8]  # certain, and cheap
+    stats.each = 0.6  # each further draft costs more than its chance of a token is worth
+    assert drafts.propose(2, 6).size == 1
+    stats.first = 6.0  # a verify costs more than the drafts can give
+    assert drafts.propose(2, 6).size == 0
