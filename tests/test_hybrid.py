@@ -14,7 +14,7 @@ from helpers.checkpoints import VOCAB, write_draft
 from helpers.decoding import run
 from helpers.family import MAX_REF, prompt_ids, reference
 from helpers.hf_checkpoints import HF_KINDS, write_hf_target
-from helpers.oracles import ScriptedDraft
+from helpers.oracles import ScriptedDraft, SecondChoiceDraft
 
 from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache
 from dflash_mlx.models import hybrid, linear_attention
@@ -158,6 +158,32 @@ def test_generation_with_the_emulated_recurrence_kernel_is_lossless(pairs, monke
         seen |= {c.num_accepted for c in cycles[1:]}
     assert dispatcher.verdicts and all(v.enabled for v in dispatcher.verdicts.values())
     assert 0 in seen and len(seen) >= 3
+
+
+def test_draft_trees_with_the_emulated_tree_kernel_are_lossless(pairs, monkeypatch, tmp_path):
+    """Every tree pass's recurrence through the tree kernel's own Metal source (run here by the CPU
+    harness, enabled by its dispatcher's check), every accepted path's state the kernel's: still
+    mlx-lm's greedy output, with trees that branch and paths that follow a branch."""
+    from helpers.emulated import emulated_dispatcher
+
+    from dflash_mlx.kernels import gdn_tree, harness
+
+    if harness.compiler_missing():
+        pytest.skip(harness.compiler_missing())
+    dispatcher, calls = emulated_dispatcher(
+        "gated_delta_tree", gdn_tree.gated_delta_tree_kernel, gdn_tree.gated_delta_tree_ops, tmp_path,
+        shape_class=gdn_tree.shape_class, example=gdn_tree.example, close=gdn_tree.close, supports=gdn_tree.supports,
+    )  # fmt: skip
+    monkeypatch.setattr(linear_attention, "gated_delta_tree", dispatcher)
+    model, draft, _ = pairs["qwen3_5"]
+    prompt = prompt_ids(9)
+    ref = reference(model, prompt, 16)
+    # The drafter's first choice at the first position is always wrong: the target follows a branch.
+    branching = SecondChoiceDraft(draft, prompt + ref, VOCAB)
+    out, _ = run(model, branching, prompt, tree_budget=16, max_tokens=16, adaptive=False)
+    assert out == ref
+    assert calls.count("kernel") > calls.count("twin")
+    assert dispatcher.verdicts and all(v.enabled for v in dispatcher.verdicts.values())
 
 
 @pytest.mark.parametrize("record", [True, False], ids=["selected", "replayed"])
@@ -457,7 +483,8 @@ def test_draft_trees_fork_the_recurrent_state_losslessly(pairs, kind):
 
 def test_tree_recurrence_equals_each_path_alone():
     """gated_delta_tree_ops: every node's output and state equal the sequential recurrence over its path."""
-    from dflash_mlx.kernels.gdn import gated_delta_states_ops, gated_delta_tree_ops
+    from dflash_mlx.kernels.gdn import gated_delta_states_ops
+    from dflash_mlx.kernels.gdn_tree import gated_delta_tree_ops
 
     parents = [-1, 0, 0, 1, 1, 2, 3]
     N, Hk, Hv, Dk, Dv = len(parents), 2, 4, 8, 6

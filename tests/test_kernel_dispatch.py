@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.kernels import accept, gdn, qmm
+from dflash_mlx.kernels import accept, gdn, gdn_tree, qmm
 from dflash_mlx.kernels.dispatch import KERNEL_MODES, KernelStore, SelfChecked, Verdict, check_kernels, on_metal
 
 
@@ -212,6 +212,10 @@ def test_real_dispatchers_run_their_twins_here():
     got, want = gdn.gated_delta_states(*args), gdn.gated_delta_states_ops(*args)
     for a, b in zip(got[:2] + tuple(got[2]), want[:2] + tuple(want[2])):
         assert mx.array_equal(a, b).item()
+    args = _tree_inputs()
+    got, want = gdn_tree.gated_delta_tree(*args), gdn_tree.gated_delta_tree_ops(*args)
+    for a, b in zip((got[0], *got[1]), (want[0], *want[1])):
+        assert mx.array_equal(a, b).item()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16])
@@ -255,6 +259,7 @@ def test_checks_leave_the_random_state_alone():
     accept.greedy_accept.example(logits, mx.zeros((3,), dtype=mx.int32))
     qmm.verify_qmm.example(mx.zeros((2, 64)), w, s, b, 32, 4)
     gdn.gated_delta_states.example(*_recurrence_inputs())
+    gdn_tree.gated_delta_tree.example(*_tree_inputs())
     assert mx.random.uniform(shape=(3,)).tolist() == want
 
 
@@ -262,6 +267,22 @@ def _recurrence_inputs() -> tuple:
     q = mx.zeros((1, 4, 2, 16))
     return gdn.gated_delta_states.example(q, q, mx.zeros((1, 4, 4, 8)), mx.zeros((1, 4, 4)), mx.zeros((1, 4, 4)),
                                           mx.zeros((1, 4, 8, 16)))  # fmt: skip
+
+
+def _tree_inputs(n: int = 6) -> tuple:
+    q = mx.zeros((n, 2, 16))
+    return gdn_tree.gated_delta_tree.example(q, q, mx.zeros((n, 4, 8)), mx.zeros((n, 4)), mx.zeros((n, 4)),
+                                             mx.zeros((1, 4, 8, 16)), list(range(-1, n - 1)))  # fmt: skip
+
+
+def test_gated_delta_tree_example_is_a_branching_tree_of_the_same_class():
+    # The check a Mac runs per shape class must read parents that are not the node before.
+    args = _tree_inputs(17)
+    like = (mx.zeros((17, 2, 16)),) * 2 + (mx.zeros((17, 4, 8)), mx.zeros((17, 4)), mx.zeros((17, 4)))
+    assert gdn_tree.shape_class(*args) == gdn_tree.shape_class(*like, mx.zeros((1, 4, 8, 16)), [-1] * 17)
+    assert gdn_tree.supports(*args)
+    parents = args[-1]
+    assert any(p != i - 1 for i, p in enumerate(parents)) and any(p == i - 1 for i, p in enumerate(parents[1:], 1))
 
 
 def test_gated_delta_states_twin_keeps_every_position():

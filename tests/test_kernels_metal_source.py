@@ -5,7 +5,7 @@ planted bugs (an index off by one, a removed barrier or reduction) that the comp
 import mlx.core as mx
 import pytest
 
-from dflash_mlx.kernels import accept, gdn, harness, qmm
+from dflash_mlx.kernels import accept, gdn, gdn_tree, harness, qmm
 from dflash_mlx.kernels.dispatch import on_metal
 
 needs_compiler = pytest.mark.skipif(harness.compiler_missing() is not None, reason=str(harness.compiler_missing()))
@@ -311,6 +311,113 @@ def test_gated_delta_states_planted_bugs_are_caught(old, new):
     assert not gdn.close(_recurrence_on_cpu(args, _planted(gdn.SOURCE, old, new)), want)
 
 
+def _tree(parents, Hk, Dk, Hv, Dv, dtype, seed):
+    """The tree recurrence's inputs for the nodes of ``parents``, as a layer gives them (``_recurrence``'s)."""
+    q, k, v, g, beta, state = _recurrence(1, len(parents), Hk, Dk, Hv, Dv, dtype, seed)
+    return q[0], k[0], v[0], g[0], beta[0], state, list(parents)
+
+
+def _tree_on_cpu(args, source=gdn_tree.SOURCE):
+    # The kernel's own launch, its source swapped for a planted bug's.
+    def factory(**kwargs):
+        return harness.cpu_metal_kernel(**{**kwargs, "source": source})
+
+    return gdn_tree.gated_delta_tree_kernel(*args, factory=factory)
+
+
+CHAIN_7 = [-1, 0, 1, 2, 3, 4, 5]
+STAR_9 = [-1] + [0] * 8
+# Two chains off the root and a branch off each, as a draft tree of a few top-k choices grows.
+FORK_11 = [-1, 0, 1, 2, 0, 4, 5, 1, 7, 4, 9]
+
+# (parents, Hk, Dk, Hv, Dv, dtype): the root alone; a chain, a star and branching trees; node counts
+# (1, 7, 9, 11, 13, 23) that are multiples of neither the 32 lanes nor the 4 rows of a threadgroup;
+# Dk under, over and not a multiple of 32; Dv an edge threadgroup; Hv = 1, 2, 3, 4 x Hk.
+TREE_CASES = [
+    ([-1], 1, 32, 1, 1, mx.float32),
+    (CHAIN_7, 2, 40, 4, 7, mx.float32),
+    (STAR_9, 1, 16, 2, 5, mx.float32),
+    (FORK_11, 2, 128, 2, 6, mx.float32),
+    ("random13", 2, 64, 4, 9, mx.float32),
+    ("random23", 1, 97, 3, 11, mx.float32),
+    (STAR_9, 1, 16, 2, 5, mx.bfloat16),
+    (FORK_11, 1, 48, 2, 5, mx.bfloat16),
+    (CHAIN_7, 2, 64, 4, 9, mx.float16),
+    ("random13", 2, 64, 4, 9, mx.float16),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("parents, Hk, Dk, Hv, Dv, dtype", TREE_CASES)
+def test_gated_delta_tree_source_matches_twin(parents, Hk, Dk, Hv, Dv, dtype):
+    if isinstance(parents, str):
+        n = int(parents.removeprefix("random"))
+        parents = gdn_tree.random_parents(n, mx.random.key(n))
+        assert any(p != i - 1 for i, p in enumerate(parents))  # it branches
+    args = _tree(parents, Hk, Dk, Hv, Dv, dtype, seed=len(parents) * Dk + Dv)
+    assert gdn_tree.supports(*args)
+    got = gdn_tree.gated_delta_tree_kernel(*args, factory=harness.cpu_metal_kernel)
+    want = gdn_tree.gated_delta_tree_ops(*args)
+    assert got[0].dtype == dtype and [s.shape for s in got[1]] == [(1, Hv, Dv, Dk)] * len(parents)
+    assert gdn_tree.close(got, want)
+
+
+@needs_compiler
+def test_gated_delta_tree_source_on_random_trees_and_shapes():
+    # Ranges of N, Hk, Dk, Hv / Hk and Dv.
+    ranges = [(1, 41), (1, 3), (1, 97), (1, 3), (1, 11)]
+    for seed in range(4):
+        keys = mx.random.split(mx.random.key(seed), len(ranges) + 1)
+        N, Hk, Dk, group, Dv = (mx.random.randint(lo, hi, (), key=k).item() for k, (lo, hi) in zip(keys, ranges))
+        args = _tree(gdn_tree.random_parents(N, keys[-1]), Hk, Dk, Hk * group, Dv, mx.float32, seed=seed)
+        got = gdn_tree.gated_delta_tree_kernel(*args, factory=harness.cpu_metal_kernel)
+        assert gdn_tree.close(got, gdn_tree.gated_delta_tree_ops(*args)), (N, Hk, Dk, Hk * group, Dv)
+
+
+@needs_compiler
+def test_gated_delta_tree_source_reads_the_parents():
+    # A negative control: the same nodes walked as a chain give other states than the tree, so a
+    # kernel that ignored the parents (every node continuing the node before) would fail the test.
+    q, k, v, g, beta, state, tree = _tree(FORK_11, 2, 40, 4, 7, mx.float32, seed=1)
+    chain = list(range(-1, len(tree) - 1))
+    want = gdn_tree.gated_delta_tree_ops(q, k, v, g, beta, state, tree)
+    as_chain = gdn_tree.gated_delta_tree_kernel(q, k, v, g, beta, state, chain, factory=harness.cpu_metal_kernel)
+    assert gdn_tree.close(as_chain, gdn_tree.gated_delta_tree_ops(q, k, v, g, beta, state, chain))
+    assert not gdn_tree.close(as_chain, want)
+    # Where the chain and the tree agree (the root's first path, nodes 0..3), so do the states.
+    assert mx.allclose(mx.concatenate(as_chain[1][:4]), mx.concatenate(want[1][:4]), atol=1e-5).item()
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        # Parents ignored: every node continues the node before it, as on a path.
+        ("if (p != n - 1) {", "if (false) {"),
+        # Every branch restarted from the state before the root instead of its parent's.
+        ("p < 0 ? state_in + row : states + p * NODE + row", "state_in + row"),
+        # A parent's state read one node late (the parent's first child, or a node not yet written).
+        ("states + p * NODE + row", "states + (p + 1) * NODE + row"),
+        # A removed reduction: each lane reads kv_mem from its own slice of the key only.
+        ("kv_mem = simd_sum(kv_mem);", ""),
+    ],
+    ids=["parents-ignored", "branch-from-root-state", "parent-off-by-one", "no-simd-sum"],
+)
+def test_gated_delta_tree_planted_bugs_are_caught(old, new):
+    args = _tree(FORK_11, 2, 40, 4, 8, mx.float32, seed=3)
+    want = gdn_tree.gated_delta_tree_ops(*args)
+    assert gdn_tree.close(_tree_on_cpu(args), want)
+    assert not gdn_tree.close(_tree_on_cpu(args, _planted(gdn_tree.SOURCE, old, new)), want)
+
+
+def test_gated_delta_tree_supports():
+    args = _tree(FORK_11, 1, 16, 2, 4, mx.float32, seed=0)
+    assert gdn_tree.supports(*args)
+    for parents in ([], [0] + FORK_11[1:], [-1, 0, 3, 1] + FORK_11[4:], [-1, 0, -1] + FORK_11[3:], FORK_11[:-1]):
+        assert not gdn_tree.supports(*args[:6], parents), parents
+    assert not gdn_tree.supports(*args[:5], args[5].astype(mx.float16), FORK_11)
+
+
 @pytest.mark.parametrize("M, N, K, bits, group_size, dtype", QMM_CASES[:1] + QMM_CASES[-2:])
 @pytest.mark.metal
 @needs_metal
@@ -338,6 +445,17 @@ def test_gated_delta_states_kernel_on_metal(B, T, Hk, Dk, Hv, Dv, dtype):
     assert gdn.close(gdn.gated_delta_states_kernel(*args), gdn.gated_delta_states_ops(*args))
 
 
+@pytest.mark.parametrize("parents, Hk, Dk, Hv, Dv, dtype", TREE_CASES + [("random65", 16, 128, 32, 128, mx.bfloat16)])
+@pytest.mark.metal
+@needs_metal
+def test_gated_delta_tree_kernel_on_metal(parents, Hk, Dk, Hv, Dv, dtype):
+    if isinstance(parents, str):
+        n = int(parents.removeprefix("random"))
+        parents = gdn_tree.random_parents(n, mx.random.key(n))
+    args = _tree(parents, Hk, Dk, Hv, Dv, dtype, seed=len(parents) * Dk + Dv)
+    assert gdn_tree.close(gdn_tree.gated_delta_tree_kernel(*args), gdn_tree.gated_delta_tree_ops(*args))
+
+
 @pytest.mark.metal
 @needs_metal
 def test_dispatchers_check_themselves_on_metal(tmp_path):
@@ -347,6 +465,8 @@ def test_dispatchers_check_themselves_on_metal(tmp_path):
         (accept.greedy_accept, _block(16, 32000, 7, mx.bfloat16, seed=0)),
         (qmm.verify_qmm, _quantized(16, 4096, 4096, 4, 64, mx.bfloat16, seed=0)),
         (gdn.gated_delta_states, _recurrence(1, 16, 16, 128, 32, 128, mx.bfloat16, seed=0)),
+        (gdn_tree.gated_delta_tree, _tree(gdn_tree.random_parents(17, mx.random.key(0)), 16, 128, 32, 128,
+                                          mx.bfloat16, seed=0)),  # fmt: skip
     ]:
         fresh = dispatcher.with_store(KernelStore(tmp_path / "kernels.json"))
         verdict = fresh.verdict(*args)

@@ -8,9 +8,11 @@ a kernel's Metal source on a CPU, which is how the tests check it off a Mac."""
 from .accept import greedy_accept, greedy_accept_ops
 from .dispatch import KERNEL_MODES, KernelStore, SelfChecked, Verdict, check_kernels
 from .gdn import gated_delta_states, gated_delta_states_ops
+from .gdn_tree import gated_delta_tree, gated_delta_tree_ops
 from .qmm import verify_qmm, verify_qmm_ops
 
-DISPATCHERS = (greedy_accept, verify_qmm, gated_delta_states)  # every kernel's dispatcher, for reports
+# Every kernel's dispatcher, for reports.
+DISPATCHERS = (greedy_accept, verify_qmm, gated_delta_states, gated_delta_tree)
 
 __all__ = [
     "DISPATCHERS",
@@ -21,6 +23,8 @@ __all__ = [
     "check_kernels",
     "gated_delta_states",
     "gated_delta_states_ops",
+    "gated_delta_tree",
+    "gated_delta_tree_ops",
     "greedy_accept",
     "greedy_accept_ops",
     "verify_qmm",

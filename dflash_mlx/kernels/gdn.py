@@ -119,41 +119,6 @@ def gated_delta_states_ops(
     return mx.stack(ys, axis=1), state, states
 
 
-def gated_delta_tree_ops(
-    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array, parents: list[int]
-) -> tuple[mx.array, list[mx.array]]:
-    """The gated delta recurrence down a draft tree: each node's state is its parent's, stepped by
-    the node's own input (the root's parent is ``state``), so every path gets exactly the states a
-    pass along it alone would.
-
-    Args:
-        q, k: ``(N, Hk, Dk)`` per node, normalized as mlx-lm's ``normalize_qk`` leaves them.
-        v: ``(N, Hv, Dv)``.
-        g, beta: ``(N, Hv)``.
-        state: ``(1, Hv, Dv, Dk)`` the state before the root (float32).
-        parents: ``parents[i]`` is node ``i``'s parent (``-1`` for the root, node 0); a parent
-          comes before its children.
-
-    Returns:
-        ``(y, states)``: ``(N, Hv, Dv)`` outputs and the state after each node, ``N`` ``(1, Hv, Dv, Dk)``.
-    """
-    if (repeat := v.shape[1] // k.shape[1]) > 1:
-        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
-    depth = [0] * len(parents)
-    for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
-    ys, states = [None] * len(parents), [None] * len(parents)
-    # One batched step per depth: the nodes of a depth are independent given their parents.
-    for d in range(max(depth) + 1):
-        nodes = [i for i in range(len(parents)) if depth[i] == d]
-        before = state if d == 0 else mx.concatenate([states[parents[i]] for i in nodes], axis=0)
-        at = mx.array(nodes)
-        y, after = _step(q[at], k[at], v[at], g[at], beta[at], before)
-        for j, i in enumerate(nodes):
-            ys[i], states[i] = y[j], after[j : j + 1]
-    return mx.stack(ys), states
-
-
 def _make_kernel(factory):
     return factory(
         name="dflash_gated_delta_states",

@@ -18,6 +18,7 @@ from ..dtypes import DTYPES
 from .accept import greedy_accept
 from .dispatch import KernelStore, on_metal
 from .gdn import gated_delta_states
+from .gdn_tree import gated_delta_tree, random_parents
 from .qmm import verify_qmm
 
 # (rows of a block, vocabulary): Qwen3's and Llama 3's vocabularies at blocks 16 and 8.
@@ -33,6 +34,8 @@ QMM_SHAPES = [
 ]
 # (positions, Hk, Hv, Dk = Dv): Qwen3.5-4B's and -0.8B's Gated DeltaNet heads at blocks 16 and 8.
 GDN_SHAPES = [(16, 16, 32, 128), (8, 16, 32, 128), (16, 16, 16, 128)]
+# (nodes, Hk, Hv, Dk = Dv): draft trees of budgets 16 and 64 (the root and the drafts) on the same heads.
+GDN_TREE_SHAPES = [(17, 16, 32, 128), (65, 16, 32, 128), (17, 16, 16, 128)]
 
 
 def _cases(dtype: mx.Dtype):
@@ -47,6 +50,11 @@ def _cases(dtype: mx.Dtype):
         # The gate is float32 as mlx-lm's compute_g gives it; beta is sigmoid(b) in the inputs' dtype.
         gate, beta = mx.zeros((1, T, Hv)), mx.zeros((1, T, Hv), dtype=dtype)
         yield gated_delta_states, (qk, qk, v, gate, beta, mx.zeros((1, Hv, D, D)))
+    for N, Hk, Hv, D in GDN_TREE_SHAPES:
+        qk, v = mx.zeros((N, Hk, D), dtype=dtype), mx.zeros((N, Hv, D), dtype=dtype)
+        gate, beta = mx.zeros((N, Hv)), mx.zeros((N, Hv), dtype=dtype)
+        parents = random_parents(N, mx.random.key(0))
+        yield gated_delta_tree, (qk, qk, v, gate, beta, mx.zeros((1, Hv, D, D)), parents)
 
 
 def measure(dtype: mx.Dtype, store: KernelStore) -> list[dict]:

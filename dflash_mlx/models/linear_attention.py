@@ -16,7 +16,8 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_5, qwen3_next
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
-from ..kernels.gdn import gated_delta_states, gated_delta_tree_ops
+from ..kernels.gdn import gated_delta_states
+from ..kernels.gdn_tree import gated_delta_tree
 
 # The layers whose forward this mirrors: any other runs as it is (and rolls back by replay).
 LAYERS = (qwen3_5.GatedDeltaNet, qwen3_next.Qwen3NextGatedDeltaNet)
@@ -137,6 +138,8 @@ def tree_linear_attention(
     if state is None:
         state = mx.zeros((1, attn.num_v_heads, attn.head_v_dim, attn.head_k_dim), dtype=mx.float32)
     g = compute_g(attn.A_log, a, attn.dt_bias)
-    y, states = gated_delta_tree_ops(q[:, 0], k[:, 0], v[:, 0], g[:, 0], mx.sigmoid(b)[:, 0], state, parents)
+    mode = "off" if attn.training else cache.kernels
+    beta = mx.sigmoid(b)[:, 0]
+    y, states = gated_delta_tree(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta, state, parents, mode=mode)
     out = attn.out_proj(attn.norm(y[:, None], z).reshape(N, 1, -1))
     return out, sources, states
