@@ -6,7 +6,7 @@ the sources the training data has most of can hide a flat line on the others.
 Teacher-forced: the target's greedy responses to held-out prompts are cached once; then each
 drafter is read at every anchor of them (dflash_mlx.train.block_acceptance), without a
 generation loop: on 2 cores about 2 minutes per drafter (all block sizes from one read), plus 2-3 minutes for the
-target's taps, shared by the drafters of one run. The drafter comparisons in DRAFT.md use it.
+target's taps, shared by the drafters of one run. The drafter comparisons in docs/lab/drafter-stages.md use it.
 
     python recipes/measure/smollm2_block_tau.py --select-prompts runs/heldout/prompts.jsonl
     LD_PRELOAD=.../libopenblas.so.0 python recipes/rebuild/smollm2_responses.py --prompts runs/heldout/prompts.jsonl \\
