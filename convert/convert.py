@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 "dflash-convert: warning: DFlash was slower than the target alone in the check. A short check "
                 "is noisy; dflash-bench measures it properly. On a CPU, quantized or bf16 targets and weak "
-                "drafters often do not pay (README: When DFlash does not pay).",
+                "drafters often do not pay (docs/generate.md: When DFlash does not pay).",
                 file=sys.stderr,
             )
         if not c.tokens_match:

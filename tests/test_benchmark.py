@@ -463,7 +463,7 @@ def test_no_dflash_method_times_no_dflash_pass(pair_dirs, prompts, monkeypatch):
 
 
 def test_ar_draft_by_hub_id_and_empty(pair_dirs, prompts, tmp_path, capsys, monkeypatch):
-    """--ar-draft takes a Hugging Face id as the README shows (here from an offline cache); '' is refused."""
+    """--ar-draft takes a Hugging Face id as docs/bench.md shows (here from an offline cache); '' is refused."""
     import huggingface_hub.constants
 
     def run(ar):

@@ -62,7 +62,7 @@ def test_every_cycle_of_the_loop_accepts_what_its_anchor_reads(tiny, block_size)
 
 
 def test_a_smaller_block_accepts_the_larger_read_capped_at_its_width(tiny):
-    # What recipes/smollm2_block_tau.py relies on to read every block size at once.
+    # What recipes/measure/smollm2_block_tau.py relies on to read every block size at once.
     model, draft, tokenizer = tiny
     row = next(r for r in load_prompts(embedded_pair_path(TINY_PAIR) / "prompts.jsonl") if r["category"] == "chat")
     prompt = encode(tokenizer, row)
