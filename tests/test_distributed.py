@@ -2,8 +2,8 @@
 process (helpers/ranks.py), tiny fp32 targets built alike on every rank (helpers/sharded.py).
 
 On every rank, DFlash on the sharded target gives the unsharded target's plain greedy tokens
-(tensor parallel, including Qwen3.5's vocabulary-sharded head, and pipeline parallel, for a
-plain, a hybrid and an MLA family), and seeded sampling gives unsharded DFlash's tokens.
+(tensor parallel on 2 and 3 ranks, including Qwen3.5's vocabulary-sharded head, and pipeline
+parallel, for a plain, a hybrid and an MLA family), and seeded sampling gives unsharded DFlash's tokens.
 """
 
 import json
@@ -38,7 +38,7 @@ def test_greedy_on_two_ranks_equals_plain_greedy(tmp_path):
 
 def test_greedy_on_three_ranks_equals_plain_greedy(tmp_path):
     # Rank 2 holds one linear attention layer alone; rank 1 a dense layer of the MoE model.
-    cases = ["qwen3_5:pipeline", "kimi_k25:pipeline"]
+    cases = ["qwen3_6h:tensor", "qwen3_5:pipeline", "kimi_k25:pipeline"]
     _check(launch(3, python(SHARDED, *cases), tmp_path, TIMEOUT), cases)
 
 
@@ -47,20 +47,20 @@ def test_seeded_sampling_equals_unsharded_dflash(tmp_path):
     _check(launch(2, python(SHARDED, *cases, "--temp", "1.0", "--seed", "7"), tmp_path, TIMEOUT), cases)
 
 
-@pytest.mark.parametrize("flag", ["--pipeline", "--tensor-parallel"])
-def test_dflash_generate_on_two_ranks_prints_the_single_process_text(flag, tmp_path, capsys):
+@pytest.mark.parametrize("n, kind, flag", [(2, "qwen3_moe", "--pipeline"), (3, "qwen3_6h", "--tensor-parallel")])
+def test_dflash_generate_on_several_ranks_prints_the_single_process_text(n, kind, flag, tmp_path, capsys):
     from dflash_mlx.cli.generate import main
 
-    target, draft = write_pair(tmp_path / "pair", "qwen3_moe")
+    target, draft = write_pair(tmp_path / "pair", kind)
     argv = ["--model", str(target), "--draft", str(draft), "--temp", "0", "--prompt", "t5 t17 t42 t9",
             "--max-tokens", "24", "--ignore-chat-template", "--verbose", "F"]  # fmt: skip
     main(argv)
     alone = capsys.readouterr().out
     assert len(alone.split()) == 24
-    ranks = launch(2, [str(Path(sys.executable).parent / "dflash-generate"), *argv, flag], tmp_path, TIMEOUT)
-    assert [r.returncode for r in ranks] == [0, 0], "\n".join(r.describe() for r in ranks)
+    ranks = launch(n, [str(Path(sys.executable).parent / "dflash-generate"), *argv, flag], tmp_path, TIMEOUT)
+    assert [r.returncode for r in ranks] == [0] * n, "\n".join(r.describe() for r in ranks)
     assert ranks[0].stdout == alone
-    assert ranks[1].stdout == ""  # rank 0 prints
+    assert [r.stdout for r in ranks[1:]] == [""] * (n - 1)  # rank 0 prints
 
 
 def _complete(url: str, body: dict) -> dict:

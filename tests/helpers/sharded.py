@@ -27,6 +27,9 @@ COMMON = {
 }  # fmt: skip
 CONFIGS = {
     "qwen3": {**COMMON, "model_type": "qwen3", "tie_word_embeddings": True},
+    # Heads, KV heads and MLP width that split 3 ways as well as 2 (the tied head is not split).
+    "qwen3_6h": {**COMMON, "model_type": "qwen3", "tie_word_embeddings": True, "num_attention_heads": 6,
+                 "num_key_value_heads": 3, "intermediate_size": 96},
     "qwen3_moe": {**COMMON, "model_type": "qwen3_moe", "tie_word_embeddings": False, "num_experts": 4,
                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
                   "mlp_only_layers": [], "norm_topk_prob": True},
