@@ -7,17 +7,17 @@ parallel, for a plain, a hybrid and an MLA family), and seeded sampling gives un
 """
 
 import json
+import shutil
 import signal
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from helpers.ranks import finish, launch, python, start, stop
-from helpers.sharded import write_pair
+from helpers.sharded import split_weights, write_pair
 
 SHARDED = "tests/helpers/sharded.py"
+FAKE_HUB = "tests/helpers/fake_hub.py"
 TIMEOUT = 240  # seconds for a whole launch, on two busy cores
 
 
@@ -47,20 +47,38 @@ def test_seeded_sampling_equals_unsharded_dflash(tmp_path):
     _check(launch(2, python(SHARDED, *cases, "--temp", "1.0", "--seed", "7"), tmp_path, TIMEOUT), cases)
 
 
-@pytest.mark.parametrize("n, kind, flag", [(2, "qwen3_moe", "--pipeline"), (3, "qwen3_6h", "--tensor-parallel")])
-def test_dflash_generate_on_several_ranks_prints_the_single_process_text(n, kind, flag, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "n, kind, flag, layers",
+    [(2, "qwen3_moe", "--pipeline", [[2, 3], [0, 1]]), (3, "qwen3_moe", "--pipeline", [[2, 3], [1], [0]]),
+     (3, "qwen3_6h", "--tensor-parallel", [[0, 1, 2, 3]] * 3)],
+)  # fmt: skip
+def test_dflash_generate_on_several_ranks_prints_the_single_process_text(n, kind, flag, layers, tmp_path, capsys):
+    # From a (fake) hub, each rank downloads of the target's weights only the files that hold its
+    # layers (one file a layer here) and the file of no layer; the drafter whole.
     from dflash_mlx.cli.generate import main
 
     target, draft = write_pair(tmp_path / "pair", kind)
-    argv = ["--model", str(target), "--draft", str(draft), "--temp", "0", "--prompt", "t5 t17 t42 t9",
-            "--max-tokens", "24", "--ignore-chat-template", "--verbose", "F"]  # fmt: skip
-    main(argv)
+    files = split_weights(target)
+    hub = tmp_path / "hub"
+    shutil.copytree(target, hub / "someone--tiny")
+    shutil.copytree(draft, hub / "someone--tiny-draft")
+    argv = ["--temp", "0", "--prompt", "t5 t17 t42 t9", "--max-tokens", "24", "--ignore-chat-template", "--verbose", "F"]
+    main(["--model", str(target), "--draft", str(draft), *argv])
     alone = capsys.readouterr().out
     assert len(alone.split()) == 24
-    ranks = launch(n, [str(Path(sys.executable).parent / "dflash-generate"), *argv, flag], tmp_path, TIMEOUT)
+    argv = ["--model", "someone/tiny", "--draft", "someone/tiny-draft", *argv, flag]
+    ranks = launch(n, python(FAKE_HUB, str(hub), str(tmp_path), "--", *argv), tmp_path, TIMEOUT)
     assert [r.returncode for r in ranks] == [0] * n, "\n".join(r.describe() for r in ranks)
     assert ranks[0].stdout == alone
     assert [r.stdout for r in ranks[1:]] == [""] * (n - 1)  # rank 0 prints
+    for r, kept in zip(ranks, layers):
+        lines = (tmp_path / f"rank{r.rank}-downloads.jsonl").read_text().splitlines()
+        downloads = {}
+        for x in map(json.loads, lines):
+            downloads.setdefault(x["repo"], set()).update(x["files"])
+        weights = {f for f in downloads["someone/tiny"] if f.endswith(".safetensors")}
+        assert weights == {files[0], *(files[1 + i] for i in kept)}, f"rank {r.rank}"
+        assert "model.safetensors" in downloads["someone/tiny-draft"]
 
 
 def _complete(url: str, body: dict) -> dict:
@@ -145,6 +163,15 @@ def test_parallel_flags_need_mlx_launch(flags, message, capsys):
     with pytest.raises(SystemExit):
         main(["--model", "nowhere", *flags])
     assert message in capsys.readouterr().err
+
+
+def test_a_pipeline_rank_reads_the_files_of_its_layers_and_of_no_layer():
+    from dflash_mlx.weights.sharding import layer_files
+
+    weight_map = {"model.embed_tokens.weight": "a", "model.layers.0.mlp.w": "b", "model.layers.1.mlp.w": "c",
+                  "model.layers.10.mlp.w": "d", "language_model.model.layers.1.norm.w": "e", "lm_head.weight": "f"}  # fmt: skip
+    assert layer_files(weight_map, range(1, 2)) == {"a", "c", "e", "f"}
+    assert layer_files(weight_map, None) == set(weight_map.values())
 
 
 def test_a_sharded_target_refuses_block_size_auto():

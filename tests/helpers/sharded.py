@@ -90,6 +90,25 @@ def write_pair(root: Path, kind: str) -> tuple[Path, Path]:
     return target, root / "draft"
 
 
+def split_weights(folder: Path) -> list[str]:
+    """``folder``'s model.safetensors as a sharded checkpoint: the tensors of no layer in its first
+    file, then one file per layer, with the index. Returns the file names, in that order."""
+    import re
+
+    weights = mx.load(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    groups = [{}] + [{} for _ in range(LAYERS)]
+    for name, w in weights.items():
+        m = re.search(r"\.layers\.(\d+)\.", name)
+        groups[0 if m is None else int(m.group(1)) + 1][name] = w
+    files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    for file, group in zip(files, groups):
+        mx.save_safetensors(str(folder / file), group, metadata={"format": "mlx"})
+    weight_map = {name: file for file, group in zip(files, groups) for name in group}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return files
+
+
 def tokens(model, draft, max_tokens: int, **kwargs) -> list[int]:
     out = []
     for step in dflash_generate_step(PROMPT, model, draft, max_tokens=max_tokens, **kwargs):
