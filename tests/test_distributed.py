@@ -26,14 +26,23 @@ def _check(ranks, cases: list[str]) -> None:
         assert r.returncode == 0, r.describe()
     for r in ranks:
         runs = {x["case"]: x for x in r.results() if "tokens" in x}
-        assert sorted(runs) == sorted(cases), r.describe()
+        assert set(cases) <= set(runs), r.describe()
         for case in cases:
             assert runs[case]["tokens"] == runs[case]["reference"], f"{case} on rank {r.rank}"
 
 
-def test_greedy_on_two_ranks_equals_plain_greedy(tmp_path):
-    cases = ["qwen3:tensor", "qwen3_5:tensor", "qwen3_5:pipeline", "kimi_k25:tensor", "kimi_k25:pipeline"]
-    _check(launch(2, python(SHARDED, *cases), tmp_path, TIMEOUT), cases)
+GREEDY_ON_TWO = ["qwen3:tensor", "qwen3_5:tensor", "qwen3_5:pipeline", "kimi_k25:tensor", "kimi_k25:pipeline"]
+SAMPLED_ON_TWO = ["qwen3_5:pipeline:7"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    # One launch for every 2-rank case: most of a launch is starting Python and MLX on each rank.
+    return launch(2, python(SHARDED, *GREEDY_ON_TWO, *SAMPLED_ON_TWO), tmp_path_factory.mktemp("two"), TIMEOUT)
+
+
+def test_greedy_on_two_ranks_equals_plain_greedy(two_ranks):
+    _check(two_ranks, GREEDY_ON_TWO)
 
 
 def test_greedy_on_three_ranks_equals_plain_greedy(tmp_path):
@@ -42,9 +51,8 @@ def test_greedy_on_three_ranks_equals_plain_greedy(tmp_path):
     _check(launch(3, python(SHARDED, *cases), tmp_path, TIMEOUT), cases)
 
 
-def test_seeded_sampling_equals_unsharded_dflash(tmp_path):
-    cases = ["qwen3_5:pipeline"]
-    _check(launch(2, python(SHARDED, *cases, "--temp", "1.0", "--seed", "7"), tmp_path, TIMEOUT), cases)
+def test_seeded_sampling_equals_unsharded_dflash(two_ranks):
+    _check(two_ranks, SAMPLED_ON_TWO)
 
 
 @pytest.mark.parametrize(

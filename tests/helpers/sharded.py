@@ -1,7 +1,7 @@
 """Tiny fp32 targets built the same on every rank, and the program each rank of a multi-rank test
-runs: ``python sharded.py KIND:MODE ... [--temp T --seed S]`` prints, for each case, one JSON line
-with this rank's DFlash tokens on the sharded target and an unsharded run's (plain greedy, or
-seeded DFlash when sampling)."""
+runs: ``python sharded.py KIND:MODE[:SEED] ...`` prints, for each case, one JSON line with this
+rank's DFlash tokens on the sharded target and an unsharded run's: plain greedy, or with a SEED
+DFlash sampling at temperature 1 from that seed."""
 
 import argparse
 import json
@@ -118,17 +118,15 @@ def tokens(model, draft, max_tokens: int, **kwargs) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("cases", nargs="+", help="KIND:MODE, e.g. qwen3_5:tensor")
+    parser.add_argument("cases", nargs="+", help="KIND:MODE[:SEED], e.g. qwen3_5:tensor or qwen3_5:pipeline:7")
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--temp", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no-reference", action="store_true", help="skip the unsharded run")
     args = parser.parse_args()
     group = mx.distributed.init(strict=True)
-    sampler = make_sampler(args.temp) if args.temp > 0 else None
-    run = dict(sampler=sampler, seed=args.seed, adaptive=False)
     for case in args.cases:
-        kind, mode = case.split(":")
+        kind, mode, *seed = case.split(":")
+        sampler = make_sampler(1.0) if seed else None
+        run = dict(sampler=sampler, seed=int(seed[0]) if seed else None, adaptive=False)
         # The unsharded reference first: plain greedy, or DFlash with the same seed when sampling.
         reference = None
         if not args.no_reference:
