@@ -143,8 +143,6 @@ def test_an_idle_dflash_serve_exits_when_a_rank_dies(tmp_path):
     assert ranks[0].returncode > 0, ranks[0].describe()  # exited by itself with an error, not ended by us
 
 
-@pytest.mark.skip(reason="mid-generation under tensor parallelism, MLX's ring all_sum (mlx 0.32.4) can block "
-                         "rank 0 after a peer dies instead of failing: seen on a quiet 2-core machine")
 def test_a_killed_rank_ends_the_job(tmp_path):
     procs = start(2, python(SHARDED, "qwen3:tensor", "--max-tokens", "1000000", "--no-reference"), tmp_path)
     try:
@@ -157,7 +155,7 @@ def test_a_killed_rank_ends_the_job(tmp_path):
     finally:
         stop(procs)
     assert ranks[0].returncode > 0, ranks[0].describe()  # exited by itself with an error, not ended by us
-    assert "lost" in ranks[0].stderr or "Error" in ranks[0].stderr, ranks[0].describe()
+    assert "went away" in ranks[0].stderr, ranks[0].describe()  # the watch beside the ring found it
 
 
 @pytest.mark.parametrize(

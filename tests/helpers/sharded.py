@@ -109,9 +109,11 @@ def split_weights(folder: Path) -> list[str]:
     return files
 
 
-def tokens(model, draft, max_tokens: int, **kwargs) -> list[int]:
+def tokens(model, draft, max_tokens: int, started: str | None = None, **kwargs) -> list[int]:
     out = []
     for step in dflash_generate_step(PROMPT, model, draft, max_tokens=max_tokens, **kwargs):
+        if started is not None and not out:
+            print(started, flush=True)  # the first cycle is done: the generation is under way on every rank
         out += step.tokens
     return out
 
@@ -136,8 +138,8 @@ def main() -> None:
             model.shard(group)
         else:
             model.model.pipeline(group)
-        print(json.dumps({"case": case, "rank": group.rank(), "started": True}), flush=True)
-        out = tokens(model, build_draft(), args.max_tokens, **run)
+        started = json.dumps({"case": case, "rank": group.rank(), "started": True})
+        out = tokens(model, build_draft(), args.max_tokens, started=started, **run)
         print(json.dumps({"case": case, "rank": group.rank(), "reference": reference, "tokens": out}), flush=True)
 
 
