@@ -7,8 +7,15 @@ keep of it: rank 0 drafts, verifies and accepts as one process would, and after 
 sends the others one small message (:class:`Peers`): the tokens it kept, how many drafts
 were accepted, and the next cycle's drafts, or that generation stops. The others verify the
 same drafts (their share of the pass) and keep what rank 0 kept, never their own verdict, so
-they cannot drift apart even where machines' timings or rounding differ.
+they cannot drift apart even where machines' timings or rounding differ. A rank that dies
+mid-generation ends the others through a TCP connection beside the collectives (:meth:`Peers.watch`).
 """
+
+import json
+import logging
+import os
+import socket
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,6 +24,10 @@ from .errors import DFlashError
 from .models import drafter2
 from .models import target as tgt
 from .proposer import Proposal, Proposer
+
+log = logging.getLogger("dflash_mlx")
+_BYE = b"\x01"  # a rank's last collective of the generation is done: its connection may close
+_CONNECT_S = 30.0
 
 _SHARDED = (nn.AllToShardedLinear, nn.ShardedToAllLinear, nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
 
@@ -64,6 +75,56 @@ class Peers:
         self.leads = self.group is None or self.group.rank() == 0
         self.block_size = block_size
         self.width = 2 * block_size + 3
+        self.done = False  # the generation's last message went round
+        self.links: list[socket.socket] = []
+        self.closing = False
+
+    def watch(self) -> None:
+        """Beside MLX's collectives, a TCP connection between rank 0 and each other rank for the
+        generation: a rank whose peer goes away before the last message exits (1) at once, as
+        MLX's ring ``all_sum`` can block for good when a peer dies instead of failing. Rank 0's
+        address comes from ``mlx.launch`` (ring hostfile or JACCL coordinator); without one, no watch."""
+        if self.group is None:
+            return
+        host, server, port = _leader_host(), None, 0
+        if self.leads and host is not None:
+            server = socket.create_server((host, 0))
+            server.settimeout(_CONNECT_S)
+            port = server.getsockname()[1]
+        port = mx.distributed.all_sum(mx.array([port], dtype=mx.int32), group=self.group, stream=mx.cpu).item()
+        try:
+            if server is not None:
+                self.links = [server.accept()[0] for _ in range(self.group.size() - 1)]
+                server.close()
+            elif port and host is not None:
+                self.links = [socket.create_connection((host, port), timeout=_CONNECT_S)]
+        except OSError as e:
+            log.warning("No watch on the other ranks for this generation (%s).", e)
+        for link in self.links:
+            link.settimeout(None)
+            threading.Thread(target=self._watch, args=(link,), daemon=True).start()
+
+    def _watch(self, link: socket.socket) -> None:
+        try:
+            said = link.recv(1)
+        except OSError:
+            said = b""
+        if said != _BYE and not self.closing:
+            log.error("A rank of this sharded generation went away (its connection was lost): exiting.")
+            logging.shutdown()
+            os._exit(1)
+
+    def close(self) -> None:
+        """End the watch: the peers are told goodbye when the last message went round, else they exit."""
+        self.closing = True
+        for link in self.links:
+            try:
+                if self.done:
+                    link.sendall(_BYE)
+                link.close()
+            except OSError:
+                pass
+        self.links = []
 
     def settle(
         self, kept: list[int], num_accepted: int, drafts: Proposal | None
@@ -80,11 +141,25 @@ class Peers:
         # On the CPU stream: a ring or JACCL collective runs there on every device.
         total = mx.distributed.all_sum(mx.array(message, dtype=mx.int32), group=self.group, stream=mx.cpu).tolist()
         n_kept, num_accepted, n_drafts = total[:3]
+        self.done = n_kept == 0 or n_drafts == 0
         if self.leads:
             return kept, num_accepted, drafts
         start = 3 + self.block_size
         drafts = None if n_drafts == 0 else Proposal(mx.array(total[start : start + n_drafts - 1], dtype=mx.uint32))
         return total[3 : 3 + n_kept], num_accepted, drafts
+
+
+def _leader_host() -> str | None:
+    # Rank 0's address as mlx.launch gave it: the ring's hostfile, or JACCL's coordinator.
+    try:
+        if path := os.environ.get("MLX_HOSTFILE"):
+            with open(path) as f:
+                return json.load(f)[0][0].rpartition(":")[0] or None
+        if coordinator := os.environ.get("MLX_JACCL_COORDINATOR"):
+            return coordinator.rpartition(":")[0] or None
+    except (OSError, ValueError, IndexError, TypeError, AttributeError):
+        pass
+    return None
 
 
 class FollowProposer(Proposer):

@@ -426,9 +426,10 @@ def dflash_generate_step(
         # Reuse the longest common prefix; at least one token is prefilled for its logits.
         reuse = cache.reusable_prefix(ids)
         cache.trim_to(reuse)
-        last = verifier.prefill(ids[reuse:], prefill_step_size)
         drafts = None
         try:
+            peers.watch()
+            last = verifier.prefill(ids[reuse:], prefill_step_size)
             # The next cycle's drafts, their pass already started; None when generation is over.
             emitted = budget.emit([last]) if peers.leads else []
             if peers.leads and budget.open:
@@ -467,6 +468,7 @@ def dflash_generate_step(
                 # that pass, then tell them to stop.
                 verifier.verify(last, drafts)
                 peers.settle([], 0, None)
+            peers.close()
             cache.drop_uncommitted()
 
 

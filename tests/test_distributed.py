@@ -2,22 +2,22 @@
 process (helpers/ranks.py), tiny fp32 targets built alike on every rank (helpers/sharded.py).
 
 On every rank, DFlash on the sharded target gives the unsharded target's plain greedy tokens
-(tensor parallel, including Qwen3.5's vocabulary-sharded head, and pipeline parallel, for a
-plain, a hybrid and an MLA family), and seeded sampling gives unsharded DFlash's tokens.
+(tensor parallel on 2 and 3 ranks, including Qwen3.5's vocabulary-sharded head, and pipeline
+parallel, for a plain, a hybrid and an MLA family), and seeded sampling gives unsharded DFlash's tokens.
 """
 
 import json
+import shutil
 import signal
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from helpers.ranks import finish, launch, python, start, stop
-from helpers.sharded import write_pair
+from helpers.sharded import split_weights, write_pair
 
 SHARDED = "tests/helpers/sharded.py"
+FAKE_HUB = "tests/helpers/fake_hub.py"
 TIMEOUT = 240  # seconds for a whole launch, on two busy cores
 
 
@@ -26,41 +26,67 @@ def _check(ranks, cases: list[str]) -> None:
         assert r.returncode == 0, r.describe()
     for r in ranks:
         runs = {x["case"]: x for x in r.results() if "tokens" in x}
-        assert sorted(runs) == sorted(cases), r.describe()
+        assert set(cases) <= set(runs), r.describe()
         for case in cases:
             assert runs[case]["tokens"] == runs[case]["reference"], f"{case} on rank {r.rank}"
 
 
-def test_greedy_on_two_ranks_equals_plain_greedy(tmp_path):
-    cases = ["qwen3:tensor", "qwen3_5:tensor", "qwen3_5:pipeline", "kimi_k25:tensor", "kimi_k25:pipeline"]
-    _check(launch(2, python(SHARDED, *cases), tmp_path, TIMEOUT), cases)
+GREEDY_ON_TWO = ["qwen3:tensor", "qwen3_5:tensor", "qwen3_5:pipeline", "kimi_k25:tensor", "kimi_k25:pipeline"]
+SAMPLED_ON_TWO = ["qwen3_5:pipeline:7"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    # One launch for every 2-rank case: most of a launch is starting Python and MLX on each rank.
+    return launch(2, python(SHARDED, *GREEDY_ON_TWO, *SAMPLED_ON_TWO), tmp_path_factory.mktemp("two"), TIMEOUT)
+
+
+def test_greedy_on_two_ranks_equals_plain_greedy(two_ranks):
+    _check(two_ranks, GREEDY_ON_TWO)
 
 
 def test_greedy_on_three_ranks_equals_plain_greedy(tmp_path):
     # Rank 2 holds one linear attention layer alone; rank 1 a dense layer of the MoE model.
-    cases = ["qwen3_5:pipeline", "kimi_k25:pipeline"]
+    cases = ["qwen3_6h:tensor", "qwen3_5:pipeline", "kimi_k25:pipeline"]
     _check(launch(3, python(SHARDED, *cases), tmp_path, TIMEOUT), cases)
 
 
-def test_seeded_sampling_equals_unsharded_dflash(tmp_path):
-    cases = ["qwen3_5:pipeline"]
-    _check(launch(2, python(SHARDED, *cases, "--temp", "1.0", "--seed", "7"), tmp_path, TIMEOUT), cases)
+def test_seeded_sampling_equals_unsharded_dflash(two_ranks):
+    _check(two_ranks, SAMPLED_ON_TWO)
 
 
-@pytest.mark.parametrize("flag", ["--pipeline", "--tensor-parallel"])
-def test_dflash_generate_on_two_ranks_prints_the_single_process_text(flag, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "n, kind, flag, layers",
+    [(2, "qwen3_moe", "--pipeline", [[2, 3], [0, 1]]), (3, "qwen3_moe", "--pipeline", [[2, 3], [1], [0]]),
+     (3, "qwen3_6h", "--tensor-parallel", [[0, 1, 2, 3]] * 3)],
+)  # fmt: skip
+def test_dflash_generate_on_several_ranks_prints_the_single_process_text(n, kind, flag, layers, tmp_path, capsys):
+    # From a (fake) hub, each rank downloads of the target's weights only the files that hold its
+    # layers (one file a layer here) and the file of no layer; the drafter whole.
     from dflash_mlx.cli.generate import main
 
-    target, draft = write_pair(tmp_path / "pair", "qwen3_moe")
-    argv = ["--model", str(target), "--draft", str(draft), "--temp", "0", "--prompt", "t5 t17 t42 t9",
-            "--max-tokens", "24", "--ignore-chat-template", "--verbose", "F"]  # fmt: skip
-    main(argv)
+    target, draft = write_pair(tmp_path / "pair", kind)
+    files = split_weights(target)
+    hub = tmp_path / "hub"
+    shutil.copytree(target, hub / "someone--tiny")
+    shutil.copytree(draft, hub / "someone--tiny-draft")
+    argv = ["--temp", "0", "--prompt", "t5 t17 t42 t9", "--max-tokens", "24", "--ignore-chat-template", "--verbose", "F"]
+    main(["--model", str(target), "--draft", str(draft), *argv])
     alone = capsys.readouterr().out
     assert len(alone.split()) == 24
-    ranks = launch(2, [str(Path(sys.executable).parent / "dflash-generate"), *argv, flag], tmp_path, TIMEOUT)
-    assert [r.returncode for r in ranks] == [0, 0], "\n".join(r.describe() for r in ranks)
+    argv = ["--model", "someone/tiny", "--draft", "someone/tiny-draft", *argv, flag]
+    ranks = launch(n, python(FAKE_HUB, str(hub), str(tmp_path), "--", *argv), tmp_path, TIMEOUT)
+    assert [r.returncode for r in ranks] == [0] * n, "\n".join(r.describe() for r in ranks)
     assert ranks[0].stdout == alone
-    assert ranks[1].stdout == ""  # rank 0 prints
+    assert [r.stdout for r in ranks[1:]] == [""] * (n - 1)  # rank 0 prints
+    for r, kept in zip(ranks, layers):
+        lines = (tmp_path / f"rank{r.rank}-downloads.jsonl").read_text().splitlines()
+        downloads = {}
+        for x in map(json.loads, lines):
+            downloads.setdefault(x["repo"], set()).update(x["files"])
+        weights = {f for f in downloads["someone/tiny"] if f.endswith(".safetensors")}
+        assert weights == {files[0], *(files[1 + i] for i in kept)}, f"rank {r.rank}"
+        assert "model.safetensors" in downloads["someone/tiny-draft"]
 
 
 def _complete(url: str, body: dict) -> dict:
@@ -117,8 +143,6 @@ def test_an_idle_dflash_serve_exits_when_a_rank_dies(tmp_path):
     assert ranks[0].returncode > 0, ranks[0].describe()  # exited by itself with an error, not ended by us
 
 
-@pytest.mark.skip(reason="mid-generation under tensor parallelism, MLX's ring all_sum (mlx 0.32.4) can block "
-                         "rank 0 after a peer dies instead of failing: seen on a quiet 2-core machine")
 def test_a_killed_rank_ends_the_job(tmp_path):
     procs = start(2, python(SHARDED, "qwen3:tensor", "--max-tokens", "1000000", "--no-reference"), tmp_path)
     try:
@@ -131,7 +155,7 @@ def test_a_killed_rank_ends_the_job(tmp_path):
     finally:
         stop(procs)
     assert ranks[0].returncode > 0, ranks[0].describe()  # exited by itself with an error, not ended by us
-    assert "lost" in ranks[0].stderr or "Error" in ranks[0].stderr, ranks[0].describe()
+    assert "went away" in ranks[0].stderr, ranks[0].describe()  # the watch beside the ring found it
 
 
 @pytest.mark.parametrize(
@@ -145,6 +169,15 @@ def test_parallel_flags_need_mlx_launch(flags, message, capsys):
     with pytest.raises(SystemExit):
         main(["--model", "nowhere", *flags])
     assert message in capsys.readouterr().err
+
+
+def test_a_pipeline_rank_reads_the_files_of_its_layers_and_of_no_layer():
+    from dflash_mlx.weights.sharding import layer_files
+
+    weight_map = {"model.embed_tokens.weight": "a", "model.layers.0.mlp.w": "b", "model.layers.1.mlp.w": "c",
+                  "model.layers.10.mlp.w": "d", "language_model.model.layers.1.norm.w": "e", "lm_head.weight": "f"}  # fmt: skip
+    assert layer_files(weight_map, range(1, 2)) == {"a", "c", "e", "f"}
+    assert layer_files(weight_map, None) == set(weight_map.values())
 
 
 def test_a_sharded_target_refuses_block_size_auto():

@@ -27,12 +27,16 @@ RECHECK_S = 60.0
 _DOWN: dict[str, list] = {}
 # The files a model folder needs; nothing else is fetched from the hub.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]
+FOLDER_PATTERNS = [p for p in ALLOW_PATTERNS if p != "*.safetensors"]  # all but the weights
 
 # A check of a hub target from its config alone, before its weights are downloaded:
 # ``vet(repo, known, config, weight_names)`` gets the registry's entry (or None) and two
 # functions that fetch the config (a dict, or None if it is no JSON object) and the tensor
 # names of a sharded checkpoint's index; it raises to refuse, and returns the config it read.
 Vet = Callable[[str, Any, Callable[[], Any], Callable[[], list[str]]], dict[str, Any] | None]
+# The weight files this process needs of a hub target, from its snapshot without weights (config,
+# index, tokenizer): their names, or None for all. Several ranks of a pipeline each need their own.
+Select = Callable[[Path], list[str] | None]
 
 
 @dataclass(frozen=True)
@@ -45,10 +49,10 @@ class PairFolders:
     target_config: dict[str, Any] | None = None
 
 
-def fetch_pair(names: PairNames, *, revision: str | None, vet: Vet) -> PairFolders:
+def fetch_pair(names: PairNames, *, revision: str | None, vet: Vet, select: Select | None = None) -> PairFolders:
     """Local folders for a pair: local paths as they are, hub ids downloaded (the target only
-    after ``vet`` accepted its config)."""
-    target, config = target_folder(names.target, known=names.known, revision=revision, vet=vet)
+    after ``vet`` accepted its config, and only the weight files ``select`` names)."""
+    target, config = target_folder(names.target, known=names.known, revision=revision, vet=vet, select=select)
     if names.draft is None:
         return PairFolders(target, None, config)
     draft = local_folder(names.draft, what="drafter", revision=revision if names.draft_revision else None)
@@ -56,7 +60,7 @@ def fetch_pair(names: PairNames, *, revision: str | None, vet: Vet) -> PairFolde
 
 
 def target_folder(
-    target: str | Path, *, known: Any, revision: str | None, vet: Vet
+    target: str | Path, *, known: Any, revision: str | None, vet: Vet, select: Select | None = None
 ) -> tuple[Path, dict[str, Any] | None]:
     """A target's local folder (see :func:`fetch_pair`), and the config ``vet`` read from the hub."""
     text = str(target)
@@ -68,6 +72,10 @@ def target_folder(
         lambda: json.loads(hub_file(text, "config.json", what="target", revision=revision).read_text()),
         lambda: _weight_names(text, revision),
     )
+    if select is not None:
+        files = select(hub_snapshot(text, what="target", revision=revision, allow_patterns=FOLDER_PATTERNS))
+        if files is not None:
+            return hub_snapshot(text, what="target", revision=revision, allow_patterns=FOLDER_PATTERNS + files), config
     return local_folder(text, what="target", revision=revision), config
 
 

@@ -9,6 +9,7 @@ chosen (``models.quantized``). Nothing shipped inside a checkpoint is ever execu
 / remote code is ignored).
 """
 
+from functools import partial
 from pathlib import Path
 
 import mlx.nn as nn
@@ -25,8 +26,8 @@ from .options import check_load_options
 from .pairs import name_pair
 from .registry import look_up
 from .target_checks import check_target, vet_hub_target
-from .sharding import check_sharding_options
-from .target_loader import build_target
+from .sharding import check_sharding_options, world_size
+from .target_loader import build_target, select_files
 
 
 def load(
@@ -78,7 +79,9 @@ def load(
     check_load_options(dtype=dtype, kernels=kernels)
     check_sharding_options(parallel, pipeline_split)
     names = look_up(name_pair(model, draft))
-    source = check_target(read_pair(fetch_pair(names, revision=revision, vet=vet_hub_target)))
+    # Several ranks: a hub target's files downloaded as each rank's shard needs them.
+    select = partial(select_files, parallel=parallel, pipeline_split=pipeline_split) if world_size() > 1 else None
+    source = check_target(read_pair(fetch_pair(names, revision=revision, vet=vet_hub_target, select=select)))
     target, tokenizer = build_target(source, parallel=parallel, pipeline_split=pipeline_split)
     shape = target_shape(target)
     drafter = None

@@ -5,7 +5,13 @@ Under ``mlx.launch`` every rank loads the same pair: the target lazily, then spl
 ``model.model.pipeline(group)`` (pipeline parallel: each rank a run of layers, rank 0 the last
 ones), and only then read, so that a rank reads only the weights it keeps. The drafter is
 whole on every rank. How generation then runs on all of them: :mod:`dflash_mlx.distributed`.
+
+From the hub, a pipeline rank downloads only the files of a sharded checkpoint that hold its
+layers, and those that hold no layer (:func:`rank_files`), as mlx-lm's ``sharded_load`` does;
+under tensor parallelism every rank keeps a slice of every layer, so it downloads them all.
 """
+
+import re
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,6 +20,8 @@ from ..errors import DFlashError
 from ..models import hybrid, kimi
 
 PARALLEL = ("tensor", "pipeline")
+# A checkpoint tensor's layer number, matched as mlx-lm's sharded_load does (sanitize may rename the rest).
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # The families whose mlx-lm decoder pipelines (PipelineMixin) and whose taps we walk.
 PIPELINE_MODEL_TYPES = ("qwen2", "qwen3_moe") + hybrid.HYBRID_MODEL_TYPES + kimi.KIMI_MODEL_TYPES
 _ALONE = (
@@ -56,6 +64,59 @@ def shard_target(model: nn.Module, parallel: str | None, pipeline_split: list[in
         if parallel is not None:
             raise DFlashError(_ALONE.format(parallel=parallel))
         return None
+    parallel = _choose(model, parallel)
+    try:
+        if parallel == "tensor":
+            model.shard(group)
+        else:
+            model.model.pipeline(group, split=pipeline_split)
+    except (AssertionError, ValueError) as e:
+        raise DFlashError(f"Could not split the {model.model_type} target over {group.size()} ranks ({e}).") from e
+    mx.eval(model.parameters())
+    # Every rank has its weights before any of them starts (as mlx-lm's sharded_load).
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    return parallel
+
+
+def kept_layers(model: nn.Module) -> range | None:
+    """The layers a pipeline rank runs, or None when it holds a part of every layer (or all of them)."""
+    inner = getattr(model, "model", None)
+    if getattr(inner, "pipeline_size", 1) == 1:
+        return None
+    return range(inner.start_idx, inner.end_idx)
+
+
+def rank_files(model: nn.Module, weight_map: dict[str, str], parallel: str | None,
+               pipeline_split: list[int] | None) -> set[str]:  # fmt: skip
+    """The files of a sharded checkpoint that this rank reads: under a pipeline those that hold a
+    tensor of its layers or of no layer (every stage keeps the embeddings, the final norm and the
+    head), else all of them.
+
+    Args:
+        model: The target built without its weights; it is split here, so it is then thrown away.
+        weight_map: The checkpoint index's tensor name -> file name.
+    """
+    if world_size() == 1 or _choose(model, parallel) != "pipeline":
+        return set(weight_map.values())
+    try:
+        model.model.pipeline(mx.distributed.init(), split=pipeline_split)
+    except ValueError as e:
+        raise DFlashError(f"Could not split the {model.model_type} target over {world_size()} ranks ({e}).") from e
+    return layer_files(weight_map, kept_layers(model))
+
+
+def layer_files(weight_map: dict[str, str], layers: range | None) -> set[str]:
+    """The files that hold a tensor of ``layers`` (None: every layer) or of no layer."""
+    files = set()
+    for name, file in weight_map.items():
+        m = _LAYER.search(name)
+        if layers is None or m is None or int(m.group(1)) in layers:
+            files.add(file)
+    return files
+
+
+def _choose(model: nn.Module, parallel: str | None) -> str:
+    # None picks tensor parallelism where mlx-lm has it for the family, else the pipeline.
     model_type = model.model_type
     can_tensor = hasattr(model, "shard")
     can_pipeline = hasattr(model.model, "pipeline") and model_type in PIPELINE_MODEL_TYPES
@@ -70,14 +131,4 @@ def shard_target(model: nn.Module, parallel: str | None, pipeline_split: list[in
             f"A {model_type} target cannot run as a pipeline here (the families that can: "
             f"{', '.join(PIPELINE_MODEL_TYPES)}). Pass --tensor-parallel, or run it on one machine."
         )
-    try:
-        if parallel == "tensor":
-            model.shard(group)
-        else:
-            model.model.pipeline(group, split=pipeline_split)
-    except (AssertionError, ValueError) as e:
-        raise DFlashError(f"Could not split the {model_type} target over {group.size()} ranks ({e}).") from e
-    mx.eval(model.parameters())
-    # Every rank has its weights before any of them starts (as mlx-lm's sharded_load).
-    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return parallel

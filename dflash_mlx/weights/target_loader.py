@@ -4,15 +4,18 @@ import re
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
 from ..errors import DFlashError
-from .folders import PairSource, read_pair
+from .folders import PairSource, parse_config, read_config, read_pair
 from .hub import PairFolders
-from .sharding import shard_target, world_size
+from .sharding import kept_layers, layer_files, rank_files, shard_target, world_size
 from .target_checks import check_target
+
+INDEX = "model.safetensors.index.json"
 
 
 def load_target(path: Path) -> tuple[nn.Module, TokenizerWrapper]:
@@ -32,10 +35,19 @@ def build_target(
     over the ranks when there are several (:func:`dflash_mlx.weights.sharding.shard_target`)."""
     path = source.target
     several = world_size() > 1
+    absent = _absent_files(path)  # a pipeline rank's download holds only its own files
     # Several ranks: built lazily, so that each reads only the weights its shard keeps.
-    model, config = load_target_model(path, config=source.target_config, lazy=several)
+    model, config = load_target_model(path, config=source.target_config, lazy=several, strict=not (several and absent))
     if several or parallel is not None:
         shard_target(model, parallel, pipeline_split)  # alone, an error that says to use mlx.launch
+    layers = kept_layers(model)
+    if absent and (lacking := sorted(absent & layer_files(_weight_map(path), layers))):
+        rank = mx.distributed.init().rank()
+        whose = "every rank" if layers is None else f"rank {rank} (layers {layers.start}..{layers.stop - 1})"
+        raise DFlashError(
+            f"The target folder {path} lacks {', '.join(lacking)}, which {whose} needs. Download the whole "
+            "checkpoint, or pass the target's hub id: each rank then downloads the files it needs."
+        )
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:
@@ -51,15 +63,40 @@ def build_target(
     return model, tokenizer
 
 
-def load_target_model(path: Path, *, config: dict[str, Any], lazy: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+def select_files(path: Path, *, parallel: str | None, pipeline_split: list[int] | None) -> list[str] | None:
+    """The weight files this rank downloads of a hub target, from its snapshot without weights
+    (config, index, tokenizer): None (all) for a checkpoint without an index, else
+    :func:`dflash_mlx.weights.sharding.rank_files` of the target built without weights."""
+    if world_size() == 1 or not (path / INDEX).is_file():
+        return None
+    config = read_config(path, "target")
+    model, _ = load_target_model(path, config=config, lazy=True, strict=False)
+    return sorted(rank_files(model, _weight_map(path), parallel, pipeline_split))
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    index = parse_config(path / INDEX, "target") if (path / INDEX).is_file() else {}
+    weight_map = index.get("weight_map")
+    return weight_map if isinstance(weight_map, dict) else {}
+
+
+def _absent_files(path: Path) -> set[str]:
+    # The files the checkpoint's index lists that the folder does not hold.
+    return {f for f in set(_weight_map(path).values()) if not (path / f).is_file()}
+
+
+def load_target_model(
+    path: Path, *, config: dict[str, Any], lazy: bool = False, strict: bool = True
+) -> tuple[nn.Module, dict[str, Any]]:
     """mlx-lm's ``load_model`` on a target folder, with a broken folder reported in one line.
+    ``strict=False`` takes a folder that holds only some of the weights (or none).
 
     Raises:
         DFlashError: If a config field the architecture needs is missing, or the weights are
           missing, corrupt or do not fit the config.
     """
     try:
-        return load_model(path, lazy=lazy, trust_remote_code=False)
+        return load_model(path, lazy=lazy, strict=strict, trust_remote_code=False)
     except TypeError as e:
         # mlx-lm builds ModelArgs(**config): a missing field is a missing constructor argument.
         fields = re.findall(r"'(\w+)'", str(e).partition("missing")[2])

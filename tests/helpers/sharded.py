@@ -1,7 +1,7 @@
 """Tiny fp32 targets built the same on every rank, and the program each rank of a multi-rank test
-runs: ``python sharded.py KIND:MODE ... [--temp T --seed S]`` prints, for each case, one JSON line
-with this rank's DFlash tokens on the sharded target and an unsharded run's (plain greedy, or
-seeded DFlash when sampling)."""
+runs: ``python sharded.py KIND:MODE[:SEED] ...`` prints, for each case, one JSON line with this
+rank's DFlash tokens on the sharded target and an unsharded run's: plain greedy, or with a SEED
+DFlash sampling at temperature 1 from that seed."""
 
 import argparse
 import json
@@ -27,6 +27,9 @@ COMMON = {
 }  # fmt: skip
 CONFIGS = {
     "qwen3": {**COMMON, "model_type": "qwen3", "tie_word_embeddings": True},
+    # Heads, KV heads and MLP width that split 3 ways as well as 2 (the tied head is not split).
+    "qwen3_6h": {**COMMON, "model_type": "qwen3", "tie_word_embeddings": True, "num_attention_heads": 6,
+                 "num_key_value_heads": 3, "intermediate_size": 96},
     "qwen3_moe": {**COMMON, "model_type": "qwen3_moe", "tie_word_embeddings": False, "num_experts": 4,
                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
                   "mlp_only_layers": [], "norm_topk_prob": True},
@@ -87,26 +90,45 @@ def write_pair(root: Path, kind: str) -> tuple[Path, Path]:
     return target, root / "draft"
 
 
-def tokens(model, draft, max_tokens: int, **kwargs) -> list[int]:
+def split_weights(folder: Path) -> list[str]:
+    """``folder``'s model.safetensors as a sharded checkpoint: the tensors of no layer in its first
+    file, then one file per layer, with the index. Returns the file names, in that order."""
+    import re
+
+    weights = mx.load(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    groups = [{}] + [{} for _ in range(LAYERS)]
+    for name, w in weights.items():
+        m = re.search(r"\.layers\.(\d+)\.", name)
+        groups[0 if m is None else int(m.group(1)) + 1][name] = w
+    files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    for file, group in zip(files, groups):
+        mx.save_safetensors(str(folder / file), group, metadata={"format": "mlx"})
+    weight_map = {name: file for file, group in zip(files, groups) for name in group}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return files
+
+
+def tokens(model, draft, max_tokens: int, started: str | None = None, **kwargs) -> list[int]:
     out = []
     for step in dflash_generate_step(PROMPT, model, draft, max_tokens=max_tokens, **kwargs):
+        if started is not None and not out:
+            print(started, flush=True)  # the first cycle is done: the generation is under way on every rank
         out += step.tokens
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("cases", nargs="+", help="KIND:MODE, e.g. qwen3_5:tensor")
+    parser.add_argument("cases", nargs="+", help="KIND:MODE[:SEED], e.g. qwen3_5:tensor or qwen3_5:pipeline:7")
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--temp", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no-reference", action="store_true", help="skip the unsharded run")
     args = parser.parse_args()
     group = mx.distributed.init(strict=True)
-    sampler = make_sampler(args.temp) if args.temp > 0 else None
-    run = dict(sampler=sampler, seed=args.seed, adaptive=False)
     for case in args.cases:
-        kind, mode = case.split(":")
+        kind, mode, *seed = case.split(":")
+        sampler = make_sampler(1.0) if seed else None
+        run = dict(sampler=sampler, seed=int(seed[0]) if seed else None, adaptive=False)
         # The unsharded reference first: plain greedy, or DFlash with the same seed when sampling.
         reference = None
         if not args.no_reference:
@@ -116,8 +138,8 @@ def main() -> None:
             model.shard(group)
         else:
             model.model.pipeline(group)
-        print(json.dumps({"case": case, "rank": group.rank(), "started": True}), flush=True)
-        out = tokens(model, build_draft(), args.max_tokens, **run)
+        started = json.dumps({"case": case, "rank": group.rank(), "started": True})
+        out = tokens(model, build_draft(), args.max_tokens, started=started, **run)
         print(json.dumps({"case": case, "rank": group.rank(), "reference": reference, "tokens": out}), flush=True)
 
 
