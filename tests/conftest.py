@@ -1,3 +1,5 @@
+import importlib.util
+
 import mlx.core as mx
 import pytest
 from helpers.checkpoints import write_draft, write_target
@@ -48,6 +50,18 @@ def _default_pair_cache(tmp_path_factory):
         mp.setattr(gguf, "default_cache_root", lambda: root)
         mp.setattr(store, "default_cache_root", lambda: root)
         yield root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """PyTorch on one thread in each test process: the test workers already take every core, and
+    PyTorch's own threads on top only contend (SmolLM2's forward pass in transformers runs about 4x
+    slower with two threads than with one on two busy cores), as the parity tests already run it."""
+    if importlib.util.find_spec("torch") is None:
+        return
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ import random
 import mlx.core as mx
 import pytest
 from helpers.policy import Clock, CostlyDraft
-from test_generate import MAX_REF, _prompt, _truncate_at_stop, reference, run
+from test_generate import _prompt, _truncate_at_stop, lossless_length, reference, run
 
 from dflash_mlx import DFlashError, make_cache, stream_generate
 from dflash_mlx.adaptive import PolicyState
@@ -257,8 +257,9 @@ def test_lossless_with_adaptive(tiny_pair, block_size, prompt_len, lookup):
     policy = _random_policy(window=2, probe=1, refresh=5, max_run=4, probe_cost=math.inf, lookup=lookup)
     model, draft, _ = tiny_pair
     prompt = _prompt(prompt_len)
-    ref = reference(model, prompt)
-    for max_tokens in (1, block_size + 1, MAX_REF):
+    length = lossless_length(prompt_len)
+    ref = reference(model, prompt, length)
+    for max_tokens in (1, block_size + 1, length):
         out, cycles = run(model, draft, prompt, block_size=block_size, max_tokens=max_tokens, policy=policy)
         assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
     # A drafter cycle verifies the whole block; a paused one at most ``lookup`` drafts (at block 2

@@ -6,9 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers.checkpoints import VOCAB
-from helpers.decoding import run
+from helpers.decoding import greedy, run
 from helpers.policy import Clock, CostlyDraft
-from mlx_lm.generate import generate_step
 
 from dflash_mlx import DFlashError, stream_generate
 from dflash_mlx.adaptive import PolicyState
@@ -17,7 +16,7 @@ from dflash_mlx.lookup import PromptLookup
 
 
 def reference(model, prompt, max_tokens=120):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+    return greedy(model, prompt, max_tokens)
 
 
 def _prompt(length, seed):

@@ -9,9 +9,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers.checkpoints import HIDDEN, VOCAB
-from helpers.decoding import run
+from helpers.decoding import greedy, run
 from helpers.oracles import ScriptedDraft
-from mlx_lm.generate import generate_step
 
 from dflash_mlx import DFlashError, load, verify
 from dflash_mlx.cache import make_draft_cache
@@ -31,7 +30,7 @@ def _prompt(length: int, seed: int = 3) -> list[int]:
 
 
 def _reference(model, prompt: list[int], max_tokens: int = MAX_REF) -> list[int]:
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+    return greedy(model, prompt, max_tokens)
 
 
 def _with_vocab(base: DraftModel, ids: list[int]) -> DraftModel:

@@ -3,14 +3,13 @@ mlx-lm's own greedy decoding with a random drafter, through every rollback lengt
 stop token inside a block. Each family's test module runs them on its own pairs."""
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
 
 from dflash_mlx import make_cache
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.drafter import DraftArgs, DraftModel
 
 from .checkpoints import VOCAB, draft_config
-from .decoding import run
+from .decoding import greedy, run
 from .oracles import AcceptExactlyDraft, ScriptedDraft, SecondChoiceDraft
 
 MAX_REF = 64
@@ -22,7 +21,7 @@ def prompt_ids(length: int, seed: int = 3) -> list[int]:
 
 def reference(model, prompt: list[int], max_tokens: int = MAX_REF) -> list[int]:
     """mlx-lm's own greedy decoding, with the family's own caches."""
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
+    return greedy(model, prompt, max_tokens)
 
 
 def check_folded_taps(model) -> None:
