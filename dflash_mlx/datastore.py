@@ -230,13 +230,15 @@ class Datastore:
             return Draft([], 0)
         for order in range(min(self.max_order, len(text)), self.min_order - 1, -1):
             pattern = [int(t) for t in text[-order:]]
-            ranges = [(index, index.find(pattern)) for index in indexes]
-            ranges = [(index, lo, hi) for index, (lo, hi) in ranges if hi > lo]
-            for index, lo, hi in ranges:
-                tokens, shares = self._walk(index, lo, hi, order, n)
-                if tokens:
-                    return Draft(tokens, order, shares)
-            if ranges:
+            matched = False
+            for index in indexes:
+                lo, hi = index.find(pattern)
+                if hi > lo:
+                    matched = True
+                    tokens, shares = self._walk(index, lo, hi, order, n)
+                    if tokens:
+                        return Draft(tokens, order, shares)
+            if matched:
                 return Draft([], order)
         return Draft([], 0)
 
