@@ -1,6 +1,7 @@
 import json
 import shutil
 import types
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ from dflash_mlx.bench.benchmark import load_prompts, main, run_benchmark
 from dflash_mlx.bench.stats import efficiency, loop_efficiency, physical_limit, summarize
 from dflash_mlx.bench.timing import RunResult, fastest_times
 from dflash_mlx.kernels.dispatch import on_metal
+from dflash_mlx.weights.pairs import EMBEDDED_PAIRS
 
 
 def test_physical_limit_and_efficiency():
@@ -141,6 +143,18 @@ def test_without_an_ar_draft_the_default_methods_leave_out_mlx_spec(pair_dirs, p
                                                      "dflash-auto", "dflash-default"}  # fmt: skip
     assert "mlx-spec left out" in capsys.readouterr().err
     assert result["meta"]["model"] == str(pair_dirs["qwen3-tied"]) and result["meta"]["ar_draft"] is None
+
+
+def test_an_embedded_pair_without_its_ar_draft_says_which_recipe_rebuilds_it(tmp_path):
+    # The wheel leaves the ar-drafts out; the one line names a recipe that exists in the checkout.
+    repo = Path(__file__).resolve().parents[1]
+    assert set(benchmark.AR_DRAFT_RECIPES) == set(EMBEDDED_PAIRS.values())
+    for pair, recipe in benchmark.AR_DRAFT_RECIPES.items():
+        line = benchmark._missing_ar_draft(tmp_path / pair)
+        assert "\n" not in line and "--ar-draft FOLDER" in line and recipe in line
+        assert (repo / recipe.split()[1]).is_file()
+    with pytest.raises(DFlashError, match="smollm2_ar_draft.py"):
+        benchmark._load_ar_draft(str(tmp_path / "smollm2" / "ar-draft"), None, given=False, dtype=None)
 
 
 def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, capsys):

@@ -1,10 +1,13 @@
-"""The wheel: built from the source tree, installed in a fresh venv, its tools run on the embedded pair."""
+"""The wheel: built from the source tree (and from the sdist), installed in a fresh venv, its tools run on the
+embedded pair."""
 
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -86,3 +89,28 @@ def test_tools_run_from_the_wheel(venv, tmp_path):
     code = "from dflash_mlx.bench.benchmark import load_prompts; from dflash_mlx.weights.pairs import default_pair_path; " \
            "print(len(load_prompts(default_pair_path() / 'prompts.jsonl')))"  # fmt: skip
     assert int(_run([str(bin_dir / "python"), "-c", code], tmp_path)) > 0
+
+
+def test_a_wheel_builds_from_the_sdist_and_ships_the_tools_not_the_baselines(tmp_path):
+    if not (REPO / "pyproject.toml").is_file():
+        pytest.skip("needs the source tree")
+    pytest.importorskip("setuptools")
+    src, dist = tmp_path / "src", tmp_path / "dist"
+    # symlinks=True: the top-level tui/ and convert/ stay links to the package's folders, as in the checkout.
+    shutil.copytree(REPO, src, ignore=SKIP, symlinks=True)
+    name = _run([sys.executable, "-c", f"from setuptools import build_meta; print(build_meta.build_sdist({str(dist)!r}))"],
+                src).strip().splitlines()[-1]  # fmt: skip
+    with tarfile.open(dist / name) as sdist:
+        # The "data" filter where this Python has it (3.10.12+, 3.11.4+); 3.14 makes it the default.
+        sdist.extractall(tmp_path / "unpacked", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    (unpacked,) = (tmp_path / "unpacked").iterdir()
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w",
+          str(dist), "."], unpacked)  # fmt: skip
+    (wheel,) = dist.glob("mlx_dflash-*.whl")
+    files = set(zipfile.ZipFile(wheel).namelist())
+    for module in ("dflash_mlx/tui/app.py", "dflash_mlx/tui/chat.tcss", "dflash_mlx/convert/convert.py",
+                   "dflash_mlx/weights/loading.py", "dflash_mlx/assets/smollm2/draft/model.safetensors"):
+        assert module in files, module
+    assert not [f for f in files if "/ar-draft/" in f or (f.startswith("dflash_mlx/assets/bench/") and f.endswith(".json"))]
+    # The top-level folders are links for the checkout's readers: they are not packages of their own.
+    assert not [f for f in files if f.startswith(("tui/", "convert/"))]

@@ -49,6 +49,20 @@ from .timing import (
     median_run,
 )
 
+# The embedded pairs' autoregressive drafts stay out of the wheel: the recipes that rebuild them, in a source
+# checkout (where the drafts are also committed).
+AR_DRAFT_RECIPES = {
+    "smollm2": "python recipes/rebuild/smollm2_ar_draft.py (assets/smollm2/DRAFT.md)",
+    "dflash-tiny": "python recipes/rebuild/train_ar_draft.py (assets/dflash-tiny/AR_DRAFT.md)",
+}
+
+
+def _missing_ar_draft(pair: Path) -> str:
+    """What to do when an embedded pair's ar-draft folder is absent, in one line."""
+    recipe = AR_DRAFT_RECIPES.get(pair.name, "its recipe in recipes/rebuild/")
+    return (f"the embedded pair has no ar-draft folder ({pair / 'ar-draft'}; the wheel leaves it out): pass "
+            f"--ar-draft FOLDER, or rebuild it in a source checkout with {recipe}")  # fmt: skip
+
 
 def load_prompts(path: Path, limit: int | None = None) -> list[dict]:
     """Prompts from JSONL: each line has ``prompt`` (text) or ``messages``, and optional ``category``."""
@@ -101,9 +115,11 @@ def _load_ar_draft(path: str | None, target: nn.Module, *, given: bool, dtype: s
     if given and not folder.exists() and looks_like_hub_id(path):
         folder = local_folder(path, what="--ar-draft model")  # a Hugging Face id like Qwen/Qwen3-0.6B
     if not folder.is_dir():
-        what = f"--ar-draft {path} is not a folder" if given else f"The embedded pair has no ar-draft folder ({path})"
+        if not given:
+            raise DFlashError(f"mlx-spec needs a small autoregressive draft, but {_missing_ar_draft(folder.parent)}.")
         raise DFlashError(
-            f"{what}: pass a small mlx-lm model's folder or Hugging Face id, or leave out the mlx-spec method."
+            f"--ar-draft {path} is not a folder: pass a small mlx-lm model's folder or Hugging Face id, "
+            "or leave out the mlx-spec method."
         )
     config = read_config(folder, "--ar-draft model")
     if is_drafter_config(config):
@@ -216,8 +232,9 @@ def run_benchmark(
         # dflash-tree runs when asked for: its row is another setting of the same drafter.
         methods = tuple(m for m in METHODS if (m != "mlx-spec" or has_ar) and m != "dflash-tree")
         if not has_ar and progress:
-            print("dflash-bench: mlx-spec left out: no small autoregressive draft for this target "
-                  "(pass --ar-draft FOLDER to include it)", file=sys.stderr)  # fmt: skip
+            why = _missing_ar_draft(pair) if pair_name else \
+                "no small autoregressive draft for this target (pass --ar-draft FOLDER to include it)"
+            print(f"dflash-bench: mlx-spec left out: {why}", file=sys.stderr)
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise DFlashError(f"Unknown method {bad[0]!r}; choose from {', '.join(METHODS)}.")
