@@ -19,8 +19,8 @@ _EXPORTS = {
     "dflash_generate_step": "generation",
     "generate": "generation",
     "stream_generate": "generation",
-    "check_pair": "weights.draft_loader",
-    "load": "weights.loading",
+    "check_pair": "loading.draft_loader",
+    "load": "loading.loading",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -31,7 +31,6 @@ import numpy as np
 from .errors import DFlashError
 from .proposer import Proposal, Proposer
 
-
 # Suffixes are sorted by their first SORTED tokens only (five doubling rounds): a draft never
 # reads deeper than its match plus its drafts.
 SORTED = 32
@@ -318,7 +317,7 @@ class DatastoreProposer(Proposer):
 
 def default_pair_answers() -> Path:
     """The default pair's shipped answers: the response cache its drafter was trained on."""
-    from .weights.pairs import DEFAULT_PAIR, embedded_pair_path
+    from .loading.pairs import DEFAULT_PAIR, embedded_pair_path
 
     return embedded_pair_path(DEFAULT_PAIR) / "data" / "responses.jsonl.gz"
 
@@ -336,7 +335,7 @@ def open_datastore(choice: str | None, model: str | Path | None, vocab: int, **s
     Raises:
         DFlashError: If the file is missing or is no response cache.
     """
-    from .weights.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
+    from .loading.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
 
     if choice == "none":
         return None

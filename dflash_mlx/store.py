@@ -5,28 +5,14 @@ each keep what they measured here.
 """
 
 import json
-import os
-import uuid
 from pathlib import Path
+
+from .files import write_text_atomic
 
 
 def default_cache_root() -> Path:
     """Where dflash-mlx keeps what it converts and measures: ``~/.cache/dflash-mlx``."""
     return Path.home() / ".cache" / "dflash-mlx"
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a hidden sibling renamed into place: an interrupted or
-    concurrent write never leaves half a file. Errors propagate; the sibling is removed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 class JsonStore:

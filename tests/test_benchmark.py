@@ -11,7 +11,7 @@ from dflash_mlx.bench.benchmark import load_prompts, main, run_benchmark
 from dflash_mlx.bench.stats import efficiency, loop_efficiency, physical_limit, summarize
 from dflash_mlx.bench.timing import RunResult, fastest_times
 from dflash_mlx.kernels.dispatch import on_metal
-from dflash_mlx.weights.pairs import EMBEDDED_PAIRS
+from dflash_mlx.loading.pairs import EMBEDDED_PAIRS
 
 
 def test_physical_limit_and_efficiency():
@@ -336,12 +336,12 @@ def test_git_commit_says_when_tracked_files_changed(tmp_path):
 @pytest.fixture()
 def no_loading(monkeypatch):
     """Fails the test if a model is loaded: the checks under test must come first."""
-    import dflash_mlx.weights.loading
+    import dflash_mlx.loading.loading
 
     def load(*args, **kwargs):
         raise AssertionError("loaded a model before checking the arguments")
 
-    monkeypatch.setattr(dflash_mlx.weights.loading, "load", load)
+    monkeypatch.setattr(dflash_mlx.loading.loading, "load", load)
 
 
 @pytest.mark.parametrize(
@@ -535,7 +535,7 @@ def test_ar_draft_that_borrows_the_targets_embedding(pair_dirs, prompts, tmp_pat
 
 def test_the_default_dtype_is_the_one_generate_uses(pair_dirs, prompts, monkeypatch):
     """float32 on this CPU; where load keeps the checkpoint's dtype (a GPU), the benchmark runs in it too."""
-    import dflash_mlx.weights.loading as loading
+    import dflash_mlx.loading.loading as loading
 
     kwargs = dict(model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts),
                   num_prompts=1, max_tokens=4, block_sizes=(4,), runs=1, methods=("baseline", "dflash"),

@@ -6,9 +6,9 @@ import pytest
 
 from dflash_mlx import dflash_generate_step, load
 from dflash_mlx.bench.benchmark import encode, load_prompts
+from dflash_mlx.loading.pairs import TINY_PAIR, embedded_pair_path
 from dflash_mlx.train.block_acceptance import _accepted, response_acceptance
 from dflash_mlx.train.taps import TapStore
-from dflash_mlx.weights.pairs import TINY_PAIR, embedded_pair_path
 
 
 class OneHotDraft:

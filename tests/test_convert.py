@@ -18,7 +18,7 @@ from dflash_mlx import DFlashError, dflash_generate_step, load
 from dflash_mlx.convert import convert, find_draft, find_pair, known_targets
 from dflash_mlx.convert.convert import main
 from dflash_mlx.convert.weights import normalized_config
-from dflash_mlx.weights.pairs import PAIR_MANIFEST, default_pair_path
+from dflash_mlx.loading.pairs import PAIR_MANIFEST, default_pair_path
 
 # The package re-exports convert(), which shadows the module of the same name.
 convert_mod = importlib.import_module("dflash_mlx.convert.convert")

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB, write_target
 from helpers.decoding import greedy, run
-from helpers.hf_checkpoints import write_hf_target
 from helpers.dflash2_checkpoints import (
     BLOCK,
     authors_draft,
@@ -20,14 +19,15 @@ from helpers.dflash2_checkpoints import (
     train_authors_draft,
     write_dflash2_draft,
 )
+from helpers.hf_checkpoints import write_hf_target
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file, save_file
 
 from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache
+from dflash_mlx.loading import registry
 from dflash_mlx.models import drafter2
 from dflash_mlx.proposer import SelectorProposer
 from dflash_mlx.sampling import make_sampler
-from dflash_mlx.weights import registry
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

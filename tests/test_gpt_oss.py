@@ -18,9 +18,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from dflash_mlx import DFlashError, load, make_cache
-from dflash_mlx.models import target as tgt
-from dflash_mlx.models.drafter import DraftModel, DraftArgs
 from dflash_mlx.models import sliding
+from dflash_mlx.models import target as tgt
+from dflash_mlx.models.drafter import DraftArgs, DraftModel
 from dflash_mlx.models.sliding import SlidingKVCache
 
 torch = pytest.importorskip("torch")
@@ -223,8 +223,8 @@ def test_convert_load_generate(folders, tmp_path, capsys, q_bits):
     """dflash-convert -> load -> generate, for the MXFP4 checkpoint: the pair folder holds mlx-lm's
     own conversion, with the MXFP4 experts kept and (``q_bits``) the other layers quantized too,
     the layout of mlx-community's gpt-oss-*-MXFP4-Q8 repositories."""
-    from dflash_mlx.convert import convert
     from dflash_mlx.cli.generate import main as generate_main
+    from dflash_mlx.convert import convert
 
     target, _, draft_folder = folders
     pair = tmp_path / "pair"
@@ -267,7 +267,7 @@ def test_rope_parameters_without_rope_scaling_is_refused(folders, tmp_path):
 
 
 def test_registry_knows_the_gpt_oss_pairs():
-    from dflash_mlx.weights.registry import find_draft, find_pair
+    from dflash_mlx.loading.registry import find_draft, find_pair
 
     assert find_draft("openai/gpt-oss-20b") == "z-lab/gpt-oss-20b-DFlash"
     assert find_draft("openai/gpt-oss-120b") == "z-lab/gpt-oss-120b-DFlash"

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import DFlashError, load, make_cache
 from dflash_mlx.models import target as tgt
-from dflash_mlx.models.drafter import DraftModel, DraftArgs
+from dflash_mlx.models.drafter import DraftArgs, DraftModel
 
 torch = pytest.importorskip("torch")
 
@@ -165,8 +165,8 @@ def test_a_drafter_shaped_like_the_published_one(folders, tmp_path):
 def test_convert_load_generate(folders, tmp_path, capsys, q_bits):
     """dflash-convert -> load -> generate: the pair folder holds mlx-lm's own conversion, the INT4
     experts kept and (``q_bits``) the other layers quantized too."""
-    from dflash_mlx.convert import convert
     from dflash_mlx.cli.generate import main as generate_main
+    from dflash_mlx.convert import convert
 
     target, _, draft_folder = folders
     pair = tmp_path / "pair"
@@ -264,7 +264,7 @@ def test_hub_layouts_are_refused_before_download(tmp_path, monkeypatch):
 
 def test_registry_knows_the_kimi_pair(capsys):
     from dflash_mlx.convert.convert import main
-    from dflash_mlx.weights.registry import find_draft, find_pair, known_targets
+    from dflash_mlx.loading.registry import find_draft, find_pair, known_targets
 
     assert find_draft("moonshotai/Kimi-K2.5") == "z-lab/Kimi-K2.5-DFlash"
     assert find_draft("mlx-community/Kimi-K2.5-4bit") == "z-lab/Kimi-K2.5-DFlash"

@@ -8,8 +8,8 @@ from helpers.checkpoints import draft_config, write_draft, write_target
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import DFlashError, dflash_generate_step, load
-from dflash_mlx.models.drafter import DraftModel, DraftArgs
-from dflash_mlx.weights import loading, registry
+from dflash_mlx.loading import loading, registry
+from dflash_mlx.models.drafter import DraftArgs, DraftModel
 
 
 def test_rope_parameters_many_taps_and_layers(tmp_path):

@@ -9,14 +9,13 @@ import time
 import types
 
 import huggingface_hub.constants
-
 import mlx.core as mx
 import mlx_lm
 import pytest
 from helpers.checkpoints import EOS_ID, draft_config, write_draft
 
 from dflash_mlx import DFlashError, generate, load, stream_generate
-from dflash_mlx.weights import hub
+from dflash_mlx.loading import hub
 
 
 @pytest.fixture()
@@ -70,7 +69,7 @@ def test_hidden_size_mismatch(folders, tmp_path):
     # Rewrite the weights so the drafter itself is consistent, only the pair is wrong.
     from mlx.utils import tree_flatten
 
-    from dflash_mlx.models.drafter import DraftModel, DraftArgs
+    from dflash_mlx.models.drafter import DraftArgs, DraftModel
 
     args = DraftArgs.from_dict({**config, "hidden_size": 96})
     mx.save_safetensors(str(tmp_path / "wide" / "model.safetensors"), dict(tree_flatten(DraftModel(args).parameters())))
@@ -297,7 +296,7 @@ def _as_bfloat16(folder):
 
 
 def test_default_dtype_rule(folders):
-    from dflash_mlx.weights.casting import default_dtype
+    from dflash_mlx.loading.casting import default_dtype
 
     model, draft, _ = load(*folders, dtype="bfloat16")
     cpu, gpu = mx.Device(mx.cpu), mx.Device(mx.gpu)
@@ -315,7 +314,7 @@ def test_default_dtype_rule(folders):
 def test_dtype_rule_at_half_the_memory_at_hand(folders):
     from mlx.utils import tree_flatten
 
-    from dflash_mlx.weights.casting import default_dtype
+    from dflash_mlx.loading.casting import default_dtype
 
     model, _, _ = load(folders[0], dtype="bfloat16")
     loaded = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -327,7 +326,7 @@ def test_dtype_rule_at_half_the_memory_at_hand(folders):
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the default dtype on MLX's CPU backend")
 def test_load_computes_in_float32_on_cpu_unless_told_or_short_of_memory(folders, monkeypatch, caplog):
-    from dflash_mlx.weights import casting
+    from dflash_mlx.loading import casting
 
     _as_bfloat16(folders[0])
     model, draft, _ = load(*folders)
@@ -372,8 +371,8 @@ def test_llama_and_untied_targets_load(pair_dirs):
 
 
 def test_draft_for_cli():
-    from dflash_mlx.weights.pairs import AUTO_DRAFT
-    from dflash_mlx.weights.registry import draft_for_cli
+    from dflash_mlx.loading.pairs import AUTO_DRAFT
+    from dflash_mlx.loading.registry import draft_for_cli
 
     assert draft_for_cli("Qwen/Qwen3-8B", None) == AUTO_DRAFT
     assert draft_for_cli("Qwen/Qwen3-8B", None, no_draft=True) is None

@@ -206,7 +206,7 @@ async def test_the_chat_shows_its_default_decoding():
 
 
 def test_the_first_conversion_says_where_it_writes_and_how_much(monkeypatch, tmp_path, capsys):
-    from dflash_mlx.weights import gguf
+    from dflash_mlx.loading import gguf
 
     src = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     src.write_bytes(b"GGUF" + bytes(100))

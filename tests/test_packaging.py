@@ -86,7 +86,7 @@ def test_tools_run_from_the_wheel(venv, tmp_path):
     assert "Generation:" in out
     assert "usage: dflash-bench" in _run([str(bin_dir / "dflash-bench"), "--help"], tmp_path)
     # The default prompts load from the installed package (this failed without *.jsonl in the package data).
-    code = "from dflash_mlx.bench.benchmark import load_prompts; from dflash_mlx.weights.pairs import default_pair_path; " \
+    code = "from dflash_mlx.bench.benchmark import load_prompts; from dflash_mlx.loading.pairs import default_pair_path; " \
            "print(len(load_prompts(default_pair_path() / 'prompts.jsonl')))"  # fmt: skip
     assert int(_run([str(bin_dir / "python"), "-c", code], tmp_path)) > 0
 
@@ -109,7 +109,7 @@ def test_a_wheel_builds_from_the_sdist_and_ships_the_tools_not_the_baselines(tmp
     (wheel,) = dist.glob("mlx_dflash-*.whl")
     files = set(zipfile.ZipFile(wheel).namelist())
     for module in ("dflash_mlx/tui/app.py", "dflash_mlx/tui/chat.tcss", "dflash_mlx/convert/convert.py",
-                   "dflash_mlx/weights/loading.py", "dflash_mlx/assets/smollm2/draft/model.safetensors"):
+                   "dflash_mlx/loading/loading.py", "dflash_mlx/assets/smollm2/draft/model.safetensors"):
         assert module in files, module
     assert not [f for f in files if "/ar-draft/" in f or (f.startswith("dflash_mlx/assets/bench/") and f.endswith(".json"))]
     # The top-level folders are links for the checkout's readers: they are not packages of their own.

@@ -515,9 +515,9 @@ def test_cli_help_and_bad_flags(capsys):
     ],
 )
 def test_out_of_range_defaults_are_refused_at_start(capsys, monkeypatch, argv, message):
-    import dflash_mlx.weights.loading
+    import dflash_mlx.loading.loading
 
-    monkeypatch.setattr(dflash_mlx.weights.loading, "load", lambda *a, **k: pytest.fail("loaded before checking"))
+    monkeypatch.setattr(dflash_mlx.loading.loading, "load", lambda *a, **k: pytest.fail("loaded before checking"))
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and capsys.readouterr().err.strip() == f"dflash-serve: error: {message}"

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx import DFlashError, dflash_generate_step, load
 from dflash_mlx.cache import make_draft_cache
+from dflash_mlx.loading import casting
 from dflash_mlx.models import target as tgt
 from dflash_mlx.train import loop as train_mod
 from dflash_mlx.train.checkpoint import check_out, latest_checkpoint
@@ -37,7 +38,6 @@ from dflash_mlx.train.loop import (
     packed_block_mask,
     train,
 )
-from dflash_mlx.weights import casting
 from dflash_mlx.train.vocab import LossVocab, coverage, token_counts, top_tokens
 
 

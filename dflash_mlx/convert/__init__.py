@@ -1,6 +1,6 @@
 """dflash-convert: Hugging Face checkpoints to MLX, targets and DFlash drafters."""
 
-from ..weights.registry import KNOWN_PAIRS, KnownPair, find_draft, find_pair, known_targets
+from ..loading.registry import KNOWN_PAIRS, KnownPair, find_draft, find_pair, known_targets
 from .convert import CheckResult, ConvertResult, check_converted, convert
 
 __all__ = [

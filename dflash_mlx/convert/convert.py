@@ -33,22 +33,22 @@ from ..cli.options import add_blas_argument
 from ..cli.progress import Progress
 from ..dtypes import DTYPES
 from ..errors import DFlashError
+from ..files import install, partial_sibling
 from ..generation import dflash_generate_step
+from ..loading import registry
+from ..loading.casting import cast
+from ..loading.draft_loader import load_draft
+from ..loading.folders import check_not_drafter, check_tokenizer_files, is_drafter_config, read_config
+from ..loading.gguf import convert_gguf, find_gguf
+from ..loading.hub import local_folder, target_folder
+from ..loading.loading import load
+from ..loading.pairs import PAIR_MANIFEST, default_pair_draft, read_pair_manifest
+from ..loading.registry import known_draft
+from ..loading.target_checks import check_target_config, vet_hub_target
+from ..loading.target_loader import load_target_model
 from ..models import target as tgt
 from ..models.drafter import DraftModel, save_draft
 from ..responses import AcceptanceStats
-from ..weights import registry
-from ..weights.files import install, partial_sibling
-from ..weights.gguf import convert_gguf, find_gguf
-from ..weights.casting import cast
-from ..weights.draft_loader import load_draft
-from ..weights.folders import check_not_drafter, check_tokenizer_files, is_drafter_config, read_config
-from ..weights.loading import load
-from ..weights.pairs import PAIR_MANIFEST, default_pair_draft, read_pair_manifest
-from ..weights.registry import known_draft
-from ..weights.hub import local_folder, target_folder
-from ..weights.target_checks import check_target_config, vet_hub_target
-from ..weights.target_loader import load_target_model
 from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft
 
 # Affine bit widths mlx-lm can quantize a target to.
@@ -332,7 +332,7 @@ def convert(
 
     Args:
         hf_path: The target: local folder, Hugging Face id, or a ``.gguf`` file (or a folder
-          holding one), converted by :func:`dflash_mlx.weights.gguf.convert_gguf`.
+          holding one), converted by :func:`dflash_mlx.loading.gguf.convert_gguf`.
         mlx_path: The pair folder to write; it must not exist unless ``force``.
         quantize: Quantize the target (mlx-lm's affine quantization).
         q_group_size: Target quantization group size (mlx-lm's default: 64).
@@ -341,7 +341,7 @@ def convert(
           both models; by default the target's ``torch_dtype``. A GGUF target is dequantized
           to it; without it its Q4_0/Q4_1/Q8_0 layers stay quantized.
         draft_hf_path: The drafter: local folder or Hugging Face id. None takes the official
-          drafter of a known target (see :mod:`dflash_mlx.weights.registry`), or the default
+          drafter of a known target (see :mod:`dflash_mlx.loading.registry`), or the default
           pair's shipped drafter for SmolLM2-135M-Instruct (its hub id or a GGUF of it).
         draft_q_bits: Quantize the drafter to 8 or 4 bits; None keeps it in ``dtype``.
         draft_q_group_size: Drafter quantization group size.

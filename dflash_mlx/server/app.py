@@ -216,10 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     import json
 
     from ..datastore import open_datastore
+    from ..loading.loading import load
+    from ..loading.pairs import DEFAULT_PAIR
+    from ..loading.registry import draft_for_cli
     from ..models.target import vocab_size
-    from ..weights.loading import load
-    from ..weights.pairs import DEFAULT_PAIR
-    from ..weights.registry import draft_for_cli
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)

@@ -22,8 +22,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import DFlashError
+from ..loading.folders import read_config
 from ..models.drafter import save_draft
-from ..weights.folders import read_config
 
 STATE_DIR = "training_state"
 RESPONSE_CACHE = "data.jsonl"  # the default --cache, inside --out

@@ -33,19 +33,19 @@ from mlx.utils import tree_flatten
 from ..cli.options import ArgumentParser, add_blas_argument
 from ..cli.progress import Progress
 from ..cpu.speedups import choose_speedups
+from ..dtypes import DTYPES
 from ..errors import DFlashError
 from ..generation import dflash_generate_step
 from ..inputs import MAX_SEED
+from ..loading.casting import cast, cast_pair
+from ..loading.draft_loader import MASK_TOKENS, load_draft, tokenizer_mask_token
+from ..loading.folders import check_not_drafter, read_config
+from ..loading.hub import local_folder
+from ..loading.pairs import embedded_pair
+from ..loading.target_loader import load_target
 from ..models import target as tgt
-from ..models.drafter import DraftModel, DraftArgs, default_target_layer_ids
+from ..models.drafter import DraftArgs, DraftModel, default_target_layer_ids
 from ..responses import AcceptanceStats
-from ..dtypes import DTYPES
-from ..weights.casting import cast, cast_pair
-from ..weights.draft_loader import MASK_TOKENS, load_draft, tokenizer_mask_token
-from ..weights.folders import check_not_drafter, read_config
-from ..weights.pairs import embedded_pair
-from ..weights.hub import local_folder
-from ..weights.target_loader import load_target
 from .checkpoint import (
     LOSS_VOCAB,
     TrainingInterrupted,
@@ -69,8 +69,8 @@ from .data import (
     render_prompt,
     usable,
 )
-from .precondition import ScaledLinear, feature_scale, folded_fc
 from .grow import deepen
+from .precondition import ScaledLinear, feature_scale, folded_fc
 from .taps import TapStore
 from .vocab import LossVocab, coverage, token_counts, top_tokens
 

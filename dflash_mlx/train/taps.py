@@ -18,8 +18,8 @@ import mlx.nn as nn
 
 from ..cli.progress import Progress
 from ..errors import DFlashError
+from ..files import write_text_atomic
 from ..models import target as tgt
-from ..store import write_text_atomic
 
 _FORMAT = 1
 

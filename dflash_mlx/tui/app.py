@@ -418,7 +418,7 @@ def make_app(
     Returns:
         ChatApp: Call ``.run()`` on it.
     """
-    from ..weights.pairs import DEFAULT_PAIR_SAMPLING, is_default_pair
+    from ..loading.pairs import DEFAULT_PAIR_SAMPLING, is_default_pair
 
     note = None
     if temp is None and top_p is None and not base_url and is_default_pair(model):
@@ -450,14 +450,14 @@ def make_app(
 def _prepare_embedded_pair(model: str | None, datastore: str = "auto") -> None:
     """Convert the default pair's target and index its datastore now, on the plain terminal where
     their one-time progress lines show, rather than inside the app, which hides stderr."""
-    from ..weights.pairs import is_embedded_pair
+    from ..loading.pairs import is_embedded_pair
 
     if not is_embedded_pair(model):
         return
     import json
 
     from ..datastore import open_datastore
-    from ..weights.pairs import DEFAULT_PAIR, embedded_pair
+    from ..loading.pairs import DEFAULT_PAIR, embedded_pair
 
     try:
         target, _ = embedded_pair(model or DEFAULT_PAIR)

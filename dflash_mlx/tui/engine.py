@@ -114,10 +114,10 @@ class MLXEngine:
         from ..chat_template import template_switches
         from ..cli.options import add_stop_tokens
         from ..datastore import open_datastore
+        from ..loading.loading import load
+        from ..loading.pairs import AUTO_DRAFT, DEFAULT_PAIR
+        from ..loading.registry import draft_for_cli
         from ..models import target as tgt
-        from ..weights.loading import load
-        from ..weights.pairs import AUTO_DRAFT, DEFAULT_PAIR
-        from ..weights.registry import draft_for_cli
 
         draft = draft_for_cli(self.model_path, self.draft_path, self.no_draft)
         self.model, self.draft, self.tokenizer = load(self.model_path, draft, dtype=self.dtype)

@@ -50,16 +50,16 @@ def main() -> None:
 
     from dflash_mlx.cache import make_cache
     from dflash_mlx.cpu.speedups import choose_speedups
+    from dflash_mlx.loading.casting import cast
+    from dflash_mlx.loading.draft_loader import load_draft
+    from dflash_mlx.loading.target_loader import load_target
     from dflash_mlx.models import target as tgt
-    from dflash_mlx.models.drafter import DraftModel, DraftArgs
+    from dflash_mlx.models.drafter import DraftArgs, DraftModel
     from dflash_mlx.train.data import make_batch, position_weights, read_cache, read_prompts, render_prompt, usable
-    from dflash_mlx.train.precondition import ScaledLinear, feature_scale
     from dflash_mlx.train.loop import _KEYS, TrainingArgs, _to_mx, block_loss, draft_config, evaluate_acceptance
+    from dflash_mlx.train.precondition import ScaledLinear, feature_scale
     from dflash_mlx.train.taps import TapStore
     from dflash_mlx.train.vocab import LossVocab, coverage, token_counts, top_tokens
-    from dflash_mlx.weights.casting import cast
-    from dflash_mlx.weights.draft_loader import load_draft
-    from dflash_mlx.weights.target_loader import load_target
 
     print(f"BLAS: {blas_in_use()}")
     target, tokenizer = load_target(Path(args.target))

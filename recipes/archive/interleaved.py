@@ -6,7 +6,7 @@ from typing import Callable
 
 from dflash_mlx import load
 from dflash_mlx.bench.benchmark import _prompt_rows, encode
-from dflash_mlx.weights.pairs import default_pair_path
+from dflash_mlx.loading.pairs import default_pair_path
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,14 +5,17 @@ two held-out prompts, rounds taking turns (the first is warm-up); prints cumulat
 
     python -m dflash_mlx.cpu.openblas python recipes/measure/free_drafts_ab.py
 """
-import json, time
+import json
+import time
+
 import dflash_mlx.generation as g
 from dflash_mlx import load, stream_generate
 from dflash_mlx.adaptive import PolicyState
-from dflash_mlx.datastore import open_datastore, DatastoreProposer
+from dflash_mlx.datastore import DatastoreProposer, open_datastore
+from dflash_mlx.loading.pairs import DEFAULT_PAIR
 from dflash_mlx.lookup import LookupProposer, PromptLookup
 from dflash_mlx.proposer import FirstOf
-from dflash_mlx.weights.pairs import DEFAULT_PAIR
+
 model, draft, tok = load()
 ds = open_datastore("auto", DEFAULT_PAIR, 49152, learns=False)
 new = g.free_sources

@@ -61,11 +61,11 @@ def main():
     if not args.prompts or not args.cache:
         p.error("--prompts and --cache are needed (or --select-prompts OUT)")
 
+    from dflash_mlx.loading.draft_loader import load_draft
+    from dflash_mlx.loading.target_loader import load_target
     from dflash_mlx.train.block_acceptance import response_acceptance
     from dflash_mlx.train.data import _key, read_cache, read_prompts, render_prompt
     from dflash_mlx.train.taps import TapStore
-    from dflash_mlx.weights.draft_loader import load_draft
-    from dflash_mlx.weights.target_loader import load_target
 
     target, tokenizer = load_target(Path(args.model))
     drafts = {d: load_draft(Path(d), target=target, tokenizer=tokenizer) for d in args.draft}

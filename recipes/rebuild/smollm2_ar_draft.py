@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tuner.trainer import TrainingArgs, evaluate, train
 from mlx_lm.utils import load_model
 
-from dflash_mlx.weights.pairs import embedded_pair
+from dflash_mlx.loading.pairs import embedded_pair
 
 OUT = Path(__file__).resolve().parents[2] / "assets" / "smollm2" / "ar-draft"
 BORROWED = ("model.embed_tokens", "model.norm")

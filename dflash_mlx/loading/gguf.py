@@ -28,8 +28,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from ..dtypes import DTYPES
 from ..errors import DFlashError
+from ..files import install, partial_sibling
 from ..store import default_cache_root
-from .files import install, partial_sibling
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 GROUP_SIZE = 32  # every ggml block type mx.load keeps quantized has 32 weights per block

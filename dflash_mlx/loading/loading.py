@@ -25,8 +25,8 @@ from .hub import fetch_pair
 from .options import check_load_options
 from .pairs import name_pair
 from .registry import look_up
-from .target_checks import check_target, vet_hub_target
 from .sharding import check_sharding_options, world_size
+from .target_checks import check_target, vet_hub_target
 from .target_loader import build_target, select_files
 
 
@@ -46,10 +46,10 @@ def load(
         model: Target folder or Hugging Face id, a pair folder written by
           ``dflash-convert`` (its ``dflash_pair.json`` names the target and the drafter), or
           the name of an embedded pair (``pairs.EMBEDDED_PAIRS``). None loads the default pair,
-          SmolLM2-135M-Instruct and its drafter (see :func:`dflash_mlx.weights.pairs.embedded_pair`).
+          SmolLM2-135M-Instruct and its drafter (see :func:`dflash_mlx.loading.pairs.embedded_pair`).
         draft: Drafter folder or Hugging Face id (a pair folder gives its drafter).
           ``"auto"`` takes the pair folder's drafter, or else the official drafter of a
-          known target (see ``dflash_mlx.weights.registry``). None takes the pair
+          known target (see ``dflash_mlx.loading.registry``). None takes the pair
           folder's drafter, and means plain decoding for any other target.
         dtype: Cast both models to ``"float32"``, ``"bfloat16"`` or ``"float16"``. By default
           ``casting.default_dtype`` decides: float32 on MLX's CPU backend when it fits in half the
@@ -62,7 +62,7 @@ def load(
           where it checked itself faster (``"auto"``, default) or wherever it can run
           (``"on"``). Elsewhere the target is mlx-lm's, unchanged; ``"on"`` there is an error.
         parallel: Under ``mlx.launch`` with several ranks, how the target is split over them
-          (:mod:`dflash_mlx.weights.sharding`): ``"tensor"`` (mlx-lm's ``model.shard``) or
+          (:mod:`dflash_mlx.loading.sharding`): ``"tensor"`` (mlx-lm's ``model.shard``) or
           ``"pipeline"`` (``model.model.pipeline``; rank 0 runs the last layers). None (default):
           tensor parallel where mlx-lm has it for the family, else the pipeline; on one rank, whole.
           The drafter is whole on every rank.

@@ -32,7 +32,7 @@ def build_target(
     source: PairSource, *, parallel: str | None = None, pipeline_split: list[int] | None = None
 ) -> tuple[nn.Module, TokenizerWrapper]:
     """The target of a read and checked pair, built by mlx-lm's loader, and its tokenizer; split
-    over the ranks when there are several (:func:`dflash_mlx.weights.sharding.shard_target`)."""
+    over the ranks when there are several (:func:`dflash_mlx.loading.sharding.shard_target`)."""
     path = source.target
     several = world_size() > 1
     absent = _absent_files(path)  # a pipeline rank's download holds only its own files
@@ -66,7 +66,7 @@ def build_target(
 def select_files(path: Path, *, parallel: str | None, pipeline_split: list[int] | None) -> list[str] | None:
     """The weight files this rank downloads of a hub target, from its snapshot without weights
     (config, index, tokenizer): None (all) for a checkpoint without an index, else
-    :func:`dflash_mlx.weights.sharding.rank_files` of the target built without weights."""
+    :func:`dflash_mlx.loading.sharding.rank_files` of the target built without weights."""
     if world_size() == 1 or not (path / INDEX).is_file():
         return None
     config = read_config(path, "target")

@@ -171,7 +171,7 @@ KNOWN_PAIRS: tuple[KnownPair, ...] = (
 )
 
 
-# The default pair's target (dflash_mlx.weights.pairs.DEFAULT_PAIR), whose drafter ships here.
+# The default pair's target (dflash_mlx.loading.pairs.DEFAULT_PAIR), whose drafter ships here.
 DEFAULT_TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_TARGET_NAME = DEFAULT_TARGET.rsplit("/", 1)[-1]
 

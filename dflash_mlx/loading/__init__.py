@@ -1,0 +1,1 @@
+"""Loading a pair: targets and drafters from folders, GGUF files and the hub, and the registry of published pairs."""
