@@ -100,7 +100,7 @@ def test_a_draft_vocabulary_is_softcapped_like_the_head(gemma_targets):
 
 def test_the_training_loss_reads_the_head_without_its_softcap(gemma_pairs):
     """dflash-train's logit loss reads W^T off the head applied to the identity."""
-    from dflash_mlx.train.loop import head_gram
+    from dflash_mlx.train.losses import head_gram
 
     model = gemma_pairs["gemma4"][0]
     w = model.language_model.model.embed_tokens.weight.T  # (H, V): the head is tied

@@ -16,7 +16,7 @@ from dflash_mlx import DFlashError, dflash_generate_step, load
 from dflash_mlx.cache import make_draft_cache
 from dflash_mlx.loading import casting
 from dflash_mlx.models import target as tgt
-from dflash_mlx.train import loop as train_mod
+from dflash_mlx.train import trainer as train_mod
 from dflash_mlx.train.checkpoint import check_out, latest_checkpoint
 from dflash_mlx.train.data import (
     dataset_examples,
@@ -28,16 +28,10 @@ from dflash_mlx.train.data import (
     render_prompt,
     usable,
 )
-from dflash_mlx.train.loop import (
-    TrainingArgs,
-    block_logits,
-    block_loss,
-    get_lr,
-    head_gram,
-    main,
-    packed_block_mask,
-    train,
-)
+from dflash_mlx.train.cli import main
+from dflash_mlx.train.config import TrainingArgs
+from dflash_mlx.train.losses import block_logits, block_loss, head_gram, packed_block_mask
+from dflash_mlx.train.trainer import get_lr, train
 from dflash_mlx.train.vocab import LossVocab, coverage, token_counts, top_tokens
 
 

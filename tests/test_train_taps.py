@@ -8,7 +8,8 @@ from test_train import _args, setup  # noqa: F401  (the module's tiny target and
 
 from dflash_mlx import DFlashError
 from dflash_mlx.models import target as tgt
-from dflash_mlx.train.loop import block_hidden, block_loss, head_gram, logit_error, train
+from dflash_mlx.train.losses import block_hidden, block_loss, head_gram, logit_error
+from dflash_mlx.train.trainer import train
 from dflash_mlx.train.taps import TapStore
 
 

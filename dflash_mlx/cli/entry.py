@@ -52,6 +52,6 @@ def _entry(prog: str, module: str) -> Callable[[], None]:
 generate_main = _entry("dflash-generate", "dflash_mlx.cli.generate")
 chat_main = _entry("dflash-chat", "dflash_mlx.tui.app")
 convert_main = _entry("dflash-convert", "dflash_mlx.convert.convert")
-train_main = _entry("dflash-train", "dflash_mlx.train.loop")
+train_main = _entry("dflash-train", "dflash_mlx.train.cli")
 bench_main = _entry("dflash-bench", "dflash_mlx.bench.benchmark")
 serve_main = _entry("dflash-serve", "dflash_mlx.server.app")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .loop import block_hidden
+from .losses import block_hidden
 from .taps import TapStore
 
 # Blocks drafted together: bounds the drafter's activations for a long response.

@@ -56,7 +56,9 @@ def main() -> None:
     from dflash_mlx.models import target as tgt
     from dflash_mlx.models.drafter import DraftArgs, DraftModel
     from dflash_mlx.train.data import make_batch, position_weights, read_cache, read_prompts, render_prompt, usable
-    from dflash_mlx.train.loop import _KEYS, TrainingArgs, _to_mx, block_loss, draft_config, evaluate_acceptance
+    from dflash_mlx.train.config import TrainingArgs, draft_config
+    from dflash_mlx.train.losses import block_loss
+    from dflash_mlx.train.trainer import _KEYS, _to_mx, evaluate_acceptance
     from dflash_mlx.train.precondition import ScaledLinear, feature_scale
     from dflash_mlx.train.taps import TapStore
     from dflash_mlx.train.vocab import LossVocab, coverage, token_counts, top_tokens
