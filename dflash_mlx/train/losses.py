@@ -1,7 +1,6 @@
 """The training loss: many blocks drafted over one packed context, as at inference, scored by cross-entropy on
 the target's own tokens, plus an optional logit-matching term against the target's final hidden states."""
 
-
 import mlx.core as mx
 import mlx.nn as nn
 
