@@ -1,4 +1,5 @@
 import importlib.util
+import os
 
 import mlx.core as mx
 import pytest
@@ -46,8 +47,13 @@ def _default_pair_cache(tmp_path_factory):
     from dflash_mlx.loading import gguf
 
     root = tmp_path_factory.mktemp("dflash-mlx-cache")
+    # The converted target in a folder every test worker of this run shares (the conversion installs its
+    # folder atomically, so workers may race): one conversion a run, not one a worker. The saved rates and
+    # the datastore index stay the worker's own.
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "default_cache_root", lambda: root)
+        mp.setattr(gguf, "default_cache_root", lambda: shared / "dflash-mlx-targets")
         mp.setattr(store, "default_cache_root", lambda: root)
         yield root
 

@@ -270,15 +270,15 @@ def test_a_q_that_ignores_the_drafts_before_fails_the_same_check(untied_pair, br
     where the first draft is accepted often and the second one's distribution depends on it: a
     target whose text does not repeat (untied head) at a low temperature, and :class:`_FirstRight`.
     The same setting is also checked with the right q."""
-    from test_sampling import PROMPT, RUNS, _excess
+    from test_sampling import CONTROL_RUNS, PROMPT, RUNS, _excess
 
     model, draft, exact = untied_pair
     sampler = make_sampler(0.1)
     assert all(p.max() < 0.6 for p in exact)  # no near-certain token: the check has teeth
     drafter = (_Unconditioned if broken else _FirstRight)(draft, PROMPT)
-    # The broken q on a third of the runs: a bias that fails the check there fails it at RUNS too.
+    # The broken q on half the runs: a bias that fails the check there fails it at RUNS too.
     excess = _excess((model, drafter, None), exact, "sample", sampler=sampler, drafter=drafter,
-                     runs=RUNS // 3 if broken else RUNS)  # fmt: skip
+                     runs=CONTROL_RUNS if broken else RUNS)  # fmt: skip
     assert (max(excess) > 0) == broken, excess
 
 

