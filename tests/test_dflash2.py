@@ -23,7 +23,7 @@ from helpers.dflash2_checkpoints import (
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file, save_file
 
-from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache
+from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache, LoopOptions
 from dflash_mlx.models import drafter2
 from dflash_mlx.proposer import SelectorProposer
 from dflash_mlx.sampling import make_sampler
@@ -98,7 +98,7 @@ def test_settings_that_need_confidences_are_refused(pair):
     model, draft, _ = pair
     for kwargs in ({"block_size": "auto"}, {"min_confidence": 0.5}):
         with pytest.raises(DFlashError, match="A DFlash2 drafter verifies whole blocks"):
-            next(dflash_generate_step([1, 2, 3], model, draft, **kwargs))
+            next(dflash_generate_step([1, 2, 3], model, draft, LoopOptions(**kwargs)))
 
 
 def test_registry_pairs():

@@ -35,6 +35,7 @@ from ..cli.progress import Progress
 from ..cpu.speedups import choose_speedups
 from ..errors import DFlashError
 from ..generation import dflash_generate_step
+from ..options import LoopOptions
 from ..inputs import MAX_SEED
 from ..models import target as tgt
 from ..models.drafter import DraftModel, DraftArgs, default_target_layer_ids
@@ -443,10 +444,11 @@ def evaluate_acceptance(
     of draft trees)."""
     acceptance = AcceptanceStats()
     for ids in prompts:
-        steps = dflash_generate_step(
-            ids, target, draft, max_tokens=max_tokens, stop_tokens=stop_tokens, block_size=block_size,
+        options = LoopOptions(
+            max_tokens=max_tokens, stop_tokens=stop_tokens, block_size=block_size,
             tree_budget=tree_budget, adaptive=False,  # the drafter's own acceptance, every cycle drafted
         )
+        steps = dflash_generate_step(ids, target, draft, options)
         for i, step in enumerate(steps):
             if i > 0:  # the prefill's token is no cycle
                 acceptance.add(step.num_draft, len(step.tokens))
