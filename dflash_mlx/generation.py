@@ -110,18 +110,20 @@ def _make_proposer(
             lookup = FirstOf(lookup, DatastoreProposer(datastore, cache.tokens, draft.block_size))
         return PlainProposer(lookup) if block_size == 1 else lookup
     sample = proposal == "sample" and can_sample_proposals(sampler)
-    if isinstance(draft, drafter2.DraftModel):
+    selector = isinstance(draft, drafter2.DraftModel)
+    if selector and (choose_width or min_confidence > 0):
         # Its drafts are a path through the selector, with no per-draft confidence to cut or size blocks by.
-        if choose_width or min_confidence > 0:
-            raise DFlashError("A DFlash2 drafter verifies whole blocks: use a fixed block_size and min_confidence=0.")
+        raise DFlashError("A DFlash2 drafter verifies whole blocks: use a fixed block_size and min_confidence=0.")
+    # "auto" widths and trees: the target's passes of each width, timed on this machine.
+    nodes = MAX_AUTO_TREE_BUDGET if tree_budget == "auto" else tree_budget
+    width = None
+    if choose_width or tree_budget == "auto":
+        width = VerifyWidth(model, draft, cache, speedups, tree_nodes=nodes if tree_budget else 0)
+    if selector:
         drafter = SelectorProposer(model, draft, cache, sampler=sampler if sample else None, speedups=speedups)
-    elif tree_budget == "auto":
-        width = VerifyWidth(model, draft, cache, speedups, tree_nodes=MAX_AUTO_TREE_BUDGET)
-        drafter = TreeProposer(model, draft, cache, MAX_AUTO_TREE_BUDGET, speedups=speedups, width=width)
     elif tree_budget:
-        drafter = TreeProposer(model, draft, cache, tree_budget, speedups=speedups)
+        drafter = TreeProposer(model, draft, cache, nodes, speedups=speedups, width=width)
     else:
-        width = VerifyWidth(model, draft, cache, speedups) if choose_width else None
         drafter = DFlashProposer(
             model, draft, cache, sampler=sampler if sample else None, min_confidence=min_confidence,
             speedups=speedups, width=width,
@@ -216,7 +218,6 @@ def dflash_generate_step(
         raise DFlashError(
             "The prompt cache was made without a drafter; make it with make_cache(model, draft)."
         )
-    cache.use_kernels(o.kernels)
     speedups = choose_speedups(tgt.compute_dtype(model), o.cpu_speedups)
     # The policy paces the DFlash drafter; with block 1 it never drafts, so it is left alone.
     policy = None
@@ -227,14 +228,8 @@ def dflash_generate_step(
         lookup_fallback=o.lookup_fallback, policy=policy, speedups=speedups, block_size=block_size,
         choose_width=choose_width, tree_budget=tree_budget, datastore=o.datastore,
     )  # fmt: skip
-    if peers.group is not None and drafter is not None and tgt.head_group(model) is not None:
-        drafter.head_rows(model)  # every rank together: a collective, then rank 0 drafts alone
     if not peers.leads:
-        proposer = FollowProposer(proposer.tap_ids)
-    verifier = Verifier(
-        model, cache, sampler=sampler, logits_processors=o.logits_processors, tap_ids=proposer.tap_ids,
-        speedups=speedups, kernels=o.kernels, draft=drafter, run_ahead=peers.group is None,
-    )
+        proposer = FollowProposer(proposer.tap_ids, proposer.drafter)
 
     budget = Budget(o.max_tokens, o.stop_tokens)
     # Always the whole block, cut to the budget after verifying: a seeded run then draws the same
@@ -244,12 +239,15 @@ def dflash_generate_step(
         if o.seed is not None:
             mx.random.seed(o.seed)
         # Reuse the longest common prefix; at least one token is prefilled for its logits.
-        reuse = cache.reusable_prefix(ids)
-        cache.trim_to(reuse)
+        reuse = cache.resume(ids, o.kernels)
+        verifier = Verifier(
+            model, cache, sampler=sampler, logits_processors=o.logits_processors, tap_ids=proposer.tap_ids,
+            speedups=speedups, kernels=o.kernels, run_ahead=peers.group is None,
+        )
         drafts = None
         try:
             peers.watch()
-            last = verifier.prefill(ids[reuse:], o.prefill_step_size)
+            last = verifier.prefill(ids[reuse:], o.prefill_step_size, proposer.drafter)
             # The next cycle's drafts, their pass already started; None when generation is over.
             emitted = budget.emit([last]) if peers.leads else []
             if peers.leads and budget.open:
@@ -289,7 +287,7 @@ def dflash_generate_step(
                 verifier.verify(last, drafts)
                 peers.settle([], 0, None)
             peers.close()
-            cache.drop_uncommitted()
+            verifier.finish()
 
 
 def _kept_in(datastore: Datastore, steps: Generator[StepOutput, None, None]) -> Generator[StepOutput, None, None]:
