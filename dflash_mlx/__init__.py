@@ -17,6 +17,7 @@ _EXPORTS = {
     "PolicyState": "adaptive",
     "StepOutput": "generation",
     "dflash_generate_step": "generation",
+    "LoopOptions": "options",
     "generate": "generation",
     "stream_generate": "generation",
     "check_pair": "loading.draft_loader",

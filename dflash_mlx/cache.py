@@ -137,6 +137,11 @@ class DFlashCache:
     It also carries what the adaptive policy measured of the pair (``policy``), so calls that
     pass the same cache continue its schedule.
 
+    Each side of a cycle has its own methods: the loop ``resume`` (a generation's start) and
+    ``commit`` (each cycle's verdict); the verifier the ``target`` caches and ``tokens``,
+    ``trim_target`` and ``drop_uncommitted``; the DFlash proposer the ``draft`` caches,
+    ``reserve_draft``, ``append_pending`` and ``take_pending``.
+
     Invariants between generation cycles:
       * ``target[i].offset == len(tokens)``: ``tokens`` are exactly what the target has seen;
       * ``draft[i].offset + pending_length == len(tokens)``: the taps of the last few
@@ -163,6 +168,8 @@ class DFlashCache:
     def pending_length(self) -> int:
         return 0 if self.pending_taps is None else self.pending_taps.shape[1]
 
+    # The loop's side: what a generation reuses, and what each cycle keeps.
+
     def reusable_prefix(self, ids: list[int]) -> int:
         """How many leading ``ids`` are already cached; one is always left to prefill."""
         n = 0
@@ -184,30 +191,17 @@ class DFlashCache:
             n = best
         return n
 
-    def commit(self, last: int, emitted: list[int], verified: int) -> None:
-        """A cycle fed ``[last, ...]`` (``verified`` positions) and emitted ``emitted``: the target
-        keeps ``last`` and all but the newest emitted token (which the next cycle feeds) and
-        forgets the rest of the block."""
-        self.trim_target(verified - len(emitted))
-        self.tokens.append(last)
-        self.tokens.extend(emitted[:-1])
-
-    def use_kernels(self, mode: str) -> None:
-        """The Metal kernels' mode for the target caches whose passes run one (a recurrent
-        layer's verify recurrence; :mod:`dflash_mlx.kernels`)."""
+    def resume(self, ids: list[int], kernels: str = "auto") -> int:
+        """Start a generation on ``ids``: keep the longest prefix the pair can return to and forget
+        the rest; returns its length (at least one id is left to prefill, for its logits).
+        ``kernels`` is the generation's Metal kernels' mode for the target caches whose passes run
+        one (a recurrent layer's verify recurrence; :mod:`dflash_mlx.kernels`)."""
         for c in self.target:
             if isinstance(c, hybrid.RecurrentCache):
-                c.kernels = mode
-
-    def drop_uncommitted(self) -> None:
-        """Forget target entries past ``tokens`` (a cycle cut short, a step queued ahead)."""
-        if self.offset != len(self.tokens):
-            self.trim_to(len(self.tokens))
-
-    def trim_target(self, n: int) -> None:
-        """Forget the target's last ``n`` entries (a verified block's rejected drafts)."""
-        for c in self.target:
-            c.trim(n)
+                c.kernels = kernels
+        reuse = self.reusable_prefix(ids)
+        self.trim_to(reuse)
+        return reuse
 
     def trim_to(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens."""
@@ -224,7 +218,34 @@ class DFlashCache:
                 self.pending_taps = None
         del self.tokens[length:]
 
+    def commit(self, last: int, emitted: list[int], verified: int) -> None:
+        """A cycle fed ``[last, ...]`` (``verified`` positions) and emitted ``emitted``: the target
+        keeps ``last`` and all but the newest emitted token (which the next cycle feeds) and
+        forgets the rest of the block."""
+        self.trim_target(verified - len(emitted))
+        self.tokens.append(last)
+        self.tokens.extend(emitted[:-1])
+
+    # The verifier's side: the target's caches, the committed tokens, and the rewind.
+
+    def drop_uncommitted(self) -> None:
+        """Forget target entries past ``tokens`` (a cycle cut short, a step queued ahead)."""
+        if self.offset != len(self.tokens):
+            self.trim_to(len(self.tokens))
+
+    def trim_target(self, n: int) -> None:
+        """Forget the target's last ``n`` entries (a verified block's rejected drafts)."""
+        for c in self.target:
+            c.trim(n)
+
+    # The DFlash proposer's side: the drafter's context cache and the taps not yet in it.
+
+    def reserve_draft(self, n: int, draft: DraftModel) -> None:
+        """Room for ``n`` positions after the pending ones in the drafter's context caches (:func:`reserve`)."""
+        reserve(self.draft, self.draft_offset + self.pending_length + n, draft)
+
     def append_pending(self, taps: mx.array | None) -> None:
+        """Keep ``taps`` of newly committed positions until the drafter's next pass takes them in."""
         if taps is None or not self.draft:
             return
         if self.pending_taps is None:
@@ -233,6 +254,7 @@ class DFlashCache:
             self.pending_taps = mx.concatenate([self.pending_taps, taps], axis=1)
 
     def take_pending(self) -> mx.array | None:
+        """The pending taps, handed over (None if there are none)."""
         taps, self.pending_taps = self.pending_taps, None
         return taps
 

@@ -23,7 +23,7 @@ import mlx.nn as nn
 from .errors import DFlashError
 from .models import drafter2
 from .models import target as tgt
-from .proposer import Proposal, Proposer
+from .proposer import DFlashProposer, Proposal, Proposer
 
 log = logging.getLogger("dflash_mlx")
 _BYE = b"\x01"  # a rank's last collective of the generation is done: its connection may close
@@ -164,10 +164,11 @@ def _leader_host() -> str | None:
 
 class FollowProposer(Proposer):
     """A follower's proposer: it drafts nothing (rank 0's drafts come with :meth:`Peers.settle`)
-    and keeps nothing, but its taps are the leader's (a pipeline's hand-offs carry them)."""
+    and keeps nothing, but its taps are the leader's (a pipeline's hand-offs carry them), and so is
+    its prefill: ``drafter`` takes the taps in, folded as the leader's are."""
 
-    def __init__(self, tap_ids: list[int]):
-        self.tap_ids = tap_ids
+    def __init__(self, tap_ids: list[int], drafter: DFlashProposer | None = None):
+        self.tap_ids, self.drafter = tap_ids, drafter
 
     def propose(self, last: int, n: int) -> Proposal:
         raise AssertionError("a follower verifies rank 0's drafts")

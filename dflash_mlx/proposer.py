@@ -2,8 +2,10 @@
 
 The loop in ``dflash_mlx.generation`` sees only the :class:`Proposer` protocol: ``propose`` the
 next drafts after the last committed token, then ``accept`` how many positions of the
-verified block were kept, with their taps. A proposal carries the distribution its drafts
-were drawn from, or None when they are certain (greedy or looked-up drafts).
+verified block were kept, with their taps. A proposer with a DFlash drafter names it as
+``drafter``: the verifier's prefill hands it each chunk's taps (:meth:`DFlashProposer.take_context`).
+A proposal carries the distribution its drafts were drawn from, or None when they are certain
+(greedy or looked-up drafts).
 """
 
 import dataclasses
@@ -49,6 +51,8 @@ class Proposer(Protocol):
     """Proposes drafts; keeps whatever state it needs across the cycles of one generation."""
 
     tap_ids: list[int]  # target layers whose taps it needs (empty: none)
+    # The DFlash drafter's proposer, which takes the prefill's taps into its context cache (None: no drafter).
+    drafter: "DFlashProposer | None" = None
 
     def propose(self, last: int, n: int) -> Proposal:
         """Up to ``n`` drafts to follow ``last``, the newest committed token."""
@@ -77,6 +81,7 @@ class PlainProposer(Proposer):
     def __init__(self, keeps: Proposer | None = None):
         self.keeps = keeps
         self.tap_ids = keeps.tap_ids if keeps is not None else []
+        self.drafter = keeps.drafter if keeps is not None else None
 
     def propose(self, last: int, n: int) -> Proposal:
         return Proposal(mx.zeros((0,), dtype=mx.uint32))
@@ -92,7 +97,10 @@ class PlainProposer(Proposer):
 class DFlashProposer(Proposer):
     """The DFlash drafter: one pass over ``[last, MASK x (B-1)]`` with the target's taps
     injected through its context cache (``cache.draft``; the taps of newly committed
-    positions wait in ``cache.pending_taps`` until the next pass takes them in).
+    positions wait in ``cache.pending_taps`` until the next pass takes them in). It feeds that cache
+    itself: the prefill's taps chunk by chunk (:meth:`take_context`), the kept positions' after
+    each cycle (:meth:`accept`). Made on every rank of a target whose head is split by vocabulary,
+    it reads the head's rows there, together.
 
     A drafter with a draft vocabulary (``draft.draft_vocab``) drafts, samples and states its
     confidences among those ids only; ``q`` is then zero outside them, a proposal
@@ -125,13 +133,34 @@ class DFlashProposer(Proposer):
     ):
         self.model, self.draft, self.cache = model, draft, cache
         self.sampler, self.min_confidence, self.speedups, self.width = sampler, min_confidence, speedups, width
-        self.tap_ids = draft.target_layer_ids
+        self.tap_ids, self.drafter = draft.target_layer_ids, self
+        # The drafter's fc split by tap, for the target to apply as each tapped layer is done in a
+        # prefill: a chunk then holds one projected row per position instead of n_taps raw ones.
+        self.fold = draft.tap_blocks()
+        if tgt.head_group(model) is not None:
+            draft.head_rows(model)  # every rank together: a collective, then rank 0 drafts alone
         vocab = draft.draft_vocab
         if vocab is not None and sampler is not None and sampler.xtc_special_tokens:
             # XTC's protected ids, as indices into the drafter's vocabulary.
             where = {t: i for i, t in enumerate(vocab.tolist())}
             special = tuple(where[t] for t in sampler.xtc_special_tokens if t in where)
             self.sampler = dataclasses.replace(sampler, xtc_special_tokens=special)
+
+    def take_context(self, taps: mx.array | None, remaining: int) -> list[mx.array]:
+        """A prefill chunk's taps into the drafter's context cache, after any left pending (raw: an
+        earlier turn's last verified block's), so that a long prompt keeps the drafter's keys and
+        values only; ``remaining`` prompt tokens, this chunk's included, are still to come. With
+        ``fold``, ``taps`` are already projected. Returns what to evaluate."""
+        # The whole prompt and a block after it, in buffers sized at the first chunk.
+        self.cache.reserve_draft(remaining + self.draft.block_size, self.draft)
+        if self.fold is None:
+            self.cache.append_pending(taps)
+        pending = self.cache.take_pending()
+        if pending is not None:
+            self.draft.extend_context(pending, self.cache.draft, self.speedups)
+        if self.fold is not None and taps is not None:
+            self.draft.extend_context(taps, self.cache.draft, self.speedups, projected=True)
+        return [c.state for c in self.cache.draft]
 
     def propose(self, last: int, n: int) -> Proposal:
         # The drafter always sees its trained block, whatever n is.
@@ -325,6 +354,7 @@ class AdaptiveProposer(Proposer):
         self.inner, self.paused = inner, paused
         self.policy = policy if policy is not None else PolicyState()
         self.tap_ids = inner.tap_ids
+        self.drafter = inner.drafter
         self.started: float | None = None  # when this cycle's proposal was asked for
         self.drafting = False  # this cycle ran the drafter
 

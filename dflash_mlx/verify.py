@@ -13,13 +13,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import RotatingKVCache
 
-from .cache import DFlashCache, reserve
+from .cache import DFlashCache
 from .cpu.speedups import CpuSpeedups
 from .kernels import greedy_accept
 from .models import hybrid
 from .models import target as tgt
-from .models.drafter import DraftModel
-from .proposer import Proposal
+from .proposer import DFlashProposer, Proposal
 from .sampling import Sampler, accept_one_hot, sample_rows, speculative_accept
 from .tree import DraftTree, keep_path
 
@@ -59,9 +58,6 @@ class Verifier:
         speedups: The CPU speedups, or None.
         kernels: The Metal kernels' mode, ``"auto"``, ``"on"`` or ``"off"``
           (:mod:`dflash_mlx.kernels.dispatch`).
-        draft: A DFlash drafter, which takes each prefill chunk's taps into its context cache
-          as the chunk is done (:meth:`~dflash_mlx.models.drafter.DraftModel.extend_context`);
-          None leaves them pending for the proposer.
         run_ahead: Queue the next plain step before the host reads this one, where it can be
           taken back (never on a sharded target: every rank must run the same passes).
     """
@@ -76,12 +72,10 @@ class Verifier:
         tap_ids: list[int],
         speedups: CpuSpeedups | None,
         kernels: str = "auto",
-        draft: DraftModel | None = None,
         run_ahead: bool = True,
     ):
         self.model, self.cache, self.tap_ids, self.speedups = model, cache, tap_ids, speedups
         self.kernels = kernels
-        self.draft = draft if cache.draft else None
         # By type, once: an empty rotating cache still says it can be trimmed.
         self.rotating = any(isinstance(c, RotatingKVCache) for c in cache.target)
         # A step may run ahead of the host only where one step can be taken back exactly
@@ -117,39 +111,26 @@ class Verifier:
             return sample_rows(self.probs(logits))
         return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
-    def prefill(self, tokens: list[int], step_size: int) -> int:
+    def prefill(self, tokens: list[int], step_size: int, drafter: DFlashProposer | None = None) -> int:
         """Feed ``tokens`` in chunks of ``step_size``; returns the target's next token.
 
+        Each chunk's taps go to ``drafter`` (:meth:`~dflash_mlx.proposer.DFlashProposer.take_context`)
+        as the chunk is done, projected by its ``fold`` as each tapped layer is done.
         A cache that cannot be trimmed (mlx-lm's rotating window, plain decoding only) is fed as
         ``mlx_lm generate`` feeds it, all but the last token in chunks and then the last alone:
         there the chunks change what the window keeps, and so the output.
         """
-        cache, n = self.cache, len(tokens)
-        rotating = self.rotating
-        if self.draft is not None:
-            # The whole prompt and a block after it, in buffers sized once.
-            reserve(cache.draft, cache.draft_offset + cache.pending_length + n + self.draft.block_size, self.draft)
-        # The drafter's fc applied by the target as each tapped layer is done: a chunk holds one
-        # projected row per position instead of n_taps raw ones (FoldedTaps).
-        fold = self.draft.tap_blocks() if self.draft is not None and not rotating else None
+        n, rotating = len(tokens), self.rotating
+        fold = drafter.fold if drafter is not None and not rotating else None
         starts = list(range(0, n - 1, step_size)) + [n - 1] if rotating and n > 1 else list(range(0, n, step_size))
         for i, end in zip(starts, starts[1:] + [n]):
             chunk = tokens[i:end]
             # Only the last chunk's last position needs the head; the others' logits are never computed.
             logits, taps = self._forward(mx.array(chunk)[None], last_logits=True, fold=fold)
-            if fold is None:
-                cache.append_pending(taps)
-                taps = None
-            if self.draft is not None and cache.pending_taps is not None:
-                # Only the drafter's keys/values of a long prompt are kept, never all its raw taps
-                # (with a fold, these are an earlier turn's last verified block's).
-                self.draft.extend_context(cache.take_pending(), cache.draft, self.speedups)
-            if taps is not None:
-                self.draft.extend_context(taps, cache.draft, self.speedups, projected=True)
+            drafter_state = drafter.take_context(taps, n - i) if drafter is not None else []
             del taps  # handed over: not held while the next chunk makes its own
-            drafter_state = [c.state for c in cache.draft] if self.draft is not None else []
-            cache.tokens.extend(chunk)
-            mx.eval(logits if end == n else [], cache.pending_taps, [c.state for c in cache.target], drafter_state)
+            self.cache.tokens.extend(chunk)
+            mx.eval(logits if end == n else [], [c.state for c in self.cache.target], drafter_state)
             if end < n:
                 mx.clear_cache()  # as mlx-lm's prefill: a long prompt's chunk buffers are not kept
         return self._sample(self._logits(logits[0, -1:])).item()
@@ -189,6 +170,12 @@ class Verifier:
         if self._ahead is not None:
             self.cache.trim_target(1)
             self._ahead = None
+
+    def finish(self) -> None:
+        """The generation is over: the target forgets what it holds past the committed tokens (a
+        step queued ahead, a cycle cut short)."""
+        self._ahead = None
+        self.cache.drop_uncommitted()
 
     def verify(self, last: int, proposal: Proposal, plain_next: bool = False) -> Verdict:
         """One target pass over ``[last, drafts...]``, then the acceptance test.

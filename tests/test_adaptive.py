@@ -18,6 +18,7 @@ class FakeDrafter:
     """Proposes ``n`` drafts and records whether each cycle drafted and what it kept."""
 
     tap_ids = [0]
+    drafter = None  # no drafter context to feed
 
     def __init__(self):
         self.proposed, self.kept = [], []

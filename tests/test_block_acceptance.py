@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import dflash_generate_step, load
+from dflash_mlx import dflash_generate_step, load, LoopOptions
 from dflash_mlx.bench.benchmark import encode, load_prompts
 from dflash_mlx.loading.pairs import TINY_PAIR, embedded_pair_path
 from dflash_mlx.train.block_acceptance import _accepted, response_acceptance
@@ -40,8 +40,8 @@ def test_every_cycle_of_the_loop_accepts_what_its_anchor_reads(tiny, block_size)
     model, draft, tokenizer = tiny
     row = next(r for r in load_prompts(embedded_pair_path(TINY_PAIR) / "prompts.jsonl") if r["category"] == "chat")
     prompt = encode(tokenizer, row)
-    steps = list(dflash_generate_step(prompt, model, draft, max_tokens=80, block_size=block_size, adaptive=False,
-                                      stop_tokens=tokenizer.eos_token_ids))  # fmt: skip
+    options = LoopOptions(max_tokens=80, block_size=block_size, adaptive=False, stop_tokens=tokenizer.eos_token_ids)
+    steps = list(dflash_generate_step(prompt, model, draft, options))
     response = [t for s in steps for t in s.tokens]
     example = {"key": "k", "prompt_ids": list(prompt), "response_ids": response}
     read = response_acceptance(draft, model, TapStore(model, draft.target_layer_ids, 4096), example, block_size)
@@ -66,8 +66,8 @@ def test_a_smaller_block_accepts_the_larger_read_capped_at_its_width(tiny):
     model, draft, tokenizer = tiny
     row = next(r for r in load_prompts(embedded_pair_path(TINY_PAIR) / "prompts.jsonl") if r["category"] == "chat")
     prompt = encode(tokenizer, row)
-    steps = list(dflash_generate_step(prompt, model, draft, max_tokens=60, block_size=16, adaptive=False,
-                                      stop_tokens=tokenizer.eos_token_ids))  # fmt: skip
+    options = LoopOptions(max_tokens=60, block_size=16, adaptive=False, stop_tokens=tokenizer.eos_token_ids)
+    steps = list(dflash_generate_step(prompt, model, draft, options))
     example = {"key": "k", "prompt_ids": list(prompt), "response_ids": [t for s in steps for t in s.tokens]}
     store = TapStore(model, draft.target_layer_ids, 4096)
     full = response_acceptance(draft, model, store, example, 16).accepted

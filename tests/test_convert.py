@@ -14,7 +14,7 @@ import pytest
 from helpers.checkpoints import MASK_ID, VOCAB, draft_config, write_draft, write_target
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import DFlashError, dflash_generate_step, load
+from dflash_mlx import DFlashError, dflash_generate_step, load, LoopOptions
 from dflash_mlx.convert import convert, find_draft, find_pair, known_targets
 from dflash_mlx.convert.convert import main
 from dflash_mlx.convert.weights import normalized_config
@@ -42,7 +42,7 @@ def _prompt(n: int = 9) -> list[int]:
 
 def _dflash(model, draft, prompt, n=NUM_TOKENS):
     out = []
-    for step in dflash_generate_step(prompt, model, draft, max_tokens=n):
+    for step in dflash_generate_step(prompt, model, draft, LoopOptions(max_tokens=n)):
         out.extend(step.tokens)
     return out
 

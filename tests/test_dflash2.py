@@ -23,7 +23,7 @@ from helpers.hf_checkpoints import write_hf_target
 from mlx.utils import tree_flatten
 from safetensors.numpy import load_file, save_file
 
-from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache
+from dflash_mlx import DFlashError, LoopOptions, dflash_generate_step, load, make_cache
 from dflash_mlx.loading import registry
 from dflash_mlx.models import drafter2
 from dflash_mlx.proposer import SelectorProposer
@@ -98,7 +98,7 @@ def test_settings_that_need_confidences_are_refused(pair):
     model, draft, _ = pair
     for kwargs in ({"block_size": "auto"}, {"min_confidence": 0.5}):
         with pytest.raises(DFlashError, match="A DFlash2 drafter verifies whole blocks"):
-            next(dflash_generate_step([1, 2, 3], model, draft, **kwargs))
+            next(dflash_generate_step([1, 2, 3], model, draft, LoopOptions(**kwargs)))
 
 
 def test_registry_pairs():

@@ -205,19 +205,23 @@ def test_the_prefill_leaves_no_taps_pending_and_the_drafts_unchanged(qwen3_pair)
     """A prefill with the drafter takes each chunk's taps into its cache: nothing stays pending,
     and the first draft pass proposes what it proposed when it took the whole prompt in."""
     from dflash_mlx.cache import make_cache
+    from dflash_mlx.models import target as tgt
+    from dflash_mlx.proposer import DFlashProposer
     from dflash_mlx.verify import Verifier
 
     model, draft, _ = qwen3_pair
     prompt = [int(t) for t in mx.random.randint(0, 100, (37,)).tolist()]
     logits = []
-    for drafter in (None, draft):
+    for feeds in (False, True):
         cache = make_cache(model, draft)
         verifier = Verifier(
-            model, cache, sampler=None, logits_processors=None, tap_ids=draft.target_layer_ids,
-            speedups=None, draft=drafter,
-        )  # fmt: skip
-        last = verifier.prefill(prompt, 8)
-        assert cache.pending_length == (37 if drafter is None else 0)
+            model, cache, sampler=None, logits_processors=None, tap_ids=draft.target_layer_ids, speedups=None
+        )
+        last = verifier.prefill(prompt, 8, DFlashProposer(model, draft, cache) if feeds else None)
+        if not feeds:  # the reference: the whole prompt's raw taps, left pending
+            _, taps = tgt.forward_with_taps(model, mx.array([prompt]), make_cache(model).target, draft.target_layer_ids)
+            cache.append_pending(taps)
+        assert cache.pending_length == (0 if feeds else 37)
         assert cache.draft_offset + cache.pending_length == len(cache.tokens) == 37
         block = mx.array([[last] + [draft.mask_token_id] * (draft.block_size - 1)])
         logits.append(draft.propose(model, block, cache.take_pending(), cache.draft))
@@ -231,6 +235,7 @@ def test_a_prefill_after_pending_taps_takes_them_in_first(qwen3_pair):
     took the whole prompt raw."""
     from dflash_mlx.cache import make_cache
     from dflash_mlx.models import target as tgt
+    from dflash_mlx.proposer import DFlashProposer
     from dflash_mlx.verify import Verifier
 
     model, draft, _ = qwen3_pair
@@ -243,10 +248,12 @@ def test_a_prefill_after_pending_taps_takes_them_in_first(qwen3_pair):
             cache.append_pending(taps)
             cache.tokens.extend(prompt[:pending])
         verifier = Verifier(
-            model, cache, sampler=None, logits_processors=None, tap_ids=draft.target_layer_ids,
-            speedups=None, draft=draft if pending else None,
-        )  # fmt: skip
-        last = verifier.prefill(prompt[pending:], 8)
+            model, cache, sampler=None, logits_processors=None, tap_ids=draft.target_layer_ids, speedups=None
+        )
+        last = verifier.prefill(prompt[pending:], 8, DFlashProposer(model, draft, cache) if pending else None)
+        if not pending:  # the reference: the whole prompt's raw taps, left pending
+            _, taps = tgt.forward_with_taps(model, mx.array([prompt]), make_cache(model).target, draft.target_layer_ids)
+            cache.append_pending(taps)
         assert cache.pending_length == (0 if pending else 37)
         block = mx.array([[last] + [draft.mask_token_id] * (draft.block_size - 1)])
         logits.append(draft.propose(model, block, cache.take_pending(), cache.draft))

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import dflash_generate_step, load
+from dflash_mlx import dflash_generate_step, load, LoopOptions
 from dflash_mlx.bench.benchmark import encode, load_prompts
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.loading.gguf import SMOLLM2_INSTALL
@@ -27,8 +27,8 @@ def _greedy(model, ids, max_tokens, eos):
 
 def _dflash(pair, ids, max_tokens, **kwargs):
     model, draft, tokenizer = pair
-    steps = list(dflash_generate_step(ids, model, draft, max_tokens=max_tokens,
-                                      stop_tokens=tokenizer.eos_token_ids, **kwargs))  # fmt: skip
+    options = LoopOptions(max_tokens=max_tokens, stop_tokens=tokenizer.eos_token_ids, **kwargs)
+    steps = list(dflash_generate_step(ids, model, draft, options))
     return [t for s in steps for t in s.tokens], steps
 
 

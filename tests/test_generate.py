@@ -5,7 +5,7 @@ from helpers.decoding import greedy, run
 from helpers.oracles import ScriptedDraft
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import DFlashError, dflash_generate_step, make_cache, stream_generate
+from dflash_mlx import DFlashError, dflash_generate_step, make_cache, stream_generate, LoopOptions
 from dflash_mlx.kernels.dispatch import on_metal
 
 MAX_REF = 200
@@ -157,9 +157,8 @@ def test_lookup_fallback_schedule(qwen3_pair, block_size):
     cap = 4
     wrong = CountingDraft(draft, prompt + ref, VOCAB, wrong_every=1)
     out, ran = [], []
-    steps = dflash_generate_step(
-        prompt, model, wrong, block_size=block_size, max_tokens=60, lookup_fallback=cap, adaptive=False
-    )
+    options = LoopOptions(block_size=block_size, max_tokens=60, lookup_fallback=cap, adaptive=False)
+    steps = dflash_generate_step(prompt, model, wrong, options)
     for step in steps:
         # Whether the drafter drafted this cycle: a cycle starts with len(prompt) + len(out) - 1
         # tokens cached (the newest one is not yet through the target).
@@ -226,7 +225,7 @@ def test_cache_offsets_track_committed_tokens(qwen3_pair, wrong_every):
     oracle = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=wrong_every)
     cache = make_cache(model, oracle)
     emitted = 0
-    for step in dflash_generate_step(prompt, model, oracle, max_tokens=100, prompt_cache=cache):
+    for step in dflash_generate_step(prompt, model, oracle, LoopOptions(max_tokens=100), prompt_cache=cache):
         emitted += len(step.tokens)
         committed = len(prompt) + emitted - 1  # the newest token is not yet run through the target
         assert len(cache.tokens) == committed
@@ -257,7 +256,7 @@ def test_plain_decoding_queues_each_step_before_reading_the_last(qwen3_pair, mon
     calls = []
     real = Verifier._queue
     monkeypatch.setattr(Verifier, "_queue", lambda self, *a: calls.append(1) or real(self, *a))
-    steps = dflash_generate_step(_prompt(7), model, None, max_tokens=5)
+    steps = dflash_generate_step(_prompt(7), model, None, LoopOptions(max_tokens=5))
     seen = [len(calls) for _ in steps]
     # The prefill's token (no step), then each token with the step after it queued, but none
     # past the budget.
@@ -284,7 +283,7 @@ def test_plain_decoding_left_early_continues_exactly(qwen3_pair):
     model, _, _ = qwen3_pair
     prompt = _prompt(20)
     cache = make_cache(model, None)
-    steps = dflash_generate_step(prompt, model, None, max_tokens=60, prompt_cache=cache)
+    steps = dflash_generate_step(prompt, model, None, LoopOptions(max_tokens=60), prompt_cache=cache)
     taken = [t for _, step in zip(range(6), steps) for t in step.tokens]
     steps.close()
     assert cache.tokens == (prompt + taken)[:-1] and cache.offset == len(cache.tokens)
@@ -338,8 +337,8 @@ def test_prompt_cache_after_a_generation_left_early(qwen3_pair, lookup_fallback)
     model, draft, _ = qwen3_pair
     prompt = _prompt(20)
     cache = make_cache(model, draft)
-    steps = dflash_generate_step(prompt, model, draft, max_tokens=60, prompt_cache=cache,
-                                 lookup_fallback=lookup_fallback)
+    options = LoopOptions(max_tokens=60, lookup_fallback=lookup_fallback)
+    steps = dflash_generate_step(prompt, model, draft, options, prompt_cache=cache)
     taken = [t for _, step in zip(range(4), steps) for t in step.tokens]
     steps.close()
     assert cache.tokens == (prompt + taken)[:-1]

@@ -16,7 +16,7 @@ from helpers.family import MAX_REF, prompt_ids, reference
 from helpers.hf_checkpoints import HF_KINDS, write_hf_target
 from helpers.oracles import ScriptedDraft, SecondChoiceDraft
 
-from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache
+from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache, LoopOptions
 from dflash_mlx.models import hybrid, linear_attention
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.hybrid import RecurrentCache
@@ -276,7 +276,7 @@ def test_min_confidence_and_lookup_fallback(pairs, kind):
 def test_block_size_auto_is_refused_in_one_line(pairs):
     model, draft, _ = pairs[HYBRID[0]]
     with pytest.raises(DFlashError, match="hybrid target's recurrent state"):
-        next(dflash_generate_step([1, 2, 3], model, draft, block_size="auto"))
+        next(dflash_generate_step([1, 2, 3], model, draft, LoopOptions(block_size="auto")))
 
 
 @pytest.mark.parametrize("kind", HYBRID)
@@ -299,7 +299,7 @@ def test_generation_left_early_then_continue(pairs, kind):
     model, draft, _ = pairs[kind]
     prompt = prompt_ids(20)
     cache = make_cache(model, draft)
-    steps = dflash_generate_step(prompt, model, draft, max_tokens=60, prompt_cache=cache, lookup_fallback=4)
+    steps = dflash_generate_step(prompt, model, draft, LoopOptions(max_tokens=60, lookup_fallback=4), prompt_cache=cache)
     taken = [t for _, step in zip(range(4), steps) for t in step.tokens]
     steps.close()
     assert cache.tokens == (prompt + taken)[:-1] and cache.offset == len(cache.tokens)

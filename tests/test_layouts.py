@@ -7,7 +7,7 @@ import pytest
 from helpers.checkpoints import draft_config, write_draft, write_target
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import DFlashError, dflash_generate_step, load
+from dflash_mlx import DFlashError, LoopOptions, dflash_generate_step, load
 from dflash_mlx.loading import loading, registry
 from dflash_mlx.models.drafter import DraftArgs, DraftModel
 
@@ -30,7 +30,7 @@ def test_rope_parameters_many_taps_and_layers(tmp_path):
     assert draft.fc.weight.shape == (64, 7 * 64) and draft.args.rope_theta == 5000.0
     prompt = [5, 9, 2, 77, 31]
     ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=40)]
-    out = [t for s in dflash_generate_step(prompt, model, draft, max_tokens=40) for t in s.tokens]
+    out = [t for s in dflash_generate_step(prompt, model, draft, LoopOptions(max_tokens=40)) for t in s.tokens]
     assert out == ref
 
 
@@ -248,7 +248,7 @@ def test_sliding_drafter_is_lossless(tmp_path, pair_dirs):
     assert [layer.self_attn.window for layer in draft.layers] == [6, None]
     prompt = [5, 9, 2, 77, 31, 8, 1, 2, 3, 4, 5, 6, 7]
     ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=50)]
-    out = [t for s in dflash_generate_step(prompt, model, draft, max_tokens=50) for t in s.tokens]
+    out = [t for s in dflash_generate_step(prompt, model, draft, LoopOptions(max_tokens=50)) for t in s.tokens]
     assert out == ref
 
 

@@ -28,7 +28,7 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import DynamicCache, GenerationConfig  # noqa: E402
 
 import dflash_mlx  # noqa: E402
-from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache  # noqa: E402
+from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache, LoopOptions  # noqa: E402
 from dflash_mlx.models import target as tgt  # noqa: E402
 from dflash_mlx.reference import (  # noqa: E402
     default_device,
@@ -171,7 +171,8 @@ def _hf_generate(target, prompt: list[int], max_tokens: int, stop: int | None = 
 
 def _mlx_steps(prompt, model, draft, **kwargs) -> list[tuple]:
     # Every cycle drafted, as in the reference loop; the steps' first three fields are compared.
-    return [tuple(step)[:3] for step in dflash_generate_step(prompt, model, draft, adaptive=False, **kwargs)]
+    steps = dflash_generate_step(prompt, model, draft, LoopOptions(adaptive=False, **kwargs))
+    return [tuple(step)[:3] for step in steps]
 
 
 def _ref_steps(prompt, target, draft, **kwargs) -> list[tuple]:

@@ -11,7 +11,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
-from dflash_mlx import DFlashError, dflash_generate_step, load, verify
+from dflash_mlx import DFlashError, dflash_generate_step, load, verify, LoopOptions
 from dflash_mlx.lookup import PromptLookup
 from dflash_mlx.models.drafter import DraftModel
 from dflash_mlx.sampling import make_sampler, sample_rows, speculative_accept, top_probability
@@ -25,7 +25,7 @@ DEPTH = 3
 
 
 def _tokens(model, draft, prompt=PROMPT, **kwargs):
-    return [t for s in dflash_generate_step(prompt, model, draft, **kwargs) for t in s.tokens]
+    return [t for s in dflash_generate_step(prompt, model, draft, LoopOptions(**kwargs)) for t in s.tokens]
 
 
 def _exact_marginals(model, sampler=None) -> list[np.ndarray]:
@@ -148,8 +148,9 @@ def test_distribution_matches_target_with_confidence_cutoff(pair, exact, proposa
     sampler = make_sampler(TEMP)
     for seed in range(RUNS):
         steps = list(
-            dflash_generate_step(PROMPT, model, drafter, sampler=sampler, proposal=proposal, seed=seed,
-                                 block_size=DEPTH, max_tokens=DEPTH + 1, min_confidence=cutoff)
+            dflash_generate_step(PROMPT, model, drafter, LoopOptions(sampler=sampler, proposal=proposal, seed=seed,
+                                                                     block_size=DEPTH, max_tokens=DEPTH + 1,
+                                                                     min_confidence=cutoff))
         )  # fmt: skip
         # One more token than counted, so the first cycle may draft DEPTH - 1 tokens.
         drafted.append(steps[1].num_draft)
@@ -179,8 +180,8 @@ def test_distribution_matches_target_with_lookup_fallback(pair, exact, monkeypat
     accepted = 0
     for seed in range(RUNS):
         # One more token than counted, so the cycle after the drafter's may still draft.
-        steps = list(dflash_generate_step(PROMPT, model, wrong, sampler=sampler, seed=seed, block_size=2,
-                                          max_tokens=DEPTH + 1, lookup_fallback=2))  # fmt: skip
+        options = LoopOptions(sampler=sampler, seed=seed, block_size=2, max_tokens=DEPTH + 1, lookup_fallback=2)
+        steps = list(dflash_generate_step(PROMPT, model, wrong, options))
         out = [t for s in steps for t in s.tokens][:DEPTH]
         accepted += sum(s.num_accepted for s in steps[2:])
         for pos, tok in enumerate(out):
@@ -201,9 +202,9 @@ def test_distribution_matches_target_with_adaptive(pair, exact, lookup):
     model, draft, _ = pair
     counts, sampler, kinds = np.zeros((DEPTH, VOCAB)), make_sampler(TEMP), set()
     for seed in range(RUNS):
-        steps = list(dflash_generate_step(PROMPT, model, draft, sampler=sampler, seed=seed, block_size=DEPTH,
-                                          max_tokens=DEPTH + 1, adaptive=True,
-                                          policy=PolicyState(lookup=lookup)))  # fmt: skip
+        options = LoopOptions(sampler=sampler, seed=seed, block_size=DEPTH, max_tokens=DEPTH + 1, adaptive=True,
+                              policy=PolicyState(lookup=lookup))  # fmt: skip
+        steps = list(dflash_generate_step(PROMPT, model, draft, options))
         kinds.update((i, s.num_draft) for i, s in enumerate(steps[1:3]))
         for pos, tok in enumerate([t for s in steps for t in s.tokens][:DEPTH]):
             counts[pos, tok] += 1
@@ -270,7 +271,8 @@ def test_lookup_drafts_are_one_hot_and_accepted_as_the_target_allows(qwen3_pair,
     greedy = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=40)]
     script = PROMPT + greedy
     monkeypatch.setattr(PromptLookup, "lookup", lambda self, tokens, count: script[len(tokens) : len(tokens) + count])
-    steps = list(dflash_generate_step(PROMPT, model, PromptLookup(8), sampler=make_sampler(0.01), seed=0, max_tokens=40))
+    options = LoopOptions(sampler=make_sampler(0.01), seed=0, max_tokens=40)
+    steps = list(dflash_generate_step(PROMPT, model, PromptLookup(8), options))
     assert [t for s in steps for t in s.tokens] == greedy
     assert all(s.num_accepted == s.num_draft for s in steps[1:])
     assert sum(s.num_draft for s in steps) >= 30

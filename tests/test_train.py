@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from dflash_mlx import DFlashError, dflash_generate_step, load
+from dflash_mlx import DFlashError, dflash_generate_step, load, LoopOptions
 from dflash_mlx.cache import make_draft_cache
 from dflash_mlx.loading import casting
 from dflash_mlx.models import target as tgt
@@ -317,8 +317,8 @@ def test_loss_vocab_is_saved_for_resume_and_with_draft_vocab_in_the_drafter(setu
     model, draft, tokenizer = load(root / "target", out, dtype="float32")
     assert draft.draft_vocab.tolist() == ranked
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": _words(5, 99)}], add_generation_prompt=True)
-    plain = [t for s in dflash_generate_step(prompt, model, None, max_tokens=20) for t in s.tokens]
-    spec = [t for s in dflash_generate_step(prompt, model, draft, max_tokens=20) for t in s.tokens]
+    plain = [t for s in dflash_generate_step(prompt, model, None, LoopOptions(max_tokens=20)) for t in s.tokens]
+    spec = [t for s in dflash_generate_step(prompt, model, draft, LoopOptions(max_tokens=20)) for t in s.tokens]
     assert spec == plain
     # Without --draft-vocab the subset is the loss's alone: the drafter drafts over the whole vocabulary.
     train(_args(setup, tmp_path / "loss-only", iters=2, loss_vocab=n))
@@ -367,8 +367,8 @@ def test_no_target_features_ablation(setup, tmp_path):
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": _words(5, 7)}], add_generation_prompt=True
     )
-    plain = [t for s in dflash_generate_step(prompt, model, None, max_tokens=20) for t in s.tokens]
-    spec = [t for s in dflash_generate_step(prompt, model, draft, max_tokens=20) for t in s.tokens]
+    plain = [t for s in dflash_generate_step(prompt, model, None, LoopOptions(max_tokens=20)) for t in s.tokens]
+    spec = [t for s in dflash_generate_step(prompt, model, draft, LoopOptions(max_tokens=20)) for t in s.tokens]
     assert spec == plain
 
 
@@ -397,8 +397,8 @@ def test_train_end_to_end(setup, tmp_path):
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": _words(5, 99)}], add_generation_prompt=True
     )
-    plain = [t for s in dflash_generate_step(prompt, model, None, max_tokens=20) for t in s.tokens]
-    spec = [t for s in dflash_generate_step(prompt, model, draft, max_tokens=20) for t in s.tokens]
+    plain = [t for s in dflash_generate_step(prompt, model, None, LoopOptions(max_tokens=20)) for t in s.tokens]
+    spec = [t for s in dflash_generate_step(prompt, model, draft, LoopOptions(max_tokens=20)) for t in s.tokens]
     assert spec == plain
 
 

@@ -6,7 +6,7 @@ import pytest
 from helpers.decoding import run
 from test_generate import _prompt, reference
 
-from dflash_mlx import DFlashError, verify_width, dflash_generate_step, make_cache
+from dflash_mlx import DFlashError, verify_width, dflash_generate_step, make_cache, LoopOptions
 from dflash_mlx.verify_width import VerifyWidth, CostStore, PassCosts, bucket, timed_widths
 from dflash_mlx.bench.benchmark import run_benchmark
 from dflash_mlx.cli.generate import main as generate_main
@@ -128,10 +128,10 @@ def test_auto_refusals(qwen3_pair):
         (dict(min_confidence=0.5), "leave min_confidence at 0"),
     ):
         with pytest.raises(DFlashError, match=message):
-            next(dflash_generate_step([1, 2, 3], model, draft, block_size="auto", **kwargs))
+            next(dflash_generate_step([1, 2, 3], model, draft, LoopOptions(block_size="auto", **kwargs)))
     for proposer in (None, PromptLookup(4)):
         with pytest.raises(DFlashError, match="pass a DFlash drafter"):
-            next(dflash_generate_step([1, 2, 3], model, proposer, block_size="auto"))
+            next(dflash_generate_step([1, 2, 3], model, proposer, LoopOptions(block_size="auto")))
 
 
 def test_generate_cli_block_size_auto(pair_dirs, capsys):

@@ -6,7 +6,7 @@ from helpers.checkpoints import MASK_ID, VOCAB
 from helpers.decoding import run
 from test_generate import _prompt, reference
 
-from dflash_mlx import DFlashError, dflash_generate_step, make_cache
+from dflash_mlx import DFlashError, dflash_generate_step, make_cache, LoopOptions
 from dflash_mlx.cache import WindowedKVCache, make_draft_cache
 from dflash_mlx.cli.generate import main as generate_main
 from dflash_mlx.models import target as tgt
@@ -110,7 +110,7 @@ def test_a_reused_windowed_cache_rolls_back_exactly(qwen3_pair):
 def test_bad_windows_are_refused(qwen3_pair, window, sinks):
     model, draft, _ = qwen3_pair
     with pytest.raises(DFlashError, match="draft_window|draft_sinks"):
-        next(dflash_generate_step([1, 2, 3], model, draft, draft_window=window, draft_sinks=sinks))
+        next(dflash_generate_step([1, 2, 3], model, draft, LoopOptions(draft_window=window, draft_sinks=sinks)))
 
 
 def test_generate_cli_window_flags(pair_dirs, capsys):

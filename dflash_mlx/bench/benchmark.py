@@ -30,7 +30,6 @@ from ..cli.options import (
 from ..dtypes import DTYPES, dtype_name
 from ..errors import DFlashError
 from ..files import read_objects, write_text_atomic
-from ..kernels import check_kernels
 from ..models import target as tgt
 from .context import parse_lengths
 from .report import markdown, plots, stamp
@@ -200,28 +199,26 @@ def run_benchmark(
     of the target's quantized layers and of the DFlash loop; the results record it, and what
     each kernel's dispatcher ran (``kernel_verdicts``). ``datastore`` (``--datastore``): what
     dflash-default drafts from in its paused cycles besides prompt lookup; it learns nothing from
-    the runs, so no run drafts from another's answer to the same prompt.
-    each kernel's dispatcher ran (``kernel_verdicts``). ``tree_budget``: dflash-tree's nodes a cycle
+    the runs, so no run drafts from another's answer to the same prompt. ``tree_budget``: dflash-tree's nodes a cycle
     (its trees are as deep as the drafter's block; it runs only when named in ``methods``).
     """
-    from ..cache import check_draft_window
     from ..datastore import open_datastore
-    from ..generation import check_cycle_settings
     from ..loading.loading import load
     from ..loading.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
     from ..models.hybrid import HYBRID_MODEL_TYPES
     from ..models.target import vocab_size
+    from ..options import LoopOptions
     from .context import context_rows, label, load_documents
 
     if runs < 1:
         raise DFlashError(f"--runs must be at least 1 (got {runs}).")
     if num_prompts is not None and num_prompts < 1:
         raise DFlashError(f"--num-prompts must be at least 1 (got {num_prompts}); leave it out to use every prompt.")
-    check_cycle_settings(max_tokens, min_confidence, lookup_fallback, "sample")
+    # The loop's own checks of these settings, before anything is loaded.
+    LoopOptions(max_tokens=max_tokens, min_confidence=min_confidence, lookup_fallback=lookup_fallback,
+                draft_window=draft_window, draft_sinks=draft_sinks, kernels=kernels)  # fmt: skip
     if num_draft_tokens < 1:
         raise DFlashError(f"--num-draft-tokens must be at least 1 (got {num_draft_tokens}).")
-    check_draft_window(draft_window, draft_sinks)
-    check_kernels(kernels)
     pair_name = (model or DEFAULT_PAIR) if is_embedded_pair(model) else None
     pair = embedded_pair_path(pair_name or DEFAULT_PAIR)
     ar_path = ar_draft if ar_draft is not None else (str(pair / "ar-draft") if pair_name else None)

@@ -14,6 +14,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3
 
 from ..generation import dflash_generate_step
+from ..options import LoopOptions
 from ..models.drafter import DraftModel, DraftArgs, default_target_layer_ids
 
 # Qwen3 shapes from their published configs.
@@ -67,7 +68,8 @@ def measure_shape(shape: str, taus: dict[int, float], prompt_len: int = 64, toke
     for block_size, tau in sorted(taus.items()):
         cycles = []
         for _ in range(2):
-            steps = dflash_generate_step(prompt, target, draft, block_size=block_size, max_tokens=tokens * block_size)
+            options = LoopOptions(block_size=block_size, max_tokens=tokens * block_size)
+            steps = dflash_generate_step(prompt, target, draft, options)
             next(steps)
             tic = time.perf_counter()
             n = 0

@@ -46,6 +46,7 @@ from ..loading.pairs import PAIR_MANIFEST, default_pair_draft, read_pair_manifes
 from ..loading.registry import known_draft
 from ..loading.target_checks import check_target_config, vet_hub_target
 from ..loading.target_loader import load_target_model
+from ..options import LoopOptions
 from ..models import target as tgt
 from ..models.drafter import DraftModel, save_draft
 from ..responses import AcceptanceStats
@@ -225,7 +226,8 @@ def check_converted(path: Path, prompt: str = CHECK_PROMPT, max_tokens: int = 32
     for _ in range(2):
         tic = time.perf_counter()
         tokens, acceptance = [], AcceptanceStats()
-        for i, step in enumerate(dflash_generate_step(ids, model, draft, max_tokens=max_tokens, adaptive=False)):
+        options = LoopOptions(max_tokens=max_tokens, adaptive=False)
+        for i, step in enumerate(dflash_generate_step(ids, model, draft, options)):
             tokens.extend(step.tokens)
             if i > 0:  # the prefill's token is no cycle
                 acceptance.add(step.num_draft, len(step.tokens))

@@ -553,7 +553,7 @@ class DraftModel(nn.Module):
 
         A head split by vocabulary over several ranks (tensor parallel) gives all its rows: only
         rank 0 drafts, and the head's own gather is a collective of every rank. Every rank must
-        then call this once, together (:func:`dflash_mlx.generation.dflash_generate_step` does).
+        then call this once, together (:class:`dflash_mlx.proposer.DFlashProposer` does, when made).
         """
         source = (tgt.head_weight(model), self.draft_vocab)
         cached = self._head.source

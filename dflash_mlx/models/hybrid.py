@@ -63,7 +63,7 @@ class RecurrentCache(ArraysCache):
 
     def __init__(self):
         super().__init__(size=2)
-        self.kernels = "auto"  # the Metal kernels' mode for its verify passes (DFlashCache.use_kernels)
+        self.kernels = "auto"  # the Metal kernels' mode for its verify passes (DFlashCache.resume)
         self.offset = 0
         self._layer: nn.Module | None = None
         self._inputs: mx.array | None = None  # (B, L, H): the last pass's decoder layer input

@@ -24,6 +24,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..chat_template import render_chat
 from ..errors import DFlashError
 from ..generation import dflash_generate_step
+from ..options import LoopOptions
 from . import batch_decode
 
 
@@ -175,7 +176,7 @@ def dataset_examples(
 
 
 def _generate_one(model, prompt_ids, max_tokens, stop_tokens) -> list[int]:
-    steps = dflash_generate_step(prompt_ids, model, None, max_tokens=max_tokens, stop_tokens=stop_tokens)
+    steps = dflash_generate_step(prompt_ids, model, None, LoopOptions(max_tokens=max_tokens, stop_tokens=stop_tokens))
     return [t for step in steps for t in step.tokens]
 
 

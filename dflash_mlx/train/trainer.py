@@ -42,6 +42,7 @@ from ..loading.pairs import embedded_pair
 from ..loading.target_loader import load_target
 from ..models import target as tgt
 from ..models.drafter import DraftArgs, DraftModel
+from ..options import LoopOptions
 from ..responses import AcceptanceStats
 from .checkpoint import (
     LOSS_VOCAB,
@@ -107,10 +108,11 @@ def evaluate_acceptance(
     of draft trees)."""
     acceptance = AcceptanceStats()
     for ids in prompts:
-        steps = dflash_generate_step(
-            ids, target, draft, max_tokens=max_tokens, stop_tokens=stop_tokens, block_size=block_size,
+        options = LoopOptions(
+            max_tokens=max_tokens, stop_tokens=stop_tokens, block_size=block_size,
             tree_budget=tree_budget, adaptive=False,  # the drafter's own acceptance, every cycle drafted
         )
+        steps = dflash_generate_step(ids, target, draft, options)
         for i, step in enumerate(steps):
             if i > 0:  # the prefill's token is no cycle
                 acceptance.add(step.num_draft, len(step.tokens))

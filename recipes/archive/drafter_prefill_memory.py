@@ -39,7 +39,7 @@ from dflash_mlx.verify import Verifier
 
 MB = 1024**2
 # The version before the prefill handed taps to the drafter took no drafter: its taps waited in pending.
-FEEDS = "draft" in inspect.signature(Verifier.__init__).parameters
+FEEDS = "drafter" in inspect.signature(Verifier.prefill).parameters
 
 
 def kv_bytes(args: DraftArgs, context: int, size: int) -> int:
@@ -101,17 +101,16 @@ def main() -> None:
           f"{len(draft.target_layer_ids)} taps x {a.hidden_size}")  # fmt: skip
     for context in args.contexts:
         cache = make_cache(model, draft)
-        extra = {"draft": draft} if FEEDS else {}
+        feed = {"drafter": DFlashProposer(model, draft, cache, speedups=speedups)} if FEEDS else {}
         verifier = TapsOnly(
-            model, cache, sampler=None, logits_processors=None, tap_ids=draft.target_layer_ids,
-            speedups=speedups, **extra,
+            model, cache, sampler=None, logits_processors=None, tap_ids=draft.target_layer_ids, speedups=speedups,
         )  # fmt: skip
         verifier.width, verifier.vocab, verifier.dtype = a.hidden_size, tgt.vocab_size(model), dtype
         mx.random.seed(0)
         mx.clear_cache()
         base = mx.get_active_memory()
         mx.reset_peak_memory()
-        last = verifier.prefill([1] * context, args.chunk)
+        last = verifier.prefill([1] * context, args.chunk, **feed)
         prefill_peak = max(verifier.peak, mx.get_peak_memory()) - base
         mx.reset_peak_memory()
         proposal = DFlashProposer(model, draft, cache, speedups=speedups).propose(last, draft.block_size - 1)
@@ -136,15 +135,15 @@ def real_target(args) -> None:
         peaks = []
         for drafter in (None, draft):
             cache = make_cache(model, drafter)
-            extra = {"draft": drafter} if FEEDS else {}
+            feed = {"drafter": DFlashProposer(model, drafter, cache, speedups=speedups)} if FEEDS and drafter else {}
             verifier = Verifier(
                 model, cache, sampler=None, logits_processors=None,
-                tap_ids=drafter.target_layer_ids if drafter else [], speedups=speedups, **extra,
+                tap_ids=drafter.target_layer_ids if drafter else [], speedups=speedups,
             )  # fmt: skip
             mx.clear_cache()
             base = mx.get_active_memory()
             mx.reset_peak_memory()
-            verifier.prefill([1 + i % 1000 for i in range(context)], args.chunk)
+            verifier.prefill([1 + i % 1000 for i in range(context)], args.chunk, **feed)
             mx.eval([c.state for c in cache.draft or []])  # the version before left the last chunk's taps pending
             peaks.append(mx.get_peak_memory() - base)
             del cache, verifier

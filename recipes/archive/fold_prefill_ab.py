@@ -18,6 +18,7 @@ from dflash_mlx import load
 from dflash_mlx.cache import make_cache
 from dflash_mlx.cpu.speedups import choose_speedups
 from dflash_mlx.models.drafter import DraftModel
+from dflash_mlx.proposer import DFlashProposer
 from dflash_mlx.verify import Verifier
 
 
@@ -30,10 +31,9 @@ def prefill_seconds(model, draft, ids: list[int], speedups) -> float:
     cache = make_cache(model, draft)
     verifier = Verifier(
         model, cache, sampler=None, logits_processors=None, tap_ids=draft.target_layer_ids, speedups=speedups,
-        draft=draft,
     )  # fmt: skip
     start = time.perf_counter()
-    verifier.prefill(ids, 512)
+    verifier.prefill(ids, 512, DFlashProposer(model, draft, cache, speedups=speedups))
     return time.perf_counter() - start
 
 

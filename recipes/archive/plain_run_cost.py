@@ -5,14 +5,14 @@ more than --no-draft? Greedy, the default pair, the same prompt, interleaved run
 """
 
 import time, statistics
-from dflash_mlx import load, dflash_generate_step
+from dflash_mlx import load, dflash_generate_step, LoopOptions
 from dflash_mlx.adaptive import PolicyState
 from dflash_mlx.chat_template import render_chat
 model, draft, tok = load()
 ids = render_chat(tok, [{"role": "user", "content": "Explain what a hash table is"}])
 def run(d, policy=None, n=120):
     t = time.perf_counter(); k = 0
-    for i, s in enumerate(dflash_generate_step(ids, model, d, max_tokens=n, policy=policy)):
+    for i, s in enumerate(dflash_generate_step(ids, model, d, LoopOptions(max_tokens=n, policy=policy))):
         if i == 0: t = time.perf_counter()
         k += len(s.tokens)
     return (k - 1) / (time.perf_counter() - t)

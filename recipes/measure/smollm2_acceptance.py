@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from smollm2_data_stats import repeat_share  # noqa: E402
 
-from dflash_mlx import dflash_generate_step, load  # noqa: E402
+from dflash_mlx import dflash_generate_step, load, LoopOptions  # noqa: E402
 from dflash_mlx.chat_template import render_chat  # noqa: E402
 
 
@@ -73,8 +73,8 @@ def main() -> None:
             for row in picked:
                 ids = render_chat(tokenizer, row["messages"])
                 out = []
-                for step in dflash_generate_step(ids, model, draft, max_tokens=args.max_tokens, stop_tokens=eos,
-                                                 block_size=block, **settings):  # fmt: skip
+                options = LoopOptions(max_tokens=args.max_tokens, stop_tokens=eos, block_size=block, **settings)
+                for step in dflash_generate_step(ids, model, draft, options):
                     out += step.tokens
                     all_cycles += step.num_draft > 0 or len(out) > len(step.tokens)  # the prefill's token is no cycle
                     if step.num_draft:

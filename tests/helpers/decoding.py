@@ -3,16 +3,16 @@
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import dflash_generate_step
+from dflash_mlx import dflash_generate_step, LoopOptions
 
 # (model, tokens) by (id(model), prompt, max_tokens); the model is kept so that its id is not reused.
 _GREEDY: dict = {}
 
 
-def run(model, draft, prompt, **kwargs):
-    """(every token emitted, every step) of ``dflash_generate_step``."""
+def run(model, draft, prompt, prompt_cache=None, **kwargs):
+    """(every token emitted, every step) of ``dflash_generate_step``; ``kwargs`` are its options."""
     out, cycles = [], []
-    for step in dflash_generate_step(prompt, model, draft, **kwargs):
+    for step in dflash_generate_step(prompt, model, draft, LoopOptions(**kwargs), prompt_cache=prompt_cache):
         out.extend(step.tokens)
         cycles.append(step)
     return out, cycles

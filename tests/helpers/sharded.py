@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.checkpoints import HIDDEN, VOCAB, draft_config  # noqa: E402
 
 from dflash_mlx.generation import dflash_generate_step  # noqa: E402
+from dflash_mlx.options import LoopOptions  # noqa: E402
 from dflash_mlx.models.drafter import DraftArgs, DraftModel  # noqa: E402
 from dflash_mlx.sampling import make_sampler  # noqa: E402
 
@@ -111,7 +112,7 @@ def split_weights(folder: Path) -> list[str]:
 
 def tokens(model, draft, max_tokens: int, started: str | None = None, **kwargs) -> list[int]:
     out = []
-    for step in dflash_generate_step(PROMPT, model, draft, max_tokens=max_tokens, **kwargs):
+    for step in dflash_generate_step(PROMPT, model, draft, LoopOptions(max_tokens=max_tokens, **kwargs)):
         if started is not None and not out:
             print(started, flush=True)  # the first cycle is done: the generation is under way on every rank
         out += step.tokens
