@@ -17,6 +17,7 @@ from mlx_lm.generate import wired_limit
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .adaptive import PolicyState
 from .cache import DFlashCache, make_cache
 from .cpu.openblas import blas_in_use
 from .cpu.speedups import choose_speedups
@@ -67,16 +68,19 @@ class StepOutput(NamedTuple):
 
 
 def free_sources(
-    cache: DFlashCache, datastore: Datastore | None, lookup: int, width: int = FREE_DRAFTS
+    cache: DFlashCache, datastore: Datastore | None, lookup: int, width: int = FREE_DRAFTS,
+    state: PolicyState | None = None,
 ) -> Proposer | None:
     """What drafts without a drafter pass: with a datastore, up to ``width`` drafts from it or
-    from prompt lookup, as many as pay (:class:`~dflash_mlx.free_drafts.FreeDrafts`); without,
-    prompt lookup's ``lookup`` drafts on any match (None: ``lookup`` 0, plain steps)."""
+    from prompt lookup, as many as pay (:class:`~dflash_mlx.free_drafts.FreeDrafts`, learning
+    into ``state``, the cache's policy state by default); without, prompt lookup's ``lookup``
+    drafts on any match (None: ``lookup`` 0, plain steps)."""
     if not lookup:  # paused cycles are plain steps (PolicyState(lookup=0))
         return None
     if datastore is None:
         return LookupProposer(PromptLookup(lookup + 1), cache.tokens)
-    return FreeDrafts(cache.tokens, datastore, width, cache.policy.free, clock=cache.policy.clock)
+    state = cache.policy if state is None else state
+    return FreeDrafts(cache.tokens, datastore, width, state.free, clock=state.clock)
 
 
 def _prompt_ids(prompt) -> list[int]:
@@ -95,7 +99,7 @@ def is_greedy(sampler: SampleFn | None) -> bool:
 
 def _make_proposer(
     model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, policy, speedups, block_size,
-    choose_width=False, tree_budget=0, datastore=None,
+    choose_width=False, tree_budget=0, datastore=None, free_state=None,
 ):  # fmt: skip
     # Plain decoding (or the datastore's drafts); prompt lookup alone (and the datastore); the
     # drafter (or its trees), with the lookup fallback, paused while it loses to plain decoding
@@ -103,7 +107,7 @@ def _make_proposer(
     if draft is None:
         if datastore is None or block_size == 1:
             return PlainProposer()
-        return free_sources(cache, datastore, 1, block_size - 1)
+        return free_sources(cache, datastore, 1, block_size - 1, free_state)
     if isinstance(draft, PromptLookup):
         lookup = LookupProposer(draft, cache.tokens)
         if datastore is not None:
@@ -135,7 +139,7 @@ def _make_proposer(
         drafter = FallbackProposer(drafter, lookup, lookup_fallback)
     if policy is None:
         return drafter
-    return AdaptiveProposer(drafter, policy, free_sources(cache, datastore, policy.lookup))
+    return AdaptiveProposer(drafter, policy, free_sources(cache, datastore, policy.lookup, state=policy))
 
 
 @dataclass
@@ -219,14 +223,16 @@ def dflash_generate_step(
             "The prompt cache was made without a drafter; make it with make_cache(model, draft)."
         )
     speedups = choose_speedups(tgt.compute_dtype(model), o.cpu_speedups)
-    # The policy paces the DFlash drafter; with block 1 it never drafts, so it is left alone.
+    # The policy paces the DFlash drafter; with block 1 it never drafts, so it is left alone. What
+    # draft-free cycles learn is kept with the policy state given (or the cache's) either way.
+    free_state = o.policy if o.policy is not None else cache.policy
     policy = None
     if o.adaptive_on and drafter is not None and block_size > 1:
-        policy = o.policy if o.policy is not None else cache.policy
+        policy = free_state
     proposer = _make_proposer(
         model, draft, cache, sampler=sampler, proposal=o.proposal, min_confidence=o.min_confidence,
         lookup_fallback=o.lookup_fallback, policy=policy, speedups=speedups, block_size=block_size,
-        choose_width=choose_width, tree_budget=tree_budget, datastore=o.datastore,
+        choose_width=choose_width, tree_budget=tree_budget, datastore=o.datastore, free_state=free_state,
     )  # fmt: skip
     if not peers.leads:
         proposer = FollowProposer(proposer.tap_ids, proposer.drafter)

@@ -70,3 +70,22 @@ def test_costly_drafting_cycles_shorten_the_drafts():
     assert drafts.propose(2, 6).size == 1
     stats.first = 6.0  # a verify costs more than the drafts can give
     assert drafts.propose(2, 6).size == 0
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_what_draft_free_cycles_learn_is_kept_with_the_policy_given(qwen3_pair, with_drafter):
+    """A chat or server passes its pair's policy state to every call, each with a fresh cache: the
+    draft-free cycles' chances and costs must land in that state, not in the cache's own."""
+    from helpers.checkpoints import VOCAB
+    from helpers.decoding import greedy, run
+
+    from dflash_mlx.adaptive import PolicyState
+
+    model, draft, _ = qwen3_pair
+    prompt = [3, 17, 42, 8, 99]
+    ref = greedy(model, prompt, 40)
+    store = Datastore(SuffixIndex.build([ref], VOCAB), VOCAB, min_count=1)
+    policy = PolicyState.restored({"plain_time": 0.01}) if with_drafter else PolicyState()
+    out, _ = run(model, draft if with_drafter else None, prompt, max_tokens=len(ref), datastore=store, policy=policy)
+    assert out == ref
+    assert policy.free.trust  # the datastore's drafts were judged into it
