@@ -39,7 +39,7 @@ def test_the_license_is_the_one_pyproject_names():
 @needs_source
 def test_the_wheel_leaves_out_the_baseline_drafts_and_bench_results():
     setuptools = PYPROJECT["tool"]["setuptools"]
-    assets = Path(setuptools.get("package-dir", {}).get("dflash_mlx.assets", "dflash_mlx/assets"))
+    assets = Path("dflash_mlx/assets")
     excluded = setuptools["exclude-package-data"]["dflash_mlx.assets"]
     files = [p.relative_to(REPO / assets).as_posix() for p in (REPO / assets).rglob("*") if p.is_file()]
     # setuptools matches each pattern against the path below the package's folder.
