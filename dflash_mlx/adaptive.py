@@ -38,10 +38,17 @@ class FreeStats:
     each: float = 0.06
     prior: float = 4.0
     step: float | None = None  # seconds of a plain cycle, a running mean (None: not timed yet)
+    # Drafting cycles' costs beyond a plain step against their number of drafts, recent cycles weighing most:
+    # sums of 1, x, y, x * x and x * y with x = drafts - 1 and y = the cost in plain steps.
+    fit: list = field(default_factory=lambda: [0.0] * 5, repr=False)
+    start: tuple = field(default=(), init=False, repr=False)  # (first, each) as given: the fit's prior
     # (kind, position) -> [right, judged]: how often a draft there was right, given the ones before.
     hits: dict = field(default_factory=lambda: defaultdict(lambda: [1.0, 2.0]))
     # kind -> [right, expected]: the datastore's drafts right against the sum of their shares.
     trust: dict = field(default_factory=lambda: defaultdict(lambda: [4.0, 4.0]))
+
+    def __post_init__(self):
+        self.start = (self.first, self.each)
 
     def chances(self, kind: str, count: int, shares: list[float] | None = None) -> list[float]:
         """Each draft's chance of being right given the ones before it."""
@@ -79,16 +86,26 @@ class FreeStats:
             hit[0] += i < accepted
 
     def timed(self, seconds: float, drafts: int) -> None:
-        """A cycle of ``drafts`` drafts took ``seconds``: the plain step's time, or the first
-        draft's cost (the part a further draft adds is the verify pass's, which varies less)."""
+        """A cycle of ``drafts`` drafts took ``seconds``: the plain step's time, or a point of the
+        drafting cycles' cost line, ``first + each * (drafts - 1)`` beyond a plain step, fitted by
+        least squares to the last ~50 cycles and held to the starting costs with the weight of
+        ``prior`` / 2 cycles (what a further draft adds differs several-fold between machines)."""
         if drafts == 0:
             self.step = seconds if self.step is None else 0.9 * self.step + 0.1 * seconds
             return
         if self.step is None:
             return
-        first = seconds / self.step - 1.0 - self.each * (drafts - 1)
-        weight = 1.0 / self.prior
-        self.first = min(max((1 - weight) * self.first + weight * first, 0.0), 4.0)
+        x, y = drafts - 1.0, seconds / self.step - 1.0
+        self.fit = [0.98 * s + v for s, v in zip(self.fit, (1.0, x, y, x * x, x * y))]
+        n, sx, sy, sxx, sxy = self.fit
+        (first, each), weight = self.start, self.prior / 2
+        # The normal equations with a ridge towards the starting costs (the slope's in units of a
+        # cycle of four drafts, so both hold alike when the cycles' sizes do not vary).
+        a, b, d = n + weight, sx, sxx + 9 * weight
+        u, v = sy + weight * first, sxy + 9 * weight * each
+        det = a * d - b * b
+        self.each = min(max((a * v - b * u) / det, 0.0), 1.0)
+        self.first = min(max((u - b * self.each) / a, 0.0), 4.0)
 
 
 @dataclass
