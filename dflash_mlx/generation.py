@@ -68,18 +68,16 @@ class StepOutput(NamedTuple):
 
 
 def free_sources(
-    cache: DFlashCache, datastore: Datastore | None, lookup: int, width: int = FREE_DRAFTS,
-    state: PolicyState | None = None,
+    cache: DFlashCache, datastore: Datastore | None, lookup: int, state: PolicyState, width: int = FREE_DRAFTS
 ) -> Proposer | None:
     """What drafts without a drafter pass: with a datastore, up to ``width`` drafts from it or
     from prompt lookup, as many as pay (:class:`~dflash_mlx.free_drafts.FreeDrafts`, learning
-    into ``state``, the cache's policy state by default); without, prompt lookup's ``lookup``
+    into ``state``, the policy state the caller keeps); without, prompt lookup's ``lookup``
     drafts on any match (None: ``lookup`` 0, plain steps)."""
     if not lookup:  # paused cycles are plain steps (PolicyState(lookup=0))
         return None
     if datastore is None:
         return LookupProposer(PromptLookup(lookup + 1), cache.tokens)
-    state = cache.policy if state is None else state
     return FreeDrafts(cache.tokens, datastore, width, state.free, clock=state.clock)
 
 
@@ -99,7 +97,7 @@ def is_greedy(sampler: SampleFn | None) -> bool:
 
 def _make_proposer(
     model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, policy, speedups, block_size,
-    choose_width=False, tree_budget=0, datastore=None, free_state=None,
+    free_state, choose_width=False, tree_budget=0, datastore=None,
 ):  # fmt: skip
     # Plain decoding (or the datastore's drafts); prompt lookup alone (and the datastore); the
     # drafter (or its trees), with the lookup fallback, paused while it loses to plain decoding
@@ -107,7 +105,7 @@ def _make_proposer(
     if draft is None:
         if datastore is None or block_size == 1:
             return PlainProposer()
-        return free_sources(cache, datastore, 1, block_size - 1, free_state)
+        return free_sources(cache, datastore, 1, free_state, block_size - 1)
     if isinstance(draft, PromptLookup):
         lookup = LookupProposer(draft, cache.tokens)
         if datastore is not None:
@@ -139,7 +137,7 @@ def _make_proposer(
         drafter = FallbackProposer(drafter, lookup, lookup_fallback)
     if policy is None:
         return drafter
-    return AdaptiveProposer(drafter, policy, free_sources(cache, datastore, policy.lookup, state=policy))
+    return AdaptiveProposer(drafter, policy, free_sources(cache, datastore, policy.lookup, free_state))
 
 
 @dataclass

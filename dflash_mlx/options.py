@@ -173,7 +173,7 @@ class LoopOptions:
 
 
 def check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallback: int, proposal: str) -> None:
-    """The cycle's settings that the bench checks before loading anything (``LoopOptions`` does too)."""
+    """The cycle's own settings, as ``LoopOptions`` checks them when it is made."""
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise DFlashError(f"max_tokens must be a positive integer (got {max_tokens!r}).")
     check_proposal(proposal)

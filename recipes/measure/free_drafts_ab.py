@@ -19,7 +19,7 @@ from dflash_mlx.proposer import FirstOf
 model, draft, tok = load()
 ds = open_datastore("auto", DEFAULT_PAIR, 49152, learns=False)
 new = g.free_sources
-def old(cache, datastore, lookup, width=7):
+def old(cache, datastore, lookup, state, width=7):
     if not lookup: return None
     any_match = LookupProposer(PromptLookup(lookup + 1), cache.tokens)
     if datastore is None: return any_match
