@@ -7,8 +7,8 @@ tokens. :class:`FreeDrafts` asks prompt lookup and the datastore, estimates each
 and verifies the prefix of the candidate that gives the most tokens per step, or none (a plain
 step) when none beats one token a step.
 
-The chances are learned as the text goes: prompt lookup's per draft position and length of
-match, the datastore's as its shares of the continuation scaled by how often such drafts were
+The chances are learned as the text goes: prompt lookup's per draft position, length of match
+and whether the match's earlier occurrence went on the same way, the datastore's as its shares of the continuation scaled by how often such drafts were
 right. The costs start from what a 2-core CPU measured for the default pair and follow this
 machine's cycle times. Drafts are certain (one-hot): verifying any prefix of them is exact, so
 the output never depends on the choice.
@@ -49,9 +49,9 @@ class FreeDrafts(Proposer):
         self.pending = None  # (kind, chances, shares, drafts, start) of the cycle being verified
 
     def _candidates(self, text: list[int], n: int):
-        tokens, match = self.lookup.lookup_match(text, n)
+        tokens, match, evidence = self.lookup.lookup_evidence(text, n)
         if tokens:
-            kind = f"lookup {match}"
+            kind = f"lookup {match} {evidence}"
             yield kind, tokens, self.stats.chances(kind, len(tokens)), None
         if self.store is not None:
             found = self.store.draft(text[-self.store.max_order :], n)

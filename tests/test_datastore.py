@@ -58,6 +58,15 @@ def test_draft_stops_where_the_continuation_is_unsure():
     assert counted.draft([1, 2], 4).tokens == []
 
 
+def test_a_longer_match_too_rare_to_draft_backs_off_to_a_shorter_one():
+    # "1 2 3" occurred once (too few), "2 3" three times, always followed by 4.
+    docs = [[1, 2, 3, 9], [7, 2, 3, 4], [8, 2, 3, 4], [6, 2, 3, 4]]
+    store = Datastore(SuffixIndex.build(docs, 10), 10, min_count=2)
+    found = store.draft([1, 2, 3], 2)
+    assert found.tokens == [4] and found.match == 2 and found.shares == [0.75]
+    assert Datastore(SuffixIndex.build(docs, 10), 10, min_count=2, min_order=3).draft([1, 2, 3], 2).tokens == []
+
+
 def test_session_replies_are_searched_first_and_bounded():
     store = Datastore(SuffixIndex.build([[1, 2, 3]], 10), 10, min_count=1, session_tokens=8)
     assert store.draft([1, 2], 3).tokens == [3]

@@ -84,8 +84,9 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         "by the baseline's real step against a lone AR pass (below). "
         "dflash-fallback has no limit: its prompt-lookup cycles run no drafter pass. dflash-default: generate's "
         "defaults (the adaptive policy, one state across the method's runs, warm-up first, as a chat or server "
-        "keeps it; while it pauses the drafter, cycles verify up to 7 drafts of prompt lookup on a match of 2+ "
-        "tokens or of the datastore, else one prompt-lookup draft, or step plainly); no limit. "
+        "keeps it; while it pauses the drafter, each cycle verifies the prefix of prompt lookup's or the datastore's "
+        "drafts (up to 7) that its learned chances and this machine's measured verify costs say gives the most "
+        "tokens a step, or steps plainly); no limit. "
         "dflash-tree: a draft tree (DDTree) of up to --tree-budget nodes a cycle, as deep as the drafter's block; "
         "verified counts its nodes and root; no limit.",
     ]

@@ -20,8 +20,31 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dflash_mlx.datastore import Datastore, SuffixIndex, read_responses  # noqa: E402
+from dflash_mlx.adaptive import FreeStats  # noqa: E402
+from dflash_mlx.datastore import Datastore, Draft, SuffixIndex, read_responses  # noqa: E402
+from dflash_mlx.free_drafts import FreeDrafts  # noqa: E402
 from dflash_mlx.lookup import PromptLookup  # noqa: E402
+
+
+class LongestOnlyDatastore(Datastore):
+    """The datastore's rule before it backed off: the longest suffix of the text it holds decides,
+    even where its continuation is too rare or unsure to draft."""
+
+    def draft(self, text, n):
+        indexes = self._indexes()
+        for order in range(min(self.max_order, len(text)), self.min_order - 1, -1):
+            pattern = [int(t) for t in text[-order:]]
+            matched = False
+            for index in indexes:
+                lo, hi = index.find(pattern)
+                if hi > lo:
+                    matched = True
+                    tokens, shares = self._walk(index, lo, hi, order, n)
+                    if tokens:
+                        return Draft(tokens, order, shares)
+            if matched:
+                return Draft([], order)
+        return Draft([], 0)
 
 
 def accepted(drafts: list[int], truth: list[int]) -> int:
@@ -31,7 +54,7 @@ def accepted(drafts: list[int], truth: list[int]) -> int:
     return k
 
 
-def replay(prompt: list[int], response: list[int], propose, draft_cost: float):
+def replay(prompt: list[int], response: list[int], propose, draft_cost: float, first_cost: float):
     """(cycles, drafting cycles, their tokens, steps' worth of time, tokens, {source: accepted
     drafts}) of one answer."""
     history = list(prompt) + response[:1]  # the prefill's token comes alone
@@ -39,6 +62,8 @@ def replay(prompt: list[int], response: list[int], propose, draft_cost: float):
     while i < len(response):
         source, drafts = propose(history)
         k = accepted(drafts, response[i:])
+        if hasattr(propose, "judged"):
+            propose.judged(k)
         take = min(k + 1, len(response) - i)
         history += response[i : i + take]
         i += take
@@ -46,9 +71,50 @@ def replay(prompt: list[int], response: list[int], propose, draft_cost: float):
         if drafts:
             drafting += 1
             drafting_tokens += take
-        time_ += 1.0 + draft_cost * len(drafts)
+        time_ += 1.0 + (first_cost + draft_cost * (len(drafts) - 1) if drafts else 0.0)
         shares[source] += k
     return cycles, drafting, drafting_tokens, time_, len(response) - 1, shares
+
+
+class FixedCosts(FreeStats):
+    """The loop's learned chances with the verify costs held at their starting values (a replay has
+    no clock)."""
+
+    def timed(self, seconds, drafts):
+        pass
+
+
+class MatchOnlyLookup(FreeDrafts):
+    """The draft-free cycles as they were before prompt lookup's drafts were told apart by what the
+    match's earlier occurrence did: one kind per match length."""
+
+    def _candidates(self, text, n):
+        for kind, tokens, chances, shares in super()._candidates(text, n):
+            if kind.startswith("lookup"):
+                kind = " ".join(kind.split()[:2])
+                chances = self.stats.chances(kind, len(tokens))
+            yield kind, tokens, chances, shares
+
+
+def sized_source(proposer_class, index, vocab):
+    """The loop's draft-free cycles (FreeDrafts: each cycle the prefix of lookup's or the datastore's
+    drafts that its learned chances price best, or none), one stats object across the answers as a
+    chat keeps it; returns ``propose(history)`` and the ``accepted(k)`` callback."""
+    stats, store = FixedCosts(), Datastore(index, vocab)
+    state = {}
+
+    def propose(history):
+        free = proposer_class(history[:-1], store, 7, stats)
+        proposal = free.propose(history[-1], 7)
+        state["free"] = free
+        source = {"datastore": "store", "": "none"}.get(proposal.source, proposal.source)
+        return source, [int(t) for t in proposal.tokens.tolist()]
+
+    def judged(k):
+        state.pop("free").accept(k, None)
+
+    propose.judged = judged
+    return propose
 
 
 def main():
@@ -58,7 +124,11 @@ def main():
     p.add_argument("--store", required=True, help="The datastore's response cache.")
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--draft-cost", type=float, default=0.06, help="One draft's verify cost, in plain steps.")
+    p.add_argument("--first-cost", type=float, default=None,
+                   help="The first draft's, if it differs (0.15 measured on 2-core CPUs: the host waits for the verdict).")
     p.add_argument("--index", default=None, help="Keep the store's index here (.npz) between runs.")
+    p.add_argument("--only", nargs="*", default=None, metavar="TEXT",
+                   help="Replay only the setups whose name holds one of these texts.")
     args = p.parse_args()
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -86,8 +156,8 @@ def main():
         settings = PromptLookup(width + 1, max_ngram=3, min_ngram=min_match)
         return lambda history: ("lookup", settings.lookup(history, width))
 
-    def store_source(width, **kw):
-        store = Datastore(index, args.vocab, **kw)
+    def store_source(width, longest_only=False, **kw):
+        store = (LongestOnlyDatastore if longest_only else Datastore)(index, args.vocab, **kw)
         return lambda history: ("store", store.draft(history, width).tokens)
 
     def first_of(*sources):
@@ -102,8 +172,8 @@ def main():
     def lookup_long(width, min_match):  # lookup only on a match of min_match tokens or more
         return lookup_source(width, min_match)
 
-    def combined(**kw):  # the loop's default
-        return first_of(lookup_long(7, 2), store_source(7, **kw), lookup_source(1))
+    def combined(longest_only=False, **kw):  # the loop's default
+        return first_of(lookup_long(7, 2), store_source(7, longest_only, **kw), lookup_source(1))
 
     def extended(width):  # a long lookup match's drafts, continued by the datastore past where they end
         lookup, store = PromptLookup(width + 1, max_ngram=3, min_ngram=2), Datastore(index, args.vocab)
@@ -130,7 +200,9 @@ def main():
         "lookup 7": lookup_source(7),
         "store 7": store_source(7),
         "lookup>=2 7, else store 7, else lookup 1 (the default)": combined(),
+        "  the same, store stopping at the longest suffix it holds (before)": combined(True),
         "  the same, store order <= 8": combined(max_order=8),
+        "  the same, store order <= 16": combined(max_order=16),
         "  the same, store min count 4": combined(min_count=4),
         "  the same, store step .4": combined(min_step=0.4),
         "lookup>=3 7, else store 7, else lookup 1": first_of(lookup_long(7, 3), store_source(7), lookup_source(1)),
@@ -138,15 +210,21 @@ def main():
         "lookup>=2 7 continued by the store, else store 7, else lookup 1": extended(7),
         "the longer of lookup>=2 7 and store 7, else lookup 1": longest(7),
         "lookup>=2 15, else store 15, else lookup 1": first_of(lookup_long(15, 2), store_source(15), lookup_source(1)),
+        "sized by the loop's chances (lookup told apart by its match's earlier occurrence)":
+            sized_source(FreeDrafts, index, args.vocab),
+        "sized by the loop's chances (lookup by match length only, before)": sized_source(MatchOnlyLookup, index, args.vocab),
     }
     print(f"draft cost {args.draft_cost} of a step; speed = tokens per step-time against plain decoding")
     print("| setup | tokens per cycle (per drafting cycle) | speed | " + " | ".join(groups) + " | shares (lookup/store) |")
     for name, propose in setups.items():
+        if args.only and not any(t in name for t in args.only):
+            continue
         tic = time.perf_counter()
         per = defaultdict(lambda: [0, 0, 0, 0.0, 0])
         shares = defaultdict(int)
         for ex in examples:
-            got = replay(ex["prompt_ids"], ex["response_ids"], propose, args.draft_cost)
+            got = replay(ex["prompt_ids"], ex["response_ids"], propose, args.draft_cost,
+                         args.draft_cost if args.first_cost is None else args.first_cost)
             for g in ("all", group[ex["key"]]):
                 for j in range(5):
                     per[g][j] += got[j]
