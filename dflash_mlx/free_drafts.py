@@ -8,10 +8,11 @@ and verifies the prefix of the candidate that gives the most tokens per step, or
 step) when none beats one token a step.
 
 The chances are learned as the text goes: prompt lookup's per draft position, length of match
-and whether the match's earlier occurrence went on the same way, the datastore's as its shares of the continuation scaled by how often such drafts were
-right. The costs start from what a 2-core CPU measured for the default pair and follow this
-machine's cycle times. Drafts are certain (one-hot): verifying any prefix of them is exact, so
-the output never depends on the choice.
+and whether the match's earlier occurrence went on the same way, the datastore's as its shares
+of the continuation scaled by how often such drafts were right. The costs start from what a
+2-core CPU measured for the default pair and follow this machine's cycle times. Drafts are
+certain (one-hot): verifying any prefix of them is exact, so the output never depends on the
+choice.
 """
 
 import time

@@ -5,7 +5,9 @@ response: at each point of it, a source proposes drafts from the text so far, th
 equal to the response is accepted, plus the target's own token, and the next cycle starts after
 them. This replays the generation loop's paused cycles (no drafter pass) for prompt lookup, the
 datastore and their combinations, and prices each cycle with a verify cost per draft measured on
-the target (``--draft-cost``: one draft's share of a plain step; ``recipes/verify_cost.py``).
+the target (``--draft-cost``: one draft's share of a plain step; ``--first-cost``: the first
+draft's, where it differs). The last setups replay the loop's own sizing (FreeDrafts: learned
+chances, the costs held where they start).
 
     python recipes/measure/simulate_sources.py --heldout runs/heldout/responses.jsonl \\
         --prompts runs/heldout/prompts.jsonl --store assets/smollm2/data/responses.jsonl.gz
@@ -125,7 +127,8 @@ def main():
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--draft-cost", type=float, default=0.06, help="One draft's verify cost, in plain steps.")
     p.add_argument("--first-cost", type=float, default=None,
-                   help="The first draft's, if it differs (0.15 measured on 2-core CPUs: the host waits for the verdict).")
+                   help="The first draft's, if it differs (0.15 measured on 2-core CPUs: the host waits "
+                        "for the verdict).")
     p.add_argument("--index", default=None, help="Keep the store's index here (.npz) between runs.")
     p.add_argument("--only", nargs="*", default=None, metavar="TEXT",
                    help="Replay only the setups whose name holds one of these texts.")
@@ -212,7 +215,8 @@ def main():
         "lookup>=2 15, else store 15, else lookup 1": first_of(lookup_long(15, 2), store_source(15), lookup_source(1)),
         "sized by the loop's chances (lookup told apart by its match's earlier occurrence)":
             sized_source(FreeDrafts, index, args.vocab),
-        "sized by the loop's chances (lookup by match length only, before)": sized_source(MatchOnlyLookup, index, args.vocab),
+        "sized by the loop's chances (lookup by match length only, before)":
+            sized_source(MatchOnlyLookup, index, args.vocab),
     }
     print(f"draft cost {args.draft_cost} of a step; speed = tokens per step-time against plain decoding")
     print("| setup | tokens per cycle (per drafting cycle) | speed | " + " | ".join(groups) + " | shares (lookup/store) |")
