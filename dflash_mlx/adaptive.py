@@ -116,8 +116,9 @@ class PolicyState:
     is a plain decoding step when lookup finds nothing (always with ``lookup`` 0). The policy
     compares seconds per token, so drafting must beat what the paused cycles give, lookup's
     accepted drafts included. ("Plain" below means paused.) It runs ``probe`` plain cycles
-    early on and one every ``refresh`` drafting cycles to know the plain cost. When a window of ``window`` drafting cycles (after a loss,
-    three at half plain decoding's speed or less) gives tokens more slowly, it decodes plainly
+    early on and one every ``refresh`` drafting cycles to know the plain cost. When a window of
+    ``window`` drafting cycles (or three at a third of plain decoding's speed or less; after a
+    loss, at half) gives tokens more slowly, it decodes plainly
     for a run of cycles, then drafts again: a re-probe. Each further losing window doubles the
     run, up to ``max_run``, and a winning one resets it to one ``window``. A run is never
     shorter than what keeps the losing window's extra time (beyond what plain decoding would
@@ -257,12 +258,14 @@ class PolicyState:
         self.window_seconds += seconds
         self.window_tokens += tokens
         per_token = self.window_seconds / self.window_tokens
-        # Judge a full window; once drafting has lost, three cycles already twice as slow
-        # settle it too: a probe of a drafter that loses badly (sampling at block 16) need
-        # not cost a whole window. (Not before: a few hard cycles in a row are common where
-        # drafting wins overall.)
+        # Judge a full window; three cycles already twice as slow as the paused cycles settle
+        # it too, so a probe of a drafter that loses badly (sampling at block 16) need not cost
+        # a whole window. Before the first loss, three times as slow: a few hard cycles in a row
+        # are common where drafting wins overall, but not that hard (the first window falls in
+        # a chat's first reply, where 8 losing cycles cost the default pair a third of it).
         lost_before = self.run > self.window
-        clear_loss = lost_before and self.window_cycles >= 3 and per_token > 2 * self.plain_time
+        factor = 2 if lost_before else 3
+        clear_loss = self.window_cycles >= 3 and per_token > factor * self.plain_time
         if self.window_cycles < self.window and not clear_loss:
             return
         extra = self.window_seconds - self.window_tokens * (self.plain_time or 0.0) + self.cold_extra

@@ -123,21 +123,33 @@ def test_cycles_the_loop_proposes_itself_are_not_timed():
 
 def test_short_replies_draft_only_in_the_first_replys_probe_when_drafting_is_slower():
     """The chat's case: drafting at 4.5 s a token against 1 s plainly, replies of 30 tokens.
-    Only the first reply drafts (its warm-up and one judged window); later ones decode plainly,
-    with re-probes that cost at most ``probe_cost``, and the conversation stays within 5% of
-    plain decoding."""
+    The first reply drafts in its warm-up and a window cut short after three cycles (over three
+    times slower); later ones decode plainly, with re-probes that cost at most ``probe_cost``,
+    and the conversation stays within 5% of plain decoding."""
     clock = Clock()
     policy = PolicyState(clock=clock)  # the defaults: window 8, probe 2, probe_cost 3%
     first = _drive(policy, clock, 30, 1.0, lambda i: 4.5, lambda i: 1)
-    assert first == [True] + [False] * 2 + [True] * 8 + [False] * 19
+    assert first == [True] + [False] * 2 + [True] * 3 + [False] * 24
     learning = clock.now
     later = [d for reply in _conversation(policy, clock, 39, 30, 1.0, lambda i: 4.5, lambda i: 1) for d in reply]
-    # One re-probe in 1,170 cycles: three drafting cycles (a clear loss), after a plain run long
-    # enough (934 cycles) that the first window's 28 s over plain decoding are 3% of it.
-    assert later.count(True) == 3 and later.index(True) == 11 + 934 - 30
+    # Re-probes of three drafting cycles (a clear loss), each after a plain run long enough (350
+    # cycles) that the 10.5 s the three cycles took over plain decoding are 3% of it.
+    assert later.index(True) == 6 + 350 - 30
+    assert _segments(later[later.index(True):])[:-1] == [(3, 350), (3, 350)]
     assert clock.now - learning <= 1.03 * len(later)  # later replies: at most 3% over plain decoding
     assert clock.now <= 1.05 * 30 * 40  # the whole conversation, first reply included: within 5%
     assert policy.drafts_next() is False
+
+
+@pytest.mark.parametrize(("seconds_a_token", "first_window"), [(2.5, 8), (4.0, 3)])
+def test_the_first_window_is_cut_short_only_for_a_drafter_three_times_slower(seconds_a_token, first_window):
+    """Before any loss, a window ends early only when its first three cycles take over three
+    times the paused cycles' time a token; after a loss, twice already settles it."""
+    clock = Clock()
+    drafted = _drive(PolicyState(clock=clock), clock, 3000, 1.0, lambda i: seconds_a_token, lambda i: 1)
+    segments = _segments(drafted[3:])
+    assert segments[0][0] == first_window and len(segments) >= 3
+    assert all(d == 3 for d, _ in segments[1:])
 
 
 def test_short_replies_keep_drafting_when_drafting_is_faster():
@@ -216,7 +228,7 @@ def test_drafting_slower_is_what_the_policy_then_acts_on(qwen3_pair, slow):
 @pytest.mark.parametrize("carried_by", ["prompt_cache", "policy"])
 def test_later_replies_continue_the_policy(qwen3_pair, carried_by):
     """Three turns with a drafter that loses: only the first turn drafts (its warm-up and one
-    window). The state rides on the conversation's cache, or is passed to every call (here with
+    window, cut short). The state rides on the conversation's cache, or is passed to every call (here with
     a fresh cache each turn, as after /clear)."""
     model, draft, tokenizer = qwen3_pair
     clock = Clock(step=1.0)
@@ -234,7 +246,8 @@ def test_later_replies_continue_the_policy(qwen3_pair, carried_by):
         turns.append([r.num_draft > 0 for r in responses[1:]])
         ids = ids + [t for r in responses for t in r.tokens] + [5, 6]
     assert turns[0][:4] == [True, False, False, True]
-    assert sum(sum(t) for t in turns) == 1 + 8  # one warm-up cycle, one judged window
+    # One warm-up cycle and one judged window, cut short after three cycles three times slower.
+    assert sum(sum(t) for t in turns) == 1 + 3
     assert not any(turns[2]) and policy.drafts_next() is False
 
 
