@@ -150,7 +150,8 @@ def test_usage_and_speculative_statistics_agree_with_stream_generate(server, qwe
 
 def test_the_worker_keeps_what_the_adaptive_policy_learned_across_requests(qwen3_pair, monkeypatch):
     """A drafter that loses (each pass costs 3 s on the policy's clock, no draft is right): only
-    the first request drafts, in its warm-up and one judged window; later requests decode plainly
+    the first request drafts, in its warm-up and one judged window (cut short after three
+    cycles); later requests decode plainly
     from their first cycle, and their statistics say so."""
     from functools import partialmethod
 
@@ -175,7 +176,7 @@ def test_the_worker_keeps_what_the_adaptive_policy_learned_across_requests(qwen3
         assert event[0] == "done"
         specs.append(event[3]["speculative_decoding"])
     worker.close()
-    assert specs[0]["num_spec_steps"] == 1 + 8 and specs[0]["num_plain_steps"] > 0
+    assert specs[0]["num_spec_steps"] == 1 + 3 and specs[0]["num_plain_steps"] > 0  # the window cut short: 3x slower
     assert [s["num_spec_steps"] for s in specs[1:]] == [0, 0] and all(s["num_plain_steps"] > 8 for s in specs[1:])
     assert len(worker.policies) == 1
 

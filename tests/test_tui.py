@@ -467,7 +467,8 @@ async def test_real_pair_multi_turn_prefills_only_new_tokens(pair):
 
 def test_engine_keeps_what_the_adaptive_policy_learned_across_replies(pair, monkeypatch):
     """A drafter that loses (each pass costs 3 s on the policy's clock, no draft is right): only
-    the first reply drafts, in its warm-up and one judged window; the later replies, after /clear
+    the first reply drafts, in its warm-up and one judged window (cut short after three
+    cycles); the later replies, after /clear
     too, decode plainly from their first cycle instead of probing again."""
     from functools import partialmethod
 
@@ -493,7 +494,7 @@ def test_engine_keeps_what_the_adaptive_policy_learned_across_replies(pair, monk
         messages.append({"role": "assistant", "content": "".join(r.text for r in responses)})
     engine.close()
     assert replies[0][:4] == [True, False, False, True]
-    assert sum(map(sum, replies)) == 1 + 8 and not any(replies[-1])
+    assert sum(map(sum, replies)) == 1 + 3 and not any(replies[-1])  # the window cut short: 3x slower
     assert len(replies[-1]) > 8 and len(engine.policies) == 1
 
 
