@@ -101,7 +101,8 @@ class MatchOnlyLookup(FreeDrafts):
 def sized_source(proposer_class, index, vocab):
     """The loop's draft-free cycles (FreeDrafts: each cycle the prefix of lookup's or the datastore's
     drafts that its learned chances price best, or none), one stats object across the answers as a
-    chat keeps it; returns ``propose(history)`` and the ``accepted(k)`` callback."""
+    chat keeps it; returns ``propose(history)``, whose ``judged(k)`` attribute :func:`replay` calls
+    with each cycle's accepted drafts."""
     stats, store = FixedCosts(), Datastore(index, vocab)
     state = {}
 
