@@ -85,7 +85,7 @@ async def test_the_chat_refuses_a_message_that_is_not_utf8():
         assert any("This message is not valid UTF-8 text" in str(n.render()) for n in app.query(Note))
 
 
-# ---- the Python path on Linux: OpenBLAS --------------------------------------------------------
+# ---- the Python path on Linux: a fast BLAS ------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -103,6 +103,7 @@ def test_python_on_the_reference_blas_is_told_once_how_to_start_with_openblas(
     monkeypatch.setattr(sys, "platform", platform)
     monkeypatch.setattr(blas, "blas_in_use", lambda: in_use)
     monkeypatch.setattr(blas, "find_openblas", lambda: installed)
+    monkeypatch.setattr(blas.mkl, "find_mkl", lambda: None)
     monkeypatch.setattr(sys, "argv", ["chat_bot.py"])
     with caplog.at_level(logging.WARNING, logger="dflash_mlx"):
         blas.note_reference_blas()
@@ -119,7 +120,7 @@ def test_a_tool_run_with_blas_bundled_is_not_told_to_restart(monkeypatch, caplog
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(blas, "blas_in_use", lambda: "reference BLAS bundled with MLX (libblas.so.3)")
     monkeypatch.setattr(blas, "find_openblas", lambda: DEBIAN)
-    blas.use_openblas("dflash-generate", "bundled", environ={}, execv=lambda *a: pytest.fail("restarted"))
+    blas.use_fast_blas("dflash-generate", "bundled", environ={}, execv=lambda *a: pytest.fail("restarted"))
     with caplog.at_level(logging.WARNING, logger="dflash_mlx"):
         blas.note_reference_blas()
     assert not caplog.records

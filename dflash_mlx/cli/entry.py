@@ -3,15 +3,16 @@
 A tool spends its first seconds importing mlx, mlx-lm and transformers, before its own ``main()``
 runs. A Ctrl+C then ends it with one line, not a traceback from deep inside an import.
 
-On Linux each tool first restarts itself with OpenBLAS preloaded when it is installed (``--blas``,
-default ``auto``): MLX's Linux wheel calls a reference BLAS that is several times slower.
+On Linux each tool first restarts itself with a fast BLAS preloaded (``--blas``, default ``auto``: MKL
+on an Intel CPU where it is installed, else OpenBLAS): MLX's Linux wheel calls a reference BLAS that is
+several times slower.
 """
 
 import sys
 from importlib import import_module
 from typing import Callable
 
-from ..cpu.openblas import BLAS_CHOICES, use_openblas
+from ..cpu.openblas import BLAS_CHOICES, use_fast_blas
 from ..errors import DFlashError
 
 INTERRUPTED = 130  # what a shell reports for a process ended by SIGINT (128 + 2)
@@ -37,7 +38,7 @@ def _entry(prog: str, module: str) -> Callable[[], None]:
             choice = _blas_choice(sys.argv[1:])
             if choice is not None:
                 try:
-                    use_openblas(prog, choice)
+                    use_fast_blas(prog, choice)
                 except DFlashError as e:
                     print(f"{prog}: error: {e}", file=sys.stderr)
                     sys.exit(1)

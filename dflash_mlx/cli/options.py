@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any, Callable
 
+from ..cpu.openblas import BLAS_CHOICES
 from ..dtypes import DTYPES
 
 DTYPE_HELP = (
@@ -138,9 +139,10 @@ def block_size_problem(block_size: int | str | None, trained: int | None, flag: 
 def add_blas_argument(parser: argparse.ArgumentParser) -> None:
     """``--blas``: read by the console script before anything loads (see ``cli.entry``); listed here for --help."""
     parser.add_argument(
-        "--blas", choices=("auto", "openblas", "bundled"), default="auto",
-        help="Linux CPU: restart with OpenBLAS preloaded when it is installed (auto, the default; several times "
-        "faster than MLX's bundled reference BLAS), require it (openblas), or keep MLX's own (bundled).",
+        "--blas", choices=BLAS_CHOICES, default="auto",
+        help="Linux CPU: restart with the fastest BLAS installed preloaded (auto, the default: MKL on an Intel CPU "
+        "where `pip install mkl` put it, else OpenBLAS; several times faster than MLX's bundled reference BLAS), "
+        "require one (mkl, openblas), or keep MLX's own (bundled).",
     )  # fmt: skip
 
 

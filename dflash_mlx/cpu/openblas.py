@@ -1,7 +1,8 @@
-"""OpenBLAS for MLX's Linux CPU backend: where it is installed, and which kernels it runs.
+"""A fast BLAS for MLX's Linux CPU backend: OpenBLAS, or MKL on Intel CPUs where it is installed.
 
 MLX's Linux CPU wheel calls a bundled reference BLAS; OpenBLAS preloaded with ``LD_PRELOAD`` is
-many times faster. Builds with ``DYNAMIC_ARCH`` (Debian's, Fedora's) pick their kernels for the CPU
+many times faster, and MKL (``pip install mkl``, :mod:`dflash_mlx.cpu.mkl`) faster again on an
+Intel CPU, above all on the few-token passes that verify drafts. Builds with ``DYNAMIC_ARCH`` (Debian's, Fedora's) pick their kernels for the CPU
 when they load, and a release that does not know the CPU (0.3.21 on some recent Xeon and EPYC
 parts) falls back to its generic "Prescott" kernels, about 5x slower on a 1024 fp32 matmul.
 ``OPENBLAS_CORETYPE`` names the kernels to use instead.
@@ -19,8 +20,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import DFlashError
+from . import mkl
 
-BLAS_CHOICES = ("auto", "openblas", "bundled")
+BLAS_CHOICES = ("auto", "mkl", "openblas", "bundled")
 INSTALL = (
     "install OpenBLAS (Debian/Ubuntu: sudo apt-get install libopenblas0-pthread; Fedora: sudo dnf install "
     "openblas-threads) and every dflash tool preloads it by itself"
@@ -154,13 +156,17 @@ def preload_env(environ: dict[str, str], library: str, flags: set[str], detected
 
 
 def blas_in_use() -> str:
-    """Which BLAS this process's MLX calls; for OpenBLAS its version and the core whose kernels run."""
+    """Which BLAS this process's MLX calls; for OpenBLAS its version and the core whose kernels run, for MKL
+    its version and threading."""
     if sys.platform == "darwin":
         return "Accelerate"
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "unknown"
+    intel = sorted(set(re.findall(r"/\S*libmkl_rt\.so\S*", maps)))
+    if intel:
+        return mkl.describe(intel[0], dict(os.environ))
     openblas = sorted(set(re.findall(r"/\S*libopenblas\S*\.so\S*", maps)))
     if openblas:
         info = openblas_core(openblas[0])
@@ -175,23 +181,50 @@ def blas_in_use() -> str:
 
 
 def _preloaded(environ: dict[str, str]) -> bool:
-    return "libopenblas" in environ.get("LD_PRELOAD", "")
+    preload = environ.get("LD_PRELOAD", "")
+    return "libopenblas" in preload or "libmkl_rt" in preload
 
 
-def use_openblas(prog: str, choice: str = "auto", *, environ: dict[str, str] | None = None,
-                 execv: Callable[[str, list[str], dict[str, str]], None] = os.execve) -> None:
-    """Re-run this process with OpenBLAS preloaded (Linux; the right core type named), else say what it costs.
+def fast_blas_env(environ: dict[str, str], choice: str = "auto") -> dict[str, str] | None:
+    """The environment that preloads the BLAS ``choice`` asks for, or None when there is none to preload.
+
+    ``auto``: MKL on an Intel CPU where it is installed, else OpenBLAS where it is installed;
+    ``mkl`` and ``openblas``: that one only.
+
+    Raises:
+        DFlashError: The BLAS named is not installed.
+    """
+    if choice in ("auto", "mkl"):
+        library = mkl.find_mkl()
+        if library is not None and (choice == "mkl" or mkl.is_intel(read_cpuinfo())):
+            return mkl.mkl_env(environ, library)
+        if choice == "mkl":
+            raise DFlashError(f"--blas mkl: MKL is not installed: {mkl.INSTALL}; or pass --blas auto.")
+    library = find_openblas()
+    if library is None:
+        if choice == "openblas":
+            raise DFlashError(f"--blas openblas: OpenBLAS is not installed: {INSTALL}; or pass --blas bundled.")
+        return None
+    # Ask the library which kernels it picks by itself, to name better ones for this CPU if needed.
+    detected = openblas_core(library) if "OPENBLAS_CORETYPE" not in environ else None
+    return preload_env(environ, library, cpu_flags(read_cpuinfo()), detected and detected[1])
+
+
+def use_fast_blas(prog: str, choice: str = "auto", *, environ: dict[str, str] | None = None,
+                  execv: Callable[[str, list[str], dict[str, str]], None] = os.execve) -> None:
+    """Re-run this process with a fast BLAS preloaded (Linux: :func:`fast_blas_env`), else say what it costs.
 
     ``LD_PRELOAD`` takes effect only at process start, so the process starts again with the same
     command line (``sys.orig_argv``) and the new environment; it never returns then. A process that
-    already preloads OpenBLAS, ``choice="bundled"`` and other systems return at once.
+    already preloads OpenBLAS or MKL, ``choice="bundled"`` and other systems return at once.
 
     Args:
-        prog: The tool's name, for the one line printed when OpenBLAS is not installed.
-        choice: ``auto`` (preload when installed), ``openblas`` (required) or ``bundled`` (MLX's own BLAS).
+        prog: The tool's name, for the one line printed when no fast BLAS is installed.
+        choice: ``auto`` (the fastest installed), ``mkl`` or ``openblas`` (required), or ``bundled``
+          (MLX's own BLAS).
 
     Raises:
-        DFlashError: ``choice="openblas"`` and no OpenBLAS is installed.
+        DFlashError: ``choice`` names a BLAS that is not installed.
     """
     global _noted
     environ = dict(os.environ if environ is None else environ)
@@ -199,19 +232,18 @@ def use_openblas(prog: str, choice: str = "auto", *, environ: dict[str, str] | N
         _noted = True  # asked for by name: load() need not say that it is slower
     if sys.platform != "linux" or choice == "bundled" or _preloaded(environ):
         return
-    library = find_openblas()
-    if library is None:
-        if choice == "openblas":
-            raise DFlashError(f"--blas openblas: OpenBLAS is not installed: {INSTALL}; or pass --blas bundled.")
+    env = fast_blas_env(environ, choice)
+    if env is None:
         print(f"{prog}: note: {REFERENCE_NOTE}", file=sys.stderr)
         _noted = True
         return
-    # Ask the library which kernels it picks by itself, to name better ones for this CPU if needed.
-    detected = openblas_core(library) if "OPENBLAS_CORETYPE" not in environ else None
-    env = preload_env(environ, library, cpu_flags(read_cpuinfo()), detected and detected[1])
     sys.stdout.flush()
     sys.stderr.flush()
     execv(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def _name(library: str) -> str:
+    return "MKL" if "libmkl_rt" in library else "OpenBLAS"
 
 
 def note_reference_blas() -> None:
@@ -222,7 +254,7 @@ def note_reference_blas() -> None:
     _noted = True
     if not blas_in_use().startswith("reference BLAS"):
         return
-    library = find_openblas()
+    library = (mkl.find_mkl() if mkl.is_intel(read_cpuinfo()) else None) or find_openblas()
     if library is None:
         logging.getLogger("dflash_mlx").warning(REFERENCE_NOTE)
     else:
@@ -230,25 +262,23 @@ def note_reference_blas() -> None:
         argv0 = sys.argv[0] if sys.argv else ""
         script = argv0 if argv0.endswith(".py") and not argv0.endswith("__main__.py") else "your_script.py"
         logging.getLogger("dflash_mlx").warning(
-            "MLX is running on its bundled reference BLAS, 3-10x slower on this CPU than the OpenBLAS installed "
-            f"here: run python -m dflash_mlx.cpu.openblas python {script} (or start Python with "
+            f"MLX is running on its bundled reference BLAS, 3-10x slower on this CPU than the {_name(library)} "
+            f"installed here: run python -m dflash_mlx.cpu.openblas python {script} (or start Python with "
             f"LD_PRELOAD={library})."
         )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m dflash_mlx.cpu.openblas COMMAND...``: run a command with OpenBLAS preloaded when installed."""
+    """``python -m dflash_mlx.cpu.openblas COMMAND...``: run a command with the fastest installed BLAS preloaded."""
     command = list(sys.argv[1:] if argv is None else argv)
     if not command:
         sys.exit("usage: python -m dflash_mlx.cpu.openblas COMMAND [ARG ...]")
     env = dict(os.environ)
     if sys.platform == "linux" and not _preloaded(env):
-        library = find_openblas()
-        if library is None:
+        fast = fast_blas_env(env)
+        if fast is None:
             print(f"note: {REFERENCE_NOTE}", file=sys.stderr)
-        else:
-            detected = openblas_core(library) if "OPENBLAS_CORETYPE" not in env else None
-            env = preload_env(env, library, cpu_flags(read_cpuinfo()), detected and detected[1])
+        env = fast or env
     sys.stdout.flush()
     os.execvpe(command[0], command, env)
 
