@@ -74,12 +74,17 @@ def _mask(shape):
     return mask
 
 
-@pytest.mark.parametrize("mask_shape", [None, (16, 40), (2, 1, 16, 40), (2, 4, 16, 40)])
+@pytest.mark.parametrize(
+    "mask_shape", [None, (16, 40), (1, 40), (2, 1, 16, 40), (2, 4, 16, 40), (2, 40), (4, 40), (2, 4, 2, 40)]
+)
 def test_attention_matches_mlx_fast_with_its_gradient(mask_shape):
-    q = mx.random.normal((2, 4, 16, 8)) * 3
+    # One mask for all heads (None, 2-D) takes a KV group's heads as one matrix, per-head masks
+    # broadcast over the group; with 16 queries and with a verify pass's 2 or 4.
+    length = mask_shape[-2] if mask_shape is not None and mask_shape[-2] in (2, 4) else 16
+    q = mx.random.normal((2, 4, length, 8)) * 3
     k, v = mx.random.normal((2, 2, 40, 8)), mx.random.normal((2, 2, 40, 8))
     mask = _mask(mask_shape)
-    weights = mx.random.normal((2, 4, 16, 8))
+    weights = mx.random.normal((2, 4, length, 8))
 
     def ours(q, k, v):
         return fast_math.attention(q, k, v, 0.35, mask, fast_exp=True)
@@ -154,14 +159,31 @@ def _tiny_qwen3(**overrides):
     return model
 
 
-def _verify_matches_mlx_lm(model, expect_kernels: bool, speedups: CpuSpeedups = CPU_SPEEDUPS) -> None:
+def _tiny_llama(**overrides):
+    from mlx_lm.models import llama
+
+    args = dict(
+        model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100, max_position_embeddings=512, rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+    args.update(overrides)
+    model = llama.Model(llama.ModelArgs(**args))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def _verify_matches_mlx_lm(
+    model, expect_kernels: bool, speedups: CpuSpeedups = CPU_SPEEDUPS, lengths: tuple = (12, 12)
+) -> None:
     ours, theirs = make_prompt_cache(model), make_prompt_cache(model)
     prompt = mx.array([list(range(3, 30))])
     tgt.forward_with_taps(model, prompt, ours, [0], speedups)
     model(prompt, cache=theirs)
-    # Two passes in a row: the second starts where the first left the cache.
-    for start in (40, 60):
-        block = mx.array([list(range(start, start + 12))])
+    # Passes in a row: each starts where the one before left the cache.
+    for start, length in zip((40, 60, 80), lengths):
+        block = mx.array([list(range(start, start + length))])
         h = model.model.embed_tokens(block)
         assert tgt._cpu_layers(model, h, ours, tgt._layer_masks(model, h, ours), speedups) == expect_kernels
         logits, _ = tgt.forward_with_taps(model, block, ours, [0], speedups)
@@ -186,6 +208,27 @@ def test_compiled_qwen3_step_matches_mlx_lm_with_each_rope(rope_scaling):
 )
 def test_each_speedup_alone_matches_mlx_lm(speedups):
     _verify_matches_mlx_lm(_tiny_qwen3(), expect_kernels=True, speedups=speedups)
+
+
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "linear", "factor": 2.0}])
+def test_compiled_llama_step_matches_mlx_lm(rope_scaling):
+    # The default pair's family: its verify passes (2 tokens and up) run the compiled steps too.
+    _verify_matches_mlx_lm(_tiny_llama(rope_scaling=rope_scaling), expect_kernels=True, lengths=(2, 4, 12))
+
+
+def test_a_llama_with_sliding_window_layers_keeps_mlx_lm_layers():
+    model = _tiny_llama(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    h = model.model.embed_tokens(mx.array([[5, 6]]))
+    cache = make_prompt_cache(model)
+    assert not tgt._cpu_layers(model, h, cache, tgt._layer_masks(model, h, cache), CPU_SPEEDUPS)
+
+
+def test_a_plain_step_keeps_mlx_lm_layers():
+    # One token is plain decoding's step, the baseline speedups are measured against.
+    model = _tiny_llama()
+    h = model.model.embed_tokens(mx.array([[5]]))
+    cache = make_prompt_cache(model)
+    assert not tgt._cpu_layers(model, h, cache, tgt._layer_masks(model, h, cache), CPU_SPEEDUPS)
 
 
 def test_quantized_qwen3_keeps_mlx_lm_layers():

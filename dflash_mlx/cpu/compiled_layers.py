@@ -1,4 +1,4 @@
-"""Compiled Qwen3 layer steps for MLX's CPU backend.
+"""Compiled layer steps (Qwen3's, and Llama's without its q/k norms) for MLX's CPU backend.
 
 On MLX's CPU backend every operation costs a fixed few microseconds on top of its
 arithmetic, and a layer of a small model is some twenty of them. Compiled, the
@@ -26,15 +26,23 @@ def rope_key(rope: nn.Module) -> tuple | None:
     return (("dims", rope.dims), ("traditional", rope.traditional), ("base", rope.base), ("scale", rope.scale))
 
 
+def qk_norms(attn: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """The attention's per-head query and key norms (Qwen3's), or None (Llama's has none)."""
+    norms = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return None if norms == (None, None) else norms
+
+
 def plain_layer(attn: nn.Module, mlp: nn.Module, input_norm: nn.Module, post_norm: nn.Module) -> bool:
     """True when the layer is what the steps compute: unquantized bias-free projections,
-    RMS norms with the same eps before the attention and before the MLP."""
+    RMS norms with the same eps before the attention and before the MLP, and RMS query and key
+    norms with one eps, or none."""
     projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    norms = qk_norms(attn)
     return (
         all(type(p) is nn.Linear and "bias" not in p for p in projections)
-        and all(type(n) is nn.RMSNorm for n in (input_norm, post_norm, attn.q_norm, attn.k_norm))
+        and all(type(n) is nn.RMSNorm for n in (input_norm, post_norm, *(norms or ())))
         and input_norm.eps == post_norm.eps
-        and attn.q_norm.eps == attn.k_norm.eps
+        and (norms is None or norms[0].eps == norms[1].eps)
     )
 
 
@@ -44,26 +52,29 @@ def _steps(
     n_kv_heads: int,
     head_dim: int,
     eps: float,
-    qk_eps: float,
+    qk_eps: float | None,
     rope: tuple | None,
     compiled: bool,
     fast_exp: bool,
 ):
     # compiled=False gives the same functions op by op, for measuring what compiling saves.
+    # qk_eps None: no query and key norms (Llama); their weights are then passed as None.
     rope_fn = None if rope is None else partial(mx.fast.rope, **dict(rope))
 
-    def heads(x, n):
+    def heads(x, n, w_norm=None):
         b, length, _ = x.shape
-        return x.reshape(b, length, n, head_dim)
+        x = x.reshape(b, length, n, head_dim)
+        return x if qk_eps is None else mx.fast.rms_norm(x, w_norm, qk_eps)
 
-    def key_values(x, offset, w_k, w_v, w_k_norm):
-        k = mx.fast.rms_norm(heads(x @ w_k.T, n_kv_heads), w_k_norm, qk_eps).transpose(0, 2, 1, 3)
-        v = heads(x @ w_v.T, n_kv_heads).transpose(0, 2, 1, 3)
+    def key_values(x, offset, w_k, w_v, w_k_norm=None):
+        k = heads(x @ w_k.T, n_kv_heads, w_k_norm).transpose(0, 2, 1, 3)
+        v = x @ w_v.T
+        v = v.reshape(*v.shape[:2], n_kv_heads, head_dim).transpose(0, 2, 1, 3)
         return (k if rope_fn is None else rope_fn(k, offset=offset)), v
 
-    def before(x, offset, w_norm, w_q, w_k, w_v, w_q_norm, w_k_norm):
+    def before(x, offset, w_norm, w_q, w_k, w_v, w_q_norm=None, w_k_norm=None):
         h = mx.fast.rms_norm(x, w_norm, eps)
-        q = mx.fast.rms_norm(heads(h @ w_q.T, n_heads), w_q_norm, qk_eps).transpose(0, 2, 1, 3)
+        q = heads(h @ w_q.T, n_heads, w_q_norm).transpose(0, 2, 1, 3)
         if rope_fn is not None:
             q = rope_fn(q, offset=offset)
         return (q, *key_values(h, offset, w_k, w_v, w_k_norm))
@@ -82,11 +93,16 @@ def _compiled(attn: nn.Module, eps: float, speedups: CpuSpeedups) -> tuple[tuple
     # The layer's compiled steps, and whether its RoPE is inside them: variants other than
     # plain or linear RoPE are left to the caller.
     key = rope_key(attn.rope)
-    head_dim = attn.q_norm.weight.shape[0]
-    steps = _steps(
-        attn.n_heads, attn.n_kv_heads, head_dim, eps, attn.q_norm.eps, key, speedups.compiled_steps, speedups.fast_exp
-    )
+    norms = qk_norms(attn)
+    head_dim = attn.q_proj.weight.shape[0] // attn.n_heads
+    qk_eps = None if norms is None else norms[0].eps
+    steps = _steps(attn.n_heads, attn.n_kv_heads, head_dim, eps, qk_eps, key, speedups.compiled_steps, speedups.fast_exp)
     return steps, key is not None
+
+
+def _norm_weights(attn: nn.Module) -> tuple:
+    norms = qk_norms(attn)
+    return () if norms is None else (norms[0].weight, norms[1].weight)
 
 
 def before(
@@ -96,7 +112,7 @@ def before(
     (step, _, _), rope_inside = _compiled(attn, input_norm.eps, speedups)
     q, k, v = step(
         x, mx.array(offset), input_norm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
-        attn.q_norm.weight, attn.k_norm.weight,
+        *_norm_weights(attn),
     )
     if not rope_inside:
         q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
@@ -106,7 +122,7 @@ def before(
 def key_values(attn: nn.Module, x: mx.array, offset: int, speedups: CpuSpeedups) -> tuple[mx.array, mx.array]:
     """``(k, v)`` of inputs taken as they are (no input norm), RoPE'd from ``offset``."""
     (_, step, _), rope_inside = _compiled(attn, attn.k_norm.eps, speedups)
-    k, v = step(x, mx.array(offset), attn.k_proj.weight, attn.v_proj.weight, attn.k_norm.weight)
+    k, v = step(x, mx.array(offset), attn.k_proj.weight, attn.v_proj.weight, *_norm_weights(attn)[1:])
     return (k if rope_inside else attn.rope(k, offset=offset)), v
 
 

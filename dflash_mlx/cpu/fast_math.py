@@ -33,9 +33,10 @@ _EXP_MIN = -87.0
 # within 62 bits: below x = -43 it returns 0, which beside a softmax's largest weight of 1
 # is lost in float32's rounding anyway (exp(-43) = 2e-19).
 _SHIFT_MIN = -43.0
-# Below this many queries the softmax is too small for its saving to cover the extra
-# operations (a 4-token verify of the embedded target ran 0.3 ms slower with them).
-_MIN_QUERIES = 8
+# A one-token step stays MLX's own attention (plain decoding's, the baseline). From two queries
+# on, with a KV group's heads as one matrix, the default pair's 2-4 token verify passes took
+# 0.86-0.95x the time over 1k keys and 0.97-1.01x over 300 (OpenBLAS, 2-core Xeon).
+_MIN_QUERIES = 2
 # Past CHUNK_ABOVE keys the fused exp's working set (several arrays of heads x queries x keys, as
 # the compiled kernel keeps its inputs and outputs) outgrows the drafter's own K/V at long
 # contexts, and the scores outgrow the CPU's caches; the keys are then taken in equal chunks of at
@@ -168,7 +169,7 @@ def attention(
         mask: None (every query sees every key) or booleans broadcastable to
           ``(B, n_heads, L, S)``, True where a query may attend; every query must see at
           least one key. Other masks go to MLX's own attention.
-        fast_exp: Use the fused-exp softmax (float32, from 8 queries on); else, and for
+        fast_exp: Use the fused-exp softmax (float32, from 2 queries on); else, and for
           other inputs, ``mx.fast.scaled_dot_product_attention``.
     """
     b, n_heads, length, dim = queries.shape
@@ -180,21 +181,32 @@ def attention(
         or (mask is not None and (not isinstance(mask, mx.array) or mask.dtype != mx.bool_))
     ):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-    if mask is not None and mask.ndim == 4:
-        # Per-head masks follow the queries into their KV groups.
-        mask = mask.reshape(mask.shape[0], -1, n_heads // n_kv if mask.shape[1] > 1 else 1, *mask.shape[2:])
-    # Grouped heads share their KV head through a broadcast instead of a repeat.
-    q = queries.reshape(b, n_kv, n_heads // n_kv, length, dim)
-    if keys.shape[2] > CHUNK_ABOVE:
-        return _chunked_attention(q, keys, values, scale, mask).reshape(b, n_heads, length, dim)
-    scores = q @ mx.expand_dims(keys, 2).swapaxes(-1, -2)
+    group, total = n_heads // n_kv, keys.shape[2]
+    if total <= CHUNK_ABOVE and (mask is None or mask.ndim <= 2):
+        # One mask for every head: a KV group's heads are one matrix of group x L query rows, so
+        # each product is one matmul per KV head instead of one per query head (2-4 queries over
+        # 1k keys: 0.8x the time).
+        q = queries.reshape(b, n_kv, group * length, dim)
+        if mask is not None:
+            mask = mx.broadcast_to(mask, (group, length, total)).reshape(group * length, total)
+        k, v = keys, values
+    else:
+        if mask is not None and mask.ndim == 4:
+            # Per-head masks follow the queries into their KV groups.
+            mask = mask.reshape(mask.shape[0], -1, group if mask.shape[1] > 1 else 1, *mask.shape[2:])
+        # Grouped heads share their KV head through a broadcast instead of a repeat.
+        q = queries.reshape(b, n_kv, group, length, dim)
+        if total > CHUNK_ABOVE:
+            return _chunked_attention(q, keys, values, scale, mask).reshape(b, n_heads, length, dim)
+        k, v = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+    scores = q @ k.swapaxes(-1, -2)
     if mask is None:
         scores = scores * scale
     else:
         scores = _masked_scores(scores, mask, mx.array(scale, dtype=scores.dtype))
     weights = _shifted_exp(scores, mx.max(scores, axis=-1, keepdims=True))
     # Normalising after the value product divides L x D numbers instead of L x S.
-    out = (weights @ mx.expand_dims(values, 2)) / mx.sum(weights, axis=-1, keepdims=True)
+    out = (weights @ v) / mx.sum(weights, axis=-1, keepdims=True)
     return out.reshape(b, n_heads, length, dim)
 
 

@@ -21,7 +21,7 @@ class CpuSpeedups:
     Args:
         fast_exp: SwiGLU, the attention softmax and the drafter's top probability with the
           fused polynomial exp (``dflash_mlx.cpu.fast_math``).
-        compiled_steps: Qwen3 layers (target passes of ``min_tokens`` or more, drafter
+        compiled_steps: Qwen3 and Llama layers (target passes of ``min_tokens`` or more, drafter
           passes) as compiled graphs around their attention (``dflash_mlx.cpu.compiled_layers``).
         start_every: Start evaluating a verify pass after every this many target layers,
           while the rest of its graph is still being built in Python (0: at the end).

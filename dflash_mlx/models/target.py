@@ -10,7 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import qwen3
+from mlx_lm.models import llama, qwen3
 from mlx_lm.models.base import create_attention_mask, gather_last_axis
 from mlx_lm.models.cache import KVCache
 
@@ -182,10 +182,14 @@ def _rows(layer: nn.Module, ids: mx.array) -> mx.array:
     )
 
 
-def _qwen3_block(
+# The decoder blocks whose layers the compiled CPU steps reproduce (Llama's without a sliding window).
+CPU_BLOCKS = {"qwen3": qwen3.TransformerBlock, "llama": llama.TransformerBlock}
+
+
+def _cpu_block(
     block: nn.Module, x: mx.array, cache: KVCache, visible: mx.array, speedups: CpuSpeedups
 ) -> mx.array:
-    # mlx-lm's Qwen3 TransformerBlock, the same operations in the same order, compiled
+    # mlx-lm's Qwen3 or Llama TransformerBlock, the same operations in the same order, compiled
     # around the attention and with the CPU kernels for the softmax and SwiGLU: its own
     # call would reach MLX's slow CPU exp, one operation at a time.
     attn = block.self_attn
@@ -200,13 +204,15 @@ def _cpu_layers(
 ) -> bool:
     # Only the layers the steps reproduce exactly, with plain caches and causal masks; a
     # pass shorter than min_tokens (plain decoding's step) stays mlx-lm's own.
+    block = CPU_BLOCKS.get(model.model_type)
     return (
         speedups is not None
         and h.shape[1] >= speedups.min_tokens
         and h.dtype == mx.float32
-        and model.model_type == "qwen3"
+        and block is not None
         and all(
-            type(layer) is qwen3.TransformerBlock
+            type(layer) is block
+            and not getattr(layer, "use_sliding", False)
             and compiled_layers.plain_layer(layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
             for layer in model.model.layers
         )
@@ -314,7 +320,7 @@ def forward_with_taps(
     # A pipeline stage's masks are the first layers' (these families use one mask for all).
     h = stage.receive(h, captured)
     for (i, layer), c, mask in zip(stage.layers, cache, masks):
-        h = layer(h, mask, c) if visible is None else _qwen3_block(layer, h, c, visible, speedups)
+        h = layer(h, mask, c) if visible is None else _cpu_block(layer, h, c, visible, speedups)
         if i in wanted:
             captured[i] = h
         if start_every and (i + 1) % start_every == 0 and i + 1 < stage.end:
