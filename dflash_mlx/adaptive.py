@@ -41,6 +41,10 @@ class FreeStats:
     # Drafting cycles' costs beyond a plain step against their number of drafts, recent cycles weighing most:
     # sums of 1, x, y, x * x and x * y with x = drafts - 1 and y = the cost in plain steps.
     fit: list = field(default_factory=lambda: [0.0] * 5, repr=False)
+    # Drafts -> (weight, summed cost in plain steps) of each size's own cycles, recent ones weighing most:
+    # a BLAS's cost by size has steps the line misses (MKL on the default pair: 1 to 4 drafts cost 0.09,
+    # 0.20, 0.50 and 0.50 of a step more than a plain one).
+    sizes: dict = field(default_factory=dict, repr=False)
     start: tuple = field(default=(), init=False, repr=False)  # (first, each) as given: the fit's prior
     # (kind, position) -> [right, judged]: how often a draft there was right, given the ones before.
     hits: dict = field(default_factory=lambda: defaultdict(lambda: [1.0, 2.0]))
@@ -58,8 +62,13 @@ class FreeStats:
         return [self.hits[(kind, i)][0] / self.hits[(kind, i)][1] for i in range(count)]
 
     def cost(self, k: int) -> float:
-        """A cycle of ``k`` drafts, in plain steps."""
-        return 1.0 if k == 0 else 1.0 + self.first + self.each * (k - 1)
+        """A cycle of ``k`` drafts, in plain steps: what cycles of that size cost, held to the cost line
+        with the weight of ``prior`` / 2 cycles."""
+        if k == 0:
+            return 1.0
+        weight, total = self.sizes.get(k, (0.0, 0.0))
+        line = self.first + self.each * (k - 1)
+        return 1.0 + (total + self.prior / 2 * line) / (weight + self.prior / 2)
 
     def best(self, chances: list[float]) -> tuple[int, float]:
         """The number of drafts to verify (0: none) and its tokens per plain step."""
@@ -86,16 +95,18 @@ class FreeStats:
             hit[0] += i < accepted
 
     def timed(self, seconds: float, drafts: int) -> None:
-        """A cycle of ``drafts`` drafts took ``seconds``: the plain step's time, or a point of the
-        drafting cycles' cost line, ``first + each * (drafts - 1)`` beyond a plain step, fitted by
-        least squares to the last ~50 cycles and held to the starting costs with the weight of
-        ``prior`` / 2 cycles (what a further draft adds differs several-fold between machines)."""
+        """A cycle of ``drafts`` drafts took ``seconds``: the plain step's time, or a cost of its size
+        and a point of the drafting cycles' cost line, ``first + each * (drafts - 1)`` beyond a plain
+        step, fitted by least squares to the last ~50 cycles and held to the starting costs with the
+        weight of ``prior`` / 2 cycles (what a further draft adds differs several-fold between machines)."""
         if drafts == 0:
             self.step = seconds if self.step is None else 0.9 * self.step + 0.1 * seconds
             return
         if self.step is None:
             return
         x, y = drafts - 1.0, seconds / self.step - 1.0
+        weight, total = self.sizes.get(drafts, (0.0, 0.0))
+        self.sizes[drafts] = (0.98 * weight + 1.0, 0.98 * total + y)
         self.fit = [0.98 * s + v for s, v in zip(self.fit, (1.0, x, y, x * x, x * y))]
         n, sx, sy, sxx, sxy = self.fit
         (first, each), weight = self.start, self.prior / 2

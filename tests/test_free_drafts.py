@@ -57,6 +57,24 @@ def test_cycle_times_set_the_first_drafts_cost_and_each_further_ones():
     assert stats.each == pytest.approx(0.06, abs=0.03) and 1 + stats.first + stats.each == pytest.approx(1.5, abs=0.05)
 
 
+def test_each_size_learns_its_own_cost_where_the_line_misses_a_step():
+    # MKL on the default pair: 1 to 4 drafts cost 0.09, 0.20, 0.50 and 0.50 of a plain step more.
+    measured = {1: 0.09, 2: 0.20, 3: 0.50, 4: 0.50}
+    stats = FreeStats(first=0.15, each=0.06, prior=4.0)
+    stats.timed(1.0, 0)
+    for i in range(80):
+        k = 1 + i % 4
+        stats.timed(1.0 + measured[k], k)
+    for k, extra in measured.items():
+        assert stats.cost(k) == pytest.approx(1.0 + extra, abs=0.03)
+    # The line alone would take a third draft here (2.30 tokens a step against 2.19 for two); its real cost says two.
+    line = 1 + stats.first + 2 * stats.each
+    assert 3.196 / line > 2.71 / (1 + stats.first + stats.each)
+    assert stats.best([0.9, 0.9, 0.6])[0] == 2
+    # A size never run costs what the line says.
+    assert stats.cost(6) == pytest.approx(1 + stats.first + 5 * stats.each)
+
+
 def test_a_source_that_keeps_missing_gives_way_to_plain_steps():
     text = [1, 2, 3, 9, 9, 1]  # and then 2: lookup finds [3, ...] after [1, 2]; the target never agrees
     clock = Clock()
