@@ -6,55 +6,20 @@ attention), one process, rounds taking turns (the first a warm-up), greedy, the 
     python -m dflash_mlx.cpu.openblas python recipes/measure/cpu_steps_ab.py --rounds 3
 """
 import argparse
-import json
-import time
 
-from mlx_lm.generate import stream_generate as mlx_lm_stream
+from ab_rounds import run_rounds
 
-from dflash_mlx import load, stream_generate
 from dflash_mlx.adaptive import PolicyState
-from dflash_mlx.cpu.openblas import blas_in_use
 from dflash_mlx.cpu.speedups import CpuSpeedups
-from dflash_mlx.datastore import open_datastore
-from dflash_mlx.loading.pairs import DEFAULT_PAIR, default_pair_path
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--rounds", type=int, default=3)
 parser.add_argument("--prompts", type=int, default=2)
 args = parser.parse_args()
-
-model, draft, tok = load()
-store = open_datastore("auto", DEFAULT_PAIR, 49152, learns=False)
-rows = [json.loads(line) for line in open(default_pair_path() / "prompts.jsonl")][: args.prompts]
-ids = [tok.apply_chat_template(r["messages"], add_generation_prompt=True) for r in rows]
-arms = {"mlx-lm": None, "old": CpuSpeedups(min_tokens=10**6), "new": CpuSpeedups()}
-policies = {arm: PolicyState() for arm in arms}
-totals = {arm: [0.0, 0] for arm in arms}
-outputs = {}
-print(f"BLAS: {blas_in_use()}", flush=True)
-for rnd in range(args.rounds + 1):
-    for arm, speedups in arms.items():
-        for i, prompt in enumerate(ids):
-            tokens, first = [], None
-            if arm == "mlx-lm":
-                steps = mlx_lm_stream(model, tok, prompt, max_tokens=256)
-            else:
-                steps = stream_generate(model, draft, tok, prompt, max_tokens=256, datastore=store,
-                                        policy=policies[arm], cpu_speedups=speedups)
-            for r in steps:
-                if first is None:  # generation time only, from the first token on
-                    first = time.perf_counter()
-                    continue
-                if arm == "mlx-lm":
-                    tokens += [] if r.finish_reason == "stop" else [r.token]
-                else:
-                    tokens += r.tokens
-            seconds = time.perf_counter() - first
-            outputs.setdefault(i, set()).add(tuple(tokens))
-            if rnd:
-                totals[arm][0] += seconds
-                totals[arm][1] += len(tokens)
-    if rnd:
-        base = totals["mlx-lm"][1] / totals["mlx-lm"][0]
-        rates = ", ".join(f"{arm} {n / s:.2f} tok/s ({n / s / base:.3f}x)" for arm, (s, n) in totals.items())
-        print(f"round {rnd}: {rates}; same tokens: {all(len(v) == 1 for v in outputs.values())}", flush=True)
+run_rounds(
+    {
+        "old": dict(policy=PolicyState(), cpu_speedups=CpuSpeedups(min_tokens=10**6)),
+        "new": dict(policy=PolicyState(), cpu_speedups=CpuSpeedups()),
+    },
+    args.rounds, args.prompts,
+)
