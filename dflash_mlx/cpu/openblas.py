@@ -1,11 +1,11 @@
 """A fast BLAS for MLX's Linux CPU backend: OpenBLAS, or MKL on Intel CPUs where it is installed.
 
 MLX's Linux CPU wheel calls a bundled reference BLAS; OpenBLAS preloaded with ``LD_PRELOAD`` is
-many times faster, and MKL (``pip install mkl``, :mod:`dflash_mlx.cpu.mkl`) faster again on an
-Intel CPU, above all on the few-token passes that verify drafts. Builds with ``DYNAMIC_ARCH`` (Debian's, Fedora's) pick their kernels for the CPU
-when they load, and a release that does not know the CPU (0.3.21 on some recent Xeon and EPYC
-parts) falls back to its generic "Prescott" kernels, about 5x slower on a 1024 fp32 matmul.
-``OPENBLAS_CORETYPE`` names the kernels to use instead.
+many times faster, and on an Intel CPU MKL (``pip install mkl``, :mod:`dflash_mlx.cpu.mkl`) ran the
+default pair's one-token pass 1.7x faster again. OpenBLAS builds with ``DYNAMIC_ARCH`` (Debian's,
+Fedora's) pick their kernels for the CPU when they load, and a release that does not know the CPU
+(0.3.21 on some recent Xeon and EPYC parts) falls back to its generic "Prescott" kernels, about 5x
+slower on a 1024 fp32 matmul. ``OPENBLAS_CORETYPE`` names the kernels to use instead.
 """
 
 import ctypes
