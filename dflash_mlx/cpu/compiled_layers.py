@@ -61,20 +61,21 @@ def _steps(
     # qk_eps None: no query and key norms (Llama); their weights are then passed as None.
     rope_fn = None if rope is None else partial(mx.fast.rope, **dict(rope))
 
-    def heads(x, n, w_norm=None):
+    def heads(x, n):
         b, length, _ = x.shape
-        x = x.reshape(b, length, n, head_dim)
+        return x.reshape(b, length, n, head_dim)
+
+    def qk_norm(x, w_norm):
         return x if qk_eps is None else mx.fast.rms_norm(x, w_norm, qk_eps)
 
     def key_values(x, offset, w_k, w_v, w_k_norm=None):
-        k = heads(x @ w_k.T, n_kv_heads, w_k_norm).transpose(0, 2, 1, 3)
-        v = x @ w_v.T
-        v = v.reshape(*v.shape[:2], n_kv_heads, head_dim).transpose(0, 2, 1, 3)
+        k = qk_norm(heads(x @ w_k.T, n_kv_heads), w_k_norm).transpose(0, 2, 1, 3)
+        v = heads(x @ w_v.T, n_kv_heads).transpose(0, 2, 1, 3)
         return (k if rope_fn is None else rope_fn(k, offset=offset)), v
 
     def before(x, offset, w_norm, w_q, w_k, w_v, w_q_norm=None, w_k_norm=None):
         h = mx.fast.rms_norm(x, w_norm, eps)
-        q = heads(h @ w_q.T, n_heads, w_q_norm).transpose(0, 2, 1, 3)
+        q = qk_norm(heads(h @ w_q.T, n_heads), w_q_norm).transpose(0, 2, 1, 3)
         if rope_fn is not None:
             q = rope_fn(q, offset=offset)
         return (q, *key_values(h, offset, w_k, w_v, w_k_norm))
