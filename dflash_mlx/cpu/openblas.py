@@ -182,7 +182,16 @@ def blas_in_use() -> str:
 
 def _preloaded(environ: dict[str, str]) -> bool:
     preload = environ.get("LD_PRELOAD", "")
-    return "libopenblas" in preload or "libmkl_rt" in preload
+    return "libopenblas" in preload or _is_mkl(preload)
+
+
+def _is_mkl(library: str) -> bool:
+    return "libmkl_rt" in library
+
+
+def _auto_library() -> str | None:
+    # What --blas auto preloads: MKL on an Intel CPU where it is installed, else OpenBLAS where it is.
+    return (mkl.find_mkl() if mkl.is_intel(read_cpuinfo()) else None) or find_openblas()
 
 
 def fast_blas_env(environ: dict[str, str], choice: str = "auto") -> dict[str, str] | None:
@@ -194,17 +203,15 @@ def fast_blas_env(environ: dict[str, str], choice: str = "auto") -> dict[str, st
     Raises:
         DFlashError: The BLAS named is not installed.
     """
-    if choice in ("auto", "mkl"):
-        library = mkl.find_mkl()
-        if library is not None and (choice == "mkl" or mkl.is_intel(read_cpuinfo())):
-            return mkl.mkl_env(environ, library)
+    library = {"auto": _auto_library, "mkl": mkl.find_mkl, "openblas": find_openblas}[choice]()
+    if library is None:
         if choice == "mkl":
             raise DFlashError(f"--blas mkl: MKL is not installed: {mkl.INSTALL}; or pass --blas auto.")
-    library = find_openblas()
-    if library is None:
         if choice == "openblas":
             raise DFlashError(f"--blas openblas: OpenBLAS is not installed: {INSTALL}; or pass --blas bundled.")
         return None
+    if _is_mkl(library):
+        return mkl.mkl_env(environ, library)
     # Ask the library which kernels it picks by itself, to name better ones for this CPU if needed.
     detected = openblas_core(library) if "OPENBLAS_CORETYPE" not in environ else None
     return preload_env(environ, library, cpu_flags(read_cpuinfo()), detected and detected[1])
@@ -242,10 +249,6 @@ def use_fast_blas(prog: str, choice: str = "auto", *, environ: dict[str, str] | 
     execv(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def _name(library: str) -> str:
-    return "MKL" if "libmkl_rt" in library else "OpenBLAS"
-
-
 def note_reference_blas() -> None:
     """Say once, on the ``dflash_mlx`` logger, when this process's MLX runs on its reference BLAS (Linux)."""
     global _noted
@@ -254,15 +257,16 @@ def note_reference_blas() -> None:
     _noted = True
     if not blas_in_use().startswith("reference BLAS"):
         return
-    library = (mkl.find_mkl() if mkl.is_intel(read_cpuinfo()) else None) or find_openblas()
+    library = _auto_library()
     if library is None:
         logging.getLogger("dflash_mlx").warning(REFERENCE_NOTE)
     else:
         # LD_PRELOAD acts only at process start: the fix is a new start, which the tools make by themselves.
         argv0 = sys.argv[0] if sys.argv else ""
         script = argv0 if argv0.endswith(".py") and not argv0.endswith("__main__.py") else "your_script.py"
+        name = "MKL" if _is_mkl(library) else "OpenBLAS"
         logging.getLogger("dflash_mlx").warning(
-            f"MLX is running on its bundled reference BLAS, 3-10x slower on this CPU than the {_name(library)} "
+            f"MLX is running on its bundled reference BLAS, 3-10x slower on this CPU than the {name} "
             f"installed here: run python -m dflash_mlx.cpu.openblas python {script} (or start Python with "
             f"LD_PRELOAD={library})."
         )
