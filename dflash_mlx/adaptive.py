@@ -42,8 +42,8 @@ class FreeStats:
     # sums of 1, x, y, x * x and x * y with x = drafts - 1 and y = the cost in plain steps.
     fit: list = field(default_factory=lambda: [0.0] * 5, repr=False)
     # Drafts -> (weight, summed cost in plain steps) of each size's own cycles, recent ones weighing most:
-    # a BLAS's cost by size has steps the line misses (MKL on the default pair: 1 to 4 drafts cost 0.09,
-    # 0.20, 0.50 and 0.50 of a step more than a plain one).
+    # a BLAS's cost by size has steps the line misses (MKL on the default pair, cycles timed in the loop:
+    # 1 to 4 drafts cost about 0.1, 0.2, 0.45 and 0.45 of a step more than a plain one).
     sizes: dict = field(default_factory=dict, repr=False)
     start: tuple = field(default=(), init=False, repr=False)  # (first, each) as given: the fit's prior
     # (kind, position) -> [right, judged]: how often a draft there was right, given the ones before.
