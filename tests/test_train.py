@@ -618,6 +618,7 @@ def test_minutes_stops_the_run_and_saves_it(setup, tmp_path, capsys):
     [
         (["--block-size", "1"], "--block-size must be at least 2"),
         (["--minutes", "0"], "--minutes must be greater than 0"),
+        (["--tap-cache-gb", "0"], "--tap-cache-gb must be greater than 0 (got 0)"),
         (["--minutes", "5", "--resume"], "--minutes schedules one uninterrupted run and cannot be resumed"),
         (["--target-layer-ids", "1", "7"], "--target-layer-ids 1 7 must be distinct layers"),
         (["--data", "missing.jsonl"], "does not exist"),

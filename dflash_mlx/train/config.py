@@ -116,7 +116,10 @@ class TrainingArgs:
                           "and start as identities) with a fresh optimizer, e.g. to train a shipped drafter "
                           "further on new data."},
     )
-    cache_taps: bool = field(default=True, metadata={"help": "Keep each example's taps in memory."})
+    cache_taps: bool = field(
+        default=True, metadata={"help": "Keep each example's taps in memory (without --tap-cache; all of them: "
+                                        "for a small data set)."}
+    )
     drop_lookup_anchors: int = field(
         default=0,
         metadata={"help": "Draw no training anchor whose next this many tokens prompt lookup already drafts right "
@@ -124,8 +127,14 @@ class TrainingArgs:
     )
     tap_cache: str | None = field(
         default=None,
-        metadata={"help": "Folder keeping each example's taps on disk (bfloat16), computed up front "
-                          "and reused by later runs on the same data and target (default: memory only)."},
+        metadata={"help": "Folder keeping each example's taps on disk (bfloat16), written the first time the "
+                          "example is drawn: a long run reads them back when it draws it again, and resumed or "
+                          "later runs on the same data and target reuse them (default: none; see --cache-taps)."},
+    )
+    tap_cache_gb: float = field(
+        default=16.0,
+        metadata={"help": "The --tap-cache folder's size limit in GB (about 7 kB a token for SmolLM2's 5 taps); "
+                          "examples not on disk past it are computed each time they are drawn."},
     )
     logit_mse: float = field(
         default=0.0,
@@ -202,6 +211,9 @@ def check_args(args: TrainingArgs) -> None:
         raise DFlashError(f"dtype={args.dtype!r} is not one of {', '.join(DTYPES)}.")
     if args.data is None:
         raise DFlashError("No training prompts: pass a JSONL file with --data.")
+    if args.tap_cache_gb <= 0:
+        raise DFlashError(f"--tap-cache-gb must be greater than 0 (got {args.tap_cache_gb:g}); leave out --tap-cache "
+                          "for no folder.")
     if args.minutes is not None and args.minutes <= 0:
         raise DFlashError(f"--minutes must be greater than 0 (got {args.minutes:g}).")
     if args.minutes is not None and args.resume:

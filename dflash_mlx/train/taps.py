@@ -3,10 +3,15 @@
 A training step needs, for each example it samples, the target's taps (the drafter's
 context) and, for the distillation term, the target's last hidden state (what its LM head
 turns into logits). The target is the costly part of a step, and its outputs never
-change, so each example's are kept in memory and, with a folder, on disk in bfloat16
-(``<key>.safetensors``), where they outlive the run: a resumed or repeated run on the same
-data and target starts training at once. ``meta.json`` names what the files were made
-from; a folder made for another target, other taps or another cut is refused.
+change, so each example's are kept: in memory, or with a folder on disk in bfloat16
+(``<key>.safetensors``), written the first time the example is drawn, where they outlive
+the run. A long run reads an example's taps back when it draws it again, and a resumed or
+later run on the same data and target starts from what earlier runs wrote, so one schedule
+resumed session after session runs the target less and less. The folder is held under a
+size limit (the whole of a large response cache would not fit a disk: ~7 kB a token for
+SmolLM2's 5 taps); past it, examples not on disk are computed each time they are drawn.
+``meta.json`` names what the files were made from; a folder made for another target, other
+taps or another cut is refused.
 """
 
 import json
@@ -16,7 +21,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cli.progress import Progress
 from ..errors import DFlashError
 from ..files import write_text_atomic
 from ..models import target as tgt
@@ -34,8 +38,10 @@ class TapStore:
         folder: Where to keep them across runs (None: memory only).
         identity: What identifies the target (its path and config), written to and checked
           against ``meta.json``.
-        keep: Keep what was computed or read in memory (False: recompute every time, when
-          there is no folder).
+        keep: Without a folder, keep what was computed in memory (False: recompute every
+          time). With a folder nothing is kept in memory: the files are read back (the
+          operating system caches them), so a large cache costs disk, not RAM.
+        max_bytes: The folder's size limit; examples past it are not written.
     """
 
     def __init__(
@@ -46,13 +52,18 @@ class TapStore:
         folder: str | Path | None = None,
         identity: dict | None = None,
         keep: bool = True,
+        max_bytes: int | None = None,
     ):
         self.target, self.tap_ids, self.max_seq_len, self.keep = target, list(tap_ids), max_seq_len, keep
         self.n_layers, self.hidden = tgt.num_layers(target), tgt.hidden_size(target)
         self.memory: dict[str, tuple[mx.array, mx.array]] = {}
         self.folder = None if folder is None else Path(folder)
+        self.max_bytes, self.bytes = max_bytes, 0
+        # How each get() was served, for the training log: from the folder, or by the target.
+        self.read = self.computed = 0
         if self.folder is not None:
             self._open(identity or {})
+            self.bytes = sum(p.stat().st_size for p in self.folder.glob("*.safetensors"))
 
     def _open(self, identity: dict) -> None:
         meta = {"format": _FORMAT, "tap_ids": self.tap_ids, "max_seq_len": self.max_seq_len, "target": identity}
@@ -98,25 +109,29 @@ class TapStore:
         elif self.folder is not None and self._path(key).exists():
             arrays = mx.load(str(self._path(key)))
             taps, last = arrays["taps"], arrays["last"]
+            self.read += 1
         else:
             taps, last = self._compute(example)
+            self.computed += 1
             if self.folder is not None:
+                # The same bfloat16 values whether this run computed them or a later one reads them.
                 taps, last = taps.astype(mx.bfloat16), last.astype(mx.bfloat16)
                 mx.eval(taps, last)
-                tmp = self.folder / f".{key}.tmp.safetensors"
-                mx.save_safetensors(str(tmp), {"taps": taps, "last": last})
-                os.replace(tmp, self._path(key))
-        if self.keep or self.folder is not None:
-            self.memory[key] = (taps, last)
+                if self.max_bytes is None or self.bytes < self.max_bytes:
+                    self._write(key, taps, last)
+            elif self.keep:
+                self.memory[key] = (taps, last)
         dtype = tgt.compute_dtype(self.target)
         return taps.astype(dtype), last.astype(dtype)
 
-    def fill(self, examples: list[dict], stream=None) -> None:
-        """Compute (or read) every example's features up front, with a progress line."""
-        if not examples:
-            return
-        bar = Progress(len(examples), width=20, stream=stream)
-        for i, ex in enumerate(examples, 1):
-            mx.eval(*self.get(ex))
-            bar.update(i, "taps")
-        bar.close()
+    def _write(self, key: str, taps: mx.array, last: mx.array) -> None:
+        # Whole or absent: a run stopped mid-write leaves a hidden temporary file, not a torn one.
+        tmp = self.folder / f".{key}.tmp.safetensors"
+        mx.save_safetensors(str(tmp), {"taps": taps, "last": last})
+        os.replace(tmp, self._path(key))
+        self.bytes += self._path(key).stat().st_size
+
+    def served(self) -> str:
+        """Where the taps came from so far, e.g. ``taps 40% from disk``, for a progress line."""
+        total = self.read + self.computed
+        return f"taps {100 * self.read / total:.0f}% from disk" if self.folder is not None and total else ""

@@ -321,9 +321,7 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
     val_batches = [make_batch(val_ex, val_rng, **batch_kwargs) for _ in range(2)] if val_ex else []
 
     store = TapStore(target, tap_ids, args.max_seq_len, folder=args.tap_cache, identity=target_info,
-                     keep=args.cache_taps)  # fmt: skip
-    if args.tap_cache is not None:
-        store.fill(train_ex + val_ex, stream=sys.stdout)
+                     keep=args.cache_taps, max_bytes=int(args.tap_cache_gb * 1e9))  # fmt: skip
 
     def taps_for(batch: dict, examples: list[dict]) -> tuple[mx.array, mx.array]:
         """The packed taps ``(1, S * L, n_taps * H)`` and final hidden states ``(1, S * L, H)``
@@ -421,7 +419,8 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
                 # The mean training loss since the last progress line.
                 loss, losses = float(np.mean(losses)), []
                 eta_text = f"{int(eta) // 60}m{int(eta) % 60:02d}s"
-                bar.update(step, f"loss {loss:.3f} {tokens_done / elapsed:,.0f} tok/s ETA {eta_text}", elapsed=False)
+                note = " ".join(filter(None, [f"loss {loss:.3f} {tokens_done / elapsed:,.0f} tok/s", store.served()]))
+                bar.update(step, f"{note} ETA {eta_text}", elapsed=False)
                 metrics.write(json.dumps({"step": step, "loss": loss, "lr": optimizer.learning_rate.item()}) + "\n")
             if (args.eval_every and step % args.eval_every == 0) or step == args.iters or (last and args.minutes):
                 metrics.write(json.dumps(run_eval(step)) + "\n")
