@@ -138,7 +138,7 @@ def test_qwen3_verify_through_the_kernels_matches_mlx_lm(qwen3_pair):
     tgt.forward_with_taps(model, prompt, ours, [1], CPU_SPEEDUPS)
     model(prompt, cache=theirs)
     h = model.model.embed_tokens(block)
-    assert tgt._cpu_layers(model, h, ours, tgt._layer_masks(model, h, ours), CPU_SPEEDUPS)
+    assert tgt._cpu_steps(model, h, ours, tgt._layer_masks(model, h, ours), CPU_SPEEDUPS) is not None
     logits, _ = tgt.forward_with_taps(model, block, ours, [1], CPU_SPEEDUPS)
     assert mx.abs(logits - model(block, cache=theirs)).max().item() < 1e-4
     assert ours[0].offset == theirs[0].offset == 53
@@ -185,7 +185,7 @@ def _verify_matches_mlx_lm(
     for start, length in zip((40, 60, 80), lengths):
         block = mx.array([list(range(start, start + length))])
         h = model.model.embed_tokens(block)
-        assert tgt._cpu_layers(model, h, ours, tgt._layer_masks(model, h, ours), speedups) == expect_kernels
+        assert (tgt._cpu_steps(model, h, ours, tgt._layer_masks(model, h, ours), speedups) is not None) == expect_kernels
         logits, _ = tgt.forward_with_taps(model, block, ours, [0], speedups)
         assert mx.abs(logits - model(block, cache=theirs)).max().item() < 1e-4
 
@@ -220,7 +220,7 @@ def test_a_llama_with_sliding_window_layers_keeps_mlx_lm_layers():
     model = _tiny_llama(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
     h = model.model.embed_tokens(mx.array([[5, 6]]))
     cache = make_prompt_cache(model)
-    assert not tgt._cpu_layers(model, h, cache, tgt._layer_masks(model, h, cache), CPU_SPEEDUPS)
+    assert tgt._cpu_steps(model, h, cache, tgt._layer_masks(model, h, cache), CPU_SPEEDUPS) is None
 
 
 def test_a_plain_step_keeps_mlx_lm_layers():
@@ -228,7 +228,7 @@ def test_a_plain_step_keeps_mlx_lm_layers():
     model = _tiny_llama()
     h = model.model.embed_tokens(mx.array([[5]]))
     cache = make_prompt_cache(model)
-    assert not tgt._cpu_layers(model, h, cache, tgt._layer_masks(model, h, cache), CPU_SPEEDUPS)
+    assert tgt._cpu_steps(model, h, cache, tgt._layer_masks(model, h, cache), CPU_SPEEDUPS) is None
 
 
 def test_quantized_qwen3_keeps_mlx_lm_layers():
@@ -237,6 +237,31 @@ def test_quantized_qwen3_keeps_mlx_lm_layers():
     model = _tiny_qwen3()
     nn.quantize(model, group_size=32, bits=8)
     _verify_matches_mlx_lm(model, expect_kernels=False)
+
+
+def test_layer_steps_found_once_are_looked_for_again_after_quantizing_and_go_with_the_model():
+    import gc
+
+    import mlx.nn as nn
+
+    model = _tiny_qwen3()
+    h = model.model.embed_tokens(mx.array([[5, 6, 7]]))
+    cache = make_prompt_cache(model)
+    masks = tgt._layer_masks(model, h, cache)
+    steps = tgt._cpu_steps(model, h, cache, masks, CPU_SPEEDUPS)
+    assert steps is not None and len(steps) == len(model.model.layers)
+    assert tgt._cpu_steps(model, h, cache, masks, CPU_SPEEDUPS) is steps
+    key = (id(model), CPU_SPEEDUPS)
+    assert key in tgt._CPU_STEPS
+    # A cut list of layers is looked at again.
+    model.model.layers = model.model.layers[:1]
+    assert len(tgt._cpu_steps(model, h, cache[:1], masks[:1], CPU_SPEEDUPS)) == 1
+    # Quantized in place after a pass: its layers are no longer what the steps compute.
+    nn.quantize(model, group_size=32, bits=8)
+    assert tgt._cpu_steps(model, h, cache, masks, CPU_SPEEDUPS) is None
+    del model, cache, masks, steps
+    gc.collect()
+    assert key not in tgt._CPU_STEPS
 
 
 def test_a_pass_started_layer_by_layer_equals_a_lazy_one(qwen3_pair):

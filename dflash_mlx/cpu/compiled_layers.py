@@ -10,6 +10,7 @@ per input shape (a few milliseconds, once per block size or prompt-chunk length)
 """
 
 from functools import lru_cache, partial
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -90,15 +91,25 @@ def _steps(
     return wrap(before), wrap(key_values), wrap(after)
 
 
-def _compiled(attn: nn.Module, eps: float, speedups: CpuSpeedups) -> tuple[tuple, bool]:
-    # The layer's compiled steps, and whether its RoPE is inside them: variants other than
-    # plain or linear RoPE are left to the caller.
+class LayerSteps(NamedTuple):
+    """A layer's compiled steps, and whether its RoPE is inside them (plain or linear RoPE;
+    other variants are left to the caller)."""
+
+    before: Callable
+    key_values: Callable
+    after: Callable
+    rope_inside: bool
+
+
+def layer_steps(attn: nn.Module, eps: float, speedups: CpuSpeedups) -> LayerSteps:
+    """The steps of a layer whose norms have ``eps``; a caller running the same layers every pass
+    looks them up once (on a small model the lookup costs as much as building the layer's graph)."""
     key = rope_key(attn.rope)
     norms = qk_norms(attn)
     head_dim = attn.q_proj.weight.shape[0] // attn.n_heads
     qk_eps = None if norms is None else norms[0].eps
     steps = _steps(attn.n_heads, attn.n_kv_heads, head_dim, eps, qk_eps, key, speedups.compiled_steps, speedups.fast_exp)
-    return steps, key is not None
+    return LayerSteps(*steps, rope_inside=key is not None)
 
 
 def _norm_weights(attn: nn.Module) -> tuple:
@@ -107,31 +118,43 @@ def _norm_weights(attn: nn.Module) -> tuple:
 
 
 def before(
-    attn: nn.Module, input_norm: nn.Module, x: mx.array, offset: int, speedups: CpuSpeedups
+    attn: nn.Module,
+    input_norm: nn.Module,
+    x: mx.array,
+    offset: int,
+    speedups: CpuSpeedups,
+    steps: LayerSteps | None = None,
 ) -> tuple[mx.array, ...]:
-    """``(q, k, v)`` of a layer's input ``x``, ``(B, heads, L, D)``, RoPE'd from ``offset``."""
-    (step, _, _), rope_inside = _compiled(attn, input_norm.eps, speedups)
-    q, k, v = step(
+    """``(q, k, v)`` of a layer's input ``x``, ``(B, heads, L, D)``, RoPE'd from ``offset``
+    (``steps``: the layer's :func:`layer_steps`, if the caller keeps them)."""
+    steps = steps or layer_steps(attn, input_norm.eps, speedups)
+    q, k, v = steps.before(
         x, mx.array(offset), input_norm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
         *_norm_weights(attn),
     )
-    if not rope_inside:
+    if not steps.rope_inside:
         q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
     return q, k, v
 
 
 def key_values(attn: nn.Module, x: mx.array, offset: int, speedups: CpuSpeedups) -> tuple[mx.array, mx.array]:
     """``(k, v)`` of inputs taken as they are (no input norm), RoPE'd from ``offset``."""
-    (_, step, _), rope_inside = _compiled(attn, attn.k_norm.eps, speedups)
-    k, v = step(x, mx.array(offset), attn.k_proj.weight, attn.v_proj.weight, *_norm_weights(attn)[1:])
-    return (k if rope_inside else attn.rope(k, offset=offset)), v
+    steps = layer_steps(attn, attn.k_norm.eps, speedups)
+    k, v = steps.key_values(x, mx.array(offset), attn.k_proj.weight, attn.v_proj.weight, *_norm_weights(attn)[1:])
+    return (k if steps.rope_inside else attn.rope(k, offset=offset)), v
 
 
 def after(
-    attn: nn.Module, mlp: nn.Module, post_norm: nn.Module, out: mx.array, x: mx.array, speedups: CpuSpeedups
+    attn: nn.Module,
+    mlp: nn.Module,
+    post_norm: nn.Module,
+    out: mx.array,
+    x: mx.array,
+    speedups: CpuSpeedups,
+    steps: LayerSteps | None = None,
 ) -> mx.array:
     """The layer's output from its attention's ``(B, heads, L, D)`` output and its input ``x``."""
-    (_, _, step), _ = _compiled(attn, post_norm.eps, speedups)
-    return step(
+    steps = steps or layer_steps(attn, post_norm.eps, speedups)
+    return steps.after(
         out, x, attn.o_proj.weight, post_norm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
     )

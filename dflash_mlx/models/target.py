@@ -5,6 +5,7 @@ Tap ``i`` is the output of decoder layer ``i`` (0-based), which is HF's
 the last layer's tap is taken after the final norm.
 """
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,38 +188,66 @@ CPU_BLOCKS = {"qwen3": qwen3.TransformerBlock, "llama": llama.TransformerBlock}
 
 
 def _cpu_block(
-    block: nn.Module, x: mx.array, cache: KVCache, visible: mx.array, speedups: CpuSpeedups
-) -> mx.array:
+    block: nn.Module, x: mx.array, cache: KVCache, visible: mx.array, speedups: CpuSpeedups,
+    steps: compiled_layers.LayerSteps,
+) -> mx.array:  # fmt: skip
     # mlx-lm's Qwen3 or Llama TransformerBlock, the same operations in the same order, compiled
     # around the attention and with the CPU kernels for the softmax and SwiGLU: its own
     # call would reach MLX's slow CPU exp, one operation at a time.
     attn = block.self_attn
-    q, k, v = compiled_layers.before(attn, block.input_layernorm, x, cache.offset, speedups)
+    q, k, v = compiled_layers.before(attn, block.input_layernorm, x, cache.offset, speedups, steps)
     k, v = cache.update_and_fetch(k, v)
     out = fast_math.attention(q, k, v, attn.scale, visible, fast_exp=speedups.fast_exp)
-    return compiled_layers.after(attn, block.mlp, block.post_attention_layernorm, out, x, speedups)
+    return compiled_layers.after(attn, block.mlp, block.post_attention_layernorm, out, x, speedups, steps)
 
 
-def _cpu_layers(
-    model: nn.Module, h: mx.array, cache: list[Any], masks: list, speedups: CpuSpeedups | None
-) -> bool:
-    # Only the layers the steps reproduce exactly, with plain caches and causal masks; a
-    # pass shorter than min_tokens (plain decoding's step) stays mlx-lm's own.
+# Each target's layer steps (None: not layers the steps reproduce), by (id(model), speedups), with
+# what identified its layers when they were found: checking and looking up 30 layers every pass
+# took ~1 ms of the 4 ms it took to build a verify pass's graph. An entry goes with its model.
+_CPU_STEPS: dict[tuple[int, CpuSpeedups], tuple[tuple[int, ...], list | None]] = {}
+
+
+def _plain_layers(model: nn.Module, speedups: CpuSpeedups) -> list[compiled_layers.LayerSteps] | None:
     block = CPU_BLOCKS.get(model.model_type)
-    return (
+    layers = model.model.layers
+    plain = block is not None and all(
+        type(layer) is block
+        and not getattr(layer, "use_sliding", False)
+        and compiled_layers.plain_layer(layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
+        for layer in layers
+    )
+    if not plain:
+        return None
+    return [compiled_layers.layer_steps(layer.self_attn, layer.input_layernorm.eps, speedups) for layer in layers]
+
+
+def _cpu_steps(
+    model: nn.Module, h: mx.array, cache: list[Any], masks: list, speedups: CpuSpeedups | None
+) -> list[compiled_layers.LayerSteps] | None:
+    # The compiled steps of every layer, or None to run mlx-lm's own: only layers the steps
+    # reproduce exactly, with plain caches and causal masks; a pass shorter than min_tokens
+    # (plain decoding's step) stays mlx-lm's own.
+    if not (
         speedups is not None
         and h.shape[1] >= speedups.min_tokens
         and h.dtype == mx.float32
-        and block is not None
-        and all(
-            type(layer) is block
-            and not getattr(layer, "use_sliding", False)
-            and compiled_layers.plain_layer(layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
-            for layer in model.model.layers
-        )
+        and model.model_type in CPU_BLOCKS
         and all(type(c) is KVCache for c in cache)
         and all(isinstance(m, str) and m == "causal" for m in masks)
-    )
+    ):
+        return None
+    # nn.quantize swaps the projections in place, and a list of layers can be cut or replaced:
+    # any of those seen here means look again.
+    layers = model.model.layers
+    first = layers[0]
+    found = (len(layers), id(first), id(first.self_attn.q_proj), id(first.mlp.down_proj))
+    key = (id(model), speedups)
+    entry = _CPU_STEPS.get(key)
+    if entry is None or entry[0] != found:
+        if entry is None:
+            weakref.finalize(model, _CPU_STEPS.pop, key, None)
+        entry = _CPU_STEPS[key] = (found, _plain_layers(model, speedups))
+    return entry[1]
 
 
 class FoldedTaps:
@@ -314,13 +343,12 @@ def forward_with_taps(
     h = inner.embed_tokens(tokens)
     masks = _layer_masks(model, h, cache)
     wanted = set(tap_ids)
-    visible = None
-    if stage.size == 1 and _cpu_layers(model, h, cache, masks, speedups):
-        visible = fast_math.causal_mask(cache[0].offset, h.shape[1])
+    steps = _cpu_steps(model, h, cache, masks, speedups) if stage.size == 1 else None
+    visible = None if steps is None else fast_math.causal_mask(cache[0].offset, h.shape[1])
     # A pipeline stage's masks are the first layers' (these families use one mask for all).
     h = stage.receive(h, captured)
     for (i, layer), c, mask in zip(stage.layers, cache, masks):
-        h = layer(h, mask, c) if visible is None else _cpu_block(layer, h, c, visible, speedups)
+        h = layer(h, mask, c) if steps is None else _cpu_block(layer, h, c, visible, speedups, steps[i])
         if i in wanted:
             captured[i] = h
         if start_every and (i + 1) % start_every == 0 and i + 1 < stage.end:

@@ -13,8 +13,9 @@ from dflash_mlx.datastore import open_datastore
 from dflash_mlx.loading.pairs import DEFAULT_PAIR, default_pair_path
 
 
-def run_rounds(arms: dict[str, dict], rounds: int, prompts: int = 2) -> None:
-    """``arms``: name -> keyword arguments for ``stream_generate`` beside the defaults (a ``policy`` each)."""
+def run_rounds(arms: dict[str, dict], rounds: int, prompts: int = 2, setup: dict | None = None) -> None:
+    """``arms``: name -> keyword arguments for ``stream_generate`` beside the defaults (a ``policy`` each);
+    ``setup``: name -> a function called before that arm's turn."""
     model, draft, tok = load()
     store = open_datastore("auto", DEFAULT_PAIR, 49152, learns=False)
     rows = [json.loads(line) for line in open(default_pair_path() / "prompts.jsonl")][:prompts]
@@ -24,6 +25,7 @@ def run_rounds(arms: dict[str, dict], rounds: int, prompts: int = 2) -> None:
     print(f"BLAS: {blas_in_use()}", flush=True)
     for rnd in range(rounds + 1):
         for arm in totals:
+            (setup or {}).get(arm, lambda: None)()
             for i, prompt in enumerate(ids):
                 tokens, first = [], None
                 if arm == "mlx-lm":
