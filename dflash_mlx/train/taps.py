@@ -7,7 +7,7 @@ change, so each example's are kept: in memory, or with a folder on disk in bfloa
 (``<key>.safetensors``), written the first time the example is drawn, where they outlive
 the run. A long run reads an example's taps back when it draws it again, and a resumed or
 later run on the same data and target starts from what earlier runs wrote, so one schedule
-resumed session after session runs the target less and less. The folder is held under a
+resumed time after time runs the target less and less. The folder is held under a
 size limit (the whole of a large response cache would not fit a disk: ~7 kB a token for
 SmolLM2's 5 taps); past it, examples not on disk are computed each time they are drawn.
 ``meta.json`` names what the files were made from; a folder made for another target, other
