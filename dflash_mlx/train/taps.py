@@ -8,8 +8,8 @@ change, so each example's are kept: in memory, or with a folder on disk in bfloa
 the run. A long run reads an example's taps back when it draws it again, and a resumed or
 later run on the same data and target starts from what earlier runs wrote, so one schedule
 resumed time after time runs the target less and less. The folder is held under a
-size limit (the whole of a large response cache would not fit a disk: ~7 kB a token for
-SmolLM2's 5 taps); past it, examples not on disk are computed each time they are drawn.
+size limit (a large response cache's taps run to tens of GB: ~7 kB a token for SmolLM2's
+5 taps); past it, examples not on disk are computed each time they are drawn.
 ``meta.json`` names what the files were made from; a folder made for another target, other
 taps or another cut is refused.
 """
