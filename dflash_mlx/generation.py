@@ -17,29 +17,30 @@ from mlx_lm.generate import wired_limit
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import PolicyState
-from .cache import DFlashCache, make_cache
+from .tuning.policy import PolicyState
+from .loop.cache import DFlashCache, make_cache
 from .cpu.openblas import blas_in_use
 from .cpu.speedups import choose_speedups
-from .datastore import Datastore, DatastoreProposer
-from .distributed import FollowProposer, Peers, check_sharded, target_group
-from .errors import DFlashError
-from .free_drafts import FreeDrafts
-from .inputs import check_text
-from .lookup import LookupProposer, PromptLookup
+from .drafts.datastore import Datastore, DatastoreProposer
+from .loop.distributed import FollowProposer, Peers, check_sharded, target_group
+from .base.errors import DFlashError
+from .drafts.free import FreeDrafts
+from .text.inputs import check_text
+from .drafts.lookup import LookupProposer, PromptLookup
 from .models import drafter2
 from .models import target as tgt
 from .models.drafter import DraftModel
-from .options import FREE_DRAFTS, LoopOptions, SampleFn
-from .plain_speed import plain_tokens_per_second
-from .proposer import (
-    AdaptiveProposer, DFlashProposer, FallbackProposer, FirstOf, PlainProposer, Proposer, SelectorProposer, TreeProposer,
-)  # fmt: skip
-from .reasoning import join, reasoning_parser
-from .responses import AcceptanceStats, GenerationResponse
+from .loop.options import FREE_DRAFTS, LoopOptions, SampleFn
+from .loop.plain_speed import plain_tokens_per_second
+from .drafts.proposer import (
+    AdaptiveProposer, DFlashProposer, FallbackProposer, FirstOf, SelectorProposer, TreeProposer,
+)
+from .loop.proposal import PlainProposer, Proposer  # fmt: skip
+from .text.reasoning import join, reasoning_parser
+from .text.responses import AcceptanceStats, GenerationResponse
 from .sampling import can_sample_proposals
-from .verify import Verifier
-from .verify_width import VerifyWidth, machine_key, model_key
+from .loop.verify import Verifier
+from .tuning.widths import VerifyWidth, machine_key, model_key
 
 # tree_budget="auto" verifies up to this many draft tree nodes a cycle.
 MAX_AUTO_TREE_BUDGET = 64
@@ -71,7 +72,7 @@ def free_sources(
     cache: DFlashCache, datastore: Datastore | None, lookup: int, state: PolicyState, width: int = FREE_DRAFTS
 ) -> Proposer | None:
     """What drafts without a drafter pass: with a datastore, up to ``width`` drafts from it or
-    from prompt lookup, as many as pay (:class:`~dflash_mlx.free_drafts.FreeDrafts`, learning
+    from prompt lookup, as many as pay (:class:`~dflash_mlx.drafts.free.FreeDrafts`, learning
     into ``state``, the policy state the caller keeps); without, prompt lookup's ``lookup``
     drafts on any match (None: ``lookup`` 0, plain steps)."""
     if not lookup:  # paused cycles are plain steps (PolicyState(lookup=0))
@@ -184,10 +185,10 @@ def dflash_generate_step(
         model: The target, an mlx-lm model; or its shard under ``mlx.launch``
           (:func:`dflash_mlx.load` splits it), where every rank calls this with the same
           arguments, rank 0 decides each cycle and the others yield its tokens
-          (:mod:`dflash_mlx.distributed`).
-        draft: The DFlash drafter; a :class:`dflash_mlx.lookup.PromptLookup` to draft by
+          (:mod:`dflash_mlx.loop.distributed`).
+        draft: The DFlash drafter; a :class:`dflash_mlx.drafts.lookup.PromptLookup` to draft by
           prompt lookup alone; or None for plain decoding.
-        options: How to decode (:class:`dflash_mlx.options.LoopOptions`, checked when made).
+        options: How to decode (:class:`dflash_mlx.loop.options.LoopOptions`, checked when made).
         prompt_cache: A ``DFlashCache`` to continue from; its common prefix with
           ``prompt`` is reused and the rest is prefilled. Updated in place.
         stream: The MLX stream to run on.
@@ -204,7 +205,7 @@ def dflash_generate_step(
     tree_budget = o.tree_budget_for(model, draft)
     choose_width = o.block_size == "auto"
     block_size = o.block_size_for(draft)
-    # A sharded target: rank 0 decides each cycle and the others follow (dflash_mlx.distributed).
+    # A sharded target: rank 0 decides each cycle and the others follow (dflash_mlx.loop.distributed).
     peers = Peers(target_group(model), block_size)
     if peers.group is not None:
         check_sharded(model, draft, choose_width)
@@ -326,10 +327,10 @@ def stream_generate(
         max_tokens: The most tokens to generate.
         parse_reasoning: Split the reply's reasoning from its answer, for a prompt made by the
           chat template of a reasoning model (gpt-oss's harmony channels, ``<think>`` tags; see
-          :mod:`dflash_mlx.reasoning`): ``text`` is then the answer and ``reasoning`` the rest,
+          :mod:`dflash_mlx.text.reasoning`): ``text`` is then the answer and ``reasoning`` the rest,
           without their markers. A model without such a format gives the answer alone.
         kwargs: The remaining options (``block_size``, ``sampler``, ...) make the loop's
-          :class:`~dflash_mlx.options.LoopOptions`; see it for what each does. ``prompt_cache``
+          :class:`~dflash_mlx.loop.options.LoopOptions`; see it for what each does. ``prompt_cache``
           and ``stream`` go to :func:`dflash_generate_step` as they are. Generation stops at the
           tokenizer's end-of-sequence tokens.
 
@@ -427,7 +428,7 @@ def generate(
     Returns:
         The generated text. With ``verbose`` it is also printed as it streams, followed
         by prompt/generation speed, mean acceptance length (tau, over drafting cycles only:
-        :class:`dflash_mlx.responses.AcceptanceStats`) and peak memory.
+        :class:`dflash_mlx.text.responses.AcceptanceStats`) and peak memory.
     """
     text, response, acceptance = "", None, AcceptanceStats()
     dim, undim = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "")

@@ -19,7 +19,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 
 from .cpu import fast_math
-from .errors import DFlashError
+from .base.errors import DFlashError
 
 PROPOSALS = ("greedy", "sample")
 

@@ -43,7 +43,7 @@ def qwen3_pair(pair_dirs):
 def _default_pair_cache(tmp_path_factory):
     """The default pair's target is converted (at most once per session) into a temporary
     cache, never into the user's ~/.cache/dflash-mlx."""
-    from dflash_mlx import store
+    from dflash_mlx.base import store
     from dflash_mlx.loading import gguf
 
     root = tmp_path_factory.mktemp("dflash-mlx-cache")

@@ -18,9 +18,9 @@ from test_generate import reference
 from test_tui import SIZE, finish, ready, send
 
 from dflash_mlx import generate, stream_generate
-from dflash_mlx.adaptive import PolicyState
-from dflash_mlx.chat_template import render_chat
-from dflash_mlx.responses import AcceptanceStats
+from dflash_mlx.tuning.policy import PolicyState
+from dflash_mlx.text.chat_template import render_chat
+from dflash_mlx.text.responses import AcceptanceStats
 
 MESSAGE = "t2 t4 t6"
 MAX_TOKENS, BLOCK = 40, 4
@@ -81,8 +81,8 @@ async def test_every_surface_shows_the_same_tau(scripted, pair_dirs, capsys, tmp
     assert _numbers(line) == expected
 
     # The server: per-request metrics and the Prometheus counters.
-    from dflash_mlx.server.protocol import TEXT, CompletionRequest
-    from dflash_mlx.server.worker import Job, Worker
+    from dflash_mlx.tools.server.protocol import TEXT, CompletionRequest
+    from dflash_mlx.tools.server.worker import Job, Worker
 
     worker = Worker(model, draft, tokenizer)
     req = CompletionRequest(kind=TEXT, model="tiny", prompt=ids, max_tokens=MAX_TOKENS, block_size=BLOCK)
@@ -99,9 +99,9 @@ async def test_every_surface_shows_the_same_tau(scripted, pair_dirs, capsys, tmp
     assert counters["plain_decode_num_steps_total"] == plain
 
     # The benchmark: its own counting of a drained stream, its row and its table.
-    from dflash_mlx.bench.report import markdown
-    from dflash_mlx.bench.stats import summarize
-    from dflash_mlx.bench.timing import RunResult, _time_stream
+    from dflash_mlx.tools.bench.report import markdown
+    from dflash_mlx.tools.bench.stats import summarize
+    from dflash_mlx.tools.bench.timing import RunResult, _time_stream
 
     out, gen_s, _, accept, sizes, _ = _time_stream(
         stream_generate(model, draft, tokenizer, ids, policy=PolicyState(), **settings), lambda r: r.tokens

@@ -10,8 +10,9 @@ from helpers.policy import Clock, CostlyDraft
 from test_generate import _prompt, _truncate_at_stop, lossless_length, reference, run
 
 from dflash_mlx import DFlashError, make_cache, stream_generate
-from dflash_mlx.adaptive import PolicyState
-from dflash_mlx.proposer import AdaptiveProposer, Proposal
+from dflash_mlx.tuning.policy import PolicyState
+from dflash_mlx.drafts.proposer import AdaptiveProposer
+from dflash_mlx.loop.proposal import Proposal
 
 
 class FakeDrafter:
@@ -298,7 +299,7 @@ def test_adaptive_default_and_stats(qwen3_pair):
 
 def test_plain_probe_leaves_the_cache_as_it_was(qwen3_pair):
     """The plain steps timed after a run are trimmed away: the cache continues exactly."""
-    from dflash_mlx.plain_speed import plain_tokens_per_second
+    from dflash_mlx.loop.plain_speed import plain_tokens_per_second
 
     model, draft, tokenizer = qwen3_pair
     cache = make_cache(model, draft)
@@ -338,7 +339,7 @@ def test_plain_runs_are_pipelined_and_lossless(qwen3_pair, monkeypatch, stops):
     # keeps the drafter's taps in step, and ends in a cache the next turn continues from.
     from mlx_lm.generate import generate_step
 
-    from dflash_mlx.verify import Verifier
+    from dflash_mlx.loop.verify import Verifier
 
     model, draft, _ = qwen3_pair
     calls = []
@@ -403,7 +404,7 @@ def test_a_restored_states_cold_cycle_lengthens_the_plain_run_after_a_loss():
 
 
 def test_policy_store_keeps_states_by_key(tmp_path):
-    from dflash_mlx.adaptive import PolicyStore
+    from dflash_mlx.tuning.policy import PolicyStore
 
     store = PolicyStore(tmp_path / "sub" / "policy.json")
     assert store.get("a").saved() == PolicyState().saved()  # nothing yet
@@ -422,9 +423,9 @@ def test_policy_store_keeps_states_by_key(tmp_path):
 def test_dflash_generate_goes_on_from_the_last_run(pair_dirs, tmp_path, monkeypatch, capsys):
     # A one-shot run starts where the last run of the pair left off: here, inside a run of
     # plain cycles that an earlier run's losing windows set up.
-    from dflash_mlx.adaptive import PolicyStore
-    from dflash_mlx.cli.generate import main
-    from dflash_mlx import store
+    from dflash_mlx.tuning.policy import PolicyStore
+    from dflash_mlx.tools.cli.generate import main
+    from dflash_mlx.base import store
 
     monkeypatch.setattr(store, "default_cache_root", lambda: tmp_path)
     args = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),

@@ -7,8 +7,8 @@ import pytest
 from helpers.checkpoints import VOCAB
 
 from dflash_mlx import DFlashError, load
-from dflash_mlx.bench.benchmark import main, run_benchmark
-from dflash_mlx.bench.context import context_rows, label, load_documents, parse_lengths
+from dflash_mlx.tools.bench.benchmark import main, run_benchmark
+from dflash_mlx.tools.bench.context import context_rows, label, load_documents, parse_lengths
 
 
 def _words(n: int, seed: int) -> str:

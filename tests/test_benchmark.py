@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from dflash_mlx import DFlashError
-from dflash_mlx.bench import benchmark
-from dflash_mlx.bench.benchmark import load_prompts, main, run_benchmark
-from dflash_mlx.bench.stats import efficiency, loop_efficiency, physical_limit, summarize
-from dflash_mlx.bench.timing import RunResult, fastest_times
+from dflash_mlx.tools.bench import benchmark
+from dflash_mlx.tools.bench.benchmark import load_prompts, main, run_benchmark
+from dflash_mlx.tools.bench.stats import efficiency, loop_efficiency, physical_limit, summarize
+from dflash_mlx.tools.bench.timing import RunResult, fastest_times
 from dflash_mlx.kernels.dispatch import on_metal
 from dflash_mlx.loading.pairs import EMBEDDED_PAIRS
 
@@ -56,7 +56,7 @@ def test_efficiency_is_speedup_over_limit_when_the_baseline_beats_a_lone_ar_pass
 
 def test_without_a_baseline_there_is_no_speedup(tmp_path):
     """--methods without "baseline": the speedup column stays empty rather than reading 0.00x."""
-    from dflash_mlx.bench.report import markdown, plots
+    from dflash_mlx.tools.bench.report import markdown, plots
 
     results = [RunResult("dflash", 16, 0, "code", 10, 250.0, 500.0, [4, 6])]
     times = {"ar": 0.01, "verify": {16: 0.015}, "draft": {16: 0.005}, "context": 20}
@@ -88,7 +88,7 @@ def test_limit_uses_each_cycles_verify_size():
 
 
 def test_limit_adds_each_cycles_rollback_on_a_hybrid_target():
-    from dflash_mlx.bench.report import markdown
+    from dflash_mlx.tools.bench.report import markdown
 
     results = [
         RunResult("baseline", 1, 0, "code", 10, 100.0, 500.0, [1] * 9),
@@ -239,7 +239,7 @@ def test_bad_prompts_file(tmp_path):
 
 
 def test_scaling_mode_on_a_small_shape(tmp_path, monkeypatch, capsys):
-    from dflash_mlx.bench import scaling as bench_scaling
+    from dflash_mlx.tools.bench import scaling as bench_scaling
 
     tiny = dict(hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, vocab_size=256)
@@ -269,8 +269,8 @@ def test_scaling_needs_a_replay(capsys):
 
 def test_prompt_sets_from_a_local_hub_cache(tmp_path):
     """The real huggingface_hub path for a named set, resolved offline from an HF cache layout."""
-    from dflash_mlx.bench.benchmark import _prompt_rows
-    from dflash_mlx.bench.datasets import load_prompt_set
+    from dflash_mlx.tools.bench.benchmark import _prompt_rows
+    from dflash_mlx.tools.bench.datasets import load_prompt_set
 
     snapshot = tmp_path / "hf-cache" / "datasets--HuggingFaceH4--MATH-500" / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)
@@ -285,7 +285,7 @@ def test_prompt_sets_from_a_local_hub_cache(tmp_path):
 
 
 def test_prompt_set_offline_or_unknown_is_one_line():
-    from dflash_mlx.bench.datasets import load_prompt_set
+    from dflash_mlx.tools.bench.datasets import load_prompt_set
 
     with pytest.raises(DFlashError, match="Could not get the gsm8k prompts from the Hugging Face hub"):
         load_prompt_set("gsm8k")
@@ -304,7 +304,7 @@ def test_a_stop_token_does_not_count_as_a_mismatch(pair_dirs, tmp_path):
     ids = tokenizer.encode("t1 t2 t3")
     first = int(next(iter(generate_step(mx.array(ids), model, max_tokens=1)))[0])
     tokenizer.eos_token_ids = {first}  # the very first generated token stops generation
-    from dflash_mlx.bench.timing import make_runner
+    from dflash_mlx.tools.bench.timing import make_runner
 
     outs = [make_runner(m, model, None, None, tokenizer, 1, 2, 8)(ids)[0] for m in ("baseline", "lookup")]
     assert outs[0] == outs[1] == []
@@ -314,7 +314,7 @@ def test_git_commit_says_when_tracked_files_changed(tmp_path):
     import shutil
     import subprocess
 
-    from dflash_mlx.bench.report import git_commit
+    from dflash_mlx.tools.bench.report import git_commit
 
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
@@ -384,8 +384,8 @@ def test_a_bad_ar_draft_is_one_line(pair_dirs, prompts, tmp_path, capsys, kind):
 
 
 def test_results_name_the_model_drafter_and_prompts_and_the_run_time_is_estimated(pair_dirs, prompts, tmp_path, capsys):
-    from dflash_mlx.bench.benchmark import estimate_seconds
-    from dflash_mlx.bench.report import plot_caption
+    from dflash_mlx.tools.bench.benchmark import estimate_seconds
+    from dflash_mlx.tools.bench.report import plot_caption
 
     main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--prompts", str(prompts),
           "--methods", "baseline", "dflash", "--block-sizes", "4", "--runs", "1", "--max-tokens", "8",
@@ -401,7 +401,7 @@ def test_results_name_the_model_drafter_and_prompts_and_the_run_time_is_estimate
 
 
 def test_help_shows_the_defaults():
-    from dflash_mlx.bench.benchmark import setup_arg_parser
+    from dflash_mlx.tools.bench.benchmark import setup_arg_parser
 
     text = " ".join(setup_arg_parser().format_help().split())
     for default in ("Most tokens per prompt and run (default: 128)", "(default: 4 8 16)", "(default: all; mlx-spec only with an AR draft",
@@ -438,7 +438,7 @@ def test_kernels_on_without_metal_is_one_line_before_loading(no_loading, capsys)
 
 def test_kernel_verdicts_are_reported(monkeypatch, tmp_path):
     import dflash_mlx.kernels
-    from dflash_mlx.bench.report import markdown, stamp
+    from dflash_mlx.tools.bench.report import markdown, stamp
     from dflash_mlx.kernels import KernelStore, Verdict, accept
 
     d = accept.greedy_accept.with_store(KernelStore(tmp_path / "k.json"))
@@ -507,7 +507,7 @@ def test_ar_draft_that_borrows_the_targets_embedding(pair_dirs, prompts, tmp_pat
     import mlx.core as mx
 
     from dflash_mlx import load
-    from dflash_mlx.bench.benchmark import _load_ar_draft
+    from dflash_mlx.tools.bench.benchmark import _load_ar_draft
 
     src = pair_dirs["qwen3-tied"]
     config = json.loads((src / "config.json").read_text())

@@ -135,7 +135,7 @@ def test_use_fast_blas_without_it_says_what_it_costs_and_how_to_install_it(monke
 
 
 def test_blas_choice_is_read_before_the_tool_parses_its_arguments():
-    from dflash_mlx.cli.entry import _blas_choice
+    from dflash_mlx.tools.cli.entry import _blas_choice
 
     assert _blas_choice(["--prompt", "hi"]) == "auto"
     assert _blas_choice(["--blas", "bundled", "-p", "x"]) == "bundled"
@@ -159,7 +159,7 @@ def test_a_console_script_runs_on_a_fast_blas_by_itself(tmp_path, args, expected
     if expected is None:
         expected = "MKL" if mkl.find_mkl() and mkl.is_intel(blas.read_cpuinfo()) else "OpenBLAS"
     (tmp_path / "probe_tool.py").write_text(PROBE)
-    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from dflash_mlx.cli.entry import _entry; _entry('probe', 'probe_tool')()"
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from dflash_mlx.tools.cli.entry import _entry; _entry('probe', 'probe_tool')()"
     out = subprocess.run([sys.executable, "-c", code, *args], env=_no_preload(), capture_output=True, text=True,
                          timeout=60, check=True)  # fmt: skip
     assert out.stdout.startswith(expected) and out.stderr == ""

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from dflash_mlx import dflash_generate_step, load, LoopOptions
-from dflash_mlx.bench.benchmark import encode, load_prompts
+from dflash_mlx.tools.bench.benchmark import encode, load_prompts
 from dflash_mlx.loading.pairs import TINY_PAIR, embedded_pair_path
-from dflash_mlx.train.block_acceptance import _accepted, response_acceptance
-from dflash_mlx.train.taps import TapStore
+from dflash_mlx.tools.train.block_acceptance import _accepted, response_acceptance
+from dflash_mlx.tools.train.taps import TapStore
 
 
 class OneHotDraft:

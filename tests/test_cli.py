@@ -3,12 +3,12 @@ import sys
 
 import pytest
 
-from dflash_mlx.cli.generate import main
+from dflash_mlx.tools.cli.generate import main
 from dflash_mlx.kernels.dispatch import on_metal
 
 
 def test_help_smoke():
-    out = subprocess.run([sys.executable, "-m", "dflash_mlx.cli.generate", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "dflash_mlx.tools.cli.generate", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     for flag in ("--model", "--draft", "--prompt", "--max-tokens", "--block-size", "--temp", "--system-prompt",
                  "--kernels"):  # fmt: skip
@@ -156,7 +156,7 @@ def test_values_the_pair_cannot_take_are_one_line_before_any_output(pair_dirs, c
 def test_verbose_reads_the_words_mlx_lm_documents(pair_dirs, capsys, word, verbose):
     from mlx_lm.generate import str2bool as mlx_lm_str2bool
 
-    from dflash_mlx.cli.options import str2bool
+    from dflash_mlx.tools.cli.options import str2bool
 
     assert str2bool(word) is mlx_lm_str2bool(word) is verbose
     code, out, _ = _run(_pair_args(pair_dirs, "--prompt", "t1 t2", "--max-tokens", "4", "--verbose", word), capsys)
@@ -245,13 +245,13 @@ def test_target_without_tokenizer_files_says_so(pair_dirs, tmp_path, capsys):
     assert "copy them from the model's original folder" in err
 
 
-@pytest.mark.parametrize("tool", ["dflash_mlx.cli.generate", "dflash_mlx.tui.app", "dflash_mlx.bench.benchmark"])
+@pytest.mark.parametrize("tool", ["dflash_mlx.tools.cli.generate", "dflash_mlx.tui.app", "dflash_mlx.tools.bench.benchmark"])
 def test_help_states_the_dtype_default(tool):
     import importlib
 
     help_text = " ".join(importlib.import_module(tool).setup_arg_parser().format_help().split())
     assert "--dtype" in help_text
-    if tool == "dflash_mlx.bench.benchmark":
+    if tool == "dflash_mlx.tools.bench.benchmark":
         assert "generate uses: float32 on a CPU" in help_text
     else:
         assert "Default: float32 on MLX's CPU backend when float32 weights take at most half" in help_text

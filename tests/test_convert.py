@@ -397,7 +397,7 @@ def _broken_target(hf, tmp_path, kind):
     ],
 )
 def test_broken_target_is_one_line_in_convert_and_generate(hf, tmp_path, capsys, kind, message):
-    from dflash_mlx.cli.generate import main as generate_main
+    from dflash_mlx.tools.cli.generate import main as generate_main
 
     bad = _broken_target(hf, tmp_path, kind)
     runs = [
@@ -609,7 +609,7 @@ def test_cli_converts_and_reports(hf, tmp_path, capsys):
 
 
 def test_generate_cli_runs_a_pair_folder(hf, tmp_path, capsys):
-    from dflash_mlx.cli.generate import main as generate_main
+    from dflash_mlx.tools.cli.generate import main as generate_main
 
     _convert(hf, tmp_path / "pair", check=False)
     generate_main(["--model", str(tmp_path / "pair"), "--prompt", "t1 t2 t3", "--max-tokens", "8"])

@@ -10,9 +10,11 @@ from helpers.decoding import greedy, run
 from helpers.policy import Clock, CostlyDraft
 
 from dflash_mlx import DFlashError, stream_generate
-from dflash_mlx.adaptive import PolicyState
-from dflash_mlx.datastore import Datastore, SuffixIndex, load_datastore, open_datastore, read_responses, suffix_array
-from dflash_mlx.lookup import PromptLookup
+from dflash_mlx.tuning.policy import PolicyState
+from dflash_mlx.drafts.datastore import (
+    Datastore, SuffixIndex, load_datastore, open_datastore, read_responses, suffix_array,
+)
+from dflash_mlx.drafts.lookup import PromptLookup
 
 
 def reference(model, prompt, max_tokens=120):
@@ -174,7 +176,7 @@ def test_block_size_with_a_datastore_alone(qwen3_pair):
 
 
 def test_open_datastore_as_the_tools_ask(tmp_path, monkeypatch):
-    from dflash_mlx import datastore as ds
+    from dflash_mlx.drafts import datastore as ds
 
     assert open_datastore("none", None, 10) is None
     other = open_datastore("auto", str(tmp_path), 10)  # not the default pair: its replies only

@@ -63,7 +63,7 @@ def test_seeded_sampling_equals_unsharded_dflash(two_ranks):
 def test_dflash_generate_on_several_ranks_prints_the_single_process_text(n, kind, flag, layers, tmp_path, capsys):
     # From a (fake) hub, each rank downloads of the target's weights only the files that hold its
     # layers (one file a layer here) and the file of no layer; the drafter whole.
-    from dflash_mlx.cli.generate import main
+    from dflash_mlx.tools.cli.generate import main
 
     target, draft = write_pair(tmp_path / "pair", kind)
     files = split_weights(target)
@@ -98,7 +98,7 @@ def _complete(url: str, body: dict) -> dict:
 
 def test_dflash_serve_on_two_ranks_answers_as_one_process_does(tmp_path):
     from dflash_mlx import load
-    from dflash_mlx.server.app import DFlashServer
+    from dflash_mlx.tools.server.app import DFlashServer
 
     target, draft = write_pair(tmp_path / "pair", "qwen3_moe")
     requests = [
@@ -111,7 +111,7 @@ def test_dflash_serve_on_two_ranks_answers_as_one_process_does(tmp_path):
         expected = [_complete(alone.url, r)["choices"][0]["text"] for r in requests]
     finally:
         alone.close()
-    procs = start(2, python("-m", "dflash_mlx.server.app", "--model", str(target), "--draft", str(draft), "--port", "0",
+    procs = start(2, python("-m", "dflash_mlx.tools.server.app", "--model", str(target), "--draft", str(draft), "--port", "0",
                             "--tensor-parallel"), tmp_path)  # fmt: skip
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -129,7 +129,7 @@ def test_dflash_serve_on_two_ranks_answers_as_one_process_does(tmp_path):
 
 def test_an_idle_dflash_serve_exits_when_a_rank_dies(tmp_path):
     target, draft = write_pair(tmp_path / "pair", "qwen3_moe")
-    procs = start(2, python("-m", "dflash_mlx.server.app", "--model", str(target), "--draft", str(draft), "--port", "0",
+    procs = start(2, python("-m", "dflash_mlx.tools.server.app", "--model", str(target), "--draft", str(draft), "--port", "0",
                             "--pipeline"), tmp_path)  # fmt: skip
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -164,7 +164,7 @@ def test_a_killed_rank_ends_the_job(tmp_path):
      (["--tensor-parallel", "--pipeline"], "not allowed with")],
 )  # fmt: skip
 def test_parallel_flags_need_mlx_launch(flags, message, capsys):
-    from dflash_mlx.cli.generate import main
+    from dflash_mlx.tools.cli.generate import main
 
     with pytest.raises(SystemExit):
         main(["--model", "nowhere", *flags])
@@ -181,8 +181,8 @@ def test_a_pipeline_rank_reads_the_files_of_its_layers_and_of_no_layer():
 
 
 def test_a_sharded_target_refuses_block_size_auto():
-    from dflash_mlx.distributed import check_sharded
-    from dflash_mlx.errors import DFlashError
+    from dflash_mlx.loop.distributed import check_sharded
+    from dflash_mlx.base.errors import DFlashError
 
     with pytest.raises(DFlashError, match="pass a fixed block size"):
         check_sharded(None, None, choose_width=True)

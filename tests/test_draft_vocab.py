@@ -12,8 +12,9 @@ from helpers.checkpoints import HIDDEN, VOCAB
 from helpers.decoding import greedy, run
 from helpers.oracles import ScriptedDraft
 
-from dflash_mlx import DFlashError, load, verify
-from dflash_mlx.cache import make_draft_cache
+from dflash_mlx import DFlashError, load
+from dflash_mlx.loop import verify
+from dflash_mlx.loop.cache import make_draft_cache
 from dflash_mlx.loading.draft_loader import load_draft
 from dflash_mlx.loading.folders import read_config
 from dflash_mlx.models import target as tgt
@@ -209,7 +210,7 @@ def test_a_draft_vocab_past_the_targets_vocabulary_is_refused(pair_dirs, tmp_pat
 
 
 def test_xtc_protected_ids_are_found_in_the_draft_vocab(qwen3_pair):
-    from dflash_mlx.proposer import DFlashProposer
+    from dflash_mlx.drafts.proposer import DFlashProposer
 
     model, base, _ = qwen3_pair
     sampler = make_sampler(1.0, xtc_probability=0.5, xtc_special_tokens=[SUBSET[3], 1, SUBSET[0]])

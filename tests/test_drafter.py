@@ -3,7 +3,7 @@ import mlx.nn as nn
 import pytest
 from helpers.checkpoints import draft_config
 
-from dflash_mlx.cache import make_draft_cache
+from dflash_mlx.loop.cache import make_draft_cache
 from dflash_mlx.models.drafter import DraftModel, DraftArgs, default_target_layer_ids
 
 
@@ -112,8 +112,8 @@ def test_cached_drafting_through_the_compiled_steps_matches_the_layers(monkeypat
 def test_the_head_runs_only_for_the_drafts_asked_for(qwen3_pair, monkeypatch):
     """num_drafts=n: the first n rows of the full pass, with the head applied to n rows only."""
     from dflash_mlx.models import target as tgt
-    from dflash_mlx.cache import make_cache
-    from dflash_mlx.proposer import DFlashProposer
+    from dflash_mlx.loop.cache import make_cache
+    from dflash_mlx.drafts.proposer import DFlashProposer
 
     model, draft, _ = qwen3_pair
     block = mx.array([[3] + [draft.mask_token_id] * (draft.block_size - 1)])
@@ -151,7 +151,7 @@ def _joined_attention(attn, q, k, v, k_ctx, v_ctx):
 def test_the_block_is_read_after_the_cached_context_without_joining(kind, cached, new, rows, fast_exp):
     """attend equals attention over the joined context and block (fp32), leaves the cache
     holding the context alone, and a second pass over the same cache gives the same output."""
-    from dflash_mlx.cache import WindowedKVCache
+    from dflash_mlx.loop.cache import WindowedKVCache
     from mlx_lm.models.cache import KVCache
 
     attn = _draft().layers[0].self_attn
@@ -204,10 +204,10 @@ def test_extended_context_equals_the_context_taken_in_by_the_pass():
 def test_the_prefill_leaves_no_taps_pending_and_the_drafts_unchanged(qwen3_pair):
     """A prefill with the drafter takes each chunk's taps into its cache: nothing stays pending,
     and the first draft pass proposes what it proposed when it took the whole prompt in."""
-    from dflash_mlx.cache import make_cache
+    from dflash_mlx.loop.cache import make_cache
     from dflash_mlx.models import target as tgt
-    from dflash_mlx.proposer import DFlashProposer
-    from dflash_mlx.verify import Verifier
+    from dflash_mlx.drafts.proposer import DFlashProposer
+    from dflash_mlx.loop.verify import Verifier
 
     model, draft, _ = qwen3_pair
     prompt = [int(t) for t in mx.random.randint(0, 100, (37,)).tolist()]
@@ -233,10 +233,10 @@ def test_a_prefill_after_pending_taps_takes_them_in_first(qwen3_pair):
     """Taps left pending by an earlier turn's last block are raw, the prefill's own are folded by
     the target: the caches take the pending ones first, and the drafts are those of a prefill that
     took the whole prompt raw."""
-    from dflash_mlx.cache import make_cache
+    from dflash_mlx.loop.cache import make_cache
     from dflash_mlx.models import target as tgt
-    from dflash_mlx.proposer import DFlashProposer
-    from dflash_mlx.verify import Verifier
+    from dflash_mlx.drafts.proposer import DFlashProposer
+    from dflash_mlx.loop.verify import Verifier
 
     model, draft, _ = qwen3_pair
     prompt = [int(t) for t in mx.random.randint(0, 100, (37,)).tolist()]

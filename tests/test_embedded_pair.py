@@ -10,8 +10,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import dflash_generate_step, load, LoopOptions
-from dflash_mlx.bench.benchmark import encode, load_prompts
-from dflash_mlx.errors import DFlashError
+from dflash_mlx.tools.bench.benchmark import encode, load_prompts
+from dflash_mlx.base.errors import DFlashError
 from dflash_mlx.loading.gguf import SMOLLM2_INSTALL
 from dflash_mlx.loading.pairs import DEFAULT_PAIR, TINY_PAIR, embedded_pair_path, is_embedded_pair
 

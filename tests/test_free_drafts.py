@@ -2,9 +2,9 @@
 
 import pytest
 
-from dflash_mlx.adaptive import FreeStats
-from dflash_mlx.datastore import Datastore, SuffixIndex
-from dflash_mlx.free_drafts import FreeDrafts
+from dflash_mlx.tuning.policy import FreeStats
+from dflash_mlx.drafts.datastore import Datastore, SuffixIndex
+from dflash_mlx.drafts.free import FreeDrafts
 
 
 class Clock:
@@ -107,7 +107,7 @@ def test_what_draft_free_cycles_learn_is_kept_with_the_policy_given(qwen3_pair, 
     from helpers.checkpoints import VOCAB
     from helpers.decoding import greedy, run
 
-    from dflash_mlx.adaptive import PolicyState
+    from dflash_mlx.tuning.policy import PolicyState
 
     model, draft, _ = qwen3_pair
     prompt = [3, 17, 42, 8, 99]

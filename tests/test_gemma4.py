@@ -100,7 +100,7 @@ def test_a_draft_vocabulary_is_softcapped_like_the_head(gemma_targets):
 
 def test_the_training_loss_reads_the_head_without_its_softcap(gemma_pairs):
     """dflash-train's logit loss reads W^T off the head applied to the identity."""
-    from dflash_mlx.train.losses import head_gram
+    from dflash_mlx.tools.train.losses import head_gram
 
     model = gemma_pairs["gemma4"][0]
     w = model.language_model.model.embed_tokens.weight.T  # (H, V): the head is tied
@@ -278,7 +278,7 @@ def test_published_drafter_configs_load(gemma_targets, gemma_pairs, tmp_path):
 def test_convert_load_generate_chat(gemma_targets, kind, tmp_path, capsys):
     """dflash-convert -> load -> dflash-generate -> the chat engine's turns; the chat's second
     turn (reusing the cache) equals a fresh run of it."""
-    from dflash_mlx.cli.generate import main as generate_main
+    from dflash_mlx.tools.cli.generate import main as generate_main
     from dflash_mlx.convert import convert
     from dflash_mlx.tui.commands import Settings
     from dflash_mlx.tui.engine import MLXEngine

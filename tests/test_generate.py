@@ -250,7 +250,7 @@ def test_plain_decoding_without_drafter(tiny_pair):
 def test_plain_decoding_queues_each_step_before_reading_the_last(qwen3_pair, monkeypatch):
     # mlx-lm's generate_step overlaps the next step with the host; ours must too: when the
     # caller gets a token, the step after it is already queued.
-    from dflash_mlx.verify import Verifier
+    from dflash_mlx.loop.verify import Verifier
 
     model, _, _ = qwen3_pair
     calls = []
@@ -377,7 +377,7 @@ def test_kernels_on_without_metal_is_an_error(qwen3_pair):
 
 @pytest.mark.parametrize("kernels", ["auto", "off"])
 def test_kernels_mode_reaches_the_acceptance_dispatcher(qwen3_pair, monkeypatch, kernels):
-    from dflash_mlx import verify
+    from dflash_mlx.loop import verify
 
     model, draft, _ = qwen3_pair
     modes, twin = [], verify.greedy_accept.twin

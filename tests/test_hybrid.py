@@ -334,7 +334,7 @@ def test_convert_load_generate_chat(hf_targets, kind, tmp_path, capsys):
     """dflash-convert -> load -> dflash-generate -> the chat engine's turns, for an MoE pair and
     a hybrid pair of each layout; the chat's second turn (reusing the cache) equals a fresh run."""
     from dflash_mlx.convert import convert
-    from dflash_mlx.cli.generate import main as generate_main
+    from dflash_mlx.tools.cli.generate import main as generate_main
     from dflash_mlx.tui.commands import Settings
     from dflash_mlx.tui.engine import MLXEngine
 
@@ -394,9 +394,9 @@ def test_quantized_mlx_conversion_of_qwen3_next(hf_targets, tmp_path):
 def test_component_times_include_the_rollback(pairs, kind):
     """dflash-bench times the loop's own rewind of a hybrid target per block size, and its limit
     counts it; a MoE target (attention only) has none to time."""
-    from dflash_mlx.bench.report import markdown
-    from dflash_mlx.bench.stats import physical_limit, summarize
-    from dflash_mlx.bench.timing import RunResult, component_times
+    from dflash_mlx.tools.bench.report import markdown
+    from dflash_mlx.tools.bench.stats import physical_limit, summarize
+    from dflash_mlx.tools.bench.timing import RunResult, component_times
 
     model, draft, _ = pairs[kind]
     times = component_times(model, draft, [4, 8], context=12, repeats=2)
@@ -458,7 +458,7 @@ def test_a_config_mlx_lm_cannot_load_is_refused_in_one_line(hf_targets, kind, ed
 def test_data_step_refills_rows_only_without_recurrent_layers(pairs, kind):
     # The data step's slot engine refills key/value rows; recurrent targets go to mlx-lm's
     # BatchGenerator instead.
-    from dflash_mlx.train import batch_decode
+    from dflash_mlx.tools.train import batch_decode
 
     model, _, _ = pairs[kind]
     assert batch_decode.supports(model) == (kind not in HYBRID)

@@ -1,4 +1,5 @@
-"""Which way the package's imports point: no cycles between its modules, and the core never imports a tool.
+"""Which way the package's imports point: no cycles between its modules or its folders, the folders in one
+order (each imports only the ones below it), and the core never imports a tool.
 
 Read from the sources with ``ast``, so every import counts, at module level and inside functions alike.
 """
@@ -8,9 +9,25 @@ from pathlib import Path
 
 PACKAGE = "dflash_mlx"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
-# The tools' packages: the core (the flat modules, models/, kernels/, cpu/, loading/) never imports them. The
-# PyTorch reference is an optional extra: the core never imports it either.
-TOOLS = tuple(f"{PACKAGE}.{name}" for name in ("cli", "server", "tui", "bench", "train", "convert", "reference"))
+# The tools' packages: the core never imports them. The PyTorch reference is an optional extra: the core never
+# imports it either.
+TOOLS = tuple(f"{PACKAGE}.{name}" for name in ("tools", "tui", "convert", "reference"))
+# The folders (and top-level modules) from the bottom up: each imports only its own layer and the ones below.
+# base and text are plain Python; the kernels and the CPU code sit under the models; the loop asks the proposal
+# protocol (loop/proposal.py) and never a draft source; the tools sit on top (tui/ and convert/ are tools too:
+# the design keeps their import names dflash_mlx.tui and dflash_mlx.convert).
+LAYERS = (
+    ("base", "text", "assets"),
+    ("kernels", "cpu"),
+    ("sampling",),
+    ("models",),
+    ("loading",),
+    ("tuning",),
+    ("loop",),
+    ("drafts",),
+    ("generation",),
+    ("tools", "tui", "convert", "reference"),
+)
 # The one lazy import allowed to close a loop: the public API in dflash_mlx/__init__.py loads each name on first
 # use (its _EXPORTS table), so by then the module that asked has finished importing.
 LAZY = "_EXPORTS"
@@ -141,7 +158,7 @@ def test_a_package_that_re_exports_its_modules_is_no_cycle_but_a_module_importin
 
 def test_no_import_cycles_between_modules():
     graph, lazy = import_graph(modules_in(ROOT, PACKAGE))
-    assert len(graph) > 80 and f"{PACKAGE}.cache" in graph[f"{PACKAGE}.generation"]  # the walk found the package
+    assert len(graph) > 80 and f"{PACKAGE}.loop.cache" in graph[f"{PACKAGE}.generation"]  # the walk found the package
     assert cycles(graph) == []
     # The lazy public API is the only place that may close a loop, and only because it waits for first use.
     assert lazy[PACKAGE] and {m for m, found in lazy.items() if found} == {PACKAGE}
@@ -156,7 +173,7 @@ def test_the_core_never_imports_the_tools():
     # The kernels sit below loading, and the generic file helpers below everything.
     assert not [(n, m) for n, deps in graph.items() if n.startswith(f"{PACKAGE}.kernels") for m in deps
                 if m.startswith(f"{PACKAGE}.loading")]  # fmt: skip
-    assert graph[f"{PACKAGE}.files"] <= {f"{PACKAGE}.errors"}
+    assert graph[f"{PACKAGE}.base.files"] <= {f"{PACKAGE}.base.errors"}
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):
@@ -164,3 +181,68 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     graph = _graph_of({"__init__.py": "", "generation.py": "def f():\n    from .cli.options import X\n",
                        "cli/__init__.py": "", "cli/options.py": "X = 1\n"}, tmp_path)  # fmt: skip
     assert graph["pkg.generation"] == {"pkg.cli.options"}
+
+
+def unit(name: str) -> str:
+    """The folder a module belongs to (``loop``, ``tools.cli``), or the top-level module itself (``generation``);
+    the package's own ``__init__`` is ``""``."""
+    parts = name.split(".")[1:]
+    if not parts:
+        return ""
+    if parts[0] == "tools" and len(parts) > 1 and (ROOT / "tools" / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def layer_of(u: str) -> int | None:
+    top = u.split(".")[0]
+    return next((i for i, names in enumerate(LAYERS) if top in names), None)
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The imports between folders: one edge for each module of one importing a module of another."""
+    folders = {}
+    for name, deps in graph.items():
+        folders.setdefault(unit(name), set()).update(unit(m) for m in deps if unit(m) != unit(name))
+    return folders
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Each import of a module in a higher layer than the importer's (the package's ``__init__`` excepted: it is
+    the public API over all of them, and the tools may import it)."""
+    return sorted((name, m) for name, deps in graph.items() if unit(name) for m in deps
+                  if unit(m) and layer_of(unit(m)) > layer_of(unit(name)))  # fmt: skip
+
+
+def test_every_folder_has_a_layer():
+    names = {unit(m) for m in modules_in(ROOT, PACKAGE)} - {""}
+    assert {n for n in names if layer_of(n) is None} == set()
+    # The top of the package stays small: at most 16 entries besides the assets.
+    entries = {p.name for p in ROOT.iterdir() if p.name not in ("assets", "__pycache__") and not p.name.startswith(".")}
+    assert len(entries) <= 16, sorted(entries)
+
+
+def test_the_folders_import_downward_only_and_in_no_loop():
+    graph, _ = import_graph(modules_in(ROOT, PACKAGE))
+    assert upward_imports(graph) == []
+    assert cycles(folder_graph(graph)) == []
+
+
+def test_the_checker_sees_an_import_up_the_layers(tmp_path, monkeypatch):
+    # Negative control: a loop module importing a draft source is an upward edge.
+    graph = {f"{PACKAGE}.loop.verify": {f"{PACKAGE}.drafts.proposer"}, f"{PACKAGE}.drafts.proposer": set()}
+    assert upward_imports(graph) == [(f"{PACKAGE}.loop.verify", f"{PACKAGE}.drafts.proposer")]
+    # ... and a model importing the tuning layer, through a function-level import.
+    graph = _graph_of({"__init__.py": "", "models/__init__.py": "", "models/target.py": "def f():\n    from ..tuning import policy\n",
+                       "tuning/__init__.py": "", "tuning/policy.py": ""}, tmp_path)  # fmt: skip
+    graph = {k.replace("pkg", PACKAGE, 1): {m.replace("pkg", PACKAGE, 1) for m in v} for k, v in graph.items()}
+    assert upward_imports(graph) == [(f"{PACKAGE}.models.target", f"{PACKAGE}.tuning.policy")]
+
+
+def test_the_checker_sees_a_loop_between_folders_that_no_module_loop_shows():
+    # Negative control: models.target imports models' tree views from drafts, and drafts.tree imports models.hybrid:
+    # no module imports itself back, but the two folders do.
+    graph = {f"{PACKAGE}.models.target": {f"{PACKAGE}.drafts.tree"}, f"{PACKAGE}.drafts.tree": {f"{PACKAGE}.models.hybrid"},
+             f"{PACKAGE}.models.hybrid": set()}  # fmt: skip
+    assert cycles(graph) == []
+    assert cycles(folder_graph(graph)) == [["drafts", "models"]]

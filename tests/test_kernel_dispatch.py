@@ -8,7 +8,7 @@ import logging
 import mlx.core as mx
 import pytest
 
-from dflash_mlx.errors import DFlashError
+from dflash_mlx.base.errors import DFlashError
 from dflash_mlx.kernels import accept, gdn, gdn_tree, qmm
 from dflash_mlx.kernels.dispatch import KERNEL_MODES, KernelStore, SelfChecked, Verdict, check_kernels, on_metal
 

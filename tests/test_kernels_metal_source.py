@@ -485,7 +485,7 @@ def test_generation_with_the_emulated_kernel_is_lossless(qwen3_pair, block_size,
     from helpers.oracles import ScriptedDraft
     from mlx_lm.generate import generate_step
 
-    from dflash_mlx import verify
+    from dflash_mlx.loop import verify
 
     dispatcher, calls = emulated_dispatcher(
         "greedy_accept", accept.greedy_accept_kernel, accept.greedy_accept_ops, tmp_path,

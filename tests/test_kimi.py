@@ -165,7 +165,7 @@ def test_a_drafter_shaped_like_the_published_one(folders, tmp_path):
 def test_convert_load_generate(folders, tmp_path, capsys, q_bits):
     """dflash-convert -> load -> generate: the pair folder holds mlx-lm's own conversion, the INT4
     experts kept and (``q_bits``) the other layers quantized too."""
-    from dflash_mlx.cli.generate import main as generate_main
+    from dflash_mlx.tools.cli.generate import main as generate_main
     from dflash_mlx.convert import convert
 
     target, _, draft_folder = folders

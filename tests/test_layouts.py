@@ -205,7 +205,7 @@ def _sliding_draft(window, layer_types=("sliding_attention", "sliding_attention"
 
 
 def test_sliding_layers_see_only_their_window():
-    from dflash_mlx.cache import make_draft_cache
+    from dflash_mlx.loop.cache import make_draft_cache
 
     draft = _sliding_draft(window=4)
     context = mx.random.normal((1, 20, 2 * 64))
@@ -256,7 +256,7 @@ def test_sliding_layers_keep_a_bounded_cache_with_the_same_output():
     """A sliding layer's cache holds its window only, and the drafter's output equals a full cache's."""
     from mlx_lm.models.cache import KVCache
 
-    from dflash_mlx.cache import WindowedKVCache, make_draft_cache
+    from dflash_mlx.loop.cache import WindowedKVCache, make_draft_cache
 
     draft = _sliding_draft(window=5, layer_types=("sliding_attention", "full_attention"))
     context = mx.random.normal((1, 40, 2 * 64))

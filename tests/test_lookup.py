@@ -4,7 +4,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import dflash_generate_step, LoopOptions
-from dflash_mlx.lookup import PromptLookup
+from dflash_mlx.drafts.lookup import PromptLookup
 
 
 def test_lookup_finds_latest_longest_match():

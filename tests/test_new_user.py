@@ -12,10 +12,10 @@ import pytest
 from helpers.snapshot_app import FakeStream, wait_until
 
 from dflash_mlx import DFlashError, generate, stream_generate
-from dflash_mlx.adaptive import PolicyState
-from dflash_mlx.cli import generate as cli_generate
+from dflash_mlx.tuning.policy import PolicyState
+from dflash_mlx.tools.cli import generate as cli_generate
 from dflash_mlx.cpu import openblas as blas
-from dflash_mlx.inputs import check_text, decode_utf8, text_problem
+from dflash_mlx.text.inputs import check_text, decode_utf8, text_problem
 
 REPO = Path(__file__).resolve().parents[1]
 DEBIAN = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"

@@ -94,7 +94,7 @@ def test_tools_run_from_the_wheel(venv, tmp_path):
     assert "Generation:" in out
     assert "usage: dflash-bench" in _run([str(bin_dir / "dflash-bench"), "--help"], tmp_path)
     # The default prompts load from the installed package (this failed without *.jsonl in the package data).
-    code = "from dflash_mlx.bench.benchmark import load_prompts; from dflash_mlx.loading.pairs import default_pair_path; " \
+    code = "from dflash_mlx.tools.bench.benchmark import load_prompts; from dflash_mlx.loading.pairs import default_pair_path; " \
            "print(len(load_prompts(default_pair_path() / 'prompts.jsonl')))"  # fmt: skip
     assert int(_run([str(bin_dir / "python"), "-c", code], tmp_path)) > 0
 

@@ -30,13 +30,7 @@ from transformers import DynamicCache, GenerationConfig  # noqa: E402
 import dflash_mlx  # noqa: E402
 from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache, LoopOptions  # noqa: E402
 from dflash_mlx.models import target as tgt  # noqa: E402
-from dflash_mlx.reference import (  # noqa: E402
-    default_device,
-    forward_with_taps,
-    load_draft,
-    load_reference,
-    reference_generate,
-)
+from dflash_mlx.reference import default_device, forward_with_taps, load_draft, load_reference, reference_generate  # noqa: E402
 
 DEVICE = default_device()
 ATOL = 1e-4
@@ -428,7 +422,7 @@ def test_ddtree_matches_the_authors_loop(dirs, trained, monkeypatch, budget):
     ddtree = pytest.importorskip("ddtree", reason="the authors' ddtree.py is not on PyPI; put it on PYTHONPATH")
     from model import DFlashDraftModel  # their drafter class, beside ddtree.py
 
-    from dflash_mlx import proposer
+    from dflash_mlx.drafts import proposer
 
     class CropToLength(DynamicCache):
         # ddtree.py crops its caches to a length, as transformers 4 did; transformers 5 crops by a count.

@@ -1,7 +1,7 @@
 import mlx.core as mx
 import mlx.nn as nn
 
-from dflash_mlx.train.precondition import SINK_POSITIONS, ScaledLinear, feature_scale, folded_fc
+from dflash_mlx.tools.train.precondition import SINK_POSITIONS, ScaledLinear, feature_scale, folded_fc
 
 
 def test_scaled_linear_is_the_same_function_and_folds_back():

@@ -17,8 +17,8 @@ from helpers.chat_formats import (
 from mlx_lm.utils import load_tokenizer
 
 from dflash_mlx import load, stream_generate
-from dflash_mlx.chat_template import render_chat, template_switches
-from dflash_mlx.reasoning import ANSWER, REASONING, HarmonyParser, TagParser, join, reasoning_parser
+from dflash_mlx.text.chat_template import render_chat, template_switches
+from dflash_mlx.text.reasoning import ANSWER, REASONING, HarmonyParser, TagParser, join, reasoning_parser
 from dflash_mlx.tui.commands import Settings
 from dflash_mlx.tui.engine import MLXEngine
 
@@ -205,7 +205,7 @@ def test_stream_generate_splits_a_scripted_harmony_reply(harmony_pair, block_siz
 def test_dflash_generate_prints_the_reasoning_apart_or_hides_it(harmony_pair, pair_dirs, monkeypatch, capsys):
     target, (_, _, tokenizer) = harmony_pair
     script = token_ids(tokenizer, SCRIPT)
-    generate_module = importlib.import_module("dflash_mlx.cli.generate")
+    generate_module = importlib.import_module("dflash_mlx.tools.cli.generate")
     monkeypatch.setattr(generate_module, "make_logits_processors", lambda **_: [ScriptedReply(script)])
     argv = ["--model", str(target), "--draft", str(pair_dirs["draft"]), "--prompt", "t1 t2", "-m", "32"]
     generate_module.main(argv)

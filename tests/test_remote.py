@@ -8,9 +8,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from dflash_mlx import DFlashError, generate, stream_generate
-from dflash_mlx.openai_client import RemoteClient, parse_prometheus
-from dflash_mlx.server.app import DFlashServer
-from dflash_mlx.server.protocol import Defaults
+from dflash_mlx.tools.client import RemoteClient, parse_prometheus
+from dflash_mlx.tools.server.app import DFlashServer
+from dflash_mlx.tools.server.protocol import Defaults
 
 WORDS = ["Hello", ",", " wor", "ld", "!"]
 
@@ -271,8 +271,8 @@ def test_bench_base_url_measures_each_concurrency_level(qwen3_pair, tmp_path, ca
 
     from helpers.policy import Clock
 
-    from dflash_mlx.adaptive import PolicyState
-    from dflash_mlx.bench.benchmark import main
+    from dflash_mlx.tuning.policy import PolicyState
+    from dflash_mlx.tools.bench.benchmark import main
 
     # The server's policy on a clock where drafting never loses, so every request drafts and
     # tau comes back both ways (what it learns lasts across requests: on real time, a drafter
@@ -299,7 +299,7 @@ def test_bench_base_url_measures_each_concurrency_level(qwen3_pair, tmp_path, ca
 
 
 def test_bench_base_url_unreachable_is_one_line(capsys):
-    from dflash_mlx.bench.benchmark import main
+    from dflash_mlx.tools.bench.benchmark import main
 
     with pytest.raises(SystemExit) as e:
         main(["--base-url", "http://127.0.0.1:9/v1", "--concurrency", "1"])

@@ -11,8 +11,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
-from dflash_mlx import DFlashError, dflash_generate_step, load, verify, LoopOptions
-from dflash_mlx.lookup import PromptLookup
+from dflash_mlx import DFlashError, dflash_generate_step, load, LoopOptions
+from dflash_mlx.loop import verify
+from dflash_mlx.drafts.lookup import PromptLookup
 from dflash_mlx.models.drafter import DraftModel
 from dflash_mlx.sampling import make_sampler, sample_rows, speculative_accept, top_probability
 
@@ -197,7 +198,7 @@ def test_distribution_matches_target_with_adaptive(pair, exact, lookup):
     """The adaptive policy's paused cycles after a sampled drafting cycle (the drafter's taps left
     pending) keep the distribution: its first cycle drafts, the next ones probe the paused rate,
     as plain steps (lookup 0) or verifying a looked-up draft where the text has one (lookup 1)."""
-    from dflash_mlx.adaptive import PolicyState
+    from dflash_mlx.tuning.policy import PolicyState
 
     model, draft, _ = pair
     counts, sampler, kinds = np.zeros((DEPTH, VOCAB)), make_sampler(TEMP), set()
@@ -220,7 +221,7 @@ def test_distribution_matches_target_with_draft_trees(pair, exact, monkeypatch, 
     """Draft trees sample the target at every node and follow the child equal to its draw. The
     drafter sure of the target's greedy continuation, with branches beside it (budget 6): right.
     Negative control: a walk that follows the drafter's first child whatever the target drew."""
-    from dflash_mlx.tree import DraftTree
+    from dflash_mlx.models.tree import DraftTree
 
     def first_child(tree, target_tokens):
         path = [0]

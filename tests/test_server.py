@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from dflash_mlx import generate, load, stream_generate
-from dflash_mlx.server.app import DFlashServer, main
-from dflash_mlx.server.protocol import Defaults, StopMatcher
+from dflash_mlx.tools.server.app import DFlashServer, main
+from dflash_mlx.tools.server.protocol import Defaults, StopMatcher
 
 PROMPTS = ["t1 t2 t3", "t9 t8 t7 t6", "t40", "t5 t5 t5 t5 t5", "t100 t3", "t17 t18", "t60 t61 t62", "t11"]
 MAX_TOKENS = 24
@@ -157,9 +157,9 @@ def test_the_worker_keeps_what_the_adaptive_policy_learned_across_requests(qwen3
 
     from helpers.policy import Clock, CostlyDraft
 
-    from dflash_mlx.adaptive import PolicyState
-    from dflash_mlx.server.protocol import TEXT, CompletionRequest
-    from dflash_mlx.server.worker import Job, Worker
+    from dflash_mlx.tuning.policy import PolicyState
+    from dflash_mlx.tools.server.protocol import TEXT, CompletionRequest
+    from dflash_mlx.tools.server.worker import Job, Worker
 
     model, draft, tokenizer = qwen3_pair
     clock = Clock(step=1.0)
@@ -354,7 +354,7 @@ def test_eight_concurrent_streams_lose_duplicate_and_mix_nothing(server, qwen3_p
 
 def _count_cycles_after_cancel(monkeypatch, srv) -> list[int]:
     """Per request, the cycles the worker asked ``stream_generate`` for once its job was cancelled."""
-    from dflash_mlx.server import worker
+    from dflash_mlx.tools.server import worker
 
     counts, inner = [], worker.stream_generate
 
@@ -485,7 +485,7 @@ def test_the_openai_client_works_unchanged(server):
 
 
 def test_only_loopback_hosts_go_without_the_key_warning():
-    from dflash_mlx.server.app import _is_loopback
+    from dflash_mlx.tools.server.app import _is_loopback
 
     assert all(_is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
     assert not any(_is_loopback(h) for h in ("0.0.0.0", "192.168.1.5", "::", "myhost"))
@@ -527,7 +527,7 @@ def test_out_of_range_defaults_are_refused_at_start(capsys, monkeypatch, argv, m
 def test_cli_serves_and_exits_cleanly_on_sigterm(pair_dirs, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_mlx.server.app", "--model", str(pair_dirs["qwen3-tied"]),
+        [sys.executable, "-m", "dflash_mlx.tools.server.app", "--model", str(pair_dirs["qwen3-tied"]),
          "--draft", str(pair_dirs["draft"]), "--port", "0", "--served-model-name", "tiny"],
         stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -635,8 +635,8 @@ HARMONY_SCRIPT = ("<|channel|> analysis <|message|> t5 t6 <|end|> <|start|> assi
 def test_a_reasoning_models_reasoning_comes_back_as_reasoning_content(pair_dirs, tmp_path, monkeypatch):
     from helpers.chat_formats import script_target, token_ids, with_tokenizer, write_harmony_tokenizer
 
-    from dflash_mlx.openai_client import RemoteClient
-    from dflash_mlx.server import worker as worker_module
+    from dflash_mlx.tools.client import RemoteClient
+    from dflash_mlx.tools.server import worker as worker_module
 
     target = with_tokenizer(pair_dirs["qwen3-tied"], tmp_path / "target", write_harmony_tokenizer)
     model, draft, tokenizer = load(target, pair_dirs["draft"])
@@ -673,8 +673,8 @@ def test_chat_template_kwargs_and_reasoning_effort_reach_the_template(qwen3_pair
     from helpers.chat_formats import write_gemma_tokenizer, write_harmony_tokenizer
     from mlx_lm.utils import load_tokenizer
 
-    from dflash_mlx.server.protocol import CHAT, parse_request
-    from dflash_mlx.server.worker import Worker
+    from dflash_mlx.tools.server.protocol import CHAT, parse_request
+    from dflash_mlx.tools.server.worker import Worker
 
     model, draft, _ = qwen3_pair
     messages = [{"role": "system", "content": "t9"}, {"role": "user", "content": "t1"}]

@@ -25,7 +25,7 @@ def _scripts() -> dict[str, str]:
 
 
 def test_importing_the_package_and_the_entry_points_loads_no_model_library():
-    code = "import sys, dflash_mlx, dflash_mlx.cli.entry; print([m for m in sys.argv[1:] if m in sys.modules])"
+    code = "import sys, dflash_mlx, dflash_mlx.tools.cli.entry; print([m for m in sys.argv[1:] if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code, *HEAVY], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "[]\n"
@@ -40,23 +40,23 @@ def test_public_names_load_on_first_use():
 
 
 def test_generate_is_the_function_whatever_was_imported_before():
-    # The loop's module is dflash_mlx.generation and the CLI's dflash_mlx.cli.generate, so no
+    # The loop's module is dflash_mlx.generation and the CLI's dflash_mlx.tools.cli.generate, so no
     # submodule is bound to the package's name ``generate``.
     importlib.import_module("dflash_mlx.generation")
-    importlib.import_module("dflash_mlx.cli.generate")
+    importlib.import_module("dflash_mlx.tools.cli.generate")
     assert callable(dflash_mlx.generate) and not isinstance(dflash_mlx.generate, ModuleType)
     assert dflash_mlx.generate is importlib.import_module("dflash_mlx.generation").generate
 
 
 def test_every_console_script_goes_through_an_entry_point():
-    from dflash_mlx.cli import entry
+    from dflash_mlx.tools.cli import entry
 
     scripts = _scripts()
     if not scripts:
         pytest.skip("needs the source tree")
     for target in scripts.values():
         module, _, function = target.partition(":")
-        assert module == "dflash_mlx.cli.entry" and callable(getattr(entry, function))
+        assert module == "dflash_mlx.tools.cli.entry" and callable(getattr(entry, function))
 
 
 # The tool's process sends itself a SIGINT as it starts importing its first heavy library, so the
@@ -75,14 +75,14 @@ class SigintOnImport:
         return None
 
 sys.meta_path.insert(0, SigintOnImport())
-from dflash_mlx.cli.entry import {function}
+from dflash_mlx.tools.cli.entry import {function}
 {function}()
 """
 
 
 @pytest.mark.parametrize("script", list(_scripts()) or ["dflash-generate"])
 def test_ctrl_c_while_a_tool_imports_is_one_line(script):
-    function = _scripts().get(script, "dflash_mlx.cli.entry:generate_main").partition(":")[2]
+    function = _scripts().get(script, "dflash_mlx.tools.cli.entry:generate_main").partition(":")[2]
     out = subprocess.run(
         [sys.executable, "-c", SIGINT_ON_IMPORT.format(function=function), "--help"], stdin=subprocess.DEVNULL,
         capture_output=True, text=True, timeout=60,

@@ -13,26 +13,19 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx import DFlashError, dflash_generate_step, load, LoopOptions
-from dflash_mlx.cache import make_draft_cache
+from dflash_mlx.loop.cache import make_draft_cache
 from dflash_mlx.loading import casting
 from dflash_mlx.models import target as tgt
-from dflash_mlx.train import trainer as train_mod
-from dflash_mlx.train.checkpoint import check_out, latest_checkpoint
-from dflash_mlx.train.data import (
-    dataset_examples,
-    generate_responses,
-    make_batch,
-    position_weights,
-    read_cache,
-    read_prompts,
-    render_prompt,
-    usable,
+from dflash_mlx.tools.train import trainer as train_mod
+from dflash_mlx.tools.train.checkpoint import check_out, latest_checkpoint
+from dflash_mlx.tools.train.data import (
+    dataset_examples, generate_responses, make_batch, position_weights, read_cache, read_prompts, render_prompt, usable,
 )
-from dflash_mlx.train.cli import main
-from dflash_mlx.train.config import TrainingArgs
-from dflash_mlx.train.losses import block_logits, block_loss, head_gram, packed_block_mask
-from dflash_mlx.train.trainer import get_lr, train
-from dflash_mlx.train.vocab import LossVocab, coverage, token_counts, top_tokens
+from dflash_mlx.tools.train.cli import main
+from dflash_mlx.tools.train.config import TrainingArgs
+from dflash_mlx.tools.train.losses import block_logits, block_loss, head_gram, packed_block_mask
+from dflash_mlx.tools.train.trainer import get_lr, train
+from dflash_mlx.tools.train.vocab import LossVocab, coverage, token_counts, top_tokens
 
 
 def _words(n: int, seed: int) -> str:
@@ -90,7 +83,7 @@ def test_data_step_is_greedy_and_resumable(setup, tmp_path):
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_batched_generation_matches_plain_loop(setup, tmp_path, monkeypatch, kind):
-    from dflash_mlx.train import data as data_mod
+    from dflash_mlx.tools.train import data as data_mod
 
     _, prompts, _ = setup
     # The module's tied target repeats its last token; an untied one gives a different response
@@ -155,8 +148,8 @@ def test_make_batch_anchors_and_labels():
 
 
 def test_lookup_hits_are_what_prompt_lookup_drafts_right():
-    from dflash_mlx.lookup import PromptLookup
-    from dflash_mlx.train.data import lookup_hits
+    from dflash_mlx.drafts.lookup import PromptLookup
+    from dflash_mlx.tools.train.data import lookup_hits
 
     rng = np.random.default_rng(1)
     settings = PromptLookup(9)

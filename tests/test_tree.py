@@ -13,8 +13,9 @@ from helpers.family import prompt_ids, reference
 from helpers.oracles import ScriptedDraft, SecondChoiceDraft
 
 from dflash_mlx import DFlashError, make_cache
-from dflash_mlx.lookup import PromptLookup
-from dflash_mlx.tree import DraftTree, build_tree, top_log_probs
+from dflash_mlx.drafts.lookup import PromptLookup
+from dflash_mlx.models.tree import DraftTree
+from dflash_mlx.drafts.tree import build_tree, top_log_probs
 
 
 def _random_logits(depth: int, vocab: int, seed: int) -> mx.array:
@@ -153,7 +154,7 @@ def test_repetition_penalty_sees_each_nodes_own_path(qwen3_pair):
 def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(qwen3_pair, monkeypatch):
     """tree_budget="auto": greedy output unchanged; a drafter whose right token is its second choice gets
     trees with both branches, a random one that is never right gets trees of a node or few."""
-    from dflash_mlx import verify_width
+    from dflash_mlx.tuning import widths as verify_width
 
     # Pass costs as on a small CPU target (a node costs a few percent of a pass), not timed here: timings on
     # a busy machine would make the choice, and so this test, depend on the load.

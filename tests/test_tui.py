@@ -474,7 +474,7 @@ def test_engine_keeps_what_the_adaptive_policy_learned_across_replies(pair, monk
 
     from helpers.policy import Clock, CostlyDraft
 
-    from dflash_mlx.adaptive import PolicyState
+    from dflash_mlx.tuning.policy import PolicyState
 
     clock = Clock(step=1.0)
     # Paused cycles as plain steps (no lookup drafts), so that num_draft tells them apart.
@@ -501,7 +501,7 @@ def test_engine_keeps_what_the_adaptive_policy_learned_across_replies(pair, monk
 def test_engine_goes_on_from_the_last_sessions_policy(pair, tmp_path):
     """With a policy store (dflash-chat's), a new session starts from what the last one
     measured of the pair: here inside a run of plain cycles, so its first reply never drafts."""
-    from dflash_mlx.adaptive import PolicyStore
+    from dflash_mlx.tuning.policy import PolicyStore
 
     store = PolicyStore(tmp_path / "policy.json")
     first = MLXEngine(*pair, policy_store=store)
@@ -973,7 +973,7 @@ async def test_real_pair_in_harmony_folds_the_analysis_channel(pair_dirs, tmp_pa
 
 
 def test_reply_stats_compare_the_reply_with_its_own_plain_steps():
-    from dflash_mlx.responses import GenerationResponse
+    from dflash_mlx.text.responses import GenerationResponse
     from dflash_mlx.tui.messages import ReplyStats
 
     stats = ReplyStats()

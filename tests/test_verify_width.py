@@ -6,10 +6,11 @@ import pytest
 from helpers.decoding import run
 from test_generate import _prompt, reference
 
-from dflash_mlx import DFlashError, verify_width, dflash_generate_step, make_cache, LoopOptions
-from dflash_mlx.verify_width import VerifyWidth, CostStore, PassCosts, bucket, timed_widths
-from dflash_mlx.bench.benchmark import run_benchmark
-from dflash_mlx.cli.generate import main as generate_main
+from dflash_mlx import DFlashError, dflash_generate_step, make_cache, LoopOptions
+from dflash_mlx.tuning import widths as verify_width
+from dflash_mlx.tuning.widths import VerifyWidth, CostStore, PassCosts, bucket, timed_widths
+from dflash_mlx.tools.bench.benchmark import run_benchmark
+from dflash_mlx.tools.cli.generate import main as generate_main
 
 
 def test_buckets_widths_and_interpolation():
@@ -122,7 +123,7 @@ def test_auto_measures_once_on_the_live_cache_and_keeps_it_on_disk(qwen3_pair, t
 
 def test_auto_refusals(qwen3_pair):
     model, draft, _ = qwen3_pair
-    from dflash_mlx.lookup import PromptLookup
+    from dflash_mlx.drafts.lookup import PromptLookup
 
     for kwargs, message in (
         (dict(min_confidence=0.5), "leave min_confidence at 0"),

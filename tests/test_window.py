@@ -7,8 +7,8 @@ from helpers.decoding import run
 from test_generate import _prompt, reference
 
 from dflash_mlx import DFlashError, dflash_generate_step, make_cache, LoopOptions
-from dflash_mlx.cache import WindowedKVCache, make_draft_cache
-from dflash_mlx.cli.generate import main as generate_main
+from dflash_mlx.loop.cache import WindowedKVCache, make_draft_cache
+from dflash_mlx.tools.cli.generate import main as generate_main
 from dflash_mlx.models import target as tgt
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.nn as nn
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from ..models.drafter import DraftModel
 
 # Affine quantization as mlx supports it; the drafter is small, so only 8 and 4 bits.

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from . import mkl
 
 BLAS_CHOICES = ("auto", "mkl", "openblas", "bundled")

@@ -23,8 +23,8 @@ from typing import Callable
 
 import mlx.core as mx
 
-from ..errors import DFlashError
-from ..store import JsonStore
+from ..base.errors import DFlashError
+from ..base.store import JsonStore
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The gated delta rule down a draft tree: each node's state is its parent's, stepped by its own input.
 
-A hybrid target verifies a draft tree (:mod:`dflash_mlx.tree`) in one pass over its flattened
+A hybrid target verifies a draft tree (:mod:`dflash_mlx.drafts.tree`) in one pass over its flattened
 nodes; its Gated DeltaNet layers must give every node the state a pass along that node's path
 alone would (``models.linear_attention.tree_linear_attention``). The step is
 :mod:`.gdn`'s (mlx-lm's recurrence), only the state it starts from is the parent's.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..dtypes import DTYPES
+from ..base.dtypes import DTYPES
 from .accept import greedy_accept
 from .dispatch import KernelStore, on_metal
 from .gdn import gated_delta_states

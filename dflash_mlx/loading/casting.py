@@ -7,8 +7,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..dtypes import DTYPES, dtype_name
-from ..errors import DFlashError
+from ..base.dtypes import DTYPES, dtype_name
+from ..base.errors import DFlashError
 
 # MLX's CPU backend runs float32 several times faster than bfloat16 or float16 (6x on the embedded
 # pair), so there a pair computes in float32 when its float32 weights take at most this share of

@@ -8,7 +8,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from ..models import drafter, drafter2
 from ..models import target as tgt
 from ..models.drafter import DraftArgs, DraftModel

@@ -7,7 +7,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from .hub import PairFolders
 
 # Files one of which every tokenizer needs; without them transformers builds an empty tokenizer.

@@ -26,10 +26,10 @@ import numpy as np
 from mlx_lm.utils import load_model, save_config
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from ..dtypes import DTYPES
-from ..errors import DFlashError
-from ..files import install, partial_sibling
-from ..store import default_cache_root
+from ..base.dtypes import DTYPES
+from ..base.errors import DFlashError
+from ..base.files import install, partial_sibling
+from ..base.store import default_cache_root
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 GROUP_SIZE = 32  # every ggml block type mx.load keeps quantized has 32 weights per block

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from .pairs import PAIR_ALIASES, TINY_PAIR, PairNames
 
 log = logging.getLogger("dflash_mlx")

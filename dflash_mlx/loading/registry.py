@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from .pairs import AUTO_DRAFT, PairNames, default_pair_draft
 
 # What the MLX community appends to a converted repository name: "-4bit", "-MLX-8bit",

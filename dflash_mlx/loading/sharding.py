@@ -4,7 +4,7 @@ Under ``mlx.launch`` every rank loads the same pair: the target lazily, then spl
 ``model.shard(group)`` (tensor parallel: each rank a slice of every layer) or
 ``model.model.pipeline(group)`` (pipeline parallel: each rank a run of layers, rank 0 the last
 ones), and only then read, so that a rank reads only the weights it keeps. The drafter is
-whole on every rank. How generation then runs on all of them: :mod:`dflash_mlx.distributed`.
+whole on every rank. How generation then runs on all of them: :mod:`dflash_mlx.loop.distributed`.
 
 From the hub, a pipeline rank downloads only the files of a sharded checkpoint that hold its
 layers, and those that hold no layer (:func:`rank_files`), as mlx-lm's ``sharded_load`` does;
@@ -16,7 +16,7 @@ import re
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from ..models import hybrid, kimi
 
 PARALLEL = ("tensor", "pipeline")

@@ -3,7 +3,7 @@
 import json
 from typing import Any, Callable, Iterable
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from ..models import gemma, hybrid, kimi
 from ..models import target as tgt
 from .folders import PairSource

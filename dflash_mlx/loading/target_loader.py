@@ -9,7 +9,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from .folders import PairSource, parse_config, read_config, read_pair
 from .hub import PairFolders
 from .sharding import kept_layers, layer_files, rank_files, shard_target, world_size

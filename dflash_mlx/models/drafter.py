@@ -18,7 +18,7 @@ from mlx_lm.utils import save_config, save_model
 
 from ..cpu import compiled_layers, fast_math
 from ..cpu.speedups import CpuSpeedups
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from . import target as tgt
 
 # Prompt positions whose taps extend_context projects at a time (see there): at 64 an 8B-shaped
@@ -553,7 +553,7 @@ class DraftModel(nn.Module):
 
         A head split by vocabulary over several ranks (tensor parallel) gives all its rows: only
         rank 0 drafts, and the head's own gather is a collective of every rank. Every rank must
-        then call this once, together (:class:`dflash_mlx.proposer.DFlashProposer` does, when made).
+        then call this once, together (:class:`dflash_mlx.drafts.proposer.DFlashProposer` does, when made).
         """
         source = (tgt.head_weight(model), self.draft_vocab)
         cached = self._head.source

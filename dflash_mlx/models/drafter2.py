@@ -27,7 +27,7 @@ from typing import Callable, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from ..sampling import sample_rows
 from . import drafter
 from . import target as tgt

@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gemma4_text import logit_softcap
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from .sliding import SlidingKVCache
 
 GEMMA_MODEL_TYPES = ("gemma4_text", "gemma4", "gemma4_unified")

@@ -27,7 +27,7 @@ projections, the convolution and the recurrence of the kept tokens.
 It also keeps a few earlier states ("checkpoints"), at the start of passes that followed a
 pass nothing was trimmed from: the ends of prefills, which is where a chat's next turn
 may want to return to. ``DFlashCache.reusable_prefix`` limits prefix reuse to them
-(``dflash_mlx.cache.restorable_lengths``).
+(``dflash_mlx.loop.cache.restorable_lengths``).
 """
 
 import dataclasses
@@ -39,7 +39,7 @@ from mlx_lm.models import qwen3_next
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from . import linear_attention
 from .stages import Stage
 
@@ -287,7 +287,7 @@ def forward_tree(
     model: nn.Module, rows: mx.array, views: list[Any], masks: list, tap_ids: list[int], captured: Any,
     parents: list[int],
 ) -> mx.array:
-    """The hybrid decoder over a draft tree's nodes, one per row (:mod:`dflash_mlx.tree`): full
+    """The hybrid decoder over a draft tree's nodes, one per row (:mod:`dflash_mlx.drafts.tree`): full
     attention layers through their tree views and masks, linear attention layers continuing each
     node's own path (``linear_attention.tree_linear_attention``, states forked at every branch)."""
     inner = model.model

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 
 KIMI_MODEL_TYPES = ("kimi_k25",)
 

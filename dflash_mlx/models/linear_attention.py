@@ -99,7 +99,7 @@ def linear_attention(attn: nn.Module, x: mx.array, cache: Any) -> tuple[mx.array
 def tree_linear_attention(
     attn: nn.Module, x: mx.array, cache: Any, parents: list[int]
 ) -> tuple[mx.array, mx.array, list[mx.array]]:
-    """``attn`` over a draft tree's nodes, each row continuing its own path (:mod:`dflash_mlx.tree`).
+    """``attn`` over a draft tree's nodes, each row continuing its own path (:mod:`dflash_mlx.drafts.tree`).
 
     The convolution of a node sees the inputs of its nearest ancestors (before the root, the conv
     state) and its own; its recurrent state is its parent's, stepped by its own input. The cache is

@@ -16,7 +16,7 @@ Like the recurrent cache of hybrid targets it also keeps a few earlier states
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 
 # States kept per layer for prefix reuse across calls, as for a hybrid target's recurrent state.
 MAX_CHECKPOINTS = 4

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..cpu import compiled_layers, fast_math
 from ..cpu.speedups import CpuSpeedups
-from ..tree import DraftTree, tree_caches
+from .tree import DraftTree, tree_caches
 from . import gemma, hybrid, kimi
 from .stages import Stage
 
@@ -320,8 +320,8 @@ def forward_with_taps(
           The folded sum is started as it grows (``mx.async_eval``), so not inside ``mx.compile``
           or a gradient either.
         tree: A draft tree whose root and nodes ``tokens`` (``(1, n + 1)``) are: each is run at
-          its own position, seeing the cache and its ancestors only (:mod:`dflash_mlx.tree`).
-          The cache then holds all the nodes, in order, until :func:`dflash_mlx.tree.keep_path`.
+          its own position, seeing the cache and its ancestors only (:mod:`dflash_mlx.drafts.tree`).
+          The cache then holds all the nodes, in order, until :func:`dflash_mlx.models.tree.keep_path`.
 
     Returns:
         ``(logits, taps)``: ``(B, L, vocab)`` logits and the taps concatenated
@@ -360,7 +360,7 @@ def forward_with_taps(
 def _forward_tree(
     model: nn.Module, tokens: mx.array, cache: list[Any], tap_ids: list[int], tree: "DraftTree"
 ) -> tuple[mx.array, mx.array | None]:
-    # The tree as a batch of one-token rows, node i in row i (dflash_mlx.tree).
+    # The tree as a batch of one-token rows, node i in row i (dflash_mlx.drafts.tree).
     rows = tokens.reshape(-1, 1)  # (n + 1, 1)
     views, masks = tree_caches(cache, tree)
     captured = {}

@@ -5,13 +5,7 @@ same folders as the MLX side. It exists to check the MLX port: same weights, sam
 same tokens. Runs on CUDA when available, else on CPU. The core library never imports it.
 """
 
-from .generate import (
-    ReferenceOutput,
-    ReferenceStep,
-    forward_with_taps,
-    reference_generate,
-    reference_generate_step,
-)
+from .generate import ReferenceOutput, ReferenceStep, forward_with_taps, reference_generate, reference_generate_step
 from .model import DraftArgs, ReferenceDraft, default_device, load_draft, load_reference
 
 __all__ = [

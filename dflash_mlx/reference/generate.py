@@ -21,7 +21,7 @@ import torch.nn as nn
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 from .model import ReferenceDraft
 
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from ..errors import DFlashError
+from ..base.errors import DFlashError
 
 # Keys of the published checkpoints that may live under "dflash_config".
 _DFLASH_KEYS = (

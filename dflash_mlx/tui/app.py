@@ -16,16 +16,11 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Markdown, Static
 from textual.worker import get_current_worker
 
-from ..cli.options import (
-    ArgumentParser,
-    InRange,
-    add_blas_argument,
-    add_decoding_arguments,
-    add_model_arguments,
-    block_size_problem,
+from ..tools.cli.options import (
+    ArgumentParser, InRange, add_blas_argument, add_decoding_arguments, add_model_arguments, block_size_problem,
 )
-from ..errors import DFlashError
-from ..inputs import text_problem
+from ..base.errors import DFlashError
+from ..text.inputs import text_problem
 from .commands import HELP, Settings, parse_command, save_transcript
 from .engine import MLXEngine, RemoteEngine, StreamEngine, StreamFn
 from .messages import ConversationStats, CycleUpdate, LoadFailed, ModelReady, ReplyDone, ReplyStats
@@ -438,7 +433,7 @@ def make_app(
     )
     if base_url:
         return ChatApp(RemoteEngine(base_url, api_key=api_key, model=model), settings=settings, note=note)
-    from ..adaptive import PolicyStore
+    from ..tuning.policy import PolicyStore
 
     engine = MLXEngine(
         model, draft, dtype=dtype, no_draft=no_draft, extra_eos_token=extra_eos_token,
@@ -456,7 +451,7 @@ def _prepare_embedded_pair(model: str | None, datastore: str = "auto") -> None:
         return
     import json
 
-    from ..datastore import open_datastore
+    from ..drafts.datastore import open_datastore
     from ..loading.pairs import DEFAULT_PAIR, embedded_pair
 
     try:

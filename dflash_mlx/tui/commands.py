@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..chat_template import REASONING_EFFORTS, THINKING_SWITCHES
-from ..cli.options import MAX_TEMP
+from ..text.chat_template import REASONING_EFFORTS, THINKING_SWITCHES
+from ..tools.cli.options import MAX_TEMP
 
 # Limits that keep a typo (``/max 1000000000``) from hanging the app.
 MAX_TOKENS_LIMIT = 32768

@@ -65,9 +65,9 @@ class MLXEngine:
         extra_eos_token: More tokens (text or ids) that end a reply, as ``--extra-eos-token``.
         chat_template_config: Keyword arguments for ``apply_chat_template``.
         policy_store: Where what the adaptive policy measured is kept between sessions
-          (:class:`dflash_mlx.adaptive.PolicyStore`); None: within this session only.
+          (:class:`dflash_mlx.tuning.policy.PolicyStore`); None: within this session only.
         datastore: ``--datastore``: ``"auto"``, ``"none"`` or a response cache file
-          (:func:`dflash_mlx.datastore.open_datastore`); every reply joins it.
+          (:func:`dflash_mlx.drafts.datastore.open_datastore`); every reply joins it.
     """
 
     def __init__(
@@ -110,10 +110,10 @@ class MLXEngine:
         return self._run(self._load)
 
     def _load(self) -> dict[str, Any]:
-        from ..cache import make_cache
-        from ..chat_template import template_switches
-        from ..cli.options import add_stop_tokens
-        from ..datastore import open_datastore
+        from ..loop.cache import make_cache
+        from ..text.chat_template import template_switches
+        from ..tools.cli.options import add_stop_tokens
+        from ..drafts.datastore import open_datastore
         from ..loading.loading import load
         from ..loading.pairs import AUTO_DRAFT, DEFAULT_PAIR
         from ..loading.registry import draft_for_cli
@@ -145,7 +145,7 @@ class MLXEngine:
         """Forget the conversation (a fresh cache). Returns at once; later calls run after it."""
 
         def _reset():
-            from ..cache import make_cache
+            from ..loop.cache import make_cache
 
             if self.model is not None:
                 self.cache = make_cache(self.model, self.draft)
@@ -154,15 +154,15 @@ class MLXEngine:
         self._thread.submit(_reset)
 
     def _prompt(self, messages: list[dict[str, str]], settings: Settings) -> list[int] | str:
-        from ..chat_template import render_chat
+        from ..text.chat_template import render_chat
 
         # /think's switches over --chat-template-config's.
         args = {**self.template_kwargs, **settings.template_args()}
         return render_chat(self.tokenizer, messages, system_prompt=settings.system_prompt, template_args=args)
 
     def _start(self, messages: list[dict[str, str]], settings: Settings):
-        from ..adaptive import PolicyState
-        from ..chat_template import has_chat_template
+        from ..tuning.policy import PolicyState
+        from ..text.chat_template import has_chat_template
         from ..generation import policy_key, stream_generate
         from ..models.drafter import DraftModel
         from ..sampling import make_sampler
@@ -247,7 +247,7 @@ class RemoteEngine:
     """
 
     def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None):
-        from ..openai_client import RemoteClient
+        from ..tools.client import RemoteClient
 
         self.client = RemoteClient(base_url, api_key=api_key, model=model)
         self.context_tokens: int | None = None

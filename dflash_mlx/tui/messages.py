@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from textual.message import Message
 
-from ..responses import AcceptanceStats, GenerationResponse
+from ..text.responses import AcceptanceStats, GenerationResponse
 
 # Cycles over which "tok/s now" is measured: one cycle is too noisy, a reply too slow to react.
 RATE_WINDOW = 4

@@ -10,7 +10,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Collapsible, Markdown, Static, TextArea
 
-from ..responses import AcceptanceStats
+from ..text.responses import AcceptanceStats
 from .messages import ConversationStats, ReplyStats
 
 BARS = " ▁▂▃▄▅▆▇█"

@@ -10,7 +10,7 @@ import argparse
 # recipes/archive/interleaved.py, beside this script
 from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interleaved
 
-from dflash_mlx.bench.timing import _time_stream
+from dflash_mlx.tools.bench.timing import _time_stream
 from dflash_mlx.generation import stream_generate
 
 CONFIGS = {"plain": (False, None), "dflash, every cycle": (True, False), "dflash, adaptive (default)": (True, None)}

@@ -29,8 +29,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from dflash_mlx import load
-    from dflash_mlx.train import batch_decode
-    from dflash_mlx.train.data import generate_responses, read_prompts
+    from dflash_mlx.tools.train import batch_decode
+    from dflash_mlx.tools.train.data import generate_responses, read_prompts
 
     model, _, tokenizer = load(args.target, dtype="float32")
     prompts = read_prompts(args.data)[: args.prompts]

@@ -12,7 +12,7 @@ import argparse
 # recipes/archive/interleaved.py, beside this script
 from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interleaved
 
-from dflash_mlx.bench.timing import make_runner
+from dflash_mlx.tools.bench.timing import make_runner
 
 BLOCK_SIZES = {"lookup": 2, "dflash-default": 16}
 

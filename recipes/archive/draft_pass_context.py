@@ -25,7 +25,7 @@ from turns import run_in_turns
 
 def measure(contexts: list[int], reps: int, new: int) -> dict:
     from dflash_mlx import load
-    from dflash_mlx.cache import make_draft_cache
+    from dflash_mlx.loop.cache import make_draft_cache
     from dflash_mlx.cpu import fast_math
     from dflash_mlx.cpu.speedups import choose_speedups
 

@@ -30,12 +30,12 @@ import mlx.core as mx
 from mlx_lm.models import qwen3
 
 from dflash_mlx import load
-from dflash_mlx.cache import make_cache
+from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.cpu.speedups import choose_speedups
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.drafter import DraftArgs, DraftModel
-from dflash_mlx.proposer import DFlashProposer
-from dflash_mlx.verify import Verifier
+from dflash_mlx.drafts.proposer import DFlashProposer
+from dflash_mlx.loop.verify import Verifier
 
 MB = 1024**2
 # The version before the prefill handed taps to the drafter took no drafter: its taps waited in pending.

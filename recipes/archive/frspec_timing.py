@@ -48,20 +48,22 @@ def main() -> None:
     import mlx.optimizers as optim
     import numpy as np
 
-    from dflash_mlx.cache import make_cache
+    from dflash_mlx.loop.cache import make_cache
     from dflash_mlx.cpu.speedups import choose_speedups
     from dflash_mlx.loading.casting import cast
     from dflash_mlx.loading.draft_loader import load_draft
     from dflash_mlx.loading.target_loader import load_target
     from dflash_mlx.models import target as tgt
     from dflash_mlx.models.drafter import DraftArgs, DraftModel
-    from dflash_mlx.train.data import make_batch, position_weights, read_cache, read_prompts, render_prompt, usable
-    from dflash_mlx.train.config import TrainingArgs, draft_config
-    from dflash_mlx.train.losses import block_loss
-    from dflash_mlx.train.trainer import _KEYS, _to_mx, evaluate_acceptance
-    from dflash_mlx.train.precondition import ScaledLinear, feature_scale
-    from dflash_mlx.train.taps import TapStore
-    from dflash_mlx.train.vocab import LossVocab, coverage, token_counts, top_tokens
+    from dflash_mlx.tools.train.data import (
+        make_batch, position_weights, read_cache, read_prompts, render_prompt, usable,
+    )
+    from dflash_mlx.tools.train.config import TrainingArgs, draft_config
+    from dflash_mlx.tools.train.losses import block_loss
+    from dflash_mlx.tools.train.trainer import _KEYS, _to_mx, evaluate_acceptance
+    from dflash_mlx.tools.train.precondition import ScaledLinear, feature_scale
+    from dflash_mlx.tools.train.taps import TapStore
+    from dflash_mlx.tools.train.vocab import LossVocab, coverage, token_counts, top_tokens
 
     print(f"BLAS: {blas_in_use()}")
     target, tokenizer = load_target(Path(args.target))

@@ -5,7 +5,7 @@ import statistics
 from typing import Callable
 
 from dflash_mlx import load
-from dflash_mlx.bench.benchmark import _prompt_rows, encode
+from dflash_mlx.tools.bench.benchmark import _prompt_rows, encode
 from dflash_mlx.loading.pairs import default_pair_path
 
 
@@ -25,7 +25,7 @@ def embedded_pair_and_prompts(num_prompts: int) -> tuple:
 def run_interleaved(tokenizer, rows: list, names: list[str], run: Callable, runs: int) -> tuple[dict, dict]:
     """Per prompt, a warm-up of each configuration, then ``runs`` rounds across them.
 
-    ``run(name, ids)`` returns what ``dflash_mlx.bench.timing._time_stream`` does. Returns the
+    ``run(name, ids)`` returns what ``dflash_mlx.tools.bench.timing._time_stream`` does. Returns the
     tok/s of each configuration (its tokens over the sum of its per-prompt median times) and
     the token ids of each of its runs.
     """

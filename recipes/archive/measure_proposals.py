@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 from dflash_mlx import load, stream_generate
-from dflash_mlx.bench.benchmark import encode, load_prompts
+from dflash_mlx.tools.bench.benchmark import encode, load_prompts
 from dflash_mlx.loading.pairs import default_pair_path
 from dflash_mlx.sampling import make_sampler
 

@@ -6,8 +6,8 @@ more than --no-draft? Greedy, the default pair, the same prompt, interleaved run
 
 import time, statistics
 from dflash_mlx import load, dflash_generate_step, LoopOptions
-from dflash_mlx.adaptive import PolicyState
-from dflash_mlx.chat_template import render_chat
+from dflash_mlx.tuning.policy import PolicyState
+from dflash_mlx.text.chat_template import render_chat
 model, draft, tok = load()
 ids = render_chat(tok, [{"role": "user", "content": "Explain what a hash table is"}])
 def run(d, policy=None, n=120):

@@ -9,7 +9,7 @@ import argparse
 
 from ab_rounds import run_rounds
 
-from dflash_mlx.adaptive import PolicyState
+from dflash_mlx.tuning.policy import PolicyState
 from dflash_mlx.cpu.speedups import CpuSpeedups
 
 parser = argparse.ArgumentParser()

@@ -13,8 +13,8 @@ import json
 import time
 
 from dflash_mlx import load, stream_generate
-from dflash_mlx.adaptive import FreeStats, PolicyState
-from dflash_mlx.datastore import open_datastore
+from dflash_mlx.tuning.policy import FreeStats, PolicyState
+from dflash_mlx.drafts.datastore import open_datastore
 from dflash_mlx.loading.pairs import DEFAULT_PAIR, default_pair_path
 from dflash_mlx.sampling import make_sampler
 

@@ -31,8 +31,8 @@ import time
 import mlx.core as mx
 from mlx_lm.models import qwen3_5
 
-from dflash_mlx.bench.stats import mean_rollback, physical_limit
-from dflash_mlx.bench.timing import component_times, fastest_times
+from dflash_mlx.tools.bench.stats import mean_rollback, physical_limit
+from dflash_mlx.tools.bench.timing import component_times, fastest_times
 from dflash_mlx.models.drafter import DraftModel, DraftArgs, default_target_layer_ids
 
 # text_config of Qwen/Qwen3.5-0.8B's config.json (the fields mlx-lm's qwen3_5 reads).

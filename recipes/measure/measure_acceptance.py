@@ -11,8 +11,8 @@ import json
 
 from dflash_mlx import load
 from dflash_mlx.loading.pairs import default_pair_path
-from dflash_mlx.train.data import read_prompts, render_prompt
-from dflash_mlx.train.trainer import evaluate_acceptance
+from dflash_mlx.tools.train.data import read_prompts, render_prompt
+from dflash_mlx.tools.train.trainer import evaluate_acceptance
 
 
 def main() -> None:

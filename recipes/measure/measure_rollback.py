@@ -24,7 +24,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models import qwen3_5
 
-from dflash_mlx.cache import make_cache
+from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.models import hybrid
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.drafter import DraftModel, DraftArgs

@@ -20,7 +20,7 @@ import time
 import mlx.core as mx
 
 from dflash_mlx import load
-from dflash_mlx.cache import make_cache
+from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.cpu.speedups import choose_speedups
 from dflash_mlx.models import target as tgt
 from dflash_mlx.sampling import make_sampler, sample_rows, speculative_accept

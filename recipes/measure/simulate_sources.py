@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dflash_mlx.adaptive import FreeStats  # noqa: E402
-from dflash_mlx.datastore import Datastore, Draft, SuffixIndex, read_responses  # noqa: E402
-from dflash_mlx.free_drafts import FreeDrafts  # noqa: E402
-from dflash_mlx.lookup import PromptLookup  # noqa: E402
+from dflash_mlx.tuning.policy import FreeStats  # noqa: E402
+from dflash_mlx.drafts.datastore import Datastore, Draft, SuffixIndex, read_responses  # noqa: E402
+from dflash_mlx.drafts.free import FreeDrafts  # noqa: E402
+from dflash_mlx.drafts.lookup import PromptLookup  # noqa: E402
 
 
 class LongestOnlyDatastore(Datastore):
@@ -137,7 +137,7 @@ def main():
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from dflash_mlx.train.data import _key, read_cache, read_prompts, render_prompt
+    from dflash_mlx.tools.train.data import _key, read_cache, read_prompts, render_prompt
 
     tokenizer = load_tokenizer(Path("runs/smollm2/target"))
     records = [json.loads(line) for line in open(args.prompts) if line.strip()]

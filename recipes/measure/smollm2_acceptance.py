@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from smollm2_data_stats import repeat_share  # noqa: E402
 
 from dflash_mlx import dflash_generate_step, load, LoopOptions  # noqa: E402
-from dflash_mlx.chat_template import render_chat  # noqa: E402
+from dflash_mlx.text.chat_template import render_chat  # noqa: E402
 
 
 def main() -> None:
@@ -48,8 +48,8 @@ def main() -> None:
     model, draft, tokenizer = load(args.model, args.draft)
     settings = {"adaptive": False}
     if args.defaults:
-        from dflash_mlx.adaptive import PolicyState
-        from dflash_mlx.datastore import open_datastore
+        from dflash_mlx.tuning.policy import PolicyState
+        from dflash_mlx.drafts.datastore import open_datastore
         from dflash_mlx.models.target import vocab_size
 
         store = open_datastore(args.datastore, args.model, vocab_size(model), learns=False)

@@ -32,7 +32,7 @@ def main():
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    from dflash_mlx.train.data import read_cache
+    from dflash_mlx.tools.train.data import read_cache
 
     model, tokenizer = load(args.model)
     eos = set(tokenizer.eos_token_ids)

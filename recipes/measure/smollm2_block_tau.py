@@ -4,7 +4,7 @@ A second table splits each category by the prompts' source (``chat/topics``, ``c
 the sources the training data has most of can hide a flat line on the others.
 
 Teacher-forced: the target's greedy responses to held-out prompts are cached once; then each
-drafter is read at every anchor of them (dflash_mlx.train.block_acceptance), without a
+drafter is read at every anchor of them (dflash_mlx.tools.train.block_acceptance), without a
 generation loop: on 2 cores about 2 minutes per drafter (all block sizes from one read), plus 2-3 minutes for the
 target's taps, shared by the drafters of one run. The drafter comparisons in docs/lab/drafter-stages.md use it.
 
@@ -63,9 +63,9 @@ def main():
 
     from dflash_mlx.loading.draft_loader import load_draft
     from dflash_mlx.loading.target_loader import load_target
-    from dflash_mlx.train.block_acceptance import response_acceptance
-    from dflash_mlx.train.data import _key, read_cache, read_prompts, render_prompt
-    from dflash_mlx.train.taps import TapStore
+    from dflash_mlx.tools.train.block_acceptance import response_acceptance
+    from dflash_mlx.tools.train.data import _key, read_cache, read_prompts, render_prompt
+    from dflash_mlx.tools.train.taps import TapStore
 
     target, tokenizer = load_target(Path(args.model))
     drafts = {d: load_draft(Path(d), target=target, tokenizer=tokenizer) for d in args.draft}

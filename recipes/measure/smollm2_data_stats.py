@@ -20,7 +20,7 @@ import numpy as np
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from dflash_mlx.train.data import _key, read_cache, read_prompts, render_prompt
+from dflash_mlx.tools.train.data import _key, read_cache, read_prompts, render_prompt
 
 
 def repeat_share(ids: list[int], n: int = 4) -> tuple[int, int]:

@@ -13,7 +13,7 @@ import time
 import mlx.core as mx
 
 from dflash_mlx import load
-from dflash_mlx.cache import make_cache
+from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.cpu.openblas import blas_in_use
 from dflash_mlx.cpu.speedups import CpuSpeedups
 from dflash_mlx.models import target as tgt

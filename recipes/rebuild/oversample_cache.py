@@ -15,7 +15,7 @@ from pathlib import Path
 from mlx_lm.utils import load_tokenizer
 
 from dflash_mlx.loading.pairs import TINY_PAIR, embedded_pair_path
-from dflash_mlx.train.data import read_cache
+from dflash_mlx.tools.train.data import read_cache
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Fast greedy responses of the target for drafter training, in the cache format of dflash-train.
 
-dflash-train's own data step (``dflash_mlx.train.batch_decode``, one process) in several worker
+dflash-train's own data step (``dflash_mlx.tools.train.batch_decode``, one process) in several worker
 processes, with mlx-lm's own model (float32, ``mlx_lm.load``):
 
 * Prompts are taken in file order in windows of ``4 * batch`` prompts, sorted by length inside
@@ -76,7 +76,7 @@ def worker_main(wid, args, task_q, result_q, stop_event):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from mlx_lm import load
 
-    from dflash_mlx.train.batch_decode import decode_slots
+    from dflash_mlx.tools.train.batch_decode import decode_slots
 
     model, tokenizer = load(args.model)
     eos = frozenset(tokenizer.eos_token_ids)
@@ -129,7 +129,7 @@ def worker_main(wid, args, task_q, result_q, stop_event):
 def load_todo(args):
     from mlx_lm.utils import load_tokenizer
 
-    from dflash_mlx.train.data import _key, read_cache, read_prompts, render_prompt
+    from dflash_mlx.tools.train.data import _key, read_cache, read_prompts, render_prompt
 
     tokenizer = load_tokenizer(Path(args.model))
     done = {ex["key"] for ex in read_cache(args.cache)}

@@ -46,7 +46,7 @@ def main() -> None:
     huggingface_hub.snapshot_download = snapshot_download
     huggingface_hub.hf_hub_download = hf_hub_download
 
-    from dflash_mlx.cli.generate import main as generate
+    from dflash_mlx.tools.cli.generate import main as generate
 
     generate(sys.argv[4:])
 

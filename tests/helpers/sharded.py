@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers.checkpoints import HIDDEN, VOCAB, draft_config  # noqa: E402
 
 from dflash_mlx.generation import dflash_generate_step  # noqa: E402
-from dflash_mlx.options import LoopOptions  # noqa: E402
+from dflash_mlx.loop.options import LoopOptions  # noqa: E402
 from dflash_mlx.models.drafter import DraftArgs, DraftModel  # noqa: E402
 from dflash_mlx.sampling import make_sampler  # noqa: E402
 

@@ -15,7 +15,7 @@ import threading
 import time
 
 from dflash_mlx.generation import GenerationResponse
-from dflash_mlx.server import app, handler, worker
+from dflash_mlx.tools.server import app, handler, worker
 
 CYCLE_S = 0.005
 LATE_WRITE_S = 0.5

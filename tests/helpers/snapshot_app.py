@@ -5,7 +5,7 @@ Run it by hand to see the app without any model: ``python tests/helpers/snapshot
 
 import threading
 
-from dflash_mlx.responses import AcceptanceStats, GenerationResponse
+from dflash_mlx.text.responses import AcceptanceStats, GenerationResponse
 from dflash_mlx.tui.app import ChatApp
 
 REPLY = [

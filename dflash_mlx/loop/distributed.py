@@ -1,0 +1,181 @@
+"""DFlash on a target sharded over several processes with ``mlx.distributed``: rank 0 decides.
+
+Every rank runs the same generation on its shard of the target (mlx-lm's tensor parallel
+``model.shard`` or pipeline ``model.model.pipeline``), so every target pass is one pass of
+all of them. What must not differ between ranks is what they feed the target and what they
+keep of it: rank 0 drafts, verifies and accepts as one process would, and after each cycle
+sends the others one small message (:class:`Peers`): the tokens it kept, how many drafts
+were accepted, and the next cycle's drafts, or that generation stops. The others verify the
+same drafts (their share of the pass) and keep what rank 0 kept, never their own verdict, so
+they cannot drift apart even where machines' timings or rounding differ. A rank that dies
+mid-generation ends the others through a TCP connection beside the collectives (:meth:`Peers.watch`).
+"""
+
+import json
+import logging
+import os
+import socket
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..base.errors import DFlashError
+from ..models import drafter2
+from ..models import target as tgt
+from .proposal import ContextTaker
+from .proposal import Proposal, Proposer
+
+log = logging.getLogger("dflash_mlx")
+_BYE = b"\x01"  # a rank's last collective of the generation is done: its connection may close
+_CONNECT_S = 30.0
+
+_SHARDED = (nn.AllToShardedLinear, nn.ShardedToAllLinear, nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
+
+
+def target_group(model: nn.Module) -> mx.distributed.Group | None:
+    """The group a target is sharded over (pipeline or tensor parallel), or None if it is whole."""
+    inner = getattr(tgt._text(model), "model", None)  # a vision-language target's text decoder too
+    if getattr(inner, "pipeline_size", 1) > 1:
+        return mx.distributed.init()  # mlx-lm's pipeline sends and receives in the world group
+    for _, module in model.named_modules():
+        if isinstance(module, _SHARDED) and module.group.size() > 1:
+            return module.group
+        # mlx-lm's MoE layers sum their experts' shards themselves.
+        group = getattr(module, "sharding_group", None)
+        if group is not None and group.size() > 1:
+            return group
+    return None
+
+
+def check_sharded(model: nn.Module, draft: nn.Module | None, choose_width: bool) -> None:
+    """Refuse what only rank 0 would run on a sharded target (its passes need every rank)."""
+    if choose_width:
+        raise DFlashError(
+            "block_size='auto' times verify passes on rank 0 alone, which a sharded target cannot run: "
+            "pass a fixed block size (--block-size)."
+        )
+    if isinstance(draft, drafter2.DraftModel) and tgt.head_group(model) is not None:
+        raise DFlashError(
+            "A DFlash2 drafter reads the target's whole head each pass, which this target splits over its "
+            "ranks (tensor parallel). Use a DFlash drafter, or shard the target as a pipeline (--pipeline)."
+        )
+
+
+class Peers:
+    """The ranks of one generation. Alone (``group`` None) every call is a no-op.
+
+    The message is ``2 * block_size + 3`` int32 values, an ``all_sum`` in which only rank 0's
+    values are not zero: ``[kept count, num_accepted, draft count + 1 (0: stop), kept tokens...,
+    drafts...]``; 140 bytes a cycle at block size 16. A kept count of 0 means rank 0 left the
+    generation early: the others stop without keeping anything.
+    """
+
+    def __init__(self, group: mx.distributed.Group | None, block_size: int):
+        self.group = group if group is not None and group.size() > 1 else None
+        self.leads = self.group is None or self.group.rank() == 0
+        self.block_size = block_size
+        self.width = 2 * block_size + 3
+        self.done = False  # the generation's last message went round
+        self.links: list[socket.socket] = []
+        self.closing = False
+
+    def watch(self) -> None:
+        """Beside MLX's collectives, a TCP connection between rank 0 and each other rank for the
+        generation: a rank whose peer goes away before the last message exits (1) at once, as
+        MLX's ring ``all_sum`` can block for good when a peer dies instead of failing. Rank 0's
+        address comes from ``mlx.launch`` (ring hostfile or JACCL coordinator); without one, no watch."""
+        if self.group is None:
+            return
+        host, server, port = _leader_host(), None, 0
+        if self.leads and host is not None:
+            server = socket.create_server((host, 0))
+            server.settimeout(_CONNECT_S)
+            port = server.getsockname()[1]
+        port = mx.distributed.all_sum(mx.array([port], dtype=mx.int32), group=self.group, stream=mx.cpu).item()
+        try:
+            if server is not None:
+                self.links = [server.accept()[0] for _ in range(self.group.size() - 1)]
+                server.close()
+            elif port and host is not None:
+                self.links = [socket.create_connection((host, port), timeout=_CONNECT_S)]
+        except OSError as e:
+            log.warning("No watch on the other ranks for this generation (%s).", e)
+        for link in self.links:
+            link.settimeout(None)
+            threading.Thread(target=self._watch, args=(link,), daemon=True).start()
+
+    def _watch(self, link: socket.socket) -> None:
+        try:
+            said = link.recv(1)
+        except OSError:
+            said = b""
+        if said != _BYE and not self.closing:
+            log.error("A rank of this sharded generation went away (its connection was lost): exiting.")
+            logging.shutdown()
+            os._exit(1)
+
+    def close(self) -> None:
+        """End the watch: the peers are told goodbye when the last message went round, else they exit."""
+        self.closing = True
+        for link in self.links:
+            try:
+                if self.done:
+                    link.sendall(_BYE)
+                link.close()
+            except OSError:
+                pass
+        self.links = []
+
+    def settle(
+        self, kept: list[int], num_accepted: int, drafts: Proposal | None
+    ) -> tuple[list[int], int, Proposal | None]:
+        """Rank 0's ``(kept, num_accepted, drafts)`` on every rank."""
+        if self.group is None:
+            return kept, num_accepted, drafts
+        message = [0] * self.width
+        if self.leads:
+            tokens = [] if drafts is None else drafts.tokens.tolist()
+            message[:3] = [len(kept), num_accepted, 0 if drafts is None else len(tokens) + 1]
+            message[3 : 3 + len(kept)] = kept
+            message[3 + self.block_size : 3 + self.block_size + len(tokens)] = tokens
+        # On the CPU stream: a ring or JACCL collective runs there on every device.
+        total = mx.distributed.all_sum(mx.array(message, dtype=mx.int32), group=self.group, stream=mx.cpu).tolist()
+        n_kept, num_accepted, n_drafts = total[:3]
+        self.done = n_kept == 0 or n_drafts == 0
+        if self.leads:
+            return kept, num_accepted, drafts
+        start = 3 + self.block_size
+        drafts = None if n_drafts == 0 else Proposal(mx.array(total[start : start + n_drafts - 1], dtype=mx.uint32))
+        return total[3 : 3 + n_kept], num_accepted, drafts
+
+
+def _leader_host() -> str | None:
+    # Rank 0's address as mlx.launch gave it: the ring's hostfile, or JACCL's coordinator.
+    try:
+        if path := os.environ.get("MLX_HOSTFILE"):
+            with open(path) as f:
+                return json.load(f)[0][0].rpartition(":")[0] or None
+        if coordinator := os.environ.get("MLX_JACCL_COORDINATOR"):
+            return coordinator.rpartition(":")[0] or None
+    except (OSError, ValueError, IndexError, TypeError, AttributeError):
+        pass
+    return None
+
+
+class FollowProposer(Proposer):
+    """A follower's proposer: it drafts nothing (rank 0's drafts come with :meth:`Peers.settle`)
+    and keeps nothing, but its taps are the leader's (a pipeline's hand-offs carry them), and so is
+    its prefill: ``drafter`` takes the taps in, folded as the leader's are."""
+
+    def __init__(self, tap_ids: list[int], drafter: ContextTaker | None = None):
+        self.tap_ids, self.drafter = tap_ids, drafter
+
+    def propose(self, last: int, n: int) -> Proposal:
+        raise AssertionError("a follower verifies rank 0's drafts")
+
+    def accept(self, num_accepted: int, taps: mx.array | None) -> None:
+        pass
+
+    def plain_next(self) -> bool:
+        return False

@@ -1,0 +1,1 @@
+"""Plain-Python text handling: responses and tau, reasoning, chat templates, input checks."""

@@ -1,0 +1,147 @@
+"""dflash-bench --base-url: the load a server takes, measured at the client.
+
+For each concurrency level N, N client threads send the prompts (streaming chat or text
+completions) until all are answered, and we report requests per minute, aggregate and
+per-request tok/s, time to first token and tau. Tau is pooled over the drafting cycles of what
+each response reports (``AcceptanceStats``; see ``dflash_mlx.tools.client``), and also taken
+from the change in the server's spec-decode counters over the whole level when it exposes them
+(vLLM, dflash-serve), so a Mac running dflash-serve and a cluster running vLLM or SGLang are
+measured the same way.
+"""
+
+import threading
+import time
+from dataclasses import dataclass
+
+from ..client import DFLASH_ACCEPTED, DFLASH_DRAFTS, VLLM_ACCEPTED, VLLM_DRAFTS, RemoteClient
+from ...text.responses import AcceptanceStats
+
+
+@dataclass
+class RequestResult:
+    tokens: int
+    seconds: float
+    ttft: float
+    acceptance: AcceptanceStats  # as the responses counted it (no cycles: the server gave no tau)
+
+
+def _one(client: RemoteClient, row: dict, max_tokens: int, temperature: float) -> RequestResult:
+    tic = time.perf_counter()
+    first, tokens, acceptance = None, 0, AcceptanceStats()
+    params = {"max_tokens": max_tokens, "temperature": temperature}
+    if row.get("raw") and "prompt" in row:
+        responses = client.stream_completion(row["prompt"], **params)
+    else:
+        responses = client.stream_chat(row.get("messages") or [{"role": "user", "content": row["prompt"]}], **params)
+    for r in responses:
+        if first is None and r.text:
+            first = time.perf_counter()
+        tokens = r.generation_tokens
+        if r.cycle > 0:
+            acceptance = AcceptanceStats.from_totals(r.mean_acceptance_length, r.drafting_cycles, r.plain_cycles)
+    end = time.perf_counter()
+    return RequestResult(tokens, end - tic, (first or end) - tic, acceptance)
+
+
+def _counters(client: RemoteClient) -> tuple[float, float] | None:
+    values = client.scrape()
+    if not values:
+        return None
+    for drafts, accepted in ((VLLM_DRAFTS, VLLM_ACCEPTED), (DFLASH_DRAFTS, DFLASH_ACCEPTED)):
+        if drafts in values:
+            return values[drafts], values.get(accepted, 0.0)
+    return None
+
+
+def run_level(client: RemoteClient, rows: list[dict], concurrency: int, max_tokens: int,
+              temperature: float = 0.0) -> dict:
+    """Send every row once with ``concurrency`` clients; the numbers of that level."""
+    pending = list(enumerate(rows))
+    results: list[RequestResult] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def worker():
+        while True:
+            with lock:
+                if not pending:
+                    return
+                _, row = pending.pop(0)
+            try:
+                result = _one(client, row, max_tokens, temperature)
+            except Exception as e:  # a failed request is reported, not fatal to the level
+                with lock:
+                    errors.append(str(e))
+                continue
+            with lock:
+                results.append(result)
+
+    before = _counters(client)
+    tic = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - tic
+    after = _counters(client)
+    tokens = sum(r.tokens for r in results)
+    pooled = AcceptanceStats()
+    for r in results:
+        pooled.merge(r.acceptance)
+    counter_tau = None
+    if before and after and after[0] > before[0]:
+        counter_tau = 1 + (after[1] - before[1]) / (after[0] - before[0])
+    n = len(results)
+    return {
+        "concurrency": concurrency,
+        "requests": n,
+        "errors": errors,
+        "wall_s": wall,
+        "requests_per_min": 60 * n / wall if wall > 0 else 0.0,
+        "tokens": tokens,
+        "tok_s": tokens / wall if wall > 0 else 0.0,
+        "tok_s_per_request": sum(r.tokens / r.seconds for r in results) / n if n else 0.0,
+        "ttft_s": sum(r.ttft for r in results) / n if n else 0.0,
+        "tau": pooled.tau if pooled.drafting_cycles else None,
+        "drafting_cycles": pooled.drafting_cycles,
+        "plain_cycles": pooled.plain_cycles,
+        "tau_counters": counter_tau,
+    }
+
+
+def run_load(base_url: str, rows: list[dict], *, api_key: str | None = None, model: str | None = None,
+             concurrency: tuple[int, ...] = (1, 4, 8), max_tokens: int = 128, temperature: float = 0.0) -> dict:
+    """Warm the server with one request, then measure each concurrency level in turn.
+
+    Raises:
+        DFlashError: When the server cannot be reached or lacks the model.
+    """
+    # Counters are read around each level, not around each request (other requests overlap).
+    client = RemoteClient(base_url, api_key=api_key, model=model, counter_deltas=False)
+    info = client.server_info()
+    _one(client, rows[0], min(max_tokens, 8), temperature)
+    levels = [run_level(client, rows, n, max_tokens, temperature) for n in concurrency]
+    return {"server": info.describe(), "kind": info.kind, "model": info.model, "tau_reason": info.tau_reason,
+            "max_tokens": max_tokens, "prompts": len(rows), "levels": levels}
+
+
+def load_markdown(result: dict) -> str:
+    def tau(level):
+        if level["tau"] is not None:
+            return f"{level['tau']:.2f}"
+        if level["tau_counters"] is not None:
+            return f"{level['tau_counters']:.2f} (counters)"
+        return "n/a"
+
+    lines = [f"Server: {result['server']}; {result['prompts']} prompts, max {result['max_tokens']} tokens each.", "",
+             "| clients | requests | wall s | requests/min | tok/s (all) | tok/s per request | TTFT s | tau |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for lv in result["levels"]:
+        lines.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['wall_s']:.1f} | {lv['requests_per_min']:.1f} "
+                     f"| {lv['tok_s']:.1f} | {lv['tok_s_per_request']:.1f} | {lv['ttft_s']:.2f} | {tau(lv)} |")
+        if lv["errors"]:
+            lines.append(f"| | {len(lv['errors'])} failed: {lv['errors'][0]} | | | | | | |")
+    if all(lv["tau"] is None and lv["tau_counters"] is None for lv in result["levels"]) and result["tau_reason"]:
+        lines.append(f"\ntau n/a: {result['tau_reason']}")
+    return "\n".join(lines) + "\n"

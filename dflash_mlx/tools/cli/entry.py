@@ -1,0 +1,58 @@
+"""The console scripts' entry points: each imports its tool inside a Ctrl+C handler.
+
+A tool spends its first seconds importing mlx, mlx-lm and transformers, before its own ``main()``
+runs. A Ctrl+C then ends it with one line, not a traceback from deep inside an import.
+
+On Linux each tool first restarts itself with a fast BLAS preloaded (``--blas``, default ``auto``: MKL
+on an Intel CPU where it is installed, else OpenBLAS): MLX's Linux wheel calls a reference BLAS that is
+several times slower.
+"""
+
+import sys
+from importlib import import_module
+from typing import Callable
+
+from ...cpu.openblas import BLAS_CHOICES, use_fast_blas
+from ...base.errors import DFlashError
+
+INTERRUPTED = 130  # what a shell reports for a process ended by SIGINT (128 + 2)
+
+
+def _blas_choice(argv: list[str]) -> str | None:
+    """The ``--blas`` value on the command line (``auto`` when absent); None for ``--help``, which runs no model."""
+    if any(a in ("-h", "--help") for a in argv):
+        return None
+    choice = "auto"
+    for i, arg in enumerate(argv):
+        if arg == "--blas" and i + 1 < len(argv):
+            choice = argv[i + 1]
+        elif arg.startswith("--blas="):
+            choice = arg.partition("=")[2]
+    # A value the tool's own parser refuses: leave it to say so.
+    return choice if choice in BLAS_CHOICES else None
+
+
+def _entry(prog: str, module: str) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            choice = _blas_choice(sys.argv[1:])
+            if choice is not None:
+                try:
+                    use_fast_blas(prog, choice)
+                except DFlashError as e:
+                    print(f"{prog}: error: {e}", file=sys.stderr)
+                    sys.exit(1)
+            import_module(module).main()
+        except KeyboardInterrupt:
+            print(f"{prog}: interrupted", file=sys.stderr)
+            sys.exit(INTERRUPTED)
+
+    return run
+
+
+generate_main = _entry("dflash-generate", "dflash_mlx.tools.cli.generate")
+chat_main = _entry("dflash-chat", "dflash_mlx.tui.app")
+convert_main = _entry("dflash-convert", "dflash_mlx.convert.convert")
+train_main = _entry("dflash-train", "dflash_mlx.tools.train.cli")
+bench_main = _entry("dflash-bench", "dflash_mlx.tools.bench.benchmark")
+serve_main = _entry("dflash-serve", "dflash_mlx.tools.server.app")
