@@ -8,8 +8,9 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Generator, NamedTuple
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,29 +18,34 @@ from mlx_lm.generate import wired_limit
 from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .tuning.policy import PolicyState
-from .loop.cache import DFlashCache, make_cache
+from .base.errors import DFlashError
 from .cpu.openblas import blas_in_use
 from .cpu.speedups import choose_speedups
 from .drafts.datastore import Datastore, DatastoreProposer
-from .loop.distributed import FollowProposer, Peers, check_sharded, target_group
-from .base.errors import DFlashError
 from .drafts.free import FreeDrafts
-from .text.inputs import check_text
 from .drafts.lookup import LookupProposer, PromptLookup
+from .drafts.proposer import (
+    AdaptiveProposer,
+    DFlashProposer,
+    FallbackProposer,
+    FirstOf,
+    SelectorProposer,
+    TreeProposer,
+)
+from .loop.cache import DFlashCache, make_cache
+from .loop.distributed import FollowProposer, Peers, check_sharded, target_group
+from .loop.options import FREE_DRAFTS, LoopOptions, SampleFn
+from .loop.plain_speed import plain_tokens_per_second
+from .loop.proposal import PlainProposer, Proposer  # fmt: skip
+from .loop.verify import Verifier
 from .models import drafter2
 from .models import target as tgt
 from .models.drafter import DraftModel
-from .loop.options import FREE_DRAFTS, LoopOptions, SampleFn
-from .loop.plain_speed import plain_tokens_per_second
-from .drafts.proposer import (
-    AdaptiveProposer, DFlashProposer, FallbackProposer, FirstOf, SelectorProposer, TreeProposer,
-)
-from .loop.proposal import PlainProposer, Proposer  # fmt: skip
+from .sampling import can_sample_proposals
+from .text.inputs import check_text
 from .text.reasoning import join, reasoning_parser
 from .text.responses import AcceptanceStats, GenerationResponse
-from .sampling import can_sample_proposals
-from .loop.verify import Verifier
+from .tuning.policy import PolicyState
 from .tuning.widths import VerifyWidth, machine_key, model_key
 
 # tree_budget="auto" verifies up to this many draft tree nodes a cycle.
@@ -128,8 +134,13 @@ def _make_proposer(
         drafter = TreeProposer(model, draft, cache, nodes, speedups=speedups, width=width)
     else:
         drafter = DFlashProposer(
-            model, draft, cache, sampler=sampler if sample else None, min_confidence=min_confidence,
-            speedups=speedups, width=width,
+            model,
+            draft,
+            cache,
+            sampler=sampler if sample else None,
+            min_confidence=min_confidence,
+            speedups=speedups,
+            width=width,
         )
     if block_size == 1:
         return PlainProposer(drafter)
@@ -170,7 +181,7 @@ def dflash_generate_step(
     prompt: mx.array | list[int],
     model: nn.Module,
     draft: DraftModel | PromptLookup | None,
-    options: LoopOptions = LoopOptions(),
+    options: LoopOptions = LoopOptions(),  # noqa: B008 (frozen: one shared default is safe)
     *,
     prompt_cache: DFlashCache | None = None,
     stream: mx.Stream = generation_stream,
@@ -210,7 +221,9 @@ def dflash_generate_step(
     if peers.group is not None:
         check_sharded(model, draft, choose_width)
         if tree_budget:
-            raise DFlashError("Draft trees run in one process only for now: leave tree_budget at 0 on a sharded target.")
+            raise DFlashError(
+                "Draft trees run in one process only for now: leave tree_budget at 0 on a sharded target."
+            )
     sampler = None if is_greedy(o.sampler) else o.sampler
     if prompt_cache is None:
         cache = make_cache(model, draft, draft_window=o.draft_window, draft_sinks=o.draft_sinks)
@@ -218,9 +231,7 @@ def dflash_generate_step(
         cache = prompt_cache
     drafter = draft if isinstance(draft, DraftModel) else None  # DFlash's (not prompt lookup, not None)
     if drafter is not None and cache.draft is None:
-        raise DFlashError(
-            "The prompt cache was made without a drafter; make it with make_cache(model, draft)."
-        )
+        raise DFlashError("The prompt cache was made without a drafter; make it with make_cache(model, draft).")
     speedups = choose_speedups(tgt.compute_dtype(model), o.cpu_speedups)
     # The policy paces the DFlash drafter; with block 1 it never drafts, so it is left alone. What
     # draft-free cycles learn is kept with the policy state given (or the cache's) either way.
@@ -246,8 +257,14 @@ def dflash_generate_step(
         # Reuse the longest common prefix; at least one token is prefilled for its logits.
         reuse = cache.resume(ids, o.kernels)
         verifier = Verifier(
-            model, cache, sampler=sampler, logits_processors=o.logits_processors, tap_ids=proposer.tap_ids,
-            speedups=speedups, kernels=o.kernels, run_ahead=peers.group is None,
+            model,
+            cache,
+            sampler=sampler,
+            logits_processors=o.logits_processors,
+            tap_ids=proposer.tap_ids,
+            speedups=speedups,
+            kernels=o.kernels,
+            run_ahead=peers.group is None,
         )
         drafts = None
         try:
@@ -282,9 +299,7 @@ def dflash_generate_step(
                 if not peers.leads:
                     cache.commit(last, budget.emit(emitted), verified)
                 last, drafts = emitted[-1], next_drafts
-                yield StepOutput(
-                    emitted, min(num_accepted, room - 1), num_draft, *proposer.rates(), source=source
-                )
+                yield StepOutput(emitted, min(num_accepted, room - 1), num_draft, *proposer.rates(), source=source)
         finally:
             if peers.leads and peers.group is not None and drafts is not None:
                 # Left between cycles: the others are verifying the drafts sent last. Take part in
@@ -464,10 +479,7 @@ def generate(
             f"Prompt: {response.prompt_tokens + response.prompt_cached} tokens{cached}, "
             f"{response.prompt_tps:.3f} tokens-per-sec"
         )
-        print(
-            f"Generation: {response.generation_tokens} tokens, "
-            f"{response.generation_tps:.3f} tokens-per-sec"
-        )
+        print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
         if draft is not None:
             # Drafting cycles by acceptance length: "length:cycles".
             hist = " ".join(f"{k}:{v}" for k, v in acceptance.lengths.items())
@@ -497,6 +509,8 @@ def generate(
         if sys.platform == "linux" and mx.default_device() == mx.cpu:
             print(f"BLAS: {blas_in_use()}")  # what every CPU number above depends on most
     return text
+
+
 def policy_key(model: nn.Module, draft: DraftModel, setup: dict) -> str:
     """What the adaptive policy's verdict depends on: the machine, the target's shape and dtype,
     the drafter's weights (a checksum) and the drafting setup."""
@@ -504,5 +518,3 @@ def policy_key(model: nn.Module, draft: DraftModel, setup: dict) -> str:
     drafter = json.dumps([vars(draft.args), round(weights, 6)], sort_keys=True, default=str)
     ident = json.dumps([machine_key(), model_key(model), drafter, setup], sort_keys=True)
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
-
-

@@ -10,16 +10,16 @@ Two ways to propose a block:
     :class:`Sampler` from :func:`make_sampler` provides.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 
-from .cpu import fast_math
 from .base.errors import DFlashError
+from .cpu import fast_math
 
 PROPOSALS = ("greedy", "sample")
 
@@ -160,9 +160,7 @@ def accept_one_hot(draft_tokens: mx.array, target_tokens: mx.array) -> mx.array:
     return draft_tokens == target_tokens[: draft_tokens.shape[0]]
 
 
-def speculative_accept(
-    draft_tokens: mx.array, q: mx.array, p: mx.array
-) -> tuple[mx.array, mx.array]:
+def speculative_accept(draft_tokens: mx.array, q: mx.array, p: mx.array) -> tuple[mx.array, mx.array]:
     """The speculative-sampling acceptance test for one block, all on device.
 
     Args:

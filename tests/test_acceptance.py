@@ -18,9 +18,9 @@ from test_generate import reference
 from test_tui import SIZE, finish, ready, send
 
 from dflash_mlx import generate, stream_generate
-from dflash_mlx.tuning.policy import PolicyState
 from dflash_mlx.text.chat_template import render_chat
 from dflash_mlx.text.responses import AcceptanceStats
+from dflash_mlx.tuning.policy import PolicyState
 
 MESSAGE = "t2 t4 t6"
 MAX_TOKENS, BLOCK = 40, 4
@@ -95,7 +95,8 @@ async def test_every_surface_shows_the_same_tau(scripted, pair_dirs, capsys, tmp
     assert (round(spec["mean_acceptance_length"], 2), spec["num_spec_steps"], spec["num_plain_steps"]) == expected
     counters = worker.metrics.values
     assert 1 + counters["spec_decode_num_accepted_tokens_total"] / counters["spec_decode_num_drafts_total"] == (
-        pytest.approx(tau))
+        pytest.approx(tau)
+    )
     assert counters["plain_decode_num_steps_total"] == plain
 
     # The benchmark: its own counting of a drained stream, its row and its table.

@@ -10,9 +10,9 @@ from helpers.policy import Clock, CostlyDraft
 from test_generate import _prompt, _truncate_at_stop, lossless_length, reference, run
 
 from dflash_mlx import DFlashError, make_cache, stream_generate
-from dflash_mlx.tuning.policy import PolicyState
 from dflash_mlx.drafts.proposer import AdaptiveProposer
 from dflash_mlx.loop.proposal import Proposal
+from dflash_mlx.tuning.policy import PolicyState
 
 
 class FakeDrafter:
@@ -136,7 +136,7 @@ def test_short_replies_draft_only_in_the_first_replys_probe_when_drafting_is_slo
     # Re-probes of three drafting cycles (a clear loss), each after a plain run long enough (350
     # cycles) that the 10.5 s the three cycles took over plain decoding are 3% of it.
     assert later.index(True) == 6 + 350 - 30
-    assert _segments(later[later.index(True):])[:-1] == [(3, 350), (3, 350)]
+    assert _segments(later[later.index(True) :])[:-1] == [(3, 350), (3, 350)]
     assert clock.now - learning <= 1.03 * len(later)  # later replies: at most 3% over plain decoding
     assert clock.now <= 1.05 * 30 * 40  # the whole conversation, first reply included: within 5%
     assert policy.drafts_next() is False
@@ -238,7 +238,7 @@ def test_later_replies_continue_the_policy(qwen3_pair, carried_by):
     cache = make_cache(model, drafter)
     cache.policy = policy
     ids, turns = _prompt(7), []
-    for turn in range(3):
+    for _ in range(3):
         if carried_by == "prompt_cache":
             kwargs = {"prompt_cache": cache}
         else:
@@ -310,7 +310,11 @@ def test_plain_probe_leaves_the_cache_as_it_was(qwen3_pair):
     assert plain_tokens_per_second(model, make_cache(model, draft)) is None  # nothing to time it on
     # The next turn reuses the cache as if nothing had run in between.
     ids = _prompt(7) + [t for r in first for t in r.tokens] + [5, 6]
-    again = [t for r in stream_generate(model, draft, tokenizer, ids, block_size=4, max_tokens=12, prompt_cache=cache) for t in r.tokens]
+    again = [
+        t
+        for r in stream_generate(model, draft, tokenizer, ids, block_size=4, max_tokens=12, prompt_cache=cache)
+        for t in r.tokens
+    ]
     fresh = [t for r in stream_generate(model, draft, tokenizer, ids, block_size=4, max_tokens=12) for t in r.tokens]
     assert again == fresh
 
@@ -423,9 +427,9 @@ def test_policy_store_keeps_states_by_key(tmp_path):
 def test_dflash_generate_goes_on_from_the_last_run(pair_dirs, tmp_path, monkeypatch, capsys):
     # A one-shot run starts where the last run of the pair left off: here, inside a run of
     # plain cycles that an earlier run's losing windows set up.
-    from dflash_mlx.tuning.policy import PolicyStore
-    from dflash_mlx.tools.cli.generate import main
     from dflash_mlx.base import store
+    from dflash_mlx.tools.cli.generate import main
+    from dflash_mlx.tuning.policy import PolicyStore
 
     monkeypatch.setattr(store, "default_cache_root", lambda: tmp_path)
     args = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),

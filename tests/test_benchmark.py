@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 
 from dflash_mlx import DFlashError
+from dflash_mlx.kernels.dispatch import on_metal
+from dflash_mlx.loading.pairs import EMBEDDED_PAIRS
 from dflash_mlx.tools.bench import benchmark
 from dflash_mlx.tools.bench.benchmark import load_prompts, main, run_benchmark
 from dflash_mlx.tools.bench.stats import efficiency, loop_efficiency, physical_limit, summarize
 from dflash_mlx.tools.bench.timing import RunResult, fastest_times
-from dflash_mlx.kernels.dispatch import on_metal
-from dflash_mlx.loading.pairs import EMBEDDED_PAIRS
 
 
 def test_physical_limit_and_efficiency():
@@ -119,7 +119,11 @@ def test_fastest_times_keeps_the_faster_of_each_entry():
     a = {"context": 40, "ar": 0.010, "verify": {4: 0.02}, "draft": {4: 0.004}, "verify_by_size": {1: 0.010, 4: 0.02}}
     b = {"context": 40, "ar": 0.008, "verify": {4: 0.03}, "draft": {4: 0.003}, "verify_by_size": {1: 0.008, 4: 0.03}}
     assert fastest_times(a, b) == {
-        "context": 40, "ar": 0.008, "verify": {4: 0.02}, "draft": {4: 0.003}, "verify_by_size": {1: 0.008, 4: 0.02}
+        "context": 40,
+        "ar": 0.008,
+        "verify": {4: 0.02},
+        "draft": {4: 0.003},
+        "verify_by_size": {1: 0.008, 4: 0.02},
     }
     assert fastest_times({}, {}) == {}
     a["rollback"], b["rollback"] = {4: {0: 0.002, 2: 0.001}}, {4: {0: 0.001, 2: 0.003}}
@@ -136,8 +140,12 @@ def prompts(tmp_path):
 
 def test_without_an_ar_draft_the_default_methods_leave_out_mlx_spec(pair_dirs, prompts, capsys):
     result = run_benchmark(
-        model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts), max_tokens=4,
-        block_sizes=(4,), runs=1,
+        model=str(pair_dirs["qwen3-tied"]),
+        draft=str(pair_dirs["draft"]),
+        prompts=str(prompts),
+        max_tokens=4,
+        block_sizes=(4,),
+        runs=1,
     )
     assert {r["method"] for r in result["rows"]} == {"baseline", "lookup", "dflash", "dflash-cut", "dflash-fallback",
                                                      "dflash-auto", "dflash-default"}  # fmt: skip
@@ -159,12 +167,31 @@ def test_an_embedded_pair_without_its_ar_draft_says_which_recipe_rebuilds_it(tmp
 
 def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, capsys):
     out = tmp_path / "out"
-    main([
-        "--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
-        "--ar-draft", str(pair_dirs["qwen3-untied"]), "--prompts", str(prompts), "--max-tokens", "12",
-        "--block-sizes", "4", "8", "--runs", "1", "--json", str(tmp_path / "r.json"),
-        "--markdown", str(tmp_path / "r.md"), "--plots", str(out),
-    ])
+    main(
+        [
+            "--model",
+            str(pair_dirs["qwen3-tied"]),
+            "--draft",
+            str(pair_dirs["draft"]),
+            "--ar-draft",
+            str(pair_dirs["qwen3-untied"]),
+            "--prompts",
+            str(prompts),
+            "--max-tokens",
+            "12",
+            "--block-sizes",
+            "4",
+            "8",
+            "--runs",
+            "1",
+            "--json",
+            str(tmp_path / "r.json"),
+            "--markdown",
+            str(tmp_path / "r.md"),
+            "--plots",
+            str(out),
+        ]
+    )
     result = json.loads((tmp_path / "r.json").read_text())
     methods = {(r["method"], r["block_size"]) for r in result["rows"]}
     assert methods == {("baseline", 1), ("mlx-spec", 1), ("lookup", 4), ("lookup", 8), ("dflash", 4), ("dflash", 8),
@@ -204,8 +231,15 @@ def test_runs_are_round_robin(pair_dirs, prompts, monkeypatch):
 
     monkeypatch.setattr(benchmark, "make_runner", fake_runner)
     result = benchmark.run_benchmark(
-        model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts), num_prompts=1,
-        max_tokens=4, block_sizes=(4,), runs=3, methods=("baseline", "lookup", "dflash"), progress=False,
+        model=str(pair_dirs["qwen3-tied"]),
+        draft=str(pair_dirs["draft"]),
+        prompts=str(prompts),
+        num_prompts=1,
+        max_tokens=4,
+        block_sizes=(4,),
+        runs=3,
+        methods=("baseline", "lookup", "dflash"),
+        progress=False,
     )
     methods = ["baseline", "lookup", "dflash"]
     assert calls == methods * 4  # warm-up, then three rounds
@@ -215,14 +249,26 @@ def test_runs_are_round_robin(pair_dirs, prompts, monkeypatch):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--methods", "dflash", "--block-sizes", "40"], "--block-sizes must be from 1 to the drafter's block size 16 (got 40)."),
+        (
+            ["--methods", "dflash", "--block-sizes", "40"],
+            "--block-sizes must be from 1 to the drafter's block size 16 (got 40).",
+        ),
         (["--methods", "mlx-spec"], "needs a small autoregressive draft"),
     ],
 )
 def test_bad_arguments(pair_dirs, prompts, argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
-              "--prompts", str(prompts), *argv])
+        main(
+            [
+                "--model",
+                str(pair_dirs["qwen3-tied"]),
+                "--draft",
+                str(pair_dirs["draft"]),
+                "--prompts",
+                str(prompts),
+                *argv,
+            ]
+        )
     assert e.value.code == 1 and message in capsys.readouterr().err
 
 
@@ -241,8 +287,16 @@ def test_bad_prompts_file(tmp_path):
 def test_scaling_mode_on_a_small_shape(tmp_path, monkeypatch, capsys):
     from dflash_mlx.tools.bench import scaling as bench_scaling
 
-    tiny = dict(hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, vocab_size=256)
+    tiny = dict(
+        hidden_size=64,
+        num_hidden_layers=6,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        vocab_size=256,
+    )
     monkeypatch.setitem(bench_scaling.SHAPES, "tiny", tiny)
     # A clock that reads one second later each time: a plain run reads it after its first token and
     # after 24 more (1 s / 24 tokens = 41.7 ms a token), a DFlash run around 6 cycles (166.7 ms a cycle).
@@ -438,8 +492,8 @@ def test_kernels_on_without_metal_is_one_line_before_loading(no_loading, capsys)
 
 def test_kernel_verdicts_are_reported(monkeypatch, tmp_path):
     import dflash_mlx.kernels
-    from dflash_mlx.tools.bench.report import markdown, stamp
     from dflash_mlx.kernels import KernelStore, Verdict, accept
+    from dflash_mlx.tools.bench.report import markdown, stamp
 
     d = accept.greedy_accept.with_store(KernelStore(tmp_path / "k.json"))
     d.verdicts["mlx.core.bfloat16|16x151936"] = verdict = Verdict(True, "matches its twin, faster", 1e-5, 2e-5)
@@ -456,9 +510,17 @@ def test_kernel_verdicts_are_reported(monkeypatch, tmp_path):
 def test_zero_cut_and_fallback_are_accepted_as_off(pair_dirs, prompts):
     """dflash-generate takes --min-confidence 0 and --lookup-fallback 0 as off; so does the benchmark."""
     result = benchmark.run_benchmark(
-        model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts), num_prompts=1,
-        max_tokens=6, block_sizes=(4,), runs=1, methods=("dflash", "dflash-cut", "dflash-fallback"),
-        min_confidence=0.0, lookup_fallback=0, progress=False,
+        model=str(pair_dirs["qwen3-tied"]),
+        draft=str(pair_dirs["draft"]),
+        prompts=str(prompts),
+        num_prompts=1,
+        max_tokens=6,
+        block_sizes=(4,),
+        runs=1,
+        methods=("dflash", "dflash-cut", "dflash-fallback"),
+        min_confidence=0.0,
+        lookup_fallback=0,
+        progress=False,
     )
     rows = {r["method"]: r for r in result["rows"]}
     assert not result["mismatches"] and rows["dflash-cut"]["tau"] == rows["dflash"]["tau"]
@@ -468,10 +530,21 @@ def test_zero_cut_and_fallback_are_accepted_as_off(pair_dirs, prompts):
 def test_no_dflash_method_times_no_dflash_pass(pair_dirs, prompts, monkeypatch):
     timed = []
     real = benchmark.component_times
-    monkeypatch.setattr(benchmark, "component_times", lambda target, drafter, *a, **k: timed.append(drafter) or real(target, drafter, *a, **k))
+    monkeypatch.setattr(
+        benchmark,
+        "component_times",
+        lambda target, drafter, *a, **k: timed.append(drafter) or real(target, drafter, *a, **k),
+    )
     result = benchmark.run_benchmark(
-        model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts), num_prompts=1,
-        max_tokens=4, block_sizes=(4,), runs=1, methods=("baseline", "lookup"), progress=False,
+        model=str(pair_dirs["qwen3-tied"]),
+        draft=str(pair_dirs["draft"]),
+        prompts=str(prompts),
+        num_prompts=1,
+        max_tokens=4,
+        block_sizes=(4,),
+        runs=1,
+        methods=("baseline", "lookup"),
+        progress=False,
     )
     assert all(d is None for d in timed) and result["times"] == {}
 
@@ -523,8 +596,16 @@ def test_ar_draft_that_borrows_the_targets_embedding(pair_dirs, prompts, tmp_pat
     ar = _load_ar_draft(str(folder), target, given=True, dtype="float32")
     assert ar.model.embed_tokens is target.model.embed_tokens and ar.model.norm is target.model.norm
     result = benchmark.run_benchmark(
-        model=str(src), draft=str(pair_dirs["draft"]), ar_draft=str(folder), prompts=str(prompts), num_prompts=1,
-        max_tokens=8, block_sizes=(4,), runs=1, methods=("baseline", "mlx-spec"), progress=False,
+        model=str(src),
+        draft=str(pair_dirs["draft"]),
+        ar_draft=str(folder),
+        prompts=str(prompts),
+        num_prompts=1,
+        max_tokens=8,
+        block_sizes=(4,),
+        runs=1,
+        methods=("baseline", "mlx-spec"),
+        progress=False,
     )
     assert not result["mismatches"]  # lossless against plain decoding
     config["dflash_borrowed"] = ["model.nowhere"]
@@ -555,8 +636,15 @@ def test_the_default_dtype_is_the_one_generate_uses(pair_dirs, prompts, monkeypa
 
 def test_dflash_tree_runs_when_named_and_gives_the_same_tokens(pair_dirs, prompts):
     result = run_benchmark(
-        model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts), max_tokens=8,
-        block_sizes=(4,), runs=1, methods=("baseline", "dflash-tree"), tree_budget=8, progress=False,
+        model=str(pair_dirs["qwen3-tied"]),
+        draft=str(pair_dirs["draft"]),
+        prompts=str(prompts),
+        max_tokens=8,
+        block_sizes=(4,),
+        runs=1,
+        methods=("baseline", "dflash-tree"),
+        tree_budget=8,
+        progress=False,
     )
     rows = {r["method"]: r for r in result["rows"]}
     assert set(rows) == {"baseline", "dflash-tree"} and rows["dflash-tree"]["block_size"] == 16

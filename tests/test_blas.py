@@ -39,8 +39,11 @@ def _find(files, ldconfig="", found=None, machine="x86_64"):
         # Debian/Ubuntu: the pthread variant's folder before the alternatives link.
         ([DEBIAN, "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"], "x86_64", DEBIAN),
         (["/usr/lib/x86_64-linux-gnu/libopenblas.so.0"], "x86_64", "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"),
-        (["/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0", DEBIAN], "aarch64",
-         "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0"),
+        (
+            ["/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0", DEBIAN],
+            "aarch64",
+            "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+        ),
         # Fedora: the pthreads build, not the serial one.
         (["/usr/lib64/libopenblas.so.0", "/usr/lib64/libopenblasp.so.0"], "x86_64", "/usr/lib64/libopenblasp.so.0"),
         (["/usr/lib64/libopenblas.so.0"], "x86_64", "/usr/lib64/libopenblas.so.0"),
@@ -87,7 +90,11 @@ def test_blas_in_use_names_the_core_openblas_runs():
     library = find_openblas()
     if library is None or openblas_core(library) is None:
         pytest.skip("OpenBLAS is not installed")
-    code = [sys.executable, "-c", "import mlx.core; from dflash_mlx.cpu.openblas import blas_in_use; print(blas_in_use())"]
+    code = [
+        sys.executable,
+        "-c",
+        "import mlx.core; from dflash_mlx.cpu.openblas import blas_in_use; print(blas_in_use())",
+    ]
     env = {**os.environ, "LD_PRELOAD": library, "OPENBLAS_CORETYPE": "Haswell"}
     out = subprocess.run(code, env=env, capture_output=True, text=True, check=True).stdout
     version = openblas_core(library)[0]
@@ -109,7 +116,7 @@ def test_use_fast_blas_restarts_the_process_with_it_preloaded(monkeypatch):
     monkeypatch.setattr(sys, "platform", "linux")
     calls = []
     blas.use_fast_blas("dflash-x", environ={"PATH": "/bin"}, execv=lambda *a: calls.append(a))
-    (exe, argv, env), = calls
+    ((exe, argv, env),) = calls
     # The same command line again (script, -m or -c, and its arguments), in the new environment.
     assert exe == sys.executable and argv == [sys.executable, *sys.orig_argv[1:]]
     assert env == {"PATH": "/bin", "LD_PRELOAD": DEBIAN, "OPENBLAS_CORETYPE": "SkylakeX"}
@@ -126,7 +133,9 @@ def test_use_fast_blas_without_it_says_what_it_costs_and_how_to_install_it(monke
     monkeypatch.setattr(blas, "_noted", False)
     blas.use_fast_blas("dflash-generate", environ={}, execv=lambda *a: pytest.fail("restarted without OpenBLAS"))
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("dflash-generate: note: MLX is running on its bundled reference BLAS")
+    assert err.count("\n") == 1 and err.startswith(
+        "dflash-generate: note: MLX is running on its bundled reference BLAS"
+    )
     assert "sudo apt-get install libopenblas0-pthread" in err
     with pytest.raises(blas.DFlashError, match="--blas openblas: OpenBLAS is not installed"):
         blas.use_fast_blas("dflash-generate", "openblas", environ={})
@@ -242,9 +251,15 @@ def test_blas_in_use_names_mkl_and_its_threading():
     library = mkl.find_mkl()
     if library is None:
         pytest.skip("MKL is not installed (pip install mkl)")
-    code = [sys.executable, "-c", "import mlx.core; from dflash_mlx.cpu.openblas import blas_in_use; print(blas_in_use())"]
+    code = [
+        sys.executable,
+        "-c",
+        "import mlx.core; from dflash_mlx.cpu.openblas import blas_in_use; print(blas_in_use())",
+    ]
     env = mkl.mkl_env(_no_preload(), library)
     out = subprocess.run(code, env=env, capture_output=True, text=True, check=True).stdout.strip()
     version = mkl.mkl_version(library)
     assert version and version[:2] == "20"
-    assert out == f"MKL {version} (preloaded, {os.path.basename(library)}, threading {env['MKL_THREADING_LAYER'].lower()})"
+    assert (
+        out == f"MKL {version} (preloaded, {os.path.basename(library)}, threading {env['MKL_THREADING_LAYER'].lower()})"
+    )

@@ -4,9 +4,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import dflash_generate_step, load, LoopOptions
-from dflash_mlx.tools.bench.benchmark import encode, load_prompts
+from dflash_mlx import LoopOptions, dflash_generate_step, load
 from dflash_mlx.loading.pairs import TINY_PAIR, embedded_pair_path
+from dflash_mlx.tools.bench.benchmark import encode, load_prompts
 from dflash_mlx.tools.train.block_acceptance import _accepted, response_acceptance
 from dflash_mlx.tools.train.taps import TapStore
 
@@ -73,4 +73,6 @@ def test_a_smaller_block_accepts_the_larger_read_capped_at_its_width(tiny):
     full = response_acceptance(draft, model, store, example, 16).accepted
     assert full.max() > 4  # the cap below bites
     for B in (8, 5):
-        assert response_acceptance(draft, model, store, example, B).accepted.tolist() == np.minimum(full, B - 1).tolist()
+        assert (
+            response_acceptance(draft, model, store, example, B).accepted.tolist() == np.minimum(full, B - 1).tolist()
+        )

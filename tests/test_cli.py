@@ -3,12 +3,14 @@ import sys
 
 import pytest
 
-from dflash_mlx.tools.cli.generate import main
 from dflash_mlx.kernels.dispatch import on_metal
+from dflash_mlx.tools.cli.generate import main
 
 
 def test_help_smoke():
-    out = subprocess.run([sys.executable, "-m", "dflash_mlx.tools.cli.generate", "--help"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx.tools.cli.generate", "--help"], capture_output=True, text=True
+    )
     assert out.returncode == 0
     for flag in ("--model", "--draft", "--prompt", "--max-tokens", "--block-size", "--temp", "--system-prompt",
                  "--kernels"):  # fmt: skip
@@ -16,8 +18,20 @@ def test_help_smoke():
 
 
 def test_generates_with_a_pair(pair_dirs, capsys):
-    main(["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
-          "--prompt", "t1 t2 t3", "--max-tokens", "12", "--block-size", "4"])
+    main(
+        [
+            "--model",
+            str(pair_dirs["qwen3-tied"]),
+            "--draft",
+            str(pair_dirs["draft"]),
+            "--prompt",
+            "t1 t2 t3",
+            "--max-tokens",
+            "12",
+            "--block-size",
+            "4",
+        ]
+    )
     out = capsys.readouterr().out
     assert "Generation:" in out and "Acceptance length:" in out
 
@@ -245,7 +259,9 @@ def test_target_without_tokenizer_files_says_so(pair_dirs, tmp_path, capsys):
     assert "copy them from the model's original folder" in err
 
 
-@pytest.mark.parametrize("tool", ["dflash_mlx.tools.cli.generate", "dflash_mlx.tui.app", "dflash_mlx.tools.bench.benchmark"])
+@pytest.mark.parametrize(
+    "tool", ["dflash_mlx.tools.cli.generate", "dflash_mlx.tui.app", "dflash_mlx.tools.bench.benchmark"]
+)
 def test_help_states_the_dtype_default(tool):
     import importlib
 

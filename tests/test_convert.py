@@ -14,7 +14,7 @@ import pytest
 from helpers.checkpoints import MASK_ID, VOCAB, draft_config, write_draft, write_target
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import DFlashError, dflash_generate_step, load, LoopOptions
+from dflash_mlx import DFlashError, LoopOptions, dflash_generate_step, load
 from dflash_mlx.convert import convert, find_draft, find_pair, known_targets
 from dflash_mlx.convert.convert import main
 from dflash_mlx.convert.weights import normalized_config
@@ -99,9 +99,7 @@ def test_convert_bf16_matches_hf_folders_cast(hf, tmp_path):
 
 @pytest.mark.parametrize("q_bits,draft_q_bits", [(8, None), (4, None), (None, 8), (4, 4)])
 def test_convert_quantized_is_lossless(hf, tmp_path, q_bits, draft_q_bits):
-    result = _convert(
-        hf, tmp_path / "pair", quantize=q_bits is not None, q_bits=q_bits, draft_q_bits=draft_q_bits
-    )
+    result = _convert(hf, tmp_path / "pair", quantize=q_bits is not None, q_bits=q_bits, draft_q_bits=draft_q_bits)
     assert result.check.tokens_match
     model, draft, _ = load(tmp_path / "pair")
     attn, draft_attn = model.model.layers[0].self_attn, draft.layers[0].self_attn
@@ -311,8 +309,9 @@ def _no_conversion(*args, **kwargs):
     raise AssertionError("converted before checking --mlx-path")
 
 
-@pytest.mark.parametrize("kind", ["folder-of-files", "file", "current-folder", "parent-is-a-file", "stub-manifest",
-                                  "pair-with-notes"])
+@pytest.mark.parametrize(
+    "kind", ["folder-of-files", "file", "current-folder", "parent-is-a-file", "stub-manifest", "pair-with-notes"]
+)
 def test_force_only_replaces_a_pair_folder(hf, tmp_path, monkeypatch, capsys, kind):
     """--force never deletes what dflash-convert did not write, and says so before converting."""
     docs = tmp_path / "mydocs"

@@ -10,11 +10,16 @@ from helpers.decoding import greedy, run
 from helpers.policy import Clock, CostlyDraft
 
 from dflash_mlx import DFlashError, stream_generate
-from dflash_mlx.tuning.policy import PolicyState
 from dflash_mlx.drafts.datastore import (
-    Datastore, SuffixIndex, load_datastore, open_datastore, read_responses, suffix_array,
+    Datastore,
+    SuffixIndex,
+    load_datastore,
+    open_datastore,
+    read_responses,
+    suffix_array,
 )
 from dflash_mlx.drafts.lookup import PromptLookup
+from dflash_mlx.tuning.policy import PolicyState
 
 
 def reference(model, prompt, max_tokens=120):
@@ -33,7 +38,9 @@ def test_suffix_array_is_the_sorted_suffixes(alphabet):
         expected = sorted(range(len(tokens)), key=lambda i: tokens[i:].tolist())
         assert suffix_array(tokens).tolist() == expected
         # Sorted by the first 4 tokens, ties in text order.
-        assert suffix_array(tokens, 4).tolist() == sorted(range(len(tokens)), key=lambda i: (tokens[i:i + 4].tolist(), i))
+        assert suffix_array(tokens, 4).tolist() == sorted(
+            range(len(tokens)), key=lambda i: (tokens[i : i + 4].tolist(), i)
+        )
 
 
 def test_draft_follows_the_longest_match_and_the_most_frequent_continuation():
@@ -92,12 +99,17 @@ def test_a_phrase_the_session_said_once_does_not_hide_the_cache():
 
 def test_built_once_and_kept(tmp_path):
     cache = tmp_path / "responses.jsonl"
-    cache.write_text('{"key": "a", "prompt_ids": [1], "response_ids": [5, 6, 7, 8], "finish_reason": "stop"}\n'
-                     '{"key": "b", "prompt_ids": [1], "response_ids": [5, 6, 7, 9], "finish_reason": "stop"}\n')
+    cache.write_text(
+        '{"key": "a", "prompt_ids": [1], "response_ids": [5, 6, 7, 8], "finish_reason": "stop"}\n'
+        '{"key": "b", "prompt_ids": [1], "response_ids": [5, 6, 7, 9], "finish_reason": "stop"}\n'
+    )
     first = load_datastore(cache, 10, cache_dir=tmp_path / "kept", min_count=1)
     assert len(list((tmp_path / "kept").iterdir())) == 1
     again = load_datastore(cache, 10, cache_dir=tmp_path / "kept", min_count=1)
-    assert np.array_equal(first.fixed.sa, again.fixed.sa) and again.draft([5, 6], 2).tokens == [7, 8]  # a tie goes to the smaller id
+    assert np.array_equal(first.fixed.sa, again.fixed.sa) and again.draft([5, 6], 2).tokens == [
+        7,
+        8,
+    ]  # a tie goes to the smaller id
     assert read_responses(cache) == [[5, 6, 7, 8], [5, 6, 7, 9]]
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not json\n")
@@ -111,8 +123,10 @@ def _stores(model):
     rng = random.Random(0)
     corrupted = [[t if rng.random() > 0.2 else rng.randrange(VOCAB) for t in text] for text in texts]
     noise = [[rng.randrange(VOCAB) for _ in range(200)] for _ in range(3)]
-    return {name: Datastore(SuffixIndex.build(docs, VOCAB), VOCAB, min_count=1)
-            for name, docs in (("exact", texts), ("corrupted", corrupted), ("noise", noise))}
+    return {
+        name: Datastore(SuffixIndex.build(docs, VOCAB), VOCAB, min_count=1)
+        for name, docs in (("exact", texts), ("corrupted", corrupted), ("noise", noise))
+    }
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
@@ -150,8 +164,7 @@ def test_lossless_in_the_adaptive_policys_paused_cycles(qwen3_pair, block_size):
     # Measured before, so the first cycle is a paused one: the text repeats no two tokens yet, so
     # the datastore drafts before prompt lookup's one-token match.
     policy = PolicyState.restored({"plain_time": 0.01}, clock=clock)
-    out, cycles = run(model, losing, prompt, block_size=block_size, max_tokens=len(ref), policy=policy,
-                      datastore=store)
+    out, cycles = run(model, losing, prompt, block_size=block_size, max_tokens=len(ref), policy=policy, datastore=store)
     assert out == ref
     sources = {c.source for c in cycles[1:] if c.num_draft}
     assert "datastore" in sources and "drafter" in sources

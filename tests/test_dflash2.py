@@ -24,9 +24,9 @@ from mlx.utils import tree_flatten
 from safetensors.numpy import load_file, save_file
 
 from dflash_mlx import DFlashError, LoopOptions, dflash_generate_step, load, make_cache
+from dflash_mlx.drafts.proposer import SelectorProposer
 from dflash_mlx.loading import registry
 from dflash_mlx.models import drafter2
-from dflash_mlx.drafts.proposer import SelectorProposer
 from dflash_mlx.sampling import make_sampler
 
 torch = pytest.importorskip("torch")

@@ -70,7 +70,17 @@ def test_dflash_generate_on_several_ranks_prints_the_single_process_text(n, kind
     hub = tmp_path / "hub"
     shutil.copytree(target, hub / "someone--tiny")
     shutil.copytree(draft, hub / "someone--tiny-draft")
-    argv = ["--temp", "0", "--prompt", "t5 t17 t42 t9", "--max-tokens", "24", "--ignore-chat-template", "--verbose", "F"]
+    argv = [
+        "--temp",
+        "0",
+        "--prompt",
+        "t5 t17 t42 t9",
+        "--max-tokens",
+        "24",
+        "--ignore-chat-template",
+        "--verbose",
+        "F",
+    ]
     main(["--model", str(target), "--draft", str(draft), *argv])
     alone = capsys.readouterr().out
     assert len(alone.split()) == 24
@@ -181,8 +191,8 @@ def test_a_pipeline_rank_reads_the_files_of_its_layers_and_of_no_layer():
 
 
 def test_a_sharded_target_refuses_block_size_auto():
-    from dflash_mlx.loop.distributed import check_sharded
     from dflash_mlx.base.errors import DFlashError
+    from dflash_mlx.loop.distributed import check_sharded
 
     with pytest.raises(DFlashError, match="pass a fixed block size"):
         check_sharded(None, None, choose_width=True)

@@ -7,7 +7,7 @@ from urllib.parse import unquote
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE_ROOTS = ("dflash_mlx",)
 # A list item that opens with a module path: "- `dflash_mlx/loop/cache.py`: ..." or a subpackage: "- `dflash_mlx/models/`: ..."
-LISTED = re.compile(r"^- `((?:%s)/(?:[\w/]*\.py|[\w/]*/)?)`" % "|".join(PACKAGE_ROOTS), re.MULTILINE)
+LISTED = re.compile(rf"^- `((?:{'|'.join(PACKAGE_ROOTS)})/(?:[\w/]*\.py|[\w/]*/)?)`", re.MULTILINE)
 # [text](target), skipping images' "!" prefix the same way; the target stops at whitespace or ")".
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 

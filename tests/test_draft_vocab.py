@@ -13,10 +13,10 @@ from helpers.decoding import greedy, run
 from helpers.oracles import ScriptedDraft
 
 from dflash_mlx import DFlashError, load
-from dflash_mlx.loop import verify
-from dflash_mlx.loop.cache import make_draft_cache
 from dflash_mlx.loading.draft_loader import load_draft
 from dflash_mlx.loading.folders import read_config
+from dflash_mlx.loop import verify
+from dflash_mlx.loop.cache import make_draft_cache
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.drafter import DraftModel, save_draft
 from dflash_mlx.sampling import make_sampler

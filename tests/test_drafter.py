@@ -4,7 +4,7 @@ import pytest
 from helpers.checkpoints import draft_config
 
 from dflash_mlx.loop.cache import make_draft_cache
-from dflash_mlx.models.drafter import DraftModel, DraftArgs, default_target_layer_ids
+from dflash_mlx.models.drafter import DraftArgs, DraftModel, default_target_layer_ids
 
 
 def test_paper_rule_for_target_layer_ids():
@@ -72,7 +72,11 @@ def test_per_row_block_offsets_match_single_rows():
 
 def test_sanitize_drops_borrowed_weights():
     draft = _draft()
-    weights = {"model.fc.weight": mx.zeros((1,)), "embed_tokens.weight": mx.zeros((1,)), "lm_head.weight": mx.zeros((1,))}
+    weights = {
+        "model.fc.weight": mx.zeros((1,)),
+        "embed_tokens.weight": mx.zeros((1,)),
+        "lm_head.weight": mx.zeros((1,)),
+    }
     assert list(draft.sanitize(weights)) == ["fc.weight"]
 
 
@@ -111,9 +115,9 @@ def test_cached_drafting_through_the_compiled_steps_matches_the_layers(monkeypat
 
 def test_the_head_runs_only_for_the_drafts_asked_for(qwen3_pair, monkeypatch):
     """num_drafts=n: the first n rows of the full pass, with the head applied to n rows only."""
-    from dflash_mlx.models import target as tgt
-    from dflash_mlx.loop.cache import make_cache
     from dflash_mlx.drafts.proposer import DFlashProposer
+    from dflash_mlx.loop.cache import make_cache
+    from dflash_mlx.models import target as tgt
 
     model, draft, _ = qwen3_pair
     block = mx.array([[3] + [draft.mask_token_id] * (draft.block_size - 1)])
@@ -144,15 +148,14 @@ def _joined_attention(attn, q, k, v, k_ctx, v_ctx):
 @pytest.mark.parametrize("kind", ["full", "windowed"])
 # Cached and new context positions, block rows: empty caches, a buffer filled to its end (256) and
 # grown by the block, a window overflowing, and a block of more rows than the context.
-@pytest.mark.parametrize(
-    "cached,new,rows", [(0, 0, 1), (0, 5, 1), (37, 0, 1), (250, 3, 1), (256, 9, 1), (40, 2, 3)]
-)
+@pytest.mark.parametrize("cached,new,rows", [(0, 0, 1), (0, 5, 1), (37, 0, 1), (250, 3, 1), (256, 9, 1), (40, 2, 3)])
 @pytest.mark.parametrize("fast_exp", [False, True])
 def test_the_block_is_read_after_the_cached_context_without_joining(kind, cached, new, rows, fast_exp):
     """attend equals attention over the joined context and block (fp32), leaves the cache
     holding the context alone, and a second pass over the same cache gives the same output."""
-    from dflash_mlx.loop.cache import WindowedKVCache
     from mlx_lm.models.cache import KVCache
+
+    from dflash_mlx.loop.cache import WindowedKVCache
 
     attn = _draft().layers[0].self_attn
     h, d = attn.n_kv_heads, attn.head_dim
@@ -204,10 +207,10 @@ def test_extended_context_equals_the_context_taken_in_by_the_pass():
 def test_the_prefill_leaves_no_taps_pending_and_the_drafts_unchanged(qwen3_pair):
     """A prefill with the drafter takes each chunk's taps into its cache: nothing stays pending,
     and the first draft pass proposes what it proposed when it took the whole prompt in."""
-    from dflash_mlx.loop.cache import make_cache
-    from dflash_mlx.models import target as tgt
     from dflash_mlx.drafts.proposer import DFlashProposer
+    from dflash_mlx.loop.cache import make_cache
     from dflash_mlx.loop.verify import Verifier
+    from dflash_mlx.models import target as tgt
 
     model, draft, _ = qwen3_pair
     prompt = [int(t) for t in mx.random.randint(0, 100, (37,)).tolist()]
@@ -233,10 +236,10 @@ def test_a_prefill_after_pending_taps_takes_them_in_first(qwen3_pair):
     """Taps left pending by an earlier turn's last block are raw, the prefill's own are folded by
     the target: the caches take the pending ones first, and the drafts are those of a prefill that
     took the whole prompt raw."""
-    from dflash_mlx.loop.cache import make_cache
-    from dflash_mlx.models import target as tgt
     from dflash_mlx.drafts.proposer import DFlashProposer
+    from dflash_mlx.loop.cache import make_cache
     from dflash_mlx.loop.verify import Verifier
+    from dflash_mlx.models import target as tgt
 
     model, draft, _ = qwen3_pair
     prompt = [int(t) for t in mx.random.randint(0, 100, (37,)).tolist()]

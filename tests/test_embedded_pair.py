@@ -9,11 +9,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import dflash_generate_step, load, LoopOptions
-from dflash_mlx.tools.bench.benchmark import encode, load_prompts
+from dflash_mlx import LoopOptions, dflash_generate_step, load
 from dflash_mlx.base.errors import DFlashError
 from dflash_mlx.loading.gguf import SMOLLM2_INSTALL
 from dflash_mlx.loading.pairs import DEFAULT_PAIR, TINY_PAIR, embedded_pair_path, is_embedded_pair
+from dflash_mlx.tools.bench.benchmark import encode, load_prompts
 
 
 def _greedy(model, ids, max_tokens, eos):

@@ -2,9 +2,9 @@
 
 import pytest
 
-from dflash_mlx.tuning.policy import FreeStats
 from dflash_mlx.drafts.datastore import Datastore, SuffixIndex
 from dflash_mlx.drafts.free import FreeDrafts
+from dflash_mlx.tuning.policy import FreeStats
 
 
 class Clock:

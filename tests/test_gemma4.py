@@ -231,7 +231,9 @@ def test_layouts_mlx_lm_cannot_build_are_refused_in_one_line(gemma_targets, kind
                               r"Set global_head_dim=32")  # fmt: skip
     refused(lambda c, t: t.update(use_bidirectional_attention="all"), "use_bidirectional_attention='all'")
     refused(lambda c, t: t.pop("num_kv_shared_layers"), "no num_kv_shared_layers: transformers reads that as 0, mlx")
-    refused(lambda c, t: t.pop("final_logit_softcapping"), "no final_logit_softcapping: transformers reads that as None")
+    refused(
+        lambda c, t: t.pop("final_logit_softcapping"), "no final_logit_softcapping: transformers reads that as None"
+    )
     if kind == "gemma4":
         message = r"text_config has vocab_size=128, but mlx-lm builds .* vocab_size=262144"
         refused(lambda c, t: c.pop("vocab_size"), message)
@@ -278,8 +280,8 @@ def test_published_drafter_configs_load(gemma_targets, gemma_pairs, tmp_path):
 def test_convert_load_generate_chat(gemma_targets, kind, tmp_path, capsys):
     """dflash-convert -> load -> dflash-generate -> the chat engine's turns; the chat's second
     turn (reusing the cache) equals a fresh run of it."""
-    from dflash_mlx.tools.cli.generate import main as generate_main
     from dflash_mlx.convert import convert
+    from dflash_mlx.tools.cli.generate import main as generate_main
     from dflash_mlx.tui.commands import Settings
     from dflash_mlx.tui.engine import MLXEngine
 

@@ -5,7 +5,7 @@ from helpers.decoding import greedy, run
 from helpers.oracles import ScriptedDraft
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import DFlashError, dflash_generate_step, make_cache, stream_generate, LoopOptions
+from dflash_mlx import DFlashError, LoopOptions, dflash_generate_step, make_cache, stream_generate
 from dflash_mlx.kernels.dispatch import on_metal
 
 MAX_REF = 200
@@ -126,8 +126,9 @@ def test_min_confidence_lossless_every_target_kind(tiny_pair, block_size):
     prompt = _prompt(7)
     ref = reference(model, prompt)
     drafter = ScriptedDraft(draft, prompt + ref, VOCAB, wrong_every=3, unsure_every=4)
-    out, cycles = run(model, drafter, prompt, block_size=block_size, max_tokens=MAX_REF, min_confidence=0.5,
-                      adaptive=False)
+    out, cycles = run(
+        model, drafter, prompt, block_size=block_size, max_tokens=MAX_REF, min_confidence=0.5, adaptive=False
+    )
     assert out == ref
     if block_size > 2:
         assert max(s.num_draft for s in cycles) < block_size - 1
@@ -327,7 +328,6 @@ def test_prompt_cache_reuse_across_turns(qwen3_pair):
     other = prompt[:5] + _prompt(9, seed=11)
     third, _ = run(model, draft, other, max_tokens=40, prompt_cache=cache)
     assert third == reference(model, other, 40)
-
 
 
 @pytest.mark.parametrize("lookup_fallback", [0, 4])

@@ -223,8 +223,8 @@ def test_convert_load_generate(folders, tmp_path, capsys, q_bits):
     """dflash-convert -> load -> generate, for the MXFP4 checkpoint: the pair folder holds mlx-lm's
     own conversion, with the MXFP4 experts kept and (``q_bits``) the other layers quantized too,
     the layout of mlx-community's gpt-oss-*-MXFP4-Q8 repositories."""
-    from dflash_mlx.tools.cli.generate import main as generate_main
     from dflash_mlx.convert import convert
+    from dflash_mlx.tools.cli.generate import main as generate_main
 
     target, _, draft_folder = folders
     pair = tmp_path / "pair"

@@ -16,7 +16,7 @@ from helpers.family import MAX_REF, prompt_ids, reference
 from helpers.hf_checkpoints import HF_KINDS, write_hf_target
 from helpers.oracles import ScriptedDraft, SecondChoiceDraft
 
-from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache, LoopOptions
+from dflash_mlx import DFlashError, LoopOptions, dflash_generate_step, load, make_cache
 from dflash_mlx.models import hybrid, linear_attention
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.hybrid import RecurrentCache
@@ -299,7 +299,9 @@ def test_generation_left_early_then_continue(pairs, kind):
     model, draft, _ = pairs[kind]
     prompt = prompt_ids(20)
     cache = make_cache(model, draft)
-    steps = dflash_generate_step(prompt, model, draft, LoopOptions(max_tokens=60, lookup_fallback=4), prompt_cache=cache)
+    steps = dflash_generate_step(
+        prompt, model, draft, LoopOptions(max_tokens=60, lookup_fallback=4), prompt_cache=cache
+    )
     taken = [t for _, step in zip(range(4), steps) for t in step.tokens]
     steps.close()
     assert cache.tokens == (prompt + taken)[:-1] and cache.offset == len(cache.tokens)

@@ -30,6 +30,20 @@ def test_ruff_passes():
 
 
 @needs_source
+def test_the_tree_is_formatted_by_ruff():
+    if importlib.util.find_spec("ruff") is None:
+        pytest.fail("ruff is not installed: pip install -e '.[test]'")
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "--no-cache", "."],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, "run `ruff format .`: " + out.stdout[-4000:] + out.stderr[-2000:]
+
+
+@needs_source
 def test_the_license_is_the_one_pyproject_names():
     assert PYPROJECT["project"]["license"] == "MIT"
     text = (REPO / "LICENSE").read_text()

@@ -14,9 +14,7 @@ def _relative_error(ours: mx.array, reference: np.ndarray) -> float:
     return float(np.max(np.abs(ours - reference) / reference))
 
 
-@pytest.mark.parametrize(
-    "fn, low, high", [(fast_math._exp, -87.0, 88.0), (fast_math._exp_nonpositive, -43.0, 0.0)]
-)
+@pytest.mark.parametrize("fn, low, high", [(fast_math._exp, -87.0, 88.0), (fast_math._exp_nonpositive, -43.0, 0.0)])
 def test_exp_is_as_accurate_as_mlx(fn, low, high):
     x = mx.linspace(low, high, 100_001)
     reference = np.exp(np.array(x, dtype=np.float64))
@@ -148,9 +146,18 @@ def _tiny_qwen3(**overrides):
     from mlx_lm.models import qwen3
 
     args = dict(
-        model_type="qwen3", hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=100, max_position_embeddings=512,
-        rope_theta=10000.0, tie_word_embeddings=True,
+        model_type="qwen3",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        vocab_size=100,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
     )
     args.update(overrides)
     model = qwen3.Model(qwen3.ModelArgs(**args))
@@ -163,8 +170,16 @@ def _tiny_llama(**overrides):
     from mlx_lm.models import llama
 
     args = dict(
-        model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=100, max_position_embeddings=512, rope_theta=10000.0,
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=100,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
         tie_word_embeddings=True,
     )
     args.update(overrides)
@@ -185,26 +200,39 @@ def _verify_matches_mlx_lm(
     for start, length in zip((40, 60, 80), lengths):
         block = mx.array([list(range(start, start + length))])
         h = model.model.embed_tokens(block)
-        assert (tgt._cpu_steps(model, h, ours, tgt._layer_masks(model, h, ours), speedups) is not None) == expect_kernels
+        assert (
+            tgt._cpu_steps(model, h, ours, tgt._layer_masks(model, h, ours), speedups) is not None
+        ) == expect_kernels
         logits, _ = tgt.forward_with_taps(model, block, ours, [0], speedups)
         assert mx.abs(logits - model(block, cache=theirs)).max().item() < 1e-4
 
 
 @pytest.mark.parametrize(
     "rope_scaling",
-    [None, {"rope_type": "linear", "factor": 2.0}, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}],
+    [
+        None,
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
 )
 def test_compiled_qwen3_step_matches_mlx_lm_with_each_rope(rope_scaling):
     # Plain and linear RoPE run inside the compiled step; Llama 3's, outside it.
     model = _tiny_qwen3(rope_scaling=rope_scaling)
-    assert (tgt.compiled_layers.rope_key(model.model.layers[0].self_attn.rope) is None) == (rope_scaling is not None
-                                                                             and rope_scaling["rope_type"] == "llama3")
+    assert (tgt.compiled_layers.rope_key(model.model.layers[0].self_attn.rope) is None) == (
+        rope_scaling is not None and rope_scaling["rope_type"] == "llama3"
+    )
     _verify_matches_mlx_lm(model, expect_kernels=True)
 
 
 @pytest.mark.parametrize(
-    "speedups", [CpuSpeedups(fast_exp=False), CpuSpeedups(compiled_steps=False), CpuSpeedups(fast_exp=False, compiled_steps=False)]
+    "speedups",
+    [CpuSpeedups(fast_exp=False), CpuSpeedups(compiled_steps=False), CpuSpeedups(fast_exp=False, compiled_steps=False)],
 )
 def test_each_speedup_alone_matches_mlx_lm(speedups):
     _verify_matches_mlx_lm(_tiny_qwen3(), expect_kernels=True, speedups=speedups)

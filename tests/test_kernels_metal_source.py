@@ -465,8 +465,10 @@ def test_dispatchers_check_themselves_on_metal(tmp_path):
         (accept.greedy_accept, _block(16, 32000, 7, mx.bfloat16, seed=0)),
         (qmm.verify_qmm, _quantized(16, 4096, 4096, 4, 64, mx.bfloat16, seed=0)),
         (gdn.gated_delta_states, _recurrence(1, 16, 16, 128, 32, 128, mx.bfloat16, seed=0)),
-        (gdn_tree.gated_delta_tree, _tree(gdn_tree.random_parents(17, mx.random.key(0)), 16, 128, 32, 128,
-                                          mx.bfloat16, seed=0)),  # fmt: skip
+        (
+            gdn_tree.gated_delta_tree,
+            _tree(gdn_tree.random_parents(17, mx.random.key(0)), 16, 128, 32, 128, mx.bfloat16, seed=0),
+        ),  # fmt: skip
     ]:
         fresh = dispatcher.with_store(KernelStore(tmp_path / "kernels.json"))
         verdict = fresh.verdict(*args)

@@ -23,7 +23,6 @@ from dflash_mlx.models.drafter import DraftArgs, DraftModel
 torch = pytest.importorskip("torch")
 
 
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """The target folder, its transformers model and a drafter folder."""
@@ -165,8 +164,8 @@ def test_a_drafter_shaped_like_the_published_one(folders, tmp_path):
 def test_convert_load_generate(folders, tmp_path, capsys, q_bits):
     """dflash-convert -> load -> generate: the pair folder holds mlx-lm's own conversion, the INT4
     experts kept and (``q_bits``) the other layers quantized too."""
-    from dflash_mlx.tools.cli.generate import main as generate_main
     from dflash_mlx.convert import convert
+    from dflash_mlx.tools.cli.generate import main as generate_main
 
     target, _, draft_folder = folders
     pair = tmp_path / "pair"

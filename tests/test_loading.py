@@ -262,8 +262,10 @@ def test_an_unreachable_hub_falls_back_to_the_cache_and_says_so_once(pair_dirs, 
     model, draft, _ = load("acme/tiny", "acme/tiny-DFlash")
     assert time.monotonic() - tic < 10 and draft is not None
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert said == [f"The Hugging Face hub is unreachable (cannot reach {unreachable_hub} ([Errno 111] Connection "
-                    "refused)); using the cached target acme/tiny."]
+    assert said == [
+        f"The Hugging Face hub is unreachable (cannot reach {unreachable_hub} ([Errno 111] Connection "
+        "refused)); using the cached target acme/tiny."
+    ]
 
 
 def test_remote_code_is_never_executed(folders, tmp_path):

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import dflash_generate_step, LoopOptions
+from dflash_mlx import LoopOptions, dflash_generate_step
 from dflash_mlx.drafts.lookup import PromptLookup
 
 
@@ -33,8 +33,15 @@ def test_lookup_evidence_drafts_what_lookup_drafts():
         found, n, evidence = draft.lookup_evidence(tokens, 7)
         assert (found, n) == draft.lookup_match(tokens, 7)
         starts = [s for s in range(len(tokens) - n) if n and tokens[s : s + n] == tokens[-n:]]
-        assert evidence == ("" if not n else "once" if len(starts) == 1
-                            else "agree" if tokens[starts[-2] + n] == tokens[starts[-1] + n] else "differ")
+        assert evidence == (
+            ""
+            if not n
+            else "once"
+            if len(starts) == 1
+            else "agree"
+            if tokens[starts[-2] + n] == tokens[starts[-1] + n]
+            else "differ"
+        )
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

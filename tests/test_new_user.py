@@ -12,10 +12,10 @@ import pytest
 from helpers.snapshot_app import FakeStream, wait_until
 
 from dflash_mlx import DFlashError, generate, stream_generate
-from dflash_mlx.tuning.policy import PolicyState
-from dflash_mlx.tools.cli import generate as cli_generate
 from dflash_mlx.cpu import openblas as blas
 from dflash_mlx.text.inputs import check_text, decode_utf8, text_problem
+from dflash_mlx.tools.cli import generate as cli_generate
+from dflash_mlx.tuning.policy import PolicyState
 
 REPO = Path(__file__).resolve().parents[1]
 DEBIAN = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -112,7 +112,10 @@ def test_python_on_the_reference_blas_is_told_once_how_to_start_with_openblas(
     assert len(notes) == (1 if warned else 0)
     if warned:
         assert "\n" not in notes[0]
-        assert "run python -m dflash_mlx.cpu.openblas python chat_bot.py" in notes[0] and f"LD_PRELOAD={DEBIAN}" in notes[0]
+        assert (
+            "run python -m dflash_mlx.cpu.openblas python chat_bot.py" in notes[0]
+            and f"LD_PRELOAD={DEBIAN}" in notes[0]
+        )
 
 
 def test_a_tool_run_with_blas_bundled_is_not_told_to_restart(monkeypatch, caplog):

@@ -102,9 +102,16 @@ def test_tools_run_from_the_wheel(venv, tmp_path):
 def test_the_wheel_from_the_sdist_ships_the_tools_not_the_baselines(venv):
     wheel = venv[2]
     files = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("dflash_mlx/tui/app.py", "dflash_mlx/tui/chat.tcss", "dflash_mlx/convert/convert.py",
-                   "dflash_mlx/loading/loading.py", "dflash_mlx/assets/smollm2/draft/model.safetensors"):
+    for module in (
+        "dflash_mlx/tui/app.py",
+        "dflash_mlx/tui/chat.tcss",
+        "dflash_mlx/convert/convert.py",
+        "dflash_mlx/loading/loading.py",
+        "dflash_mlx/assets/smollm2/draft/model.safetensors",
+    ):
         assert module in files, module
-    assert not [f for f in files if "/ar-draft/" in f or (f.startswith("dflash_mlx/assets/bench/") and f.endswith(".json"))]
+    assert not [
+        f for f in files if "/ar-draft/" in f or (f.startswith("dflash_mlx/assets/bench/") and f.endswith(".json"))
+    ]
     # The top-level folders are links for the checkout's readers: they are not packages of their own.
     assert not [f for f in files if f.startswith(("tui/", "convert/"))]

@@ -28,7 +28,7 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import DynamicCache, GenerationConfig  # noqa: E402
 
 import dflash_mlx  # noqa: E402
-from dflash_mlx import DFlashError, dflash_generate_step, load, make_cache, LoopOptions  # noqa: E402
+from dflash_mlx import DFlashError, LoopOptions, dflash_generate_step, load, make_cache  # noqa: E402
 from dflash_mlx.models import target as tgt  # noqa: E402
 from dflash_mlx.reference import default_device, forward_with_taps, load_draft, load_reference, reference_generate  # noqa: E402
 
@@ -97,9 +97,7 @@ def trained(dirs, pairs):
             # The target's greedy text, decoded by mlx-lm: a plain PyTorch loop takes far longer on the
             # hybrid targets, and only how well the drafter fits depends on these tokens.
             sequence = prompt + [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=100)]
-            fitted = train_agreeing_draft(
-                load_draft(dirs["draft16"], device=DEVICE), target, sequence, steps=40
-            )
+            fitted = train_agreeing_draft(load_draft(dirs["draft16"], device=DEVICE), target, sequence, steps=40)
             path = dirs["root"] / name
             path.mkdir()
             weights = {k: v.detach().cpu().contiguous() for k, v in fitted.state_dict().items()}

@@ -55,8 +55,11 @@ def _every_split(make, text: str, expected: tuple[str, str]) -> None:
 
 
 def test_harmony_channels_split_at_every_position():
-    _every_split(lambda: HarmonyParser.after_prompt("<|start|>user<|message|>hi<|end|><|start|>assistant"),
-                 HARMONY, HARMONY_SPLIT)
+    _every_split(
+        lambda: HarmonyParser.after_prompt("<|start|>user<|message|>hi<|end|><|start|>assistant"),
+        HARMONY,
+        HARMONY_SPLIT,
+    )
 
 
 def test_harmony_streams_each_piece_as_soon_as_it_is_known():
@@ -77,14 +80,16 @@ def test_harmony_streams_each_piece_as_soon_as_it_is_known():
         # The prompt opened the final channel itself.
         ("<|start|>assistant<|channel|>final<|message|>", "Right away.", ("Right away.", "")),
         # A header cut off by the token limit is dropped.
-        ("<|start|>assistant", "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>fi",
-         ("", "Hm.")),
+        ("<|start|>assistant", "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>fi", ("", "Hm.")),
         # A second header without its <|start|>, and stray text between messages: shown, not lost.
         ("<|start|>assistant", "<|channel|>analysis<|message|>a<|end|><|channel|>final<|message|>b", ("b", "a")),
         ("<|start|>assistant", "<|channel|>analysis<|message|>a<|end|> stray", ("stray", "a")),
         # A tool call's arguments (commentary, to a recipient) are not the answer.
-        ("<|start|>assistant", "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>",
-         ("", "{}")),
+        (
+            "<|start|>assistant",
+            "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>",
+            ("", "{}"),
+        ),
     ],
 )
 def test_harmony_edge_cases(prompt_tail, text, expected):
@@ -96,16 +101,22 @@ def test_harmony_edge_cases(prompt_tail, text, expected):
     [
         (THINK, "\n<think>\nLet me see.\n</think>\n\nYes.", ("Yes.", "Let me see.\n")),
         # The template opened <think> in the prompt (Qwen3-Thinking, DeepSeek-R1).
-        (lambda: TagParser("<think>", "</think>", thinking=True), "Hm </thin k>.</think>\n\nNo.",
-         ("No.", "Hm </thin k>.")),
+        (
+            lambda: TagParser("<think>", "</think>", thinking=True),
+            "Hm </thin k>.</think>\n\nNo.",
+            ("No.", "Hm </thin k>."),
+        ),
         # Only a reply that starts with the tag opens it.
         (THINK, "Use <think> tags.", ("Use <think> tags.", "")),
         (THINK, "  \n ", ("", "")),
         # Cut off while thinking: all of it is reasoning.
         (THINK, "<think>still going", ("", "still going")),
         # Gemma 4's thought channel.
-        (lambda: TagParser("<|channel>thought", "<channel|>"), "<|channel>thought\nPlan.<channel|>Done.",
-         ("Done.", "Plan.")),
+        (
+            lambda: TagParser("<|channel>thought", "<channel|>"),
+            "<|channel>thought\nPlan.<channel|>Done.",
+            ("Done.", "Plan."),
+        ),
     ],
 )
 def test_think_tags_split_at_every_position(make, text, expected):

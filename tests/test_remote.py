@@ -18,8 +18,7 @@ WORDS = ["Hello", ",", " wor", "ld", "!"]
 @pytest.fixture(scope="module")
 def server(qwen3_pair):
     model, draft, tokenizer = qwen3_pair
-    srv = DFlashServer(model, draft, tokenizer, model_name="tiny", port=0,
-                       defaults=Defaults(max_tokens=20)).start()
+    srv = DFlashServer(model, draft, tokenizer, model_name="tiny", port=0, defaults=Defaults(max_tokens=20)).start()
     yield srv
     srv.close()
 
@@ -41,7 +40,8 @@ def test_our_server_streams_the_same_text_and_per_cycle_statistics(server, qwen3
     last = responses[-1]
     assert last.finish_reason == expected[-1].finish_reason and last.cycle == 0
     assert (last.mean_acceptance_length, last.drafting_cycles, last.plain_cycles) == pytest.approx(
-        (expected[-1].mean_acceptance_length, expected[-1].drafting_cycles, expected[-1].plain_cycles))
+        (expected[-1].mean_acceptance_length, expected[-1].drafting_cycles, expected[-1].plain_cycles)
+    )
     assert last.generation_tokens == expected[-1].generation_tokens
 
 
@@ -86,33 +86,48 @@ def _fake_handler(fake: Fake):
 
         def _authorised(self):
             if fake.api_key and self.headers.get("Authorization") != f"Bearer {fake.api_key}":
-                self._json(401, {"error": {"message": "Unauthorized", "type": "invalid_request_error",
-                                           "param": None, "code": None}})
+                self._json(
+                    401,
+                    {
+                        "error": {
+                            "message": "Unauthorized",
+                            "type": "invalid_request_error",
+                            "param": None,
+                            "code": None,
+                        }
+                    },
+                )
                 return False
             return True
 
         def do_GET(self):
             if self.path == "/v1/models":
                 if self._authorised():
-                    owner = {"vllm": "vllm", "vllm-counters": "vllm", "sglang": "sglang",
-                             "sglang-meta": "sglang"}.get(fake.kind, "system")
-                    self._json(200, {"object": "list", "data": [{"id": "Qwen/Qwen3-8B", "object": "model",
-                                                                 "owned_by": owner}]})
+                    owner = {"vllm": "vllm", "vllm-counters": "vllm", "sglang": "sglang", "sglang-meta": "sglang"}.get(
+                        fake.kind, "system"
+                    )
+                    self._json(
+                        200, {"object": "list", "data": [{"id": "Qwen/Qwen3-8B", "object": "model", "owned_by": owner}]}
+                    )
             elif self.path == "/metrics" and fake.kind.startswith("vllm"):
                 label = '{engine="0",model_name="Qwen/Qwen3-8B"}'
-                text = (f"# TYPE vllm:spec_decode_num_drafts_total counter\n"
-                        f"vllm:spec_decode_num_drafts_total{label} {fake.drafts}\n"
-                        f"# TYPE vllm:spec_decode_num_accepted_tokens_total counter\n"
-                        f"vllm:spec_decode_num_accepted_tokens_total{label} {fake.accepted}\n"
-                        f"vllm:generation_tokens_total{label} 100.0\n").encode()
+                text = (
+                    f"# TYPE vllm:spec_decode_num_drafts_total counter\n"
+                    f"vllm:spec_decode_num_drafts_total{label} {fake.drafts}\n"
+                    f"# TYPE vllm:spec_decode_num_accepted_tokens_total counter\n"
+                    f"vllm:spec_decode_num_accepted_tokens_total{label} {fake.accepted}\n"
+                    f"vllm:generation_tokens_total{label} 100.0\n"
+                ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(text)))
                 self.end_headers()
                 self.wfile.write(text)
             elif self.path == "/metrics" and fake.kind == "sglang":
-                text = ('sglang:spec_accept_length{dp_rank="0",engine_type="unified",model_name="Qwen/Qwen3-8B",'
-                        'tp_rank="0"} 2.5\nsglang:num_running_reqs{model_name="Qwen/Qwen3-8B"} 0.0\n').encode()
+                text = (
+                    b'sglang:spec_accept_length{dp_rank="0",engine_type="unified",model_name="Qwen/Qwen3-8B",'
+                    b'tp_rank="0"} 2.5\nsglang:num_running_reqs{model_name="Qwen/Qwen3-8B"} 0.0\n'
+                )
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(text)))
                 self.end_headers()
@@ -132,10 +147,23 @@ def _fake_handler(fake: Fake):
             if fake.kind == "sglang-meta":
                 # SGLang's non-streaming answer with return_meta_info: meta_info on the choice.
                 meta = {"spec_accept_length": 2.75, "spec_verify_ct": 4, "completion_tokens": len(WORDS)}
-                return self._json(200, {"id": "1", "object": "chat.completion", "model": body["model"],
-                                        "choices": [{"index": 0, "finish_reason": "stop", "meta_info": meta,
-                                                     "message": {"role": "assistant", "content": "".join(WORDS)}}],
-                                        "usage": usage})
+                return self._json(
+                    200,
+                    {
+                        "id": "1",
+                        "object": "chat.completion",
+                        "model": body["model"],
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": "stop",
+                                "meta_info": meta,
+                                "message": {"role": "assistant", "content": "".join(WORDS)},
+                            }
+                        ],
+                        "usage": usage,
+                    },
+                )
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
@@ -150,12 +178,18 @@ def _fake_handler(fake: Fake):
             send({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
             final = {**base, "choices": [], "usage": usage}
             if fake.kind == "vllm":  # started with --per-request-spec-decode-metrics summary
-                final["metrics"] = {"speculative_decoding": {
-                    "mean_acceptance_length": 3.25, "draft_acceptance_rate": 0.15,
-                    "acceptance_histogram": [1, 0, 1, 2] + [0] * 12,
-                    "acceptance_histogram_by_draft_length": {"15": [1, 0, 1, 2] + [0] * 12},
-                    "num_spec_steps": 4, "num_accepted_draft_tokens": 9, "num_draft_tokens": 60,
-                    "num_spec_tokens": 15}}
+                final["metrics"] = {
+                    "speculative_decoding": {
+                        "mean_acceptance_length": 3.25,
+                        "draft_acceptance_rate": 0.15,
+                        "acceptance_histogram": [1, 0, 1, 2] + [0] * 12,
+                        "acceptance_histogram_by_draft_length": {"15": [1, 0, 1, 2] + [0] * 12},
+                        "num_spec_steps": 4,
+                        "num_accepted_draft_tokens": 9,
+                        "num_draft_tokens": 60,
+                        "num_spec_tokens": 15,
+                    }
+                }
             send(final)
             self.wfile.write(b"data: [DONE]\n\n")
             self.close_connection = True
@@ -180,12 +214,15 @@ def fake_server():
         httpd.server_close()
 
 
-@pytest.mark.parametrize("kind, tau, steps, source", [
-    ("vllm", 3.25, 4, "per-request metrics"),
-    ("vllm-counters", 1 + 9 / 4, 4, "vllm:spec_decode"),
-    ("sglang", 2.5, 1, "gauge"),
-    ("sglang-meta", 2.75, 4, "meta_info"),
-])
+@pytest.mark.parametrize(
+    "kind, tau, steps, source",
+    [
+        ("vllm", 3.25, 4, "per-request metrics"),
+        ("vllm-counters", 1 + 9 / 4, 4, "vllm:spec_decode"),
+        ("sglang", 2.5, 1, "gauge"),
+        ("sglang-meta", 2.75, 4, "meta_info"),
+    ],
+)
 def test_tau_from_vllm_and_sglang_shapes(fake_server, kind, tau, steps, source):
     fake, url = fake_server(kind)
     client = RemoteClient(url)
@@ -271,8 +308,8 @@ def test_bench_base_url_measures_each_concurrency_level(qwen3_pair, tmp_path, ca
 
     from helpers.policy import Clock
 
-    from dflash_mlx.tuning.policy import PolicyState
     from dflash_mlx.tools.bench.benchmark import main
+    from dflash_mlx.tuning.policy import PolicyState
 
     # The server's policy on a clock where drafting never loses, so every request drafts and
     # tau comes back both ways (what it learns lasts across requests: on real time, a drafter
@@ -283,8 +320,21 @@ def test_bench_base_url_measures_each_concurrency_level(qwen3_pair, tmp_path, ca
     prompts.write_text("\n".join(json.dumps({"prompt": f"t{i} t{i + 1}"}) for i in range(1, 5)) + "\n")
     out = tmp_path / "load.json"
     try:
-        main(["--base-url", server.url + "/v1", "--prompts", str(prompts), "--concurrency", "1", "3",
-              "--max-tokens", "8", "--json", str(out)])
+        main(
+            [
+                "--base-url",
+                server.url + "/v1",
+                "--prompts",
+                str(prompts),
+                "--concurrency",
+                "1",
+                "3",
+                "--max-tokens",
+                "8",
+                "--json",
+                str(out),
+            ]
+        )
     finally:
         server.close()
     table = capsys.readouterr().out

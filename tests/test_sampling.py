@@ -11,9 +11,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
-from dflash_mlx import DFlashError, dflash_generate_step, load, LoopOptions
-from dflash_mlx.loop import verify
+from dflash_mlx import DFlashError, LoopOptions, dflash_generate_step, load
 from dflash_mlx.drafts.lookup import PromptLookup
+from dflash_mlx.loop import verify
 from dflash_mlx.models.drafter import DraftModel
 from dflash_mlx.sampling import make_sampler, sample_rows, speculative_accept, top_probability
 

@@ -29,8 +29,9 @@ def _chat_ids(tokenizer, text):
 @pytest.fixture(scope="module")
 def server(qwen3_pair):
     model, draft, tokenizer = qwen3_pair
-    srv = DFlashServer(model, draft, tokenizer, model_name="tiny", port=0, queue_size=8,
-                       defaults=Defaults(max_tokens=MAX_TOKENS)).start()
+    srv = DFlashServer(
+        model, draft, tokenizer, model_name="tiny", port=0, queue_size=8, defaults=Defaults(max_tokens=MAX_TOKENS)
+    ).start()
     yield srv
     srv.close()
 
@@ -127,8 +128,9 @@ def test_usage_and_speculative_statistics_agree_with_stream_generate(server, qwe
     # it the two runs may draft in different cycles (greedy output is the same either way).
     responses = list(stream_generate(model, draft, tokenizer, ids, max_tokens=MAX_TOKENS, seed=0))
     cycles = [r for r in responses if r.cycle > 0 and r.num_draft > 0]
-    status, full, _ = _post(server.url, "/v1/chat/completions",
-                            {"messages": [{"role": "user", "content": PROMPTS[2]}], "seed": 0})
+    status, full, _ = _post(
+        server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[2]}], "seed": 0}
+    )
     assert status == 200
     usage, spec = full["usage"], full["metrics"]["speculative_decoding"]
     assert usage["prompt_tokens"] == len(ids)
@@ -142,8 +144,9 @@ def test_usage_and_speculative_statistics_agree_with_stream_generate(server, qwe
     assert len(spec["acceptance_histogram"]) == draft.block_size
     assert spec["num_spec_tokens"] == draft.block_size - 1
     # Same messages again: the conversation cache holds the prompt, so only one token is prefilled.
-    status, again, _ = _post(server.url, "/v1/chat/completions",
-                             {"messages": [{"role": "user", "content": PROMPTS[2]}]})
+    status, again, _ = _post(
+        server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[2]}]}
+    )
     assert again["choices"] == full["choices"]
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
 
@@ -157,9 +160,9 @@ def test_the_worker_keeps_what_the_adaptive_policy_learned_across_requests(qwen3
 
     from helpers.policy import Clock, CostlyDraft
 
-    from dflash_mlx.tuning.policy import PolicyState
     from dflash_mlx.tools.server.protocol import TEXT, CompletionRequest
     from dflash_mlx.tools.server.worker import Job, Worker
+    from dflash_mlx.tuning.policy import PolicyState
 
     model, draft, tokenizer = qwen3_pair
     clock = Clock(step=1.0)
@@ -182,9 +185,19 @@ def test_the_worker_keeps_what_the_adaptive_policy_learned_across_requests(qwen3
 
 
 def test_sampling_parameters_stop_and_seed(server):
-    body = {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0.9, "top_p": 0.9, "top_k": 20,
-            "min_p": 0.05, "repetition_penalty": 1.2, "seed": 7, "block_size": 4, "min_confidence": 0.1,
-            "lookup_fallback": 2}
+    body = {
+        "prompt": PROMPTS[0],
+        "max_tokens": 16,
+        "temperature": 0.9,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "repetition_penalty": 1.2,
+        "seed": 7,
+        "block_size": 4,
+        "min_confidence": 0.1,
+        "lookup_fallback": 2,
+    }
     a = _post(server.url, "/v1/completions", body)[1]
     b = _post(server.url, "/v1/completions", body)[1]
     assert a["choices"][0]["text"] == b["choices"][0]["text"]  # the seed makes it reproducible
@@ -238,12 +251,24 @@ BAD = [
     ("/v1/completions", {"prompt": "t1", "seed": 1.5}, 400, "seed"),
     ("/v1/completions", {"prompt": [5] * 2048}, 400, "prompt"),  # longer than the context
     ("/v1/completions", {"prompt": [5, 999]}, 400, "prompt"),  # a token id outside the vocabulary
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": "off"}, 400,
-     "chat_template_kwargs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400, "chat_template_kwargs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"}, 400,
-     "reasoning_effort"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": "off"},
+        400,
+        "chat_template_kwargs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+        400,
+        "chat_template_kwargs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"},
+        400,
+        "reasoning_effort",
+    ),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
     ("/v1/embeddings", {"input": "x"}, 404, None),
 ]
@@ -267,8 +292,11 @@ def test_text_that_is_not_utf8_is_a_400_with_one_line(server):
     # A JSON escape of a lone surrogate decodes to a string no tokenizer can encode.
     for path, body, param in [
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "caf\ud800"}]}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udce9"}]}]},
-         "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udce9"}]}]},
+            "messages",
+        ),
         ("/v1/completions", {"prompt": "\ud800 t1"}, "prompt"),
     ]:
         status, err, _ = _post(server.url, path, body)
@@ -318,12 +346,22 @@ def test_models_health_and_prometheus_metrics(server):
     conn, resp = _request(server.url, "GET", "/metrics")
     text = resp.read().decode()
     assert resp.getheader("Content-Type").startswith("text/plain")
-    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
-    for name in ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
-                 "spec_decode_num_accepted_tokens_total", "plain_decode_num_steps_total", "generation_tokens_total"):
-        assert values["dflash:" + name] > 0 or name in ("spec_decode_num_accepted_tokens_total",
-                                                         "plain_decode_num_steps_total")
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    for name in (
+        "spec_decode_num_drafts_total",
+        "spec_decode_num_draft_tokens_total",
+        "spec_decode_num_accepted_tokens_total",
+        "plain_decode_num_steps_total",
+        "generation_tokens_total",
+    ):
+        assert values["dflash:" + name] > 0 or name in (
+            "spec_decode_num_accepted_tokens_total",
+            "plain_decode_num_steps_total",
+        )
         assert f"# TYPE dflash:{name} counter" in text
     assert "# TYPE dflash:generation_tokens_per_second gauge" in text
 
@@ -334,8 +372,9 @@ def test_eight_concurrent_streams_lose_duplicate_and_mix_nothing(server, qwen3_p
     results: dict[int, list] = {}
 
     def client(i):
-        results[i] = _stream(server.url, "/v1/chat/completions",
-                             {"messages": [{"role": "user", "content": PROMPTS[i]}]})
+        results[i] = _stream(
+            server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[i]}]}
+        )
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
     tic = time.monotonic()
@@ -388,8 +427,9 @@ def test_a_client_that_hangs_up_stops_its_generation(slow_pair, monkeypatch):
     srv = DFlashServer(*slow_pair, model_name="tiny", port=0).start()
     late_cycles = _count_cycles_after_cancel(monkeypatch, srv)
     try:
-        conn, resp = _request(srv.url, "POST", "/v1/completions",
-                              {"prompt": "t1 t2", "max_tokens": 1500, "stream": True})
+        conn, resp = _request(
+            srv.url, "POST", "/v1/completions", {"prompt": "t1 t2", "max_tokens": 1500, "stream": True}
+        )
         assert resp.status == 200
         resp.fp.readline()  # the first chunk
         resp.close()  # the client hangs up
@@ -416,8 +456,7 @@ def test_a_client_that_hangs_up_stops_its_generation(slow_pair, monkeypatch):
 def test_a_full_queue_answers_429_with_retry_after(slow_pair):
     srv = DFlashServer(*slow_pair, model_name="tiny", port=0, queue_size=1).start()
     try:
-        _, running = _request(srv.url, "POST", "/v1/completions",
-                                 {"prompt": "t1", "max_tokens": 1500, "stream": True})
+        _, running = _request(srv.url, "POST", "/v1/completions", {"prompt": "t1", "max_tokens": 1500, "stream": True})
         running.fp.readline()
         waiting = threading.Thread(target=_post, args=(srv.url, "/v1/completions", {"prompt": "t2", "max_tokens": 2}))
         waiting.start()
@@ -469,8 +508,9 @@ def test_the_openai_client_works_unchanged(server):
     assert [m.id for m in client.models.list()] == ["tiny"]
     messages = [{"role": "user", "content": PROMPTS[3]}]
     full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12)
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=12, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
@@ -527,9 +567,23 @@ def test_out_of_range_defaults_are_refused_at_start(capsys, monkeypatch, argv, m
 def test_cli_serves_and_exits_cleanly_on_sigterm(pair_dirs, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_mlx.tools.server.app", "--model", str(pair_dirs["qwen3-tied"]),
-         "--draft", str(pair_dirs["draft"]), "--port", "0", "--served-model-name", "tiny"],
-        stderr=subprocess.PIPE, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "dflash_mlx.tools.server.app",
+            "--model",
+            str(pair_dirs["qwen3-tied"]),
+            "--draft",
+            str(pair_dirs["draft"]),
+            "--port",
+            "0",
+            "--served-model-name",
+            "tiny",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = _banner(proc.stderr, time.monotonic() + 60)
         assert "dflash-serve: tiny" in line and "http://127.0.0.1:" in line, line
@@ -578,9 +632,23 @@ def test_sigterm_mid_request_still_gives_the_client_a_well_formed_answer(pair_di
     helper = Path(__file__).parent / "helpers" / "slow_server.py"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parent)}
     proc = subprocess.Popen(
-        [sys.executable, str(helper), "--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]),
-         "--port", "0", "--served-model-name", "tiny"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        [
+            sys.executable,
+            str(helper),
+            "--model",
+            str(pair_dirs["qwen3-tied"]),
+            "--draft",
+            str(pair_dirs["draft"]),
+            "--port",
+            "0",
+            "--served-model-name",
+            "tiny",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     deadline = time.monotonic() + 60
     try:
         line = _banner(proc.stderr, deadline)
@@ -588,8 +656,10 @@ def test_sigterm_mid_request_still_gives_the_client_a_well_formed_answer(pair_di
         host, port = line.split(" at http://")[1].split("/v1")[0].split(":")
         body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 10000, "stream": stream}).encode()
         sock = socket.create_connection((host, int(port)), timeout=10)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         assert _line_before(proc.stdout, deadline).strip() == "generating"
         proc.send_signal(signal.SIGTERM)
         data = _bytes_until_closed(sock, deadline)
@@ -619,8 +689,10 @@ def test_a_conversation_continues_its_cache_and_stays_exact(server, qwen3_pair):
     first = _post(server.url, "/v1/chat/completions", {"messages": turn1})[1]
     # Another conversation in between keeps its own cache.
     _post(server.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "t90"}]})
-    turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": "t23"}]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "t23"},
+    ]
     second = _post(server.url, "/v1/chat/completions", {"messages": turn2})[1]
     ids = list(tokenizer.apply_chat_template(turn2, add_generation_prompt=True))
     assert second["choices"][0]["message"]["content"] == generate(model, draft, tokenizer, ids, max_tokens=MAX_TOKENS)

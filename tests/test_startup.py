@@ -36,7 +36,7 @@ def test_public_names_load_on_first_use():
     for name in dflash_mlx.__all__:
         assert getattr(dflash_mlx, name) is not None
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
-        dflash_mlx.nope
+        _ = dflash_mlx.nope
 
 
 def test_generate_is_the_function_whatever_was_imported_before():

@@ -51,7 +51,6 @@ def test_no_taps(tiny_pair):
     assert taps is None and logits.shape[:2] == (1, 2)
 
 
-
 def test_taps_folded_as_made_equal_fc_of_the_taps(tiny_pair):
     model, _, _ = tiny_pair
     family.check_folded_taps(model)

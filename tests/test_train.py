@@ -12,17 +12,24 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from dflash_mlx import DFlashError, dflash_generate_step, load, LoopOptions
-from dflash_mlx.loop.cache import make_draft_cache
+from dflash_mlx import DFlashError, LoopOptions, dflash_generate_step, load
 from dflash_mlx.loading import casting
+from dflash_mlx.loop.cache import make_draft_cache
 from dflash_mlx.models import target as tgt
 from dflash_mlx.tools.train import trainer as train_mod
 from dflash_mlx.tools.train.checkpoint import check_out, latest_checkpoint
-from dflash_mlx.tools.train.data import (
-    dataset_examples, generate_responses, make_batch, position_weights, read_cache, read_prompts, render_prompt, usable,
-)
 from dflash_mlx.tools.train.cli import main
 from dflash_mlx.tools.train.config import TrainingArgs
+from dflash_mlx.tools.train.data import (
+    dataset_examples,
+    generate_responses,
+    make_batch,
+    position_weights,
+    read_cache,
+    read_prompts,
+    render_prompt,
+    usable,
+)
 from dflash_mlx.tools.train.losses import block_logits, block_loss, head_gram, packed_block_mask
 from dflash_mlx.tools.train.trainer import get_lr, train
 from dflash_mlx.tools.train.vocab import LossVocab, coverage, token_counts, top_tokens
@@ -206,9 +213,7 @@ def test_training_layout_matches_inference(qwen3_pair):
     ids = mx.random.randint(0, VOCAB - 4, (1, 30))
     a, L = 21, 32
     _, taps = tgt.forward_with_taps(model, ids, [None] * 4, draft.target_layer_ids)
-    packed = mx.concatenate(
-        [mx.random.normal((1, L, taps.shape[-1])), taps, mx.zeros((1, 2, taps.shape[-1]))], 1
-    )
+    packed = mx.concatenate([mx.random.normal((1, L, taps.shape[-1])), taps, mx.zeros((1, 2, taps.shape[-1]))], 1)
     block = mx.array([[ids[0, a].item()] + [MASK_ID] * (draft.block_size - 1)])
     train_logits = block_logits(draft, model, packed, block, mx.array([L + a]), mx.array([L]))
     infer_logits = draft.propose(model, block, taps[:, :a], make_draft_cache(draft))
@@ -216,7 +221,9 @@ def test_training_layout_matches_inference(qwen3_pair):
     # Off by one anywhere and the two differ: the taps given at generation time (one more or one
     # fewer), the anchor's position in training, or the packed slot's start.
     for shifted_taps in (taps[:, : a + 1], taps[:, : a - 1]):
-        assert not mx.allclose(train_logits, draft.propose(model, block, shifted_taps, make_draft_cache(draft)), atol=1e-3)
+        assert not mx.allclose(
+            train_logits, draft.propose(model, block, shifted_taps, make_draft_cache(draft)), atol=1e-3
+        )
     for anchor, start in ((L + a + 1, L), (L + a - 1, L), (L + a, L + 1)):
         shifted = block_logits(draft, model, packed, block, mx.array([anchor]), mx.array([start]))
         assert not mx.allclose(shifted, infer_logits, atol=1e-3), (anchor, start)
@@ -357,9 +364,7 @@ def test_no_target_features_ablation(setup, tmp_path):
     seeing = draft.propose(model, block, taps[:, :20], make_draft_cache(draft))
     assert not mx.allclose(seeing, blind, atol=1e-3)
     draft.args.use_target_features = False
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _words(5, 7)}], add_generation_prompt=True
-    )
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": _words(5, 7)}], add_generation_prompt=True)
     plain = [t for s in dflash_generate_step(prompt, model, None, LoopOptions(max_tokens=20)) for t in s.tokens]
     spec = [t for s in dflash_generate_step(prompt, model, draft, LoopOptions(max_tokens=20)) for t in s.tokens]
     assert spec == plain
@@ -387,9 +392,7 @@ def test_train_end_to_end(setup, tmp_path):
     assert [p.name for p in (out / STATE).iterdir()] == ["step-00000040"]
     saved = out / STATE / "step-00000040" / "draft" / "model.safetensors"
     assert (out / "model.safetensors").read_bytes() == saved.read_bytes()
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": _words(5, 99)}], add_generation_prompt=True
-    )
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": _words(5, 99)}], add_generation_prompt=True)
     plain = [t for s in dflash_generate_step(prompt, model, None, LoopOptions(max_tokens=20)) for t in s.tokens]
     spec = [t for s in dflash_generate_step(prompt, model, draft, LoopOptions(max_tokens=20)) for t in s.tokens]
     assert spec == plain

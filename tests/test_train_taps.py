@@ -9,8 +9,8 @@ from test_train import _args, setup  # noqa: F401  (the module's tiny target and
 from dflash_mlx import DFlashError
 from dflash_mlx.models import target as tgt
 from dflash_mlx.tools.train.losses import block_hidden, block_loss, head_gram, logit_error
-from dflash_mlx.tools.train.trainer import train
 from dflash_mlx.tools.train.taps import TapStore
+from dflash_mlx.tools.train.trainer import train
 
 
 def _examples(n: int = 3) -> list[dict]:

@@ -14,8 +14,8 @@ from helpers.oracles import ScriptedDraft, SecondChoiceDraft
 
 from dflash_mlx import DFlashError, make_cache
 from dflash_mlx.drafts.lookup import PromptLookup
-from dflash_mlx.models.tree import DraftTree
 from dflash_mlx.drafts.tree import build_tree, top_log_probs
+from dflash_mlx.models.tree import DraftTree
 
 
 def _random_logits(depth: int, vocab: int, seed: int) -> mx.array:
@@ -158,8 +158,13 @@ def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(qwe
 
     # Pass costs as on a small CPU target (a node costs a few percent of a pass), not timed here: timings on
     # a busy machine would make the choice, and so this test, depend on the load.
-    monkeypatch.setattr(verify_width, "measure", lambda model, draft, cache, tap_ids, widths, *a, **k:
-                        verify_width.PassCosts(0.01, {w: 0.05 * (1 + 0.05 * (w - 1)) for w in widths}))
+    monkeypatch.setattr(
+        verify_width,
+        "measure",
+        lambda model, draft, cache, tap_ids, widths, *a, **k: verify_width.PassCosts(
+            0.01, {w: 0.05 * (1 + 0.05 * (w - 1)) for w in widths}
+        ),
+    )
     monkeypatch.setattr(verify_width.CostStore, "get", lambda self, key: None)  # nothing timed earlier either
     model, draft, _ = qwen3_pair
     prompt = prompt_ids(9)

@@ -337,9 +337,12 @@ async def test_save_names_the_settings_in_use_and_its_hint_repeats_the_typed_pat
         bar = str(app.query_one("#settings-bar").render())
         header = (tmp_path / "notes" / "chat.md").read_text().splitlines()[2]
         assert "block 16" in bar and header == f"_{bar.split(' · ', 1)[1]}_"
-        assert json.loads(save_transcript("notes/c.json", app.turns, app.settings, max_block_size=16).read_text())[
-            "settings"
-        ]["block_size"] == 16
+        assert (
+            json.loads(save_transcript("notes/c.json", app.turns, app.settings, max_block_size=16).read_text())[
+                "settings"
+            ]["block_size"]
+            == 16
+        )
         # The hint is the command to type: following it overwrites the same file.
         await send(pilot, "/save notes/chat.md")
         await pilot.pause()
@@ -598,7 +601,10 @@ def test_engine_extra_eos_token_and_chat_template_config(pair, tmp_path):
     config = json.loads((target / "tokenizer_config.json").read_text())
     config["chat_template"] = "{% if greet %}t9 t9 {% endif %}" + config["chat_template"]
     (target / "tokenizer_config.json").write_text(json.dumps(config))
-    plain, greeted = MLXEngine(str(target), pair[1]), MLXEngine(str(target), pair[1], chat_template_config={"greet": True})
+    plain, greeted = (
+        MLXEngine(str(target), pair[1]),
+        MLXEngine(str(target), pair[1], chat_template_config={"greet": True}),
+    )
     sizes = []
     for engine in (plain, greeted):
         engine.load()
@@ -703,9 +709,7 @@ async def test_generation_error_is_shown_and_gives_the_text_back():
 async def test_real_base_model_is_a_completion_pad(tmp_path):
     write_target(tmp_path / "base")
     config = tmp_path / "base" / "tokenizer_config.json"
-    config.write_text(
-        json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"})
-    )
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
     engine = MLXEngine(str(tmp_path / "base"))
     app = ChatApp(engine, settings=Settings(max_tokens=6))
     async with app.run_test(size=SIZE) as pilot:

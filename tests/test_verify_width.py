@@ -6,11 +6,11 @@ import pytest
 from helpers.decoding import run
 from test_generate import _prompt, reference
 
-from dflash_mlx import DFlashError, dflash_generate_step, make_cache, LoopOptions
-from dflash_mlx.tuning import widths as verify_width
-from dflash_mlx.tuning.widths import VerifyWidth, CostStore, PassCosts, bucket, timed_widths
+from dflash_mlx import DFlashError, LoopOptions, dflash_generate_step, make_cache
 from dflash_mlx.tools.bench.benchmark import run_benchmark
 from dflash_mlx.tools.cli.generate import main as generate_main
+from dflash_mlx.tuning import widths as verify_width
+from dflash_mlx.tuning.widths import CostStore, PassCosts, VerifyWidth, bucket, timed_widths
 
 
 def test_buckets_widths_and_interpolation():
@@ -125,9 +125,7 @@ def test_auto_refusals(qwen3_pair):
     model, draft, _ = qwen3_pair
     from dflash_mlx.drafts.lookup import PromptLookup
 
-    for kwargs, message in (
-        (dict(min_confidence=0.5), "leave min_confidence at 0"),
-    ):
+    for kwargs, message in ((dict(min_confidence=0.5), "leave min_confidence at 0"),):
         with pytest.raises(DFlashError, match=message):
             next(dflash_generate_step([1, 2, 3], model, draft, LoopOptions(block_size="auto", **kwargs)))
     for proposer in (None, PromptLookup(4)):

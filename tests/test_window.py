@@ -6,10 +6,10 @@ from helpers.checkpoints import MASK_ID, VOCAB
 from helpers.decoding import run
 from test_generate import _prompt, reference
 
-from dflash_mlx import DFlashError, dflash_generate_step, make_cache, LoopOptions
+from dflash_mlx import DFlashError, LoopOptions, dflash_generate_step, make_cache
 from dflash_mlx.loop.cache import WindowedKVCache, make_draft_cache
-from dflash_mlx.tools.cli.generate import main as generate_main
 from dflash_mlx.models import target as tgt
+from dflash_mlx.tools.cli.generate import main as generate_main
 
 
 def _positions(cache: WindowedKVCache) -> list[int]:
@@ -116,6 +116,7 @@ def test_bad_windows_are_refused(qwen3_pair, window, sinks):
 def test_generate_cli_window_flags(pair_dirs, capsys):
     argv = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--prompt", "t1 t2",
             "--max-tokens", "12", "--dtype", "float32", "--ignore-chat-template"]  # fmt: skip
+
     def text(out: str) -> str:  # the reply, without the timing lines
         return out.split("=" * 10)[1]
 

@@ -68,7 +68,7 @@ def read_objects(path: Path, flag: str, what: str) -> list[tuple[int, dict]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DFlashError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object.")
+            raise DFlashError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object.") from None
         if not isinstance(row, dict):
             raise DFlashError(f"{path}:{n} is not a JSON object; each line must be one.")
         rows.append((n, row))

@@ -28,9 +28,6 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
 
 from .. import __version__
-from ..text.chat_template import render_chat
-from ..tools.cli.options import add_blas_argument
-from ..tools.cli.progress import Progress
 from ..base.dtypes import DTYPES
 from ..base.errors import DFlashError
 from ..base.files import install, partial_sibling
@@ -49,7 +46,10 @@ from ..loading.target_loader import load_target_model
 from ..loop.options import LoopOptions
 from ..models import target as tgt
 from ..models.drafter import DraftModel, save_draft
+from ..text.chat_template import render_chat
 from ..text.responses import AcceptanceStats
+from ..tools.cli.options import add_blas_argument
+from ..tools.cli.progress import Progress
 from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft
 
 # Affine bit widths mlx-lm can quantize a target to.
@@ -115,9 +115,7 @@ def _check_arguments(
     if dtype is not None and dtype not in DTYPES:
         raise DFlashError(f"Unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)} (--dtype).")
     if not quantize and (q_bits is not None or q_group_size is not None):
-        raise DFlashError(
-            "--q-bits/--q-group-size were given without -q/--quantize. Add -q to quantize the target."
-        )
+        raise DFlashError("--q-bits/--q-group-size were given without -q/--quantize. Add -q to quantize the target.")
     if q_bits is not None and q_bits not in TARGET_Q_BITS:
         raise DFlashError(
             f"Unsupported target quantization bits={q_bits!r}; use one of "
@@ -185,9 +183,7 @@ def _config_dtype(config: dict[str, Any]) -> str | None:
     return config.get("torch_dtype") or config.get("dtype")
 
 
-def _draft_dtype(
-    dtype: str | None, target_config: dict[str, Any], draft_config: dict[str, Any]
-) -> str | None:
+def _draft_dtype(dtype: str | None, target_config: dict[str, Any], draft_config: dict[str, Any]) -> str | None:
     # The drafter runs in the target's dtype, so store it that way unless told otherwise.
     candidates = (dtype, _config_dtype(target_config), _config_dtype(draft_config))
     for candidate in candidates:
@@ -291,7 +287,7 @@ def _foreign_entry(folder: Path) -> str | None:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return f"its {PAIR_MANIFEST} is not valid JSON"
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        return f"its {PAIR_MANIFEST} is not one dflash-convert wrote (no \"format\": \"{MANIFEST_FORMAT}\")"
+        return f'its {PAIR_MANIFEST} is not one dflash-convert wrote (no "format": "{MANIFEST_FORMAT}")'
     ours = {PAIR_MANIFEST, manifest.get("target"), manifest.get("draft")}
     for entry in sorted(folder.iterdir()):
         if entry.name not in ours:

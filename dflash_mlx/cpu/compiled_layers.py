@@ -9,8 +9,9 @@ stays outside, since its key length changes every cycle. Each function is traced
 per input shape (a few milliseconds, once per block size or prompt-chunk length).
 """
 
-from functools import lru_cache, partial
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from functools import cache, partial
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -47,7 +48,7 @@ def plain_layer(attn: nn.Module, mlp: nn.Module, input_norm: nn.Module, post_nor
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _steps(
     n_heads: int,
     n_kv_heads: int,
@@ -108,7 +109,9 @@ def layer_steps(attn: nn.Module, eps: float, speedups: CpuSpeedups) -> LayerStep
     norms = qk_norms(attn)
     head_dim = attn.q_proj.weight.shape[0] // attn.n_heads
     qk_eps = None if norms is None else norms[0].eps
-    steps = _steps(attn.n_heads, attn.n_kv_heads, head_dim, eps, qk_eps, key, speedups.compiled_steps, speedups.fast_exp)
+    steps = _steps(
+        attn.n_heads, attn.n_kv_heads, head_dim, eps, qk_eps, key, speedups.compiled_steps, speedups.fast_exp
+    )
     return LayerSteps(*steps, rope_inside=key is not None)
 
 
@@ -129,7 +132,12 @@ def before(
     (``steps``: the layer's :func:`layer_steps`, if the caller keeps them)."""
     steps = steps or layer_steps(attn, input_norm.eps, speedups)
     q, k, v = steps.before(
-        x, mx.array(offset), input_norm.weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+        x,
+        mx.array(offset),
+        input_norm.weight,
+        attn.q_proj.weight,
+        attn.k_proj.weight,
+        attn.v_proj.weight,
         *_norm_weights(attn),
     )
     if not steps.rope_inside:

@@ -9,8 +9,8 @@ environment's ``lib`` folder, where ``libmkl_rt`` finds its kernels by itself.
 import ctypes
 import os
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 # mkl_rt's soname carries MKL's major interface version (2024 and later: .so.2, 2025.3 on: .so.3).
 LIBRARY_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")

@@ -16,8 +16,8 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from ..base.errors import DFlashError
 from . import mkl
@@ -217,8 +217,13 @@ def fast_blas_env(environ: dict[str, str], choice: str = "auto") -> dict[str, st
     return preload_env(environ, library, cpu_flags(read_cpuinfo()), detected and detected[1])
 
 
-def use_fast_blas(prog: str, choice: str = "auto", *, environ: dict[str, str] | None = None,
-                  execv: Callable[[str, list[str], dict[str, str]], None] = os.execve) -> None:
+def use_fast_blas(
+    prog: str,
+    choice: str = "auto",
+    *,
+    environ: dict[str, str] | None = None,
+    execv: Callable[[str, list[str], dict[str, str]], None] = os.execve,
+) -> None:
     """Re-run this process with a fast BLAS preloaded (Linux: :func:`fast_blas_env`), else say what it costs.
 
     ``LD_PRELOAD`` takes effect only at process start, so the process starts again with the same

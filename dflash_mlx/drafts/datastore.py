@@ -267,8 +267,10 @@ def read_responses(path: str | Path) -> list[list[int]]:
         with opener(path, "rt") as f:
             return [json.loads(line)["response_ids"] for line in f if line.strip()]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DFlashError(f"Cannot read the response cache {path}: {e}. Pass a dflash-train response cache "
-                          "(JSONL with response_ids per line, optionally gzipped).") from None
+        raise DFlashError(
+            f"Cannot read the response cache {path}: {e}. Pass a dflash-train response cache "
+            "(JSONL with response_ids per line, optionally gzipped)."
+        ) from None
 
 
 def load_datastore(responses: str | Path, vocab: int, cache_dir: str | Path | None = None, **settings) -> Datastore:
@@ -285,8 +287,12 @@ def load_datastore(responses: str | Path, vocab: int, cache_dir: str | Path | No
     if index is None:
         documents = read_responses(responses)
         # Once per file and vocabulary; said, since it takes a while and writes to the cache folder.
-        print(f"Indexing {responses.name} for the datastore ({sum(map(len, documents)):,} tokens, once; "
-              f"kept in {path.parent})...", file=sys.stderr, flush=True)
+        print(
+            f"Indexing {responses.name} for the datastore ({sum(map(len, documents)):,} tokens, once; "
+            f"kept in {path.parent})...",
+            file=sys.stderr,
+            flush=True,
+        )
         index = SuffixIndex.build(documents, vocab)
         index.save(path)
     return Datastore(index, vocab, **settings)
@@ -345,6 +351,8 @@ def open_datastore(choice: str | None, model: str | Path | None, vocab: int, **s
     else:
         path = Path(choice).expanduser()
         if not path.is_file():
-            raise DFlashError(f"--datastore {choice}: no such file. Pass a response cache (dflash-train's JSONL, "
-                              "optionally gzipped), 'auto' or 'none'.")
+            raise DFlashError(
+                f"--datastore {choice}: no such file. Pass a response cache (dflash-train's JSONL, "
+                "optionally gzipped), 'auto' or 'none'."
+            )
     return load_datastore(path, vocab, **settings)

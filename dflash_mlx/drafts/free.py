@@ -16,14 +16,14 @@ choice.
 """
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 
+from ..loop.proposal import Proposal, Proposer
 from ..tuning.policy import FreeStats
 from .datastore import Datastore
 from .lookup import PromptLookup
-from ..loop.proposal import Proposal, Proposer
 
 
 class FreeDrafts(Proposer):

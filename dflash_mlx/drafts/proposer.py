@@ -15,13 +15,13 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..tuning.policy import PolicyState
-from ..loop.cache import DFlashCache
 from ..cpu.speedups import CpuSpeedups
-from ..models import target as tgt
-from ..sampling import Sampler, sample_rows, top_probability
+from ..loop.cache import DFlashCache
 from ..loop.proposal import Proposal, Proposer
+from ..models import target as tgt
 from ..models.tree import DraftTree
+from ..sampling import Sampler, sample_rows, top_probability
+from ..tuning.policy import PolicyState
 from .tree import build_tree, top_log_probs
 
 
@@ -241,7 +241,6 @@ class FallbackProposer(Proposer):
         self.drafter.accept(num_accepted, taps)
 
 
-
 class FirstOf(Proposer):
     """The first of several draft-free proposers (prompt lookup, the datastore) that has drafts
     this cycle; none of them needs taps or is told the verdict."""
@@ -299,11 +298,7 @@ class AdaptiveProposer(Proposer):
         return Proposal(mx.zeros((0,), dtype=mx.uint32))
 
     def plain_next(self) -> bool:
-        return (
-            not self.drafting
-            and (self.paused is None or self.paused.plain_next())
-            and self.policy.plain_follows()
-        )
+        return not self.drafting and (self.paused is None or self.paused.plain_next()) and self.policy.plain_follows()
 
     def accept(self, num_accepted: int, taps: mx.array | None) -> None:
         self.inner.accept(num_accepted, taps)

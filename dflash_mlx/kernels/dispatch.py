@@ -17,9 +17,9 @@ import logging
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import mlx.core as mx
 

@@ -103,9 +103,7 @@ def default_dtype(
     return None, hint
 
 
-def cast_to_default(
-    target: nn.Module, draft: nn.Module | None = None, *, target_dtype: mx.Dtype | None = None
-) -> None:
+def cast_to_default(target: nn.Module, draft: nn.Module | None = None, *, target_dtype: mx.Dtype | None = None) -> None:
     """Cast a pair loaded without a dtype as :func:`default_dtype` chooses (the drafter's weights
     counted in the memory): the target to its choice, the drafter to it or else to the target's
     compute dtype (``target_dtype``, see ``models.target.compute_dtype``); when a CPU run keeps

@@ -17,9 +17,7 @@ from .folders import read_draft_config, read_weights
 MASK_TOKENS = ("<|MASK|>", "<|mask|>", "<mask>")
 
 
-def load_draft(
-    path: Path, *, target: nn.Module | None = None, tokenizer: TokenizerWrapper | None = None
-) -> DraftModel:
+def load_draft(path: Path, *, target: nn.Module | None = None, tokenizer: TokenizerWrapper | None = None) -> DraftModel:
     """Load a DFlash drafter (z-lab format: config.json + *.safetensors) from a local folder, in
     the checkpoint's dtype; a DFlash2 one (``architectures: ["DFlash2DraftModel"]``) as
     :class:`dflash_mlx.models.drafter2.DraftModel`.
@@ -117,8 +115,11 @@ def _check_draft_vocab(path: Path, args: DraftArgs, weights: dict[str, mx.array]
         )
     values = np.array(ids.astype(mx.int64)) if mx.issubdtype(ids.dtype, mx.integer) else None
     vocab = args.vocab_size
-    if values is None or values.min() < 0 or (vocab is not None and values.max() >= vocab) or (
-        len(np.unique(values)) != size
+    if (
+        values is None
+        or values.min() < 0
+        or (vocab is not None and values.max() >= vocab)
+        or (len(np.unique(values)) != size)
     ):
         upper = f"from 0 to {vocab - 1}" if vocab is not None else "of at least 0"
         raise DFlashError(
@@ -153,8 +154,7 @@ def check_drafter(shape: tgt.TargetShape, draft: DraftModel) -> None:
         )
     if a.vocab_size is not None and a.vocab_size != vocab:
         raise DFlashError(
-            f"The drafter was made for vocab_size={a.vocab_size}, but the target has "
-            f"vocab_size={vocab}. {fix}"
+            f"The drafter was made for vocab_size={a.vocab_size}, but the target has vocab_size={vocab}. {fix}"
         )
     if a.num_target_layers is not None and a.num_target_layers != n_layers:
         raise DFlashError(
@@ -190,6 +190,5 @@ def check_drafter(shape: tgt.TargetShape, draft: DraftModel) -> None:
         )
     if not 0 <= a.mask_token_id < vocab:
         raise DFlashError(
-            f"The drafter's mask_token_id={a.mask_token_id} is outside the target's vocabulary "
-            f"(0..{vocab - 1}). {fix}"
+            f"The drafter's mask_token_id={a.mask_token_id} is outside the target's vocabulary (0..{vocab - 1}). {fix}"
         )

@@ -36,13 +36,17 @@ def read_pair(folders: PairFolders) -> PairSource:
           folder that holds no DFlash drafter.
     """
     config = folders.target_config or read_config(folders.target, "target")
-    check_not_drafter(config, folders.target, "Pass it as the drafter (--draft) and give the target model with --model.")
+    check_not_drafter(
+        config, folders.target, "Pass it as the drafter (--draft) and give the target model with --model."
+    )
     names = tuple(read_weights(folders.target, "target"))  # a clear message for missing or corrupt files
     check_tokenizer_files(folders.target)
     if folders.draft is None:
         return PairSource(folders.target, config, names)
     draft_config = read_draft_config(folders.draft)
-    return PairSource(folders.target, config, names, folders.draft, draft_config, read_weights(folders.draft, "drafter"))
+    return PairSource(
+        folders.target, config, names, folders.draft, draft_config, read_weights(folders.draft, "drafter")
+    )
 
 
 def check_not_drafter(config: dict[str, Any], where: str | Path, fix: str) -> None:
@@ -80,7 +84,7 @@ def parse_config(file: Path, what: str) -> dict[str, Any]:
     try:
         config = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DFlashError(f"{file} is not valid JSON ({e}). Re-download or re-convert the {what}.")
+        raise DFlashError(f"{file} is not valid JSON ({e}). Re-download or re-convert the {what}.") from None
     if not isinstance(config, dict):
         raise DFlashError(f"{file} is not a JSON object. Re-download or re-convert the {what}.")
     return config
@@ -88,11 +92,7 @@ def parse_config(file: Path, what: str) -> dict[str, Any]:
 
 def is_drafter_config(config: dict[str, Any]) -> bool:
     archs = config.get("architectures") or []
-    return (
-        any("DFlash" in a for a in archs)
-        or "dflash_config" in config
-        or "target_layer_ids" in config
-    )
+    return any("DFlash" in a for a in archs) or "dflash_config" in config or "target_layer_ids" in config
 
 
 def read_weights(path: Path, what: str) -> dict[str, mx.array]:
@@ -106,8 +106,7 @@ def read_weights(path: Path, what: str) -> dict[str, mx.array]:
             weights.update(mx.load(str(f)))
         except Exception as e:
             raise DFlashError(
-                f"Could not read {f} ({e}). The file is corrupt or incomplete: "
-                f"re-download or re-convert the {what}."
+                f"Could not read {f} ({e}). The file is corrupt or incomplete: re-download or re-convert the {what}."
             ) from e
     return weights
 

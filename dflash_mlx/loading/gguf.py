@@ -126,9 +126,7 @@ def find_gguf(path: str | Path) -> Path | None:
     return files[0] if files else None
 
 
-def convert_gguf(
-    gguf_path: str | Path, mlx_path: str | Path, *, dtype: str | None = None, force: bool = False
-) -> Path:
+def convert_gguf(gguf_path: str | Path, mlx_path: str | Path, *, dtype: str | None = None, force: bool = False) -> Path:
     """Write an mlx-lm model folder (config, weights, tokenizer) from a GGUF file.
 
     Q4_0, Q4_1 and Q8_0 tensors stay MLX quantized layers (group size 32) unless ``dtype``
@@ -338,9 +336,7 @@ def _load_tensors(path: Path) -> dict[str, mx.array]:
 def _config(path: Path, md: dict[str, Any], tensors: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
     arch = md.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise DFlashError(
-            f"Unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(ARCHITECTURES)}."
-        )
+        raise DFlashError(f"Unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(ARCHITECTURES)}.")
     if md.get("split.count", 1) > 1:
         raise DFlashError(f"{path} is one part of a split GGUF; merge the parts with llama-gguf-split first.")
 

@@ -12,9 +12,10 @@ a hub id downloaded, a hub target only after its config alone has been vetted by
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..base.errors import DFlashError
 from .pairs import PAIR_ALIASES, TINY_PAIR, PairNames
@@ -116,15 +117,12 @@ def local_folder(path_or_repo: str | Path, *, what: str, revision: str | None = 
         )
     if not looks_like_hub_id(text):
         raise DFlashError(
-            f"The {what} {text!r} is neither an existing folder nor a Hugging Face id "
-            "like 'org/name'. Check the path."
+            f"The {what} {text!r} is neither an existing folder nor a Hugging Face id like 'org/name'. Check the path."
         )
     return hub_snapshot(text, what=what, revision=revision, allow_patterns=ALLOW_PATTERNS)
 
 
-def hub_snapshot(
-    repo: str, *, what: str, revision: str | None = None, allow_patterns: list[str] | None = None
-) -> Path:
+def hub_snapshot(repo: str, *, what: str, revision: str | None = None, allow_patterns: list[str] | None = None) -> Path:
     """A local snapshot of model repository ``repo``: downloaded, or from the hub cache.
 
     Raises:

@@ -2,9 +2,9 @@
 
 import mlx.core as mx
 
-from ..cpu.openblas import note_reference_blas
 from ..base.dtypes import DTYPES
 from ..base.errors import DFlashError
+from ..cpu.openblas import note_reference_blas
 from ..kernels import check_kernels
 
 

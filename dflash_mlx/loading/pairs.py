@@ -155,7 +155,5 @@ def read_pair_manifest(path: Path) -> dict[str, Any] | None:
         if not isinstance(sub, str) or not sub or Path(sub).is_absolute() or ".." in Path(sub).parts:
             raise DFlashError(f"{file} does not name its {key} subfolder (got {sub!r}). {fix}")
         if not (file.parent / sub).is_dir():
-            raise DFlashError(
-                f"The pair in {file.parent} is incomplete: its {key} folder {sub!r} is missing. {fix}"
-            )
+            raise DFlashError(f"The pair in {file.parent} is incomplete: its {key} folder {sub!r} is missing. {fix}")
     return manifest

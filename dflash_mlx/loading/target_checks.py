@@ -1,7 +1,8 @@
 """What a target's config must say before anything is built from it (or downloaded for it)."""
 
 import json
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..base.errors import DFlashError
 from ..models import gemma, hybrid, kimi

@@ -15,11 +15,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
 
-from ..tuning.policy import PolicyState
 from ..base.errors import DFlashError
 from ..models import gemma, hybrid
 from ..models.drafter import DraftModel
 from ..models.sliding import SlidingKVCache
+from ..tuning.policy import PolicyState
 
 # Target caches that return only to some lengths (``restorable_lengths``), the rest through a checkpoint.
 RESTORING_CACHES = (hybrid.RecurrentCache, SlidingKVCache)
@@ -310,8 +310,7 @@ def make_cache(
     if not can_trim_prompt_cache(target_cache):
         types = {type(c).__name__ for c in target_cache if not c.is_trimmable()}
         raise DFlashError(
-            f"DFlash needs a trimmable target cache (got {sorted(types)}). "
-            "Use a target with full attention layers."
+            f"DFlash needs a trimmable target cache (got {sorted(types)}). Use a target with full attention layers."
         )
     if not isinstance(draft, DraftModel):
         return DFlashCache(target_cache, None)

@@ -23,14 +23,18 @@ import mlx.nn as nn
 from ..base.errors import DFlashError
 from ..models import drafter2
 from ..models import target as tgt
-from .proposal import ContextTaker
-from .proposal import Proposal, Proposer
+from .proposal import ContextTaker, Proposal, Proposer
 
 log = logging.getLogger("dflash_mlx")
 _BYE = b"\x01"  # a rank's last collective of the generation is done: its connection may close
 _CONNECT_S = 30.0
 
-_SHARDED = (nn.AllToShardedLinear, nn.ShardedToAllLinear, nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
+_SHARDED = (
+    nn.AllToShardedLinear,
+    nn.ShardedToAllLinear,
+    nn.QuantizedAllToShardedLinear,
+    nn.QuantizedShardedToAllLinear,
+)
 
 
 def target_group(model: nn.Module) -> mx.distributed.Group | None:

@@ -7,22 +7,22 @@ the drafter (the block size, a draft tree) by :meth:`LoopOptions.block_size_for`
 :meth:`LoopOptions.tree_budget_for`.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..tuning.policy import PolicyState
-from .cache import check_draft_window
-from ..cpu.speedups import CpuSpeedups
-from .proposal import TextSource
 from ..base.errors import DFlashError
-from ..text.inputs import MAX_SEED
+from ..cpu.speedups import CpuSpeedups
 from ..kernels import check_kernels
 from ..models import drafter2, hybrid
 from ..models.drafter import DraftModel
 from ..sampling import check_proposal
+from ..text.inputs import MAX_SEED
+from ..tuning.policy import PolicyState
+from .cache import check_draft_window
+from .proposal import TextSource
 from .verify import LogitsProcessor
 
 SampleFn = Callable[[mx.array], mx.array]  # any mlx-lm sampler: logprobs -> token ids
@@ -194,7 +194,9 @@ def resolve_block_size(draft: nn.Module | None, block_size: int | str | None, da
         if block_size is None:
             return FREE_DRAFTS + 1
         if not isinstance(block_size, int) or not 1 <= block_size <= 64:
-            raise DFlashError(f"block_size must be an integer from 1 to 64 with a datastore alone (got {block_size!r}).")
+            raise DFlashError(
+                f"block_size must be an integer from 1 to 64 with a datastore alone (got {block_size!r})."
+            )
         return block_size
     if draft is None:
         if block_size not in (None, 1):
@@ -208,8 +210,7 @@ def resolve_block_size(draft: nn.Module | None, block_size: int | str | None, da
         return trained
     if not isinstance(block_size, int) or not 1 <= block_size <= trained:
         raise DFlashError(
-            f"block_size must be an integer from 1 to the drafter's trained block size "
-            f"{trained} (got {block_size!r})."
+            f"block_size must be an integer from 1 to the drafter's trained block size {trained} (got {block_size!r})."
         )
     return block_size
 

@@ -12,9 +12,9 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import DFlashCache
 from ..models import hybrid
 from ..sampling import Sampler
+from .cache import DFlashCache
 
 
 def plain_tokens_per_second(

@@ -5,23 +5,22 @@ greedy): one-hot proposals keep the drafts that the target's own samples match, 
 ones pass the speculative-sampling test (``dflash_mlx.sampling``).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import RotatingKVCache
 
-from .cache import DFlashCache
 from ..cpu.speedups import CpuSpeedups
 from ..kernels import greedy_accept
 from ..models import hybrid
 from ..models import target as tgt
-from .proposal import ContextTaker
-from .proposal import Proposal
-from ..sampling import Sampler, accept_one_hot, sample_rows, speculative_accept
 from ..models.tree import DraftTree, keep_path
+from ..sampling import Sampler, accept_one_hot, sample_rows, speculative_accept
+from .cache import DFlashCache
+from .proposal import ContextTaker, Proposal
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 

@@ -16,9 +16,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import save_config, save_model
 
+from ..base.errors import DFlashError
 from ..cpu import compiled_layers, fast_math
 from ..cpu.speedups import CpuSpeedups
-from ..base.errors import DFlashError
 from . import target as tgt
 
 # Prompt positions whose taps extend_context projects at a time (see there): at 64 an 8B-shaped
@@ -178,9 +178,7 @@ class DraftArgs(BaseModelArgs):
             self.rope_scaling = rope
         self.target_layer_ids = list(self.target_layer_ids or [])
         if not self.target_layer_ids and self.num_target_layers:
-            self.target_layer_ids = default_target_layer_ids(
-                self.num_target_layers, self.num_hidden_layers
-            )
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
 
 
 class Attention(nn.Module):

@@ -21,8 +21,9 @@ attention, the caches and the weight names are DFlash's. Inco AI, "DFlash 2: Kee
 Parallel" (2026); z-lab's ``dflash`` package holds the reference implementation.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -71,7 +71,7 @@ def check_layout(config: dict) -> None:
         if key not in text:
             raise DFlashError(
                 f"The target config has no {key}: transformers reads that as {hf_default}, mlx-lm as "
-                f"{mlx_default}. Add \"{key}\" to its config.json."
+                f'{mlx_default}. Add "{key}" to its config.json.'
             )
     for layer, override in sorted((text.get("per_layer_config") or {}).items(), key=lambda kv: int(kv[0])):
         for key, mlx_key, default in (

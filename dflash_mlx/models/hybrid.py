@@ -226,9 +226,7 @@ def check_layout(config: dict) -> None:
                 if "rope_parameters" in config and {"rope_theta", "partial_rotary_factor"} & set(missing)
                 else "re-download the original checkpoint or add them to config.json"
             )
-            raise DFlashError(
-                f"The qwen3_next target config lacks {', '.join(missing)}, which mlx-lm needs: {fix}."
-            )
+            raise DFlashError(f"The qwen3_next target config lacks {', '.join(missing)}, which mlx-lm needs: {fix}.")
     quant = text.get("quantization_config") or config.get("quantization_config") or {}
     fp8_blocks = list(quant.get("weight_block_size") or ())
     if quant.get("quant_method") == "fp8" and not (quant.get("scale_fmt") == "ue8m0" and fp8_blocks == [32, 32]):
@@ -284,7 +282,12 @@ def forward_with_taps(
 
 
 def forward_tree(
-    model: nn.Module, rows: mx.array, views: list[Any], masks: list, tap_ids: list[int], captured: Any,
+    model: nn.Module,
+    rows: mx.array,
+    views: list[Any],
+    masks: list,
+    tap_ids: list[int],
+    captured: Any,
     parents: list[int],
 ) -> mx.array:
     """The hybrid decoder over a draft tree's nodes, one per row (:mod:`dflash_mlx.drafts.tree`): full

@@ -17,9 +17,9 @@ from mlx_lm.models.cache import KVCache
 
 from ..cpu import compiled_layers, fast_math
 from ..cpu.speedups import CpuSpeedups
-from .tree import DraftTree, tree_caches
 from . import gemma, hybrid, kimi
 from .stages import Stage
+from .tree import DraftTree, tree_caches
 
 # mlx-lm model families whose decoder we know how to walk layer by layer.
 SUPPORTED_MODEL_TYPES = (
@@ -213,7 +213,9 @@ def _plain_layers(model: nn.Module, speedups: CpuSpeedups) -> list[compiled_laye
     plain = block is not None and all(
         type(layer) is block
         and not getattr(layer, "use_sliding", False)
-        and compiled_layers.plain_layer(layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
+        and compiled_layers.plain_layer(
+            layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+        )
         for layer in layers
     )
     if not plain:

@@ -13,8 +13,9 @@ of the linear attention alone, and independent of it.
 """
 
 import copy
+from collections.abc import Generator
 from dataclasses import dataclass, field
-from typing import Generator, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -78,8 +79,7 @@ def _check(prompt, draft, block_size, max_tokens) -> tuple[list[int], int]:
         block_size = trained
     if not isinstance(block_size, int) or not 1 <= block_size <= trained:
         raise DFlashError(
-            f"block_size must be an integer from 1 to the drafter's trained block size {trained} "
-            f"(got {block_size!r})."
+            f"block_size must be an integer from 1 to the drafter's trained block size {trained} (got {block_size!r})."
         )
     return ids, block_size
 

@@ -294,9 +294,7 @@ def _read_config(path: Path, what: str) -> dict:
     return json.loads(file.read_text())
 
 
-def load_draft(
-    path: str | Path, *, device: str | torch.device | None = None, dtype=torch.float32
-) -> ReferenceDraft:
+def load_draft(path: str | Path, *, device: str | torch.device | None = None, dtype=torch.float32) -> ReferenceDraft:
     """Load a z-lab-format drafter folder (config.json + *.safetensors) into a ``ReferenceDraft``.
 
     Raises:

@@ -23,8 +23,8 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from ..base.errors import DFlashError
 from ..text.responses import AcceptanceStats, GenerationResponse
@@ -86,8 +86,15 @@ class RemoteClient:
           metrics (off for concurrent use, where other requests move them too).
     """
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None,
-                 timeout: float = 600.0, counter_deltas: bool = True):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        timeout: float = 600.0,
+        counter_deltas: bool = True,
+    ):
         self.base_url = base_url.rstrip("/")
         self.root = self.base_url.removesuffix("/v1")
         self.api_key, self.model, self.timeout = api_key, model, timeout
@@ -109,8 +116,9 @@ class RemoteClient:
             raise DFlashError(self._http_error(e)) from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
-            raise DFlashError(f"Cannot reach the server at {self.base_url} ({reason}). "
-                              "Is it running, and is --base-url right?") from None
+            raise DFlashError(
+                f"Cannot reach the server at {self.base_url} ({reason}). Is it running, and is --base-url right?"
+            ) from None
 
     def _http_error(self, e: urllib.error.HTTPError) -> str:
         try:
@@ -155,8 +163,10 @@ class RemoteClient:
         elif self.model in ids:
             card = models[ids.index(self.model)]
         else:
-            raise DFlashError(f"The server has no model '{self.model}'; it has: {', '.join(map(str, ids))}. "
-                              "Pass one of them with --model.")
+            raise DFlashError(
+                f"The server has no model '{self.model}'; it has: {', '.join(map(str, ids))}. "
+                "Pass one of them with --model."
+            )
         metrics = self.scrape()
         kind = KINDS.get(card.get("owned_by"))
         if kind is None and metrics:
@@ -223,14 +233,21 @@ class RemoteClient:
                     if cycle and cycle["cycle"] > 0:
                         acceptance.add(cycle["num_draft"], cycle["acceptance_length"])
                     yield GenerationResponse(
-                        text=text, reasoning=reasoning, tokens=[], cycle=cycle["cycle"] if cycle else 0,
+                        text=text,
+                        reasoning=reasoning,
+                        tokens=[],
+                        cycle=cycle["cycle"] if cycle else 0,
                         acceptance_length=cycle["acceptance_length"] if cycle else 1,
                         num_draft=cycle["num_draft"] if cycle else 0,
-                        mean_acceptance_length=acceptance.tau, drafting_cycles=acceptance.drafting_cycles,
+                        mean_acceptance_length=acceptance.tau,
+                        drafting_cycles=acceptance.drafting_cycles,
                         plain_cycles=acceptance.plain_cycles,
-                        prompt_tokens=0, prompt_tps=0.0, generation_tokens=generated,
+                        prompt_tokens=0,
+                        prompt_tps=0.0,
+                        generation_tokens=generated,
                         generation_tps=(generated - 1) / (now - first) if now > first else 0.0,
-                        peak_memory=0.0)
+                        peak_memory=0.0,
+                    )
         end = time.perf_counter()
         first = first or end
         completion = usage.get("completion_tokens") or generated
@@ -238,23 +255,39 @@ class RemoteClient:
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         tps = (completion - 1) / (end - first) if end > first and completion > 1 else 0.0
         # The prompt's numbers, now that usage has them (cycle 0 carries them, as in stream_generate).
-        common = dict(text="", tokens=[], prompt_tokens=prompt - cached,
-                      prompt_tps=(prompt - cached) / (first - tic) if first > tic else 0.0,
-                      generation_tokens=completion, generation_tps=tps, peak_memory=0.0)
+        common = dict(
+            text="",
+            tokens=[],
+            prompt_tokens=prompt - cached,
+            prompt_tps=(prompt - cached) / (first - tic) if first > tic else 0.0,
+            generation_tokens=completion,
+            generation_tps=tps,
+            peak_memory=0.0,
+        )
         tau, steps = self._tau(info, spec, meta, before)
         if tau is None or info.kind == "dflash":
-            yield GenerationResponse(acceptance_length=1, mean_acceptance_length=acceptance.tau, cycle=0,
-                                     drafting_cycles=acceptance.drafting_cycles, plain_cycles=acceptance.plain_cycles,
-                                     finish_reason=finish or "stop", **common)
+            yield GenerationResponse(
+                acceptance_length=1,
+                mean_acceptance_length=acceptance.tau,
+                cycle=0,
+                drafting_cycles=acceptance.drafting_cycles,
+                plain_cycles=acceptance.plain_cycles,
+                finish_reason=finish or "stop",
+                **common,
+            )
             return
         yield GenerationResponse(acceptance_length=1, mean_acceptance_length=1.0, cycle=0, **common)
         # One summary: the server's tau over its verification steps (a gauge gives no count: one).
-        yield GenerationResponse(acceptance_length=max(1, round(tau)), mean_acceptance_length=tau,
-                                 cycle=max(steps, 1), drafting_cycles=max(steps, 1), finish_reason=finish or "stop",
-                                 **common)
+        yield GenerationResponse(
+            acceptance_length=max(1, round(tau)),
+            mean_acceptance_length=tau,
+            cycle=max(steps, 1),
+            drafting_cycles=max(steps, 1),
+            finish_reason=finish or "stop",
+            **common,
+        )
 
-    def _tau(self, info: ServerInfo, spec: dict | None, meta: dict,
-             before: dict | None) -> tuple[float | None, int]:
+    def _tau(self, info: ServerInfo, spec: dict | None, meta: dict, before: dict | None) -> tuple[float | None, int]:
         """(tau, verification steps) from the best source the server gave, else (None, 0)."""
         if spec and spec.get("num_spec_steps"):
             self._per_request_metrics = True

@@ -16,11 +16,16 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Markdown, Static
 from textual.worker import get_current_worker
 
-from ..tools.cli.options import (
-    ArgumentParser, InRange, add_blas_argument, add_decoding_arguments, add_model_arguments, block_size_problem,
-)
 from ..base.errors import DFlashError
 from ..text.inputs import text_problem
+from ..tools.cli.options import (
+    ArgumentParser,
+    InRange,
+    add_blas_argument,
+    add_decoding_arguments,
+    add_model_arguments,
+    block_size_problem,
+)
 from .commands import HELP, Settings, parse_command, save_transcript
 from .engine import MLXEngine, RemoteEngine, StreamEngine, StreamFn
 from .messages import ConversationStats, CycleUpdate, LoadFailed, ModelReady, ReplyDone, ReplyStats

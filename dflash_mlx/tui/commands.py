@@ -260,8 +260,9 @@ def _think(arg: str, settings: Settings, switches: frozenset[str] | None, usage_
     if arg in REASONING_EFFORTS:
         if "reasoning_effort" not in known:
             hint = " Thinking is switched with /think on|off." if "enable_thinking" in known else ""
-            return error(f"This model's chat template has no reasoning effort (it does not read "
-                         f"reasoning_effort).{hint}")
+            return error(
+                f"This model's chat template has no reasoning effort (it does not read reasoning_effort).{hint}"
+            )
         return Command("set", replace(settings, reasoning_effort=arg), f"Reasoning effort {arg}.")
     return usage_error("on, off, low, medium, high or default", "/think off")
 
@@ -343,7 +344,7 @@ def save_transcript(
                 raise exists from None
             except OSError:  # file systems without hard links
                 if path.exists():
-                    raise exists
+                    raise exists from None
                 os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -6,10 +6,11 @@ streams are per thread) and hands back plain Python values: ``GenerationResponse
 
 import queue
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .commands import Settings
 
@@ -110,14 +111,14 @@ class MLXEngine:
         return self._run(self._load)
 
     def _load(self) -> dict[str, Any]:
-        from ..loop.cache import make_cache
-        from ..text.chat_template import template_switches
-        from ..tools.cli.options import add_stop_tokens
         from ..drafts.datastore import open_datastore
         from ..loading.loading import load
         from ..loading.pairs import AUTO_DRAFT, DEFAULT_PAIR
         from ..loading.registry import draft_for_cli
+        from ..loop.cache import make_cache
         from ..models import target as tgt
+        from ..text.chat_template import template_switches
+        from ..tools.cli.options import add_stop_tokens
 
         draft = draft_for_cli(self.model_path, self.draft_path, self.no_draft)
         self.model, self.draft, self.tokenizer = load(self.model_path, draft, dtype=self.dtype)
@@ -161,11 +162,11 @@ class MLXEngine:
         return render_chat(self.tokenizer, messages, system_prompt=settings.system_prompt, template_args=args)
 
     def _start(self, messages: list[dict[str, str]], settings: Settings):
-        from ..tuning.policy import PolicyState
-        from ..text.chat_template import has_chat_template
         from ..generation import policy_key, stream_generate
         from ..models.drafter import DraftModel
         from ..sampling import make_sampler
+        from ..text.chat_template import has_chat_template
+        from ..tuning.policy import PolicyState
 
         if self.draft is not None:
             # Off keeps the drafter, verifying one token per pass, so its cache stays in sync.

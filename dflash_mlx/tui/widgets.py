@@ -181,9 +181,7 @@ def sparkline_rows(values: list[int], top: int, height: int) -> list[str]:
     """
     levels = len(BARS) - 1
     units = [round(min(v, top) / top * height * levels) for v in values]
-    return [
-        "".join(BARS[min(max(u - row * levels, 0), levels)] for u in units) for row in reversed(range(height))
-    ]
+    return ["".join(BARS[min(max(u - row * levels, 0), levels)] for u in units) for row in reversed(range(height))]
 
 
 def histogram_rows(stats: ConversationStats, width: int) -> tuple[str, str]:

@@ -14,9 +14,9 @@ Plain Python only.
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ..base.errors import DFlashError
 from ..base.store import JsonStore

@@ -10,8 +10,8 @@ import argparse
 # recipes/archive/interleaved.py, beside this script
 from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interleaved
 
-from dflash_mlx.tools.bench.timing import _time_stream
 from dflash_mlx.generation import stream_generate
+from dflash_mlx.tools.bench.timing import _time_stream
 
 CONFIGS = {"plain": (False, None), "dflash, every cycle": (True, False), "dflash, adaptive (default)": (True, None)}
 

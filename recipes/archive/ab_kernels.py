@@ -17,9 +17,9 @@ import argparse
 # recipes/archive/interleaved.py, beside this script
 from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interleaved
 
-from dflash_mlx.tools.bench.timing import _time_stream
 from dflash_mlx.cpu.speedups import CPU_SPEEDUPS, CpuSpeedups
 from dflash_mlx.generation import stream_generate
+from dflash_mlx.tools.bench.timing import _time_stream
 
 
 def main() -> None:
@@ -29,17 +29,28 @@ def main() -> None:
     args = parser.parse_args()
 
     model, draft, tokenizer, rows = embedded_pair_and_prompts(args.num_prompts)
-    ways = {"native ops": False, "kernels, op by op": CpuSpeedups(compiled_steps=False), "kernels, compiled": CPU_SPEEDUPS}
+    ways = {
+        "native ops": False,
+        "kernels, op by op": CpuSpeedups(compiled_steps=False),
+        "kernels, compiled": CPU_SPEEDUPS,
+    }
     configs = {
         f"{loop}, {way}": (extra, way)
         for loop, extra in (("dflash", {}), ("dflash-fallback", {"lookup_fallback": 4}))
         for way in ways
     }
+
     def run(name: str, ids: list[int]):
         extra, way = configs[name]
         stream = stream_generate(
-            model, draft, tokenizer, ids, max_tokens=args.max_tokens, block_size=args.block_size,
-            cpu_speedups=ways[way], **extra,
+            model,
+            draft,
+            tokenizer,
+            ids,
+            max_tokens=args.max_tokens,
+            block_size=args.block_size,
+            cpu_speedups=ways[way],
+            **extra,
         )
         return _time_stream(stream, lambda r: r.tokens)
 
@@ -50,8 +61,10 @@ def main() -> None:
         print(f"{name:36s} {tps[name]:7.1f} tok/s")
     for loop in ("dflash", "dflash-fallback"):
         native, by_op, compiled = (tps[f"{loop}, {way}"] for way in ways)
-        print(f"{loop}: kernels op by op / native = {by_op / native:.3f}, compiled / op by op = "
-              f"{compiled / by_op:.3f}, compiled / native = {compiled / native:.3f}")
+        print(
+            f"{loop}: kernels op by op / native = {by_op / native:.3f}, compiled / op by op = "
+            f"{compiled / by_op:.3f}, compiled / native = {compiled / native:.3f}"
+        )
     same = all(outputs[name] == outputs["dflash, native ops"] for name in configs)
     print("identical tokens:", same)
 

@@ -16,9 +16,9 @@ import argparse
 # recipes/archive/interleaved.py, beside this script
 from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interleaved
 
-from dflash_mlx.tools.bench.timing import _time_stream
 from dflash_mlx.cpu.speedups import CpuSpeedups
 from dflash_mlx.generation import stream_generate
+from dflash_mlx.tools.bench.timing import _time_stream
 
 
 def main() -> None:
@@ -34,7 +34,13 @@ def main() -> None:
     def run(name: str, ids: list[int]):
         fallback, every = configs[name]
         stream = stream_generate(
-            model, draft, tokenizer, ids, max_tokens=args.max_tokens, block_size=16, lookup_fallback=fallback,
+            model,
+            draft,
+            tokenizer,
+            ids,
+            max_tokens=args.max_tokens,
+            block_size=16,
+            lookup_fallback=fallback,
             cpu_speedups=CpuSpeedups(start_every=every),
         )
         return _time_stream(stream, lambda r: r.tokens)

@@ -21,9 +21,9 @@ import mlx.nn as nn
 # recipes/archive/interleaved.py, beside this script
 from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interleaved
 
-from dflash_mlx.tools.bench.timing import _time_stream
 from dflash_mlx.generation import stream_generate
 from dflash_mlx.sampling import make_sampler
+from dflash_mlx.tools.bench.timing import _time_stream
 
 
 def main() -> None:
@@ -52,8 +52,15 @@ def main() -> None:
         temp, block_size, adaptive = configs[name]
         extra = {"adaptive": adaptive} if has_adaptive and block_size else {}
         stream = stream_generate(
-            model, draft if block_size else None, tokenizer, ids, max_tokens=args.max_tokens, block_size=block_size,
-            sampler=make_sampler(temp), seed=len(ids), **extra,
+            model,
+            draft if block_size else None,
+            tokenizer,
+            ids,
+            max_tokens=args.max_tokens,
+            block_size=block_size,
+            sampler=make_sampler(temp),
+            seed=len(ids),
+            **extra,
         )
         out = _time_stream(stream, lambda r: r.tokens)
         for accepted, size in zip(out[3], out[4]):

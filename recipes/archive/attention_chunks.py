@@ -18,7 +18,6 @@ import statistics
 import time
 
 import mlx.core as mx
-
 from turns import run_in_turns
 
 MB = 1024**2

@@ -13,8 +13,8 @@ import time
 import mlx.core as mx
 
 from dflash_mlx import load
-from dflash_mlx.loop.cache import make_draft_cache
 from dflash_mlx.cpu.speedups import choose_speedups
+from dflash_mlx.loop.cache import make_draft_cache
 
 
 def main() -> None:

@@ -19,15 +19,14 @@ import statistics
 import time
 
 import mlx.core as mx
-
 from turns import run_in_turns
 
 
 def measure(contexts: list[int], reps: int, new: int) -> dict:
     from dflash_mlx import load
-    from dflash_mlx.loop.cache import make_draft_cache
     from dflash_mlx.cpu import fast_math
     from dflash_mlx.cpu.speedups import choose_speedups
+    from dflash_mlx.loop.cache import make_draft_cache
 
     model, draft, _ = load(dtype="float32")
     speedups = choose_speedups(mx.float32)

@@ -30,12 +30,12 @@ import mlx.core as mx
 from mlx_lm.models import qwen3
 
 from dflash_mlx import load
-from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.cpu.speedups import choose_speedups
+from dflash_mlx.drafts.proposer import DFlashProposer
+from dflash_mlx.loop.cache import make_cache
+from dflash_mlx.loop.verify import Verifier
 from dflash_mlx.models import target as tgt
 from dflash_mlx.models.drafter import DraftArgs, DraftModel
-from dflash_mlx.drafts.proposer import DFlashProposer
-from dflash_mlx.loop.verify import Verifier
 
 MB = 1024**2
 # The version before the prefill handed taps to the drafter took no drafter: its taps waited in pending.
@@ -65,10 +65,21 @@ class TapsOnly(Verifier):
 
 def qwen3_8b_shaped() -> tuple:
     """A stand-in target and a random drafter in Qwen3-8B's and its DFlash drafter's shapes (float32)."""
-    shared = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-              "rms_norm_eps": 1e-6, "vocab_size": 151936, "rope_theta": 1000000.0, "max_position_embeddings": 40960}
-    target = qwen3.Model(qwen3.ModelArgs(model_type="qwen3", num_hidden_layers=2, intermediate_size=64,
-                                         tie_word_embeddings=False, **shared))
+    shared = {
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 151936,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+    }
+    target = qwen3.Model(
+        qwen3.ModelArgs(
+            model_type="qwen3", num_hidden_layers=2, intermediate_size=64, tie_word_embeddings=False, **shared
+        )
+    )
     draft = DraftModel(DraftArgs.from_dict({
         **shared, "model_type": "qwen3", "num_hidden_layers": 5, "intermediate_size": 12288, "num_target_layers": 36,
         "block_size": 16, "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
@@ -149,8 +160,10 @@ def real_target(args) -> None:
             del cache, verifier
         kv = kv_bytes(a, context, mx.float32.size)
         added = peaks[1] - peaks[0]
-        print(f"{context:>6} context: target alone peaks {peaks[0] / MB:.1f} MB, with the drafter {peaks[1] / MB:.1f} "
-              f"MB: drafting adds {added / MB:.1f} MB ({added / kv:.2f}x the drafter's K/V, {kv / MB:.1f} MB)")
+        print(
+            f"{context:>6} context: target alone peaks {peaks[0] / MB:.1f} MB, with the drafter {peaks[1] / MB:.1f} "
+            f"MB: drafting adds {added / MB:.1f} MB ({added / kv:.2f}x the drafter's K/V, {kv / MB:.1f} MB)"
+        )
 
 
 if __name__ == "__main__":

@@ -15,11 +15,11 @@ import time
 import mlx.core as mx
 
 from dflash_mlx import load
-from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.cpu.speedups import choose_speedups
-from dflash_mlx.models.drafter import DraftModel
 from dflash_mlx.drafts.proposer import DFlashProposer
+from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.loop.verify import Verifier
+from dflash_mlx.models.drafter import DraftModel
 
 
 class RawTaps(DraftModel):

@@ -48,21 +48,26 @@ def main() -> None:
     import mlx.optimizers as optim
     import numpy as np
 
-    from dflash_mlx.loop.cache import make_cache
     from dflash_mlx.cpu.speedups import choose_speedups
     from dflash_mlx.loading.casting import cast
     from dflash_mlx.loading.draft_loader import load_draft
     from dflash_mlx.loading.target_loader import load_target
+    from dflash_mlx.loop.cache import make_cache
     from dflash_mlx.models import target as tgt
     from dflash_mlx.models.drafter import DraftArgs, DraftModel
-    from dflash_mlx.tools.train.data import (
-        make_batch, position_weights, read_cache, read_prompts, render_prompt, usable,
-    )
     from dflash_mlx.tools.train.config import TrainingArgs, draft_config
+    from dflash_mlx.tools.train.data import (
+        make_batch,
+        position_weights,
+        read_cache,
+        read_prompts,
+        render_prompt,
+        usable,
+    )
     from dflash_mlx.tools.train.losses import block_loss
-    from dflash_mlx.tools.train.trainer import _KEYS, _to_mx, evaluate_acceptance
     from dflash_mlx.tools.train.precondition import ScaledLinear, feature_scale
     from dflash_mlx.tools.train.taps import TapStore
+    from dflash_mlx.tools.train.trainer import _KEYS, _to_mx, evaluate_acceptance
     from dflash_mlx.tools.train.vocab import LossVocab, coverage, token_counts, top_tokens
 
     print(f"BLAS: {blas_in_use()}")
@@ -112,7 +117,10 @@ def main() -> None:
 
         return lambda: mx.eval(step(taps, last, *[batch[k] for k in _KEYS]), state)
 
-    steps = {"whole vocabulary": make_step(None), f"--loss-vocab {args.vocab}": make_step(LossVocab.for_target(target, mx.array(ids)))}
+    steps = {
+        "whole vocabulary": make_step(None),
+        f"--loss-vocab {args.vocab}": make_step(LossVocab.for_target(target, mx.array(ids))),
+    }
     for run in steps.values():
         run(), run()  # compiled, warm
     times = {name: [] for name in steps}

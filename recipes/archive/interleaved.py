@@ -2,11 +2,11 @@
 
 import argparse
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 from dflash_mlx import load
-from dflash_mlx.tools.bench.benchmark import _prompt_rows, encode
 from dflash_mlx.loading.pairs import default_pair_path
+from dflash_mlx.tools.bench.benchmark import _prompt_rows, encode
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """Mean acceptance length of greedy vs sampled proposals when sampling, on the embedded pair.
 
-    python recipes/archive/measure_proposals.py --temps 0.6 1.0 --max-tokens 128 --seeds 2
+python recipes/archive/measure_proposals.py --temps 0.6 1.0 --max-tokens 128 --seeds 2
 """
 
 import argparse
@@ -9,9 +9,9 @@ import statistics
 from pathlib import Path
 
 from dflash_mlx import load, stream_generate
-from dflash_mlx.tools.bench.benchmark import encode, load_prompts
 from dflash_mlx.loading.pairs import default_pair_path
 from dflash_mlx.sampling import make_sampler
+from dflash_mlx.tools.bench.benchmark import encode, load_prompts
 
 
 def main() -> None:
@@ -33,15 +33,25 @@ def main() -> None:
             accept = []
             for ids in prompts:
                 for seed in range(args.seeds):
-                    for r in stream_generate(model, draft, tokenizer, ids, max_tokens=args.max_tokens,
-                                             block_size=args.block_size, sampler=make_sampler(temp),
-                                             proposal=proposal, seed=seed):
+                    for r in stream_generate(
+                        model,
+                        draft,
+                        tokenizer,
+                        ids,
+                        max_tokens=args.max_tokens,
+                        block_size=args.block_size,
+                        sampler=make_sampler(temp),
+                        proposal=proposal,
+                        seed=seed,
+                    ):
                         if r.cycle > 0:
                             accept.append(r.acceptance_length)
             row = {"temp": temp, "proposal": proposal, "tau": statistics.mean(accept), "cycles": len(accept)}
             results.append(row)
-            print(f"temp {temp}: {proposal:6s} proposals, mean acceptance length {row['tau']:.2f} "
-                  f"over {row['cycles']} cycles")
+            print(
+                f"temp {temp}: {proposal:6s} proposals, mean acceptance length {row['tau']:.2f} "
+                f"over {row['cycles']} cycles"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

@@ -2,6 +2,7 @@
 of ``stream_generate`` keyword arguments, on the bench's held-out prompts, greedy, 256 tokens, rounds after a
 warm-up one; prints each round's cumulative tokens per second against mlx-lm's and whether every arm wrote the
 same tokens. Used by the ``*_ab.py`` recipes beside it."""
+
 import json
 import time
 

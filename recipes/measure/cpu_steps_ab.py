@@ -5,12 +5,13 @@ attention), one process, rounds taking turns (the first a warm-up), greedy, the 
 
     python -m dflash_mlx.cpu.openblas python recipes/measure/cpu_steps_ab.py --rounds 3
 """
+
 import argparse
 
 from ab_rounds import run_rounds
 
-from dflash_mlx.tuning.policy import PolicyState
 from dflash_mlx.cpu.speedups import CpuSpeedups
+from dflash_mlx.tuning.policy import PolicyState
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--rounds", type=int, default=3)
@@ -21,5 +22,6 @@ run_rounds(
         "old": dict(policy=PolicyState(), cpu_speedups=CpuSpeedups(min_tokens=10**6)),
         "new": dict(policy=PolicyState(), cpu_speedups=CpuSpeedups()),
     },
-    args.rounds, args.prompts,
+    args.rounds,
+    args.prompts,
 )

@@ -5,6 +5,7 @@ and the costs the second arm learned.
 
     python -m dflash_mlx.cpu.openblas python recipes/measure/draft_cost_sizes_ab.py --rounds 3
 """
+
 import argparse
 
 from ab_rounds import run_rounds

@@ -31,9 +31,9 @@ import time
 import mlx.core as mx
 from mlx_lm.models import qwen3_5
 
+from dflash_mlx.models.drafter import DraftArgs, DraftModel, default_target_layer_ids
 from dflash_mlx.tools.bench.stats import mean_rollback, physical_limit
 from dflash_mlx.tools.bench.timing import component_times, fastest_times
-from dflash_mlx.models.drafter import DraftModel, DraftArgs, default_target_layer_ids
 
 # text_config of Qwen/Qwen3.5-0.8B's config.json (the fields mlx-lm's qwen3_5 reads).
 QWEN3_5_0_8B = {
@@ -59,10 +59,17 @@ def build_pair(layers: int, block_size: int = 16) -> tuple:
     draft = DraftModel(
         DraftArgs.from_dict(
             {
-                "hidden_size": text["hidden_size"], "intermediate_size": text["intermediate_size"],
-                "num_hidden_layers": DRAFT_LAYERS, "num_attention_heads": 32, "num_key_value_heads": 8,
-                "head_dim": 128, "rope_theta": 1e7, "vocab_size": text["vocab_size"], "block_size": block_size,
-                "mask_token_id": text["vocab_size"] - 1, "num_target_layers": layers,
+                "hidden_size": text["hidden_size"],
+                "intermediate_size": text["intermediate_size"],
+                "num_hidden_layers": DRAFT_LAYERS,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "rope_theta": 1e7,
+                "vocab_size": text["vocab_size"],
+                "block_size": block_size,
+                "mask_token_id": text["vocab_size"] - 1,
+                "num_target_layers": layers,
                 "target_layer_ids": default_target_layer_ids(layers, DRAFT_LAYERS),
             }
         )  # fmt: skip

@@ -5,12 +5,13 @@ two held-out prompts, 256 tokens. Prints cumulative tokens per second and whethe
 
     python -m dflash_mlx.cpu.openblas python recipes/measure/layer_steps_ab.py --rounds 3
 """
+
 import argparse
 
 from ab_rounds import run_rounds
 
-from dflash_mlx.tuning.policy import PolicyState
 from dflash_mlx.models import target
+from dflash_mlx.tuning.policy import PolicyState
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--rounds", type=int, default=3)
@@ -31,6 +32,7 @@ def steps(*a, **k):
 target._cpu_steps = steps
 run_rounds(
     {"kept": dict(policy=PolicyState()), "every pass": dict(policy=PolicyState())},
-    args.rounds, args.prompts,
+    args.rounds,
+    args.prompts,
     setup={"kept": lambda: every_pass.update(on=False), "every pass": lambda: every_pass.update(on=True)},
 )

@@ -32,8 +32,12 @@ def main() -> None:
         for r in rng.sample(chats, min(args.chat, len(chats)))
     ]
     completion = [
-        {"category": "completion", "file": r["file"], "raw": True,
-         "prompt": "\n".join(r["text"].splitlines()[: args.completion_lines]) + "\n"}
+        {
+            "category": "completion",
+            "file": r["file"],
+            "raw": True,
+            "prompt": "\n".join(r["text"].splitlines()[: args.completion_lines]) + "\n",
+        }
         for r in rng.sample(chunks, min(args.completion, len(chunks)))
     ]
     # Interleaved, so that the first N prompts (dflash-bench --num-prompts) cover both categories.

@@ -1,9 +1,9 @@
 """Greedy acceptance length of a target + drafter pair on held-out prompts (the numbers in DRAFT.md).
 
-    python recipes/measure/measure_acceptance.py --prompts assets/dflash-tiny/prompts.jsonl
-    python recipes/measure/measure_acceptance.py --draft runs/draft --prompts valid.jsonl --skip 8 --num-prompts 32
-    python recipes/measure/measure_acceptance.py --prompts valid.jsonl --skip 8 --kind completion --num-prompts 24
-    python recipes/measure/measure_acceptance.py --num-prompts 4 --max-tokens 96 --tree-budget 16
+python recipes/measure/measure_acceptance.py --prompts assets/dflash-tiny/prompts.jsonl
+python recipes/measure/measure_acceptance.py --draft runs/draft --prompts valid.jsonl --skip 8 --num-prompts 32
+python recipes/measure/measure_acceptance.py --prompts valid.jsonl --skip 8 --kind completion --num-prompts 24
+python recipes/measure/measure_acceptance.py --num-prompts 4 --max-tokens 96 --tree-budget 16
 """
 
 import argparse
@@ -21,8 +21,12 @@ def main() -> None:
     parser.add_argument("--draft", default=None, help="Drafter (default: the embedded pair's).")
     parser.add_argument("--prompts", default=str(default_pair_path() / "prompts.jsonl"))
     parser.add_argument("--skip", type=int, default=0, help="Leave out the first N prompts.")
-    parser.add_argument("--kind", choices=["chat", "completion"], default=None,
-                        help="Only chat prompts or only raw completions (after --skip).")
+    parser.add_argument(
+        "--kind",
+        choices=["chat", "completion"],
+        default=None,
+        help="Only chat prompts or only raw completions (after --skip).",
+    )
     parser.add_argument("--num-prompts", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=None)
@@ -39,7 +43,12 @@ def main() -> None:
     rows = rows[: args.num_prompts]
     prompts = [render_prompt(tokenizer, row) for row in rows]
     mean, hist = evaluate_acceptance(
-        model, draft, prompts, args.max_tokens, frozenset(tokenizer.eos_token_ids), block_size=args.block_size,
+        model,
+        draft,
+        prompts,
+        args.max_tokens,
+        frozenset(tokenizer.eos_token_ids),
+        block_size=args.block_size,
         tree_budget=args.tree_budget,
     )
     print(json.dumps({

@@ -27,7 +27,7 @@ from mlx_lm.models import qwen3_5
 from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.models import hybrid
 from dflash_mlx.models import target as tgt
-from dflash_mlx.models.drafter import DraftModel, DraftArgs
+from dflash_mlx.models.drafter import DraftArgs, DraftModel
 from dflash_mlx.models.hybrid import RecurrentCache
 
 
@@ -48,10 +48,17 @@ def _draft(args, num_target_layers: int) -> DraftModel:
     draft = DraftModel(
         DraftArgs.from_dict(
             {
-                "hidden_size": args.hidden, "num_hidden_layers": args.draft_layers,
-                "intermediate_size": args.intermediate, "num_attention_heads": 32, "num_key_value_heads": 8,
-                "head_dim": 128, "vocab_size": args.vocab, "block_size": args.block_size, "mask_token_id": 0,
-                "num_target_layers": num_target_layers, "rope_theta": 1e7,
+                "hidden_size": args.hidden,
+                "num_hidden_layers": args.draft_layers,
+                "intermediate_size": args.intermediate,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "vocab_size": args.vocab,
+                "block_size": args.block_size,
+                "mask_token_id": 0,
+                "num_target_layers": num_target_layers,
+                "rope_theta": 1e7,
                 "target_layer_ids": list(range(1, num_target_layers, max(1, num_target_layers // 5)))[:5],
             }
         )  # fmt: skip

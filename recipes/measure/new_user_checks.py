@@ -63,8 +63,9 @@ def seeded_prefix() -> bool:
                          "--max-tokens", str(n), "--verbose", "false")  # fmt: skip
         texts.append(out)
     short, long = texts
-    return report("seeded sampling keeps its prefix", long.startswith(short.rstrip()),
-                  f"{short[:60]!r} / {long[:60]!r}")
+    return report(
+        "seeded sampling keeps its prefix", long.startswith(short.rstrip()), f"{short[:60]!r} / {long[:60]!r}"
+    )
 
 
 def _free_port() -> int:

@@ -25,8 +25,12 @@ def main() -> None:
     parser.add_argument("--prompt", default="Explain what a hash table is")
     parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--only", nargs="+", default=None,
-                        help="Run only the configurations whose name contains one of these (mlx_lm's always runs).")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        help="Run only the configurations whose name contains one of these (mlx_lm's always runs).",
+    )
     args = parser.parse_args()
     bin_dir = Path(sys.executable).parent
     clean = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
@@ -54,8 +58,11 @@ def main() -> None:
             blas = re.search(r"BLAS: (.*)", out)
             acc = re.search(r"Acceptance length: (.*)", out)
             results[name].append(float(g.group(2)) if g else None)
-            print(f"round {r} | {name} | gen {g and g.group(2)} tok/s ({g and g.group(1)} tokens) | prompt "
-                  f"{p and p.group(2)} tok/s | {blas and blas.group(1)} | {acc and acc.group(1)}", flush=True)
+            print(
+                f"round {r} | {name} | gen {g and g.group(2)} tok/s ({g and g.group(1)} tokens) | prompt "
+                f"{p and p.group(2)} tok/s | {blas and blas.group(1)} | {acc and acc.group(1)}",
+                flush=True,
+            )
     print(json.dumps(results))
     med = {name: sorted(v for v in rs if v)[len([v for v in rs if v]) // 2] for name, rs in results.items() if any(rs)}
     base = med.get("mlx_lm generate (OpenBLAS preloaded)")

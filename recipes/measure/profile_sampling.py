@@ -20,8 +20,8 @@ import time
 import mlx.core as mx
 
 from dflash_mlx import load
-from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.cpu.speedups import choose_speedups
+from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.models import target as tgt
 from dflash_mlx.sampling import make_sampler, sample_rows, speculative_accept
 
@@ -101,7 +101,9 @@ def main() -> None:
                 lambda: tgt.forward_with_taps(model, plain, cache.target, [], speedups)
             )
             _, row["plain: draw (now)"] = _timed(lambda: sample_rows(sampler.probs(s_logits[0], fast_exp=kernel)))
-            _, row["plain: draw (before)"] = _timed(lambda: sampler(s_logits[0] - mx.logsumexp(s_logits[0], axis=-1, keepdims=True)))
+            _, row["plain: draw (before)"] = _timed(
+                lambda: sampler(s_logits[0] - mx.logsumexp(s_logits[0], axis=-1, keepdims=True))
+            )
             cache.trim_target(1)
             if cycle >= 3:
                 for name, ms in row.items():

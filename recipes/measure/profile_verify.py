@@ -22,8 +22,8 @@ import mlx.core as mx
 import mlx_lm.models.qwen3 as qwen3
 
 from dflash_mlx import load
-from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.cpu.speedups import CPU_SPEEDUPS, CpuSpeedups
+from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.models import target as tgt
 
 

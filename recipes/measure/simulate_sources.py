@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dflash_mlx.tuning.policy import FreeStats  # noqa: E402
 from dflash_mlx.drafts.datastore import Datastore, Draft, SuffixIndex, read_responses  # noqa: E402
 from dflash_mlx.drafts.free import FreeDrafts  # noqa: E402
 from dflash_mlx.drafts.lookup import PromptLookup  # noqa: E402
+from dflash_mlx.tuning.policy import FreeStats  # noqa: E402
 
 
 class LongestOnlyDatastore(Datastore):
@@ -127,12 +127,20 @@ def main():
     p.add_argument("--store", required=True, help="The datastore's response cache.")
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--draft-cost", type=float, default=0.06, help="One draft's verify cost, in plain steps.")
-    p.add_argument("--first-cost", type=float, default=None,
-                   help="The first draft's, if it differs (0.15 measured on 2-core CPUs: the host waits "
-                        "for the verdict).")
+    p.add_argument(
+        "--first-cost",
+        type=float,
+        default=None,
+        help="The first draft's, if it differs (0.15 measured on 2-core CPUs: the host waits for the verdict).",
+    )
     p.add_argument("--index", default=None, help="Keep the store's index here (.npz) between runs.")
-    p.add_argument("--only", nargs="*", default=None, metavar="TEXT",
-                   help="Replay only the setups whose name holds one of these texts.")
+    p.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        metavar="TEXT",
+        help="Replay only the setups whose name holds one of these texts.",
+    )
     args = p.parse_args()
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -171,6 +179,7 @@ def main():
                 if drafts:
                     return name, drafts
             return "none", []
+
         return propose
 
     def lookup_long(width, min_match):  # lookup only on a match of min_match tokens or more
@@ -188,6 +197,7 @@ def main():
                 more = store.draft(history + drafts, width - len(drafts)).tokens if len(drafts) < width else []
                 return "lookup", drafts + more
             return "store", store.draft(history, width).tokens
+
         return first_of(propose, lookup_source(1))
 
     def longest(width):  # the longer of a long lookup match's drafts and the datastore's
@@ -196,6 +206,7 @@ def main():
         def propose(history):
             a, b = lookup.lookup(history, width), store.draft(history, width).tokens
             return ("lookup", a) if len(a) >= len(b) and a else ("store", b)
+
         return first_of(propose, lookup_source(1))
 
     setups = {
@@ -214,13 +225,17 @@ def main():
         "lookup>=2 7 continued by the store, else store 7, else lookup 1": extended(7),
         "the longer of lookup>=2 7 and store 7, else lookup 1": longest(7),
         "lookup>=2 15, else store 15, else lookup 1": first_of(lookup_long(15, 2), store_source(15), lookup_source(1)),
-        "sized by the loop's chances (lookup told apart by its match's earlier occurrence)":
-            sized_source(FreeDrafts, index, args.vocab),
-        "sized by the loop's chances (lookup by match length only, before)":
-            sized_source(MatchOnlyLookup, index, args.vocab),
+        "sized by the loop's chances (lookup told apart by its match's earlier occurrence)": sized_source(
+            FreeDrafts, index, args.vocab
+        ),
+        "sized by the loop's chances (lookup by match length only, before)": sized_source(
+            MatchOnlyLookup, index, args.vocab
+        ),
     }
     print(f"draft cost {args.draft_cost} of a step; speed = tokens per step-time against plain decoding")
-    print("| setup | tokens per cycle (per drafting cycle) | speed | " + " | ".join(groups) + " | shares (lookup/store) |")
+    print(
+        "| setup | tokens per cycle (per drafting cycle) | speed | " + " | ".join(groups) + " | shares (lookup/store) |"
+    )
     for name, propose in setups.items():
         if args.only and not any(t in name for t in args.only):
             continue
@@ -228,8 +243,13 @@ def main():
         per = defaultdict(lambda: [0, 0, 0, 0.0, 0])
         shares = defaultdict(int)
         for ex in examples:
-            got = replay(ex["prompt_ids"], ex["response_ids"], propose, args.draft_cost,
-                         args.draft_cost if args.first_cost is None else args.first_cost)
+            got = replay(
+                ex["prompt_ids"],
+                ex["response_ids"],
+                propose,
+                args.draft_cost,
+                args.draft_cost if args.first_cost is None else args.first_cost,
+            )
             for g in ("all", group[ex["key"]]):
                 for j in range(5):
                     per[g][j] += got[j]
@@ -240,9 +260,11 @@ def main():
         speed = per["all"][4] / per["all"][3]
         cols = " | ".join(f"{tau[g]:.2f}" for g in groups)
         total = max(sum(shares.values()), 1)
-        print(f"| {name} | {tau['all']:.2f} ({drafting_tau:.2f}) | {speed:.2f}x | {cols} | "
-              f"{shares['lookup'] / total:.0%}/{shares['store'] / total:.0%} | ({time.perf_counter() - tic:.0f} s)",
-              flush=True)
+        print(
+            f"| {name} | {tau['all']:.2f} ({drafting_tau:.2f}) | {speed:.2f}x | {cols} | "
+            f"{shares['lookup'] / total:.0%}/{shares['store'] / total:.0%} | ({time.perf_counter() - tic:.0f} s)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

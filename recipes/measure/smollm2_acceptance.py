@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from smollm2_data_stats import repeat_share  # noqa: E402
 
-from dflash_mlx import dflash_generate_step, load, LoopOptions  # noqa: E402
+from dflash_mlx import LoopOptions, dflash_generate_step, load  # noqa: E402
 from dflash_mlx.text.chat_template import render_chat  # noqa: E402
 
 
@@ -39,8 +39,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 8])
     parser.add_argument("--json", default=None, help="Also write the results here.")
-    parser.add_argument("--defaults", action="store_true",
-                        help="The loop's defaults (adaptive policy, datastore) instead of every cycle drafted.")
+    parser.add_argument(
+        "--defaults",
+        action="store_true",
+        help="The loop's defaults (adaptive policy, datastore) instead of every cycle drafted.",
+    )
     parser.add_argument("--datastore", default="auto", help="With --defaults: as dflash-generate's --datastore.")
     parser.add_argument("--by-source", action="store_true", help="Group the prompts by category/source kind.")
     args = parser.parse_args()
@@ -48,9 +51,9 @@ def main() -> None:
     model, draft, tokenizer = load(args.model, args.draft)
     settings = {"adaptive": False}
     if args.defaults:
-        from dflash_mlx.tuning.policy import PolicyState
         from dflash_mlx.drafts.datastore import open_datastore
         from dflash_mlx.models.target import vocab_size
+        from dflash_mlx.tuning.policy import PolicyState
 
         store = open_datastore(args.datastore, args.model, vocab_size(model), learns=False)
         settings = {"adaptive": True, "datastore": store}
@@ -101,9 +104,11 @@ def main() -> None:
         for r in picked:
             shares.update(r["accepted_by"])
         total = max(sum(shares.values()), 1)
-        print(f"block {block}: tau {accepted / max(cycles, 1):.3f} over {cycles} drafting cycles, "
-              f"{emitted / max(every, 1):.3f} tokens per cycle over all {every:.0f}; accepted drafts from "
-              + ", ".join(f"{k or '?'} {100 * v / total:.0f}%" for k, v in sorted(shares.items())))
+        print(
+            f"block {block}: tau {accepted / max(cycles, 1):.3f} over {cycles} drafting cycles, "
+            f"{emitted / max(every, 1):.3f} tokens per cycle over all {every:.0f}; accepted drafts from "
+            + ", ".join(f"{k or '?'} {100 * v / total:.0f}%" for k, v in sorted(shares.items()))
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 

@@ -52,11 +52,16 @@ def main():
         same += diverge is None
         row = {"key": ex["key"], "cached_len": len(cached), "plain_len": len(plain), "first_divergence": diverge}
         rows.append(row)
-        print(f"{i + 1}/{len(examples)} {ex['key']} len {len(cached)}/{len(plain)} "
-              f"{'identical' if diverge is None else f'diverges at {diverge}'}", flush=True)
-    print(f"agreement: {same}/{len(examples)} identical; divergences at "
-          f"{[r['first_divergence'] for r in rows if r['first_divergence'] is not None]}; "
-          f"{time.perf_counter() - tic:.0f} s")
+        print(
+            f"{i + 1}/{len(examples)} {ex['key']} len {len(cached)}/{len(plain)} "
+            f"{'identical' if diverge is None else f'diverges at {diverge}'}",
+            flush=True,
+        )
+    print(
+        f"agreement: {same}/{len(examples)} identical; divergences at "
+        f"{[r['first_divergence'] for r in rows if r['first_divergence'] is not None]}; "
+        f"{time.perf_counter() - tic:.0f} s"
+    )
     if args.out:
         Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
 

@@ -43,12 +43,20 @@ def select_prompts(out: Path, data: Path = Path("assets/smollm2/data")) -> None:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="runs/smollm2/target", help="The target (float32 mlx-lm folder).")
-    p.add_argument("--draft", nargs="+", default=["assets/smollm2/draft"],
-                   help="Drafter folders (with the same taps): the target's taps are computed once for all.")
-    p.add_argument("--select-prompts", default=None, metavar="OUT",
-                   help="Only write the held-out selection to OUT: the first 16 prompts per category of "
-                        "prompts_heldout.jsonl, then of prompts_heldout2.jsonl the first 24 chitchat, 16 magpie and "
-                        "8 followup prompts (128 in all).")
+    p.add_argument(
+        "--draft",
+        nargs="+",
+        default=["assets/smollm2/draft"],
+        help="Drafter folders (with the same taps): the target's taps are computed once for all.",
+    )
+    p.add_argument(
+        "--select-prompts",
+        default=None,
+        metavar="OUT",
+        help="Only write the held-out selection to OUT: the first 16 prompts per category of "
+        "prompts_heldout.jsonl, then of prompts_heldout2.jsonl the first 24 chitchat, 16 magpie and "
+        "8 followup prompts (128 in all).",
+    )
     p.add_argument("--prompts", default=None, help="The held-out prompts (JSONL with a 'category' each).")
     p.add_argument("--cache", default=None, help="The target's responses to them (response cache JSONL).")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16])
@@ -105,8 +113,11 @@ def main():
         for B, row in rows.items():
             print(f"| {name} | {B} | " + " | ".join(f"{row[c]['tau']:.3f}" for c in cats) + " |")
     groups = [g for g in first if "/" in g]
-    print(f"\nBy source, block {args.block_sizes[0]} (anchors: "
-          + ", ".join(f"{g} {first[g]['anchors']:,}" for g in groups) + ")")
+    print(
+        f"\nBy source, block {args.block_sizes[0]} (anchors: "
+        + ", ".join(f"{g} {first[g]['anchors']:,}" for g in groups)
+        + ")"
+    )
     print("| drafter | " + " | ".join(groups) + " |")
     for name, rows in results.items():
         row = rows[args.block_sizes[0]]

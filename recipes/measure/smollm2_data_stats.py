@@ -85,8 +85,10 @@ def main() -> None:
             for name, (n, t, rep, g) in sorted(by[level].items())
         }
         for name, row in stats[level].items():
-            print(f"{level:9s} {name:28s} {row['responses']:5d} responses {row['tokens']:7d} tokens  "
-                  f"4-gram repeat {row['repeat4']:.3f}")
+            print(
+                f"{level:9s} {name:28s} {row['responses']:5d} responses {row['tokens']:7d} tokens  "
+                f"4-gram repeat {row['repeat4']:.3f}"
+            )
     print(f"finish reasons {dict(finish)}; length {stats.get('length')}")
 
     if args.agreement:
@@ -98,10 +100,14 @@ def main() -> None:
             if ref == got:
                 same += 1
             else:
-                first_diff.append(next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got))))
+                first_diff.append(
+                    next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+                )
         stats["agreement"] = {"checked": args.agreement, "identical": same, "first_difference_at": first_diff}
-        print(f"agreement with the plain greedy loop: {same}/{args.agreement} identical; "
-              f"first differences at tokens {first_diff}")
+        print(
+            f"agreement with the plain greedy loop: {same}/{args.agreement} identical; "
+            f"first differences at tokens {first_diff}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(stats, f, indent=1)

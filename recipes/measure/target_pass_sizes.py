@@ -7,15 +7,16 @@ layers, turn about, to show what the compiled CPU steps save.
     python -m dflash_mlx.cpu.openblas python recipes/measure/target_pass_sizes.py --compare-cpu-steps
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python recipes/measure/target_pass_sizes.py
 """
+
 import argparse
 import time
 
 import mlx.core as mx
 
 from dflash_mlx import load
-from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.cpu.openblas import blas_in_use
 from dflash_mlx.cpu.speedups import CpuSpeedups
+from dflash_mlx.loop.cache import make_cache
 from dflash_mlx.models import target as tgt
 
 parser = argparse.ArgumentParser()

@@ -58,9 +58,7 @@ def _strip_docstring(node: ast.AST, lines: list[str]) -> str:
     keep = lines[start - 1 : doc.lineno - 1] + lines[doc.end_lineno : node.end_lineno]
     # A function whose body is only a docstring still needs a body.
     if len(node.body) == 1:
-        indent = lines[doc.lineno - 1][
-            : len(lines[doc.lineno - 1]) - len(lines[doc.lineno - 1].lstrip())
-        ]
+        indent = lines[doc.lineno - 1][: len(lines[doc.lineno - 1]) - len(lines[doc.lineno - 1].lstrip())]
         keep.append(indent + "pass")
     return textwrap.dedent("\n".join(keep)).strip("\n") + "\n"
 
@@ -76,11 +74,7 @@ def function_examples(source: str) -> list[dict]:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         doc = ast.get_docstring(node, clean=True)
-        if (
-            not doc
-            or len(doc) < MIN_DOCSTRING_CHARS
-            or node.body[0].lineno == node.lineno
-        ):
+        if not doc or len(doc) < MIN_DOCSTRING_CHARS or node.body[0].lineno == node.lineno:
             continue
         code = _strip_docstring(node, lines)
         if len(code) > MAX_FUNCTION_CHARS or code.count("\n") < 2:
@@ -107,9 +101,7 @@ def module_chunks(source: str) -> list[dict]:
 
 
 def main():
-    parser = argparse.ArgumentParser(
-        description="Build the stdlib docstring->code corpus."
-    )
+    parser = argparse.ArgumentParser(description="Build the stdlib docstring->code corpus.")
     parser.add_argument(
         "--out",
         type=Path,
@@ -128,9 +120,7 @@ def main():
         default=50,
         help="Share of files held out, per mille.",
     )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="Shuffle seed for the example order."
-    )
+    parser.add_argument("--seed", type=int, default=0, help="Shuffle seed for the example order.")
     args = parser.parse_args()
 
     files = list_files(args.stdlib)
@@ -159,9 +149,7 @@ def main():
             for ex in examples:
                 f.write(json.dumps(ex, ensure_ascii=False) + "\n")
         files_n, chats_n, chunks_n = counts[name]
-        print(
-            f"{name}: {files_n} files, {chats_n} chat examples, {chunks_n} code chunks"
-        )
+        print(f"{name}: {files_n} files, {chats_n} chat examples, {chunks_n} code chunks")
     print(f"python {sys.version.split()[0]} stdlib at {args.stdlib}")
 
 

@@ -23,7 +23,9 @@ def main() -> None:
     parser.add_argument("--cache", required=True, help="Response cache JSONL written by dflash-train.")
     parser.add_argument("--out", required=True, help="Where to write the weighted copy.")
     parser.add_argument("--times", type=int, default=3, help="Copies of each completion example in all.")
-    parser.add_argument("--model", default=str(embedded_pair_path(TINY_PAIR) / "target"), help="The target (its tokenizer).")
+    parser.add_argument(
+        "--model", default=str(embedded_pair_path(TINY_PAIR) / "target"), help="The target (its tokenizer)."
+    )
     args = parser.parse_args()
     if Path(args.out).resolve() == Path(args.cache).resolve():
         raise SystemExit("--out must differ from --cache: the cache is the record of the data step.")

@@ -36,7 +36,9 @@ def make_init(target: Path, out: Path, layers: int) -> None:
     config.update(num_hidden_layers=layers, torch_dtype="float32")
     config.pop("gguf_source", None)
     keep = tuple(f"{name}." for name in BORROWED) + tuple(f"model.layers.{i}." for i in range(layers))
-    weights = {k: v.astype(mx.float32) for k, v in mx.load(str(target / "model.safetensors")).items() if k.startswith(keep)}
+    weights = {
+        k: v.astype(mx.float32) for k, v in mx.load(str(target / "model.safetensors")).items() if k.startswith(keep)
+    }
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -79,7 +81,10 @@ def main() -> None:
 
     print(f"validation loss before: {valid_loss():.3f}")
     schedule = optim.join_schedules(
-        [optim.linear_schedule(1e-7, args.learning_rate, 20), optim.cosine_decay(args.learning_rate, args.iters, args.learning_rate / 10)],
+        [
+            optim.linear_schedule(1e-7, args.learning_rate, 20),
+            optim.cosine_decay(args.learning_rate, args.iters, args.learning_rate / 10),
+        ],
         [20],
     )
     training = TrainingArgs(

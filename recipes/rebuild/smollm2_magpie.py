@@ -37,20 +37,65 @@ SENTINEL = "\x00MAGPIE\x00"
 CODE = re.compile(
     r"\b(python|javascript|typescript|java|c\+\+|c#|rust|golang|sql|html|css|bash|regex|regular expressions?|"
     r"code|coding|programming|algorithms?|debug(ging)?|compiler?|api|json|function|recursion|github)\b|```",
-    re.I)
+    re.I,
+)
 SUMMARIZE = re.compile(r"\b(summari[sz]e|summary|tl;?dr|main points|key points|key takeaways)\b", re.I)
 MATH_STRONG = re.compile(
     r"\b(calculate|solve|equations?|probability|integral|derivative|algebra|geometry|arithmetic|math|"
-    r"mathematics|square root|prime numbers?|fractions?)\b|\d+\s*[-+*/x×÷^=]\s*\d+", re.I)
-MATH_WEAK = re.compile(r"\b(how many|how much|sum|average|percent(age)?|area|perimeter|volume|multiply|divide|total)\b|%",
-                       re.I)
+    r"mathematics|square root|prime numbers?|fractions?)\b|\d+\s*[-+*/x×÷^=]\s*\d+",
+    re.I,
+)
+MATH_WEAK = re.compile(
+    r"\b(how many|how much|sum|average|percent(age)?|area|perimeter|volume|multiply|divide|total)\b|%", re.I
+)
 WRITING = re.compile(
     r"^(please\s+)?(can you\s+|could you\s+)?(write|compose|draft|rewrite|craft)\b|"
     r"\b(poem|story|essay|letter|e-?mail|blog post|haiku|lyrics|song|slogan|article|speech|limerick|sonnet|"
-    r"tagline|cover letter)\b", re.I)
-ENGLISH = {"the", "a", "an", "is", "are", "what", "how", "why", "can", "you", "i", "to", "of", "and", "in",
-           "do", "does", "me", "my", "for", "with", "on", "be", "it", "this", "that", "your", "about", "please",
-           "tell", "give", "write", "explain", "who", "where", "when", "which", "would", "should", "could"}
+    r"tagline|cover letter)\b",
+    re.I,
+)
+ENGLISH = {
+    "the",
+    "a",
+    "an",
+    "is",
+    "are",
+    "what",
+    "how",
+    "why",
+    "can",
+    "you",
+    "i",
+    "to",
+    "of",
+    "and",
+    "in",
+    "do",
+    "does",
+    "me",
+    "my",
+    "for",
+    "with",
+    "on",
+    "be",
+    "it",
+    "this",
+    "that",
+    "your",
+    "about",
+    "please",
+    "tell",
+    "give",
+    "write",
+    "explain",
+    "who",
+    "where",
+    "when",
+    "which",
+    "would",
+    "should",
+    "could",
+}
 SELF_INTRO = re.compile(r"\b(smollm|hugging ?face|as an ai|i am an ai|i'm an ai|ai assistant|language model)\b", re.I)
 TEMPLATE_BITS = ("<|", "|>", "im_start", "im_end", "endoftext")
 ROLE_LINE = re.compile(r"^(user|assistant|system)\s*[:\n]", re.I | re.M)
@@ -87,7 +132,11 @@ def reject_reason(text: str, finish: str) -> str | None:
     if sum(ord(c) < 128 for c in text) < 0.97 * len(text):
         return "non_ascii"
     words = re.findall(r"[a-z']+", text.lower())
-    if len(words) < 3 or not ENGLISH.intersection(words) or sum(len(w) for w in words) < 0.6 * len(text.replace(" ", "")):
+    if (
+        len(words) < 3
+        or not ENGLISH.intersection(words)
+        or sum(len(w) for w in words) < 0.6 * len(text.replace(" ", ""))
+    ):
         return "not_english"
     if text[-1] not in ".?!\"')`*]" and not text.endswith("```"):
         return "mid_sentence"
@@ -120,15 +169,21 @@ def kept_prompts(raw: dict[int, list[dict]]) -> tuple[list[dict], Counter]:
             why[reason or "kept"] += 1
             if reason is None:
                 seen.add(norm_key(text))
-                out.append({"messages": [{"role": "user", "content": text}], "category": category(text),
-                            "source": f"magpie:b{bucket(seed):02d}"})
+                out.append(
+                    {
+                        "messages": [{"role": "user", "content": text}],
+                        "category": category(text),
+                        "source": f"magpie:b{bucket(seed):02d}",
+                    }
+                )
     return out, why
 
 
 def user_turn_prefix(tokenizer) -> list[int]:
     """Token ids of the template up to the content of a first user turn."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
-                                             add_generation_prompt=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": SENTINEL}], tokenize=False, add_generation_prompt=False
+    )
     prefix = rendered[: rendered.index(SENTINEL)]
     return tokenizer.encode(prefix, add_special_tokens=False)
 
@@ -150,13 +205,21 @@ def generate(args) -> None:
     with open(args.raw, "a") as f:
         if f.tell() > 0 and not args.raw.read_bytes().endswith(b"\n"):
             f.write("\n")
-        while time.perf_counter() - tic < 60 * args.minutes and (args.seeds is None or seed < args.first_seed + args.seeds):
+        while time.perf_counter() - tic < 60 * args.minutes and (
+            args.seeds is None or seed < args.first_seed + args.seeds
+        ):
             if seed in raw:
                 seed += 1
                 continue
             mx.random.seed(seed)
-            gen = BatchGenerator(model, max_tokens=args.max_tokens, stop_tokens=[[t] for t in stop],
-                                 sampler=sampler, completion_batch_size=args.batch, prefill_batch_size=8)
+            gen = BatchGenerator(
+                model,
+                max_tokens=args.max_tokens,
+                stop_tokens=[[t] for t in stop],
+                sampler=sampler,
+                completion_batch_size=args.batch,
+                prefill_batch_size=8,
+            )
             try:
                 uids = gen.insert([list(prefix)] * args.batch, [args.max_tokens] * args.batch)
                 toks = {u: [] for u in uids}
@@ -183,7 +246,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=Path("runs/smollm2/target"))
     parser.add_argument("--raw", type=Path, default=Path("runs/smollm2/magpie_raw.jsonl"), help="Samples, appended.")
-    parser.add_argument("--out", type=Path, default=Path("assets/smollm2/data/magpie.jsonl"), help="Kept prompts (rewritten).")
+    parser.add_argument(
+        "--out", type=Path, default=Path("assets/smollm2/data/magpie.jsonl"), help="Kept prompts (rewritten)."
+    )
     parser.add_argument("--minutes", type=float, default=0.0, help="Generate for this long (0: only filter).")
     parser.add_argument("--seeds", type=int, default=None, help="Or stop after this many seeds.")
     parser.add_argument("--first-seed", type=int, default=0)

@@ -62,8 +62,11 @@ TEMPLATES = {
     "more_detail": ("Tell me more about the most important point.", {"chat", "summarize"}, None),
     "pros_cons": ("What are the pros and cons?", {"chat"}, None),
     "learn_more": ("What should I read or practice next to learn more about this?", {"chat", "code"}, None),
-    "quiz": ("Write three quiz questions to check that I understood this.",
-             {"chat", "code", "summarize", "math"}, None),
+    "quiz": (
+        "Write three quiz questions to check that I understood this.",
+        {"chat", "code", "summarize", "math"},
+        None,
+    ),
     "code_comments": ("Add comments to the code that explain each step.", {"code"}, "code"),
     "code_tests": ("How would I test this? Write a few test cases.", {"code"}, "code"),
     "code_js": ("How would the same thing look in JavaScript?", {"code"}, "code"),
@@ -128,13 +131,19 @@ def clean_turn(utterances: list[dict]) -> str:
 
 
 def usable(text: str, min_words: int) -> bool:
-    return (bool(text) and len(WORD.findall(text)) >= min_words and not URL_OR_EMAIL.search(text)
-            and sum(ord(c) < 128 for c in text) >= 0.97 * len(text))
+    return (
+        bool(text)
+        and len(WORD.findall(text)) >= min_words
+        and not URL_OR_EMAIL.search(text)
+        and sum(ord(c) < 128 for c in text) >= 0.97 * len(text)
+    )
 
 
 QUESTION_START = re.compile(
     r"^(what|whats|what's|how|why|who|where|when|which|do|does|did|have|has|is|are|was|were|can|could|would|"
-    r"should|will|if)\b", re.I)
+    r"should|will|if)\b",
+    re.I,
+)
 BACK_REFERENCE = re.compile(r"\b(about you|and you|how about|what about|you too|that one|same here)\b", re.I)
 
 
@@ -142,8 +151,12 @@ def self_contained_question(turn: str) -> bool:
     """A turn whose last line is a question of six words or more, not one that only points back."""
     last = turn.splitlines()[-1]
     sentence = re.split(r"(?<=[.!?])\s+", last.strip())[-1]
-    return (sentence.endswith("?") and len(WORD.findall(sentence)) >= 6
-            and bool(QUESTION_START.match(sentence)) and not BACK_REFERENCE.search(sentence))
+    return (
+        sentence.endswith("?")
+        and len(WORD.findall(sentence)) >= 6
+        and bool(QUESTION_START.match(sentence))
+        and not BACK_REFERENCE.search(sentence)
+    )
 
 
 def chitchat_prompts() -> list[tuple[dict, bool]]:
@@ -172,9 +185,13 @@ def chitchat_prompts() -> list[tuple[dict, bool]]:
             length = rng.choice((3, 3, 5, 5, 7))
             if i + length > len(turns):
                 break
-            window = turns[i:i + length]
-            if (all(usable(t, 1) for t in window) and usable(window[-1], 3) and len(window[-1]) >= 12
-                    and sum(map(len, window)) <= 1500):
+            window = turns[i : i + length]
+            if (
+                all(usable(t, 1) for t in window)
+                and usable(window[-1], 3)
+                and len(window[-1]) >= 12
+                and sum(map(len, window)) <= 1500
+            ):
                 roles = ["user" if k % 2 == 0 else "assistant" for k in range(length)]
                 msgs = [{"role": r, "content": t} for r, t in zip(roles, window)]
                 out.append((record(msgs, "chat", source), held))
@@ -192,8 +209,9 @@ def chitchat_prompts() -> list[tuple[dict, bool]]:
 USER_TURN = re.compile(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", re.S)
 
 
-def followup_prompts(tokenizer, responses: list[dict], train: list[dict], heldout: list[dict]
-                     ) -> tuple[list[tuple[dict, bool]], Counter]:
+def followup_prompts(
+    tokenizer, responses: list[dict], train: list[dict], heldout: list[dict]
+) -> tuple[list[tuple[dict, bool]], Counter]:
     by_text = {}
     for recs, held in ((train, False), (heldout, True)):
         for r in recs:
@@ -228,7 +246,11 @@ def followup_prompts(tokenizer, responses: list[dict], train: list[dict], heldou
         why["reserved" if reserved else "train"] += 1
         for t in chosen:
             text, _, new_cat = TEMPLATES[t]
-            msgs = [dict(base["messages"][0]), {"role": "assistant", "content": answer}, {"role": "user", "content": text}]
+            msgs = [
+                dict(base["messages"][0]),
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": text},
+            ]
             out.append((record(msgs, new_cat or cat, f"followup:{t}"), reserved))
     return out, why
 
@@ -245,8 +267,10 @@ def proportional_merge(lists: list[list]) -> list:
     lists = [x for x in lists if x]
     taken, out = [0] * len(lists), []
     while len(out) < sum(map(len, lists)):
-        k = min((i for i in range(len(lists)) if taken[i] < len(lists[i])),
-                key=lambda i: ((taken[i] + 1) / len(lists[i]), i))
+        k = min(
+            (i for i in range(len(lists)) if taken[i] < len(lists[i])),
+            key=lambda i: ((taken[i] + 1) / len(lists[i]), i),
+        )
         out.append(lists[k][taken[k]])
         taken[k] += 1
     return out
@@ -288,20 +312,46 @@ def table(train: list[dict], heldout: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, default=Path("runs/smollm2/target"), help="Tokenizer + chat template.")
-    parser.add_argument("--existing", type=Path, nargs="+",
-                        default=[Path("assets/smollm2/data/prompts_train.jsonl"),
-                                 Path("assets/smollm2/data/prompts_heldout.jsonl")],
-                        help="The prompt files there already: training first, then held-out.")
-    parser.add_argument("--responses", type=Path, nargs="+", default=[Path("assets/smollm2/data/responses.jsonl.gz")],
-                        help="Response caches (JSONL or .gz) of dflash-train --data-only.")
-    parser.add_argument("--magpie", type=Path, default=Path("assets/smollm2/data/magpie.jsonl"), help="magpie.py's kept prompts.")
+    parser.add_argument(
+        "--existing",
+        type=Path,
+        nargs="+",
+        default=[Path("assets/smollm2/data/prompts_train.jsonl"), Path("assets/smollm2/data/prompts_heldout.jsonl")],
+        help="The prompt files there already: training first, then held-out.",
+    )
+    parser.add_argument(
+        "--responses",
+        type=Path,
+        nargs="+",
+        default=[Path("assets/smollm2/data/responses.jsonl.gz")],
+        help="Response caches (JSONL or .gz) of dflash-train --data-only.",
+    )
+    parser.add_argument(
+        "--magpie", type=Path, default=Path("assets/smollm2/data/magpie.jsonl"), help="magpie.py's kept prompts."
+    )
     parser.add_argument("--out", type=Path, default=Path("assets/smollm2/data"))
-    parser.add_argument("--base", type=Path, nargs=2, default=None, metavar=("TRAIN", "HELDOUT"),
-                        help="Prompt files whose answered single-turn prompts get follow-ups (default: --existing).")
-    parser.add_argument("--also-existing", type=Path, nargs="*", default=[],
-                        help="More prompt files whose prompts are not repeated (e.g. the second set's, for a third).")
-    parser.add_argument("--kinds", nargs="+", default=["chitchat", "followup", "magpie"],
-                        choices=["chitchat", "followup", "magpie"], help="Which kinds of prompt to make.")
+    parser.add_argument(
+        "--base",
+        type=Path,
+        nargs=2,
+        default=None,
+        metavar=("TRAIN", "HELDOUT"),
+        help="Prompt files whose answered single-turn prompts get follow-ups (default: --existing).",
+    )
+    parser.add_argument(
+        "--also-existing",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="More prompt files whose prompts are not repeated (e.g. the second set's, for a third).",
+    )
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["chitchat", "followup", "magpie"],
+        choices=["chitchat", "followup", "magpie"],
+        help="Which kinds of prompt to make.",
+    )
     parser.add_argument("--name", default="2", help="Write prompts_train<NAME>.jsonl and prompts_heldout<NAME>.jsonl.")
     parser.add_argument("--max-prompt-tokens", type=int, default=384)
     parser.add_argument("--seed", type=int, default=0)
@@ -350,8 +400,10 @@ def main() -> None:
     print(f"dropped: {dict(drops)}")
     lengths.sort()
     q = lambda f: lengths[min(len(lengths) - 1, int(f * len(lengths)))]
-    print(f"rendered tokens of the candidates: p10 {q(.1)}, median {q(.5)}, p90 {q(.9)}, p99 {q(.99)}, "
-          f"max {lengths[-1]}; over 384: {sum(n > 384 for n in lengths)}, over 600: {sum(n > 600 for n in lengths)}")
+    print(
+        f"rendered tokens of the candidates: p10 {q(0.1)}, median {q(0.5)}, p90 {q(0.9)}, p99 {q(0.99)}, "
+        f"max {lengths[-1]}; over 384: {sum(n > 384 for n in lengths)}, over 600: {sum(n > 600 for n in lengths)}"
+    )
 
     train, heldout = balanced_order(train, args.seed), balanced_order(heldout, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)

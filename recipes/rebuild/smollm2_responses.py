@@ -44,16 +44,22 @@ import time
 from pathlib import Path
 
 
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="runs/smollm2/target", help="mlx-lm model folder (float32).")
     p.add_argument("--prompts", nargs="+", required=True, help="Prompt JSONL file(s), read in order.")
     p.add_argument("--cache", required=True, help="Response cache (JSONL), appended to.")
     p.add_argument("--batch-size", type=int, default=64, help="Rows decoded together per worker.")
-    p.add_argument("--group", type=int, default=8, help="Free rows are refilled once this many are free, with prompts prefilled together.")
+    p.add_argument(
+        "--group",
+        type=int,
+        default=8,
+        help="Free rows are refilled once this many are free, with prompts prefilled together.",
+    )
     p.add_argument("--max-tokens", type=int, default=256, help="Most new tokens per response.")
-    p.add_argument("--max-prompt-tokens", type=int, default=512, help="Longer prompts are skipped (as dflash-train does).")
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=512, help="Longer prompts are skipped (as dflash-train does)."
+    )
     p.add_argument("--minutes", type=float, default=None, help="Hand out no new work after this many minutes.")
     p.add_argument("--limit", type=int, default=None, help="Answer at most this many new prompts.")
     p.add_argument("--workers", type=int, default=2, help="Decoding processes.")
@@ -65,7 +71,9 @@ def parse_args(argv=None):
         "on this EPYC); '' keeps the environment's.",
     )
     p.add_argument("--report-every", type=int, default=64, help="Print throughput every this many responses.")
-    p.add_argument("--tick-steps", type=int, default=0, help="Print each worker's decode rate every this many steps (0: off).")
+    p.add_argument(
+        "--tick-steps", type=int, default=0, help="Print each worker's decode rate every this many steps (0: off)."
+    )
     return p.parse_args(argv)
 
 
@@ -104,7 +112,9 @@ def worker_main(wid, args, task_q, result_q, stop_event):
         tick["rows"] += rows
         if tick["steps"] == args.tick_steps:
             now, now_cpu = time.perf_counter(), time.process_time()
-            result_q.put(("tick", wid, tick["steps"], tick["tokens"], tick["rows"], now - tick["t"], now_cpu - tick["cpu"]))
+            result_q.put(
+                ("tick", wid, tick["steps"], tick["tokens"], tick["rows"], now - tick["t"], now_cpu - tick["cpu"])
+            )
             tick.update(steps=0, tokens=0, rows=0, t=now, cpu=now_cpu)
 
     tic, cpu, tokens, n = time.perf_counter(), time.process_time(), 0, 0

@@ -89,8 +89,11 @@ def main() -> None:
         if any(w in unseen for w in noun.split()):
             continue
         for template in rng.sample(TEMPLATES, args.per_topic):
-            record = {"messages": [{"role": "user", "content": template.format(t=noun)}], "category": "chat",
-                      "source": f"topics:wordnet:b{_bucket(noun):02d}"}
+            record = {
+                "messages": [{"role": "user", "content": template.format(t=noun)}],
+                "category": "chat",
+                "source": f"topics:wordnet:b{_bucket(noun):02d}",
+            }
             (heldout if _bucket(noun) == HELDOUT_BUCKET else train).append(record)
     rng.shuffle(train)
     rng.shuffle(heldout)

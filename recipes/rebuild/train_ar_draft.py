@@ -33,9 +33,7 @@ def make_init(out: Path, layers: int) -> None:
         config.pop(key, None)
     keep = ("model.embed_tokens.", "model.norm.", "lm_head.") + tuple(f"model.layers.{i}." for i in range(layers))
     weights = {
-        k: v.astype(mx.float32)
-        for k, v in mx.load(str(TARGET / "model.safetensors")).items()
-        if k.startswith(keep)
+        k: v.astype(mx.float32) for k, v in mx.load(str(TARGET / "model.safetensors")).items() if k.startswith(keep)
     }
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -78,16 +76,58 @@ def main() -> None:
         print(f"{split}: {n} rows")
     make_init(work / "init", args.layers)
     subprocess.run(
-        [sys.executable, "-m", "mlx_lm", "lora", "--model", str(work / "init"), "--train", "--data", str(data),
-         "--fine-tune-type", "full", "--num-layers", "-1", "--optimizer", "adamw", "--batch-size", str(args.batch_size),
-         "--iters", str(args.iters), "--learning-rate", str(args.learning_rate), "--max-seq-length", "512",
-         "--steps-per-report", "50", "--steps-per-eval", "500", "--val-batches", "20",
-         "--adapter-path", str(work / "adapters"), "--save-every", "500", "--seed", str(args.seed)],
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "lora",
+            "--model",
+            str(work / "init"),
+            "--train",
+            "--data",
+            str(data),
+            "--fine-tune-type",
+            "full",
+            "--num-layers",
+            "-1",
+            "--optimizer",
+            "adamw",
+            "--batch-size",
+            str(args.batch_size),
+            "--iters",
+            str(args.iters),
+            "--learning-rate",
+            str(args.learning_rate),
+            "--max-seq-length",
+            "512",
+            "--steps-per-report",
+            "50",
+            "--steps-per-eval",
+            "500",
+            "--val-batches",
+            "20",
+            "--adapter-path",
+            str(work / "adapters"),
+            "--save-every",
+            "500",
+            "--seed",
+            str(args.seed),
+        ],
         check=True,
     )
     subprocess.run(
-        [sys.executable, "-m", "mlx_lm", "fuse", "--model", str(work / "init"), "--adapter-path",
-         str(work / "adapters"), "--save-path", str(work / "fused")],
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "fuse",
+            "--model",
+            str(work / "init"),
+            "--adapter-path",
+            str(work / "adapters"),
+            "--save-path",
+            str(work / "fused"),
+        ],
         check=True,
     )
     out = Path(args.out)

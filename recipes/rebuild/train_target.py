@@ -56,38 +56,28 @@ def tokenize_split(path: Path, tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def get_batch(
-    stream: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator
-):
+def get_batch(stream: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator):
     starts = torch.randint(0, len(stream) - seq_len - 1, (batch_size,), generator=gen)
     x = torch.stack([stream[s : s + seq_len] for s in starts])
     y = torch.stack([stream[s + 1 : s + seq_len + 1] for s in starts])
     return x, y
 
 
-def get_lr(
-    step: int, progress: float, lr: float, warmup: int, min_lr_ratio: float
-) -> float:
+def get_lr(step: int, progress: float, lr: float, warmup: int, min_lr_ratio: float) -> float:
     if step < warmup:
         return lr * (step + 1) / warmup
     progress = min(1.0, progress)
-    return lr * (
-        min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    )
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def loss_on(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = model(input_ids=x).logits
-    return torch.nn.functional.cross_entropy(
-        logits.float().view(-1, logits.shape[-1]), y.reshape(-1)
-    )
+    return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
 
 
 @torch.no_grad()
-def estimate_valid_loss(
-    model, valid: torch.Tensor, seq_len: int, max_windows: int, batch_size: int
-) -> float:
+def estimate_valid_loss(model, valid: torch.Tensor, seq_len: int, max_windows: int, batch_size: int) -> float:
     # Fixed, non-overlapping windows, so every evaluation sees the same tokens.
     n = min(max_windows, (len(valid) - 1) // seq_len)
     model.eval()
@@ -120,9 +110,7 @@ def save(model, tokenizer, out: Path):
 
 
 def main():
-    parser = argparse.ArgumentParser(
-        description="Train the tiny Qwen3 target on the stdlib corpus."
-    )
+    parser = argparse.ArgumentParser(description="Train the tiny Qwen3 target on the stdlib corpus.")
     parser.add_argument(
         "--data",
         type=Path,
@@ -217,9 +205,7 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         step += 1
-        running = (
-            loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
-        )
+        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
 
         if step % 10 == 0:
             elapsed = time.time() - t0
@@ -230,9 +216,7 @@ def main():
             )
         done = progress() >= 1.0
         if step % args.eval_every == 0 or done:
-            vl = estimate_valid_loss(
-                model, valid, args.seq_len, args.eval_windows, args.batch_size
-            )
+            vl = estimate_valid_loss(model, valid, args.seq_len, args.eval_windows, args.batch_size)
             print(f"eval step {step} train {running:.4f} valid {vl:.4f}", flush=True)
         if step % args.save_every == 0 and not done:
             save(model, tokenizer, args.ckpt)
@@ -255,9 +239,7 @@ def main():
         "tokens_per_s": round(step * tokens_per_step / elapsed, 1),
         "final_train_loss": round(running, 4),
         "final_valid_loss": round(vl, 4),
-        "full_valid_loss": round(
-            estimate_valid_loss(model, valid, args.seq_len, 10**9, args.batch_size), 4
-        ),
+        "full_valid_loss": round(estimate_valid_loss(model, valid, args.seq_len, 10**9, args.batch_size), 4),
     }
     print("summary " + json.dumps(summary), flush=True)
 

@@ -32,9 +32,7 @@ def iter_texts(path: Path):
 
 
 def main():
-    parser = argparse.ArgumentParser(
-        description="Train the tiny target's BPE tokenizer."
-    )
+    parser = argparse.ArgumentParser(description="Train the tiny target's BPE tokenizer.")
     parser.add_argument(
         "--data",
         type=Path,
@@ -97,13 +95,9 @@ def main():
         "pad_token": "<|endoftext|>",
         "additional_special_tokens": ["<|im_start|>", "<|mask|>"],
     }
-    (args.out / "special_tokens_map.json").write_text(
-        json.dumps(special_map, indent=2) + "\n"
-    )
+    (args.out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
 
-    print(
-        {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}, "vocab", tok.get_vocab_size()
-    )
+    print({t: tok.token_to_id(t) for t in SPECIAL_TOKENS}, "vocab", tok.get_vocab_size())
 
 
 if __name__ == "__main__":

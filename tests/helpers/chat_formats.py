@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+
 from helpers.checkpoints import VOCAB
 
 HARMONY_WORDS = ["system", "developer", "user", "assistant", "analysis", "final", "Reasoning:", "low",

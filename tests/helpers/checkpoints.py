@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2, qwen3
 
-from dflash_mlx.models.drafter import DraftModel, DraftArgs
+from dflash_mlx.models.drafter import DraftArgs, DraftModel
 
 VOCAB = 128
 HIDDEN = 64

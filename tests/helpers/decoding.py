@@ -3,7 +3,7 @@
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import dflash_generate_step, LoopOptions
+from dflash_mlx import LoopOptions, dflash_generate_step
 
 # (model, tokens) by (id(model), prompt, max_tokens); the model is kept so that its id is not reused.
 _GREEDY: dict = {}

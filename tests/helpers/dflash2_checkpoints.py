@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB
 from mlx.utils import tree_flatten
 
 from dflash_mlx.models import drafter2
+from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB
 
 BLOCK = 8
 
@@ -114,7 +114,9 @@ def train_authors_draft(draft, target, sequence: list[int], *, steps: int = 60, 
 
     def block_logits(p, block):
         noise = F.embedding(block, embedding) * scale
-        h = draft(position_ids=torch.arange(p + draft.block_size)[None], noise_embedding=noise, target_hidden=taps[:, :p])
+        h = draft(
+            position_ids=torch.arange(p + draft.block_size)[None], noise_embedding=noise, target_hidden=taps[:, :p]
+        )
         return draft.compute_logits(h[0, 1:], head)
 
     return fit_to_sequence(draft, block_logits, sequence, steps=steps, lr=lr, seed=seed)

@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+
 from helpers.checkpoints import EOS_ID, HIDDEN, VOCAB, write_tokenizer
 
 HF_KINDS = ("qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -114,16 +115,25 @@ def hf_model(kind: str, layers: int = 4, seed: int = 0):
     torch.manual_seed(seed)
     if kind == "qwen3_moe":
         config = tf.Qwen3MoeConfig(
-            **_COMMON, **_MOE, num_hidden_layers=layers, decoder_sparse_step=1, norm_topk_prob=True,
+            **_COMMON,
+            **_MOE,
+            num_hidden_layers=layers,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
         model = tf.Qwen3MoeForCausalLM(config)
     elif kind in ("qwen3_5", "qwen3_5_moe"):
         text = {
-            **_COMMON, **_LINEAR, "num_hidden_layers": layers,
+            **_COMMON,
+            **_LINEAR,
+            "num_hidden_layers": layers,
             "rope_parameters": {
-                "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                "mrope_section": [1, 1, 0], "mrope_interleaved": True,
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [1, 1, 0],
+                "mrope_interleaved": True,
             },
         }
         if kind == "qwen3_5":
@@ -142,14 +152,24 @@ def hf_model(kind: str, layers: int = 4, seed: int = 0):
         model = tf.Qwen3NextForCausalLM(config)
     elif kind == "gemma4_text":
         config = tf.Gemma4TextConfig(
-            **_GEMMA, num_hidden_layers=layers, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
-            num_kv_shared_layers=layers // 2, use_double_wide_mlp=True,
+            **_GEMMA,
+            num_hidden_layers=layers,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+            num_kv_shared_layers=layers // 2,
+            use_double_wide_mlp=True,
         )
         model = tf.Gemma4ForCausalLM(config)
     elif kind == "gemma4":
         text = {
-            **_GEMMA, "num_hidden_layers": layers, "hidden_size_per_layer_input": 0, "attention_k_eq_v": True,
-            "num_global_key_value_heads": 1, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+            **_GEMMA,
+            "num_hidden_layers": layers,
+            "hidden_size_per_layer_input": 0,
+            "attention_k_eq_v": True,
+            "num_global_key_value_heads": 1,
+            "enable_moe_block": True,
+            "num_experts": 4,
+            "top_k_experts": 2,
             "moe_intermediate_size": 16,
         }
         model = tf.Gemma4ForConditionalGeneration(tf.Gemma4Config(text_config=text, vision_config=None))

@@ -10,9 +10,7 @@ class ScriptedDraft(DraftModel):
     corrupted at some positions, or always wrong. With ``unsure_every`` the drafts at those
     positions stay right but get a low probability (a weak peak instead of a sharp one)."""
 
-    def __init__(
-        self, base: DraftModel, sequence: list[int], vocab: int, wrong_every: int = 0, unsure_every: int = 0
-    ):
+    def __init__(self, base: DraftModel, sequence: list[int], vocab: int, wrong_every: int = 0, unsure_every: int = 0):
         super().__init__(base.args)
         self.update(base.parameters())
         self.sequence, self.vocab, self.wrong_every = sequence, vocab, wrong_every

@@ -13,12 +13,11 @@ from mlx.utils import tree_map_with_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers.checkpoints import HIDDEN, VOCAB, draft_config  # noqa: E402
-
 from dflash_mlx.generation import dflash_generate_step  # noqa: E402
 from dflash_mlx.loop.options import LoopOptions  # noqa: E402
 from dflash_mlx.models.drafter import DraftArgs, DraftModel  # noqa: E402
 from dflash_mlx.sampling import make_sampler  # noqa: E402
+from helpers.checkpoints import HIDDEN, VOCAB, draft_config  # noqa: E402
 
 LAYERS = 4
 COMMON = {
@@ -70,7 +69,9 @@ def build_target(kind: str, seed: int = 0):
 
 def build_draft(seed: int = 1) -> DraftModel:
     mx.random.seed(seed)
-    draft = DraftModel(DraftArgs.from_dict(draft_config(num_target_layers=LAYERS, block_size=4, target_layer_ids=TAP_IDS)))
+    draft = DraftModel(
+        DraftArgs.from_dict(draft_config(num_target_layers=LAYERS, block_size=4, target_layer_ids=TAP_IDS))
+    )
     mx.eval(draft.parameters())
     return draft
 

@@ -28,9 +28,18 @@ def endless_responses(model, draft, tokenizer, prompt, **kwargs):
         if cycle == 1:
             print("generating", flush=True)
         time.sleep(CYCLE_S)
-        yield GenerationResponse(text=" t1", tokens=[1], acceptance_length=1, mean_acceptance_length=1.0,
-                                 cycle=cycle, prompt_tokens=len(prompt), prompt_tps=1.0,
-                                 generation_tokens=cycle + 1, generation_tps=1.0, peak_memory=0.0)
+        yield GenerationResponse(
+            text=" t1",
+            tokens=[1],
+            acceptance_length=1,
+            mean_acceptance_length=1.0,
+            cycle=cycle,
+            prompt_tokens=len(prompt),
+            prompt_tps=1.0,
+            generation_tokens=cycle + 1,
+            generation_tps=1.0,
+            peak_memory=0.0,
+        )
 
 
 class LateWriter:

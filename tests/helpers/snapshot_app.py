@@ -32,8 +32,9 @@ async def wait_until(pilot, condition, timeout: float = 30.0) -> None:
     raise AssertionError("timed out waiting for the app")
 
 
-def fake_responses(pieces: list[str] = REPLY, prompt_tokens: int = 12, stop: bool = True,
-                   acceptance: list[int] = ACCEPTANCE):
+def fake_responses(
+    pieces: list[str] = REPLY, prompt_tokens: int = 12, stop: bool = True, acceptance: list[int] = ACCEPTANCE
+):
     """``GenerationResponse``s with numbers a test can predict: 100 tok/s prefill, 50 ms a cycle.
 
     Cycle ``i`` emits ``acceptance[i - 1]`` tokens, drafting 15 (block 16); a 0 there is a

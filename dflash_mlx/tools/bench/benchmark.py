@@ -18,19 +18,33 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ...text.chat_template import has_chat_template, render_chat
-from ..cli.options import (
-    ArgumentParser, InRange, add_blas_argument, add_kernels_argument, add_window_arguments, block_size_problem,
-)
 from ...base.dtypes import DTYPES, dtype_name
 from ...base.errors import DFlashError
 from ...base.files import read_objects, write_text_atomic
 from ...models import target as tgt
+from ...text.chat_template import has_chat_template, render_chat
+from ..cli.options import (
+    ArgumentParser,
+    InRange,
+    add_blas_argument,
+    add_kernels_argument,
+    add_window_arguments,
+    block_size_problem,
+)
 from .context import parse_lengths
 from .report import markdown, plots, stamp
 from .stats import summarize
 from .timing import (
-    DEFAULT_LOOKUP_FALLBACK, DEFAULT_MIN_CONFIDENCE, DEFAULT_TREE_BUDGET, DFLASH_METHODS, METHODS, RunResult, component_times, fastest_times, make_runner, median_run,
+    DEFAULT_LOOKUP_FALLBACK,
+    DEFAULT_MIN_CONFIDENCE,
+    DEFAULT_TREE_BUDGET,
+    DFLASH_METHODS,
+    METHODS,
+    RunResult,
+    component_times,
+    fastest_times,
+    make_runner,
+    median_run,
 )
 
 # The embedded pairs' autoregressive drafts stay out of the wheel: the recipes that rebuild them, in a source
@@ -191,9 +205,9 @@ def run_benchmark(
     from ...drafts.datastore import open_datastore
     from ...loading.loading import load
     from ...loading.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
+    from ...loop.options import LoopOptions
     from ...models.hybrid import HYBRID_MODEL_TYPES
     from ...models.target import vocab_size
-    from ...loop.options import LoopOptions
     from .context import context_rows, label, load_documents
 
     if runs < 1:
@@ -214,8 +228,11 @@ def run_benchmark(
         # dflash-tree runs when asked for: its row is another setting of the same drafter.
         methods = tuple(m for m in METHODS if (m != "mlx-spec" or has_ar) and m != "dflash-tree")
         if not has_ar and progress:
-            why = _missing_ar_draft(pair) if pair_name else \
-                "no small autoregressive draft for this target (pass --ar-draft FOLDER to include it)"
+            why = (
+                _missing_ar_draft(pair)
+                if pair_name
+                else "no small autoregressive draft for this target (pass --ar-draft FOLDER to include it)"
+            )
             print(f"dflash-bench: mlx-spec left out: {why}", file=sys.stderr)
     bad = [m for m in methods if m not in METHODS]
     if bad:
@@ -260,11 +277,14 @@ def run_benchmark(
     )  # fmt: skip
     # Each context length's own passes, once (a pass at 7k tokens is slow enough to time few times).
     times_by_category = {
-        label(n): component_times(target, drafter, timed_sizes, context=n + max_tokens // 2, repeats=3,
-                                  **window)  # fmt: skip
-        for n in (context or []) if timed_drafter is not None
+        label(n): component_times(
+            target, drafter, timed_sizes, context=n + max_tokens // 2, repeats=3, **window
+        )  # fmt: skip
+        for n in (context or [])
+        if timed_drafter is not None
     }
     timing_seconds = time.perf_counter() - tic  # the component times are taken again at the end
+
     def sizes(m: str) -> tuple[int, ...]:
         # dflash-auto picks each cycle's width up to the drafter's block size; dflash-default runs at it.
         if m in ("dflash-auto", "dflash-default", "dflash-tree"):
@@ -275,9 +295,12 @@ def run_benchmark(
     if progress:
         step = first_times.get("ar") or component_times(target, None, [1], context=mean_context, repeats=3)["ar"]
         seconds = estimate_seconds(len(rows_in), len(plan), runs, max_tokens, step) + timing_seconds
-        print(f"Estimated run time: about {seconds:.0f} s ({len(rows_in)} prompts x {len(plan)} method/block "
-              f"settings x ({runs} runs + a warm-up) x up to {max_tokens} tokens at a measured "
-              f"{1e3 * step:.1f} ms plain step, and {timing_seconds:.0f} s of component timing)", file=sys.stderr)
+        print(
+            f"Estimated run time: about {seconds:.0f} s ({len(rows_in)} prompts x {len(plan)} method/block "
+            f"settings x ({runs} runs + a warm-up) x up to {max_tokens} tokens at a measured "
+            f"{1e3 * step:.1f} ms plain step, and {timing_seconds:.0f} s of component timing)",
+            file=sys.stderr,
+        )
     store = open_datastore(datastore, model, vocab_size(target), learns=False) if "dflash-default" in methods else None
     runners = {
         (m, b): make_runner(m, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
@@ -302,18 +325,32 @@ def run_benchmark(
                 done += 1
                 if progress:
                     eta = (time.perf_counter() - start) / done * (total - done)
-                    print(f"\r[{done}/{total}] prompt {i + 1}, run {r + 1}: {key[0]} B={key[1]}, ETA {eta:.0f}s   ",
-                          end="", file=sys.stderr, flush=True)
+                    print(
+                        f"\r[{done}/{total}] prompt {i + 1}, run {r + 1}: {key[0]} B={key[1]}, ETA {eta:.0f}s   ",
+                        end="",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         for method, b in plan:
             out, gen_s, first_s, accept, sizes, sources = median_run(samples[(method, b)])
             # Losslessness check: every method must emit the first method's tokens.
             if out != samples[plan[0]][0][0]:
                 mismatches.append(f"{method} B={b} prompt {i}")
             results.append(
-                RunResult(method, b, i, row.get("category", "all"), len(out),
-                          max(len(out) - 1, 0) / gen_s if gen_s > 0 else 0.0,
-                          len(ids) / first_s if first_s > 0 else 0.0, accept, peaks[(method, b)], out, sizes,
-                          sources)
+                RunResult(
+                    method,
+                    b,
+                    i,
+                    row.get("category", "all"),
+                    len(out),
+                    max(len(out) - 1, 0) / gen_s if gen_s > 0 else 0.0,
+                    len(ids) / first_s if first_s > 0 else 0.0,
+                    accept,
+                    peaks[(method, b)],
+                    out,
+                    sizes,
+                    sources,
+                )
             )
     if progress:
         print(file=sys.stderr)
@@ -327,19 +364,31 @@ def run_benchmark(
         c: summarize([r for r in results if r.category == c], times_by_category.get(c, times)) for c in categories
     }
     return {
-        "meta": {**stamp(), "max_tokens": max_tokens, "runs": runs, "prompts": len(rows_in), "dtype": dtype,
-                 "model": f"{pair_name} (embedded)" if pair_name else model,
-                 "draft": draft or (f"{pair_name} drafter (embedded)" if pair_name else None),
-                 "ar_draft": (ar_draft if ar_draft is not None else f"{pair_name} ar-draft (embedded)")
-                 if "mlx-spec" in methods else None,
-                 "prompt_set": (documents or f"{pair_name or DEFAULT_PAIR} long-context documents (embedded)")
-                 if context else prompts or f"{pair_name or DEFAULT_PAIR} held-out prompts (embedded)",
-                 "min_confidence": min_confidence, "lookup_fallback": lookup_fallback,
-                 "datastore": None if store is None else (
-                     f"{len(store.fixed):,} tokens" if store.fixed is not None else "empty"),
-                 "tree_budget": tree_budget if "dflash-tree" in methods else None,
-                 "context": [label(n) for n in context] if context else None, **window,
-                 "kernels": kernels, "kernel_verdicts": kernel_verdicts()},
+        "meta": {
+            **stamp(),
+            "max_tokens": max_tokens,
+            "runs": runs,
+            "prompts": len(rows_in),
+            "dtype": dtype,
+            "model": f"{pair_name} (embedded)" if pair_name else model,
+            "draft": draft or (f"{pair_name} drafter (embedded)" if pair_name else None),
+            "ar_draft": (ar_draft if ar_draft is not None else f"{pair_name} ar-draft (embedded)")
+            if "mlx-spec" in methods
+            else None,
+            "prompt_set": (documents or f"{pair_name or DEFAULT_PAIR} long-context documents (embedded)")
+            if context
+            else prompts or f"{pair_name or DEFAULT_PAIR} held-out prompts (embedded)",
+            "min_confidence": min_confidence,
+            "lookup_fallback": lookup_fallback,
+            "datastore": None
+            if store is None
+            else (f"{len(store.fixed):,} tokens" if store.fixed is not None else "empty"),
+            "tree_budget": tree_budget if "dflash-tree" in methods else None,
+            "context": [label(n) for n in context] if context else None,
+            **window,
+            "kernels": kernels,
+            "kernel_verdicts": kernel_verdicts(),
+        },
         "times": times,
         "times_by_category": times_by_category,
         "rows": summarize(results, times),
@@ -370,65 +419,156 @@ def _lengths(spec: str) -> list[int]:
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="dflash-bench", description="Benchmark DFlash against its alternatives.")
-    p.add_argument("--model", default=None,
-                   help="Target: a local folder, or dflash-tiny for the toy pair (default: the default pair, "
-                   "SmolLM2-135M-Instruct, also named smollm2).")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Target: a local folder, or dflash-tiny for the toy pair (default: the default pair, "
+        "SmolLM2-135M-Instruct, also named smollm2).",
+    )
     p.add_argument("--draft", default=None, help="DFlash drafter (default: the pair's own).")
-    p.add_argument("--ar-draft", default=None,
-                   help="Folder of a small autoregressive mlx-lm model with the target's tokenizer, for mlx-lm "
-                   "speculative decoding (default: the embedded pair's ar-draft).")
+    p.add_argument(
+        "--ar-draft",
+        default=None,
+        help="Folder of a small autoregressive mlx-lm model with the target's tokenizer, for mlx-lm "
+        "speculative decoding (default: the embedded pair's ar-draft).",
+    )
     p.add_argument(
         "--prompts",
         default=None,
         help="JSONL prompts, or prompt sets from the hub: gsm8k, math500, humaneval, mbpp, mt-bench "
         "(comma-separated). Default: the embedded pair's held-out prompts.",
     )
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="Use only the first N prompts (with --context: the first N documents).")
-    p.add_argument("--context", type=_lengths, default=None, metavar="LENGTHS",
-                   help="Long-context mode: prompts of these lengths in tokens (e.g. 1k,2k,4k,7k; k = 1024), each a "
-                   "document cut to fit and a question after it, with tau, speedup, prefill tok/s, peak memory and "
-                   "the passes' times per length.")
-    p.add_argument("--documents", default=None,
-                   help="JSONL documents for --context ('document', 'question'; default: the embedded pair's).")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="Use only the first N prompts (with --context: the first N documents).",
+    )
+    p.add_argument(
+        "--context",
+        type=_lengths,
+        default=None,
+        metavar="LENGTHS",
+        help="Long-context mode: prompts of these lengths in tokens (e.g. 1k,2k,4k,7k; k = 1024), each a "
+        "document cut to fit and a question after it, with tau, speedup, prefill tok/s, peak memory and "
+        "the passes' times per length.",
+    )
+    p.add_argument(
+        "--documents",
+        default=None,
+        help="JSONL documents for --context ('document', 'question'; default: the embedded pair's).",
+    )
     add_window_arguments(p)
-    p.add_argument("--max-tokens", type=int, action=InRange, low=1, default=128,
-                   help="Most tokens per prompt and run (default: 128).")
-    p.add_argument("--block-sizes", type=int, nargs="+", action=InRange, low=1, default=[4, 8, 16],
-                   help="Block sizes for the DFlash and lookup methods, each 1 to the drafter's (default: 4 8 16).")
-    p.add_argument("--num-draft-tokens", type=int, action=InRange, low=1, default=3,
-                   help="Draft tokens per cycle for mlx-lm speculative decoding (default: 3).")
-    p.add_argument("--runs", type=int, action=InRange, low=1, default=3,
-                   help="Timed runs per measurement, after one warm-up; the median is reported (default: 3).")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
-                   help=f"Methods to run, of {', '.join(METHODS)} (default: all; mlx-spec only with an AR "
-                        "draft: --ar-draft, or the embedded pair's).")
-    p.add_argument("--min-confidence", type=float, action=InRange, low=0.0, high=1.0, default=DEFAULT_MIN_CONFIDENCE,
-                   help="dflash-cut: verify only the drafts the drafter gives at least this probability "
-                   f"(default: {DEFAULT_MIN_CONFIDENCE:g}; 0 cuts nothing).")
-    p.add_argument("--lookup-fallback", type=int, action=InRange, low=0, default=DEFAULT_LOOKUP_FALLBACK,
-                   help="dflash-fallback: the most prompt-lookup cycles after the drafter misses its first draft "
-                   f"(default: {DEFAULT_LOOKUP_FALLBACK}; 0 never falls back).")
-    p.add_argument("--datastore", default="auto", metavar="auto|none|FILE",
-                   help="dflash-default's datastore, as dflash-generate's --datastore (default: auto, the default "
-                   "pair's shipped answers); it learns nothing from the benchmark's own replies.")
-    p.add_argument("--tree-budget", type=int, action=InRange, low=1, default=DEFAULT_TREE_BUDGET,
-                   help=f"dflash-tree: the most draft tree nodes a cycle (default: {DEFAULT_TREE_BUDGET}).")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="Compute dtype of the models (default: the one dflash-generate uses: float32 on a CPU, "
-                   "where greedy output is the same for every method, as the benchmark checks; the checkpoint's "
-                   "on a GPU, what users run there).")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        action=InRange,
+        low=1,
+        default=128,
+        help="Most tokens per prompt and run (default: 128).",
+    )
+    p.add_argument(
+        "--block-sizes",
+        type=int,
+        nargs="+",
+        action=InRange,
+        low=1,
+        default=[4, 8, 16],
+        help="Block sizes for the DFlash and lookup methods, each 1 to the drafter's (default: 4 8 16).",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        action=InRange,
+        low=1,
+        default=3,
+        help="Draft tokens per cycle for mlx-lm speculative decoding (default: 3).",
+    )
+    p.add_argument(
+        "--runs",
+        type=int,
+        action=InRange,
+        low=1,
+        default=3,
+        help="Timed runs per measurement, after one warm-up; the median is reported (default: 3).",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS,
+        default=None,
+        metavar="METHOD",
+        help=f"Methods to run, of {', '.join(METHODS)} (default: all; mlx-spec only with an AR "
+        "draft: --ar-draft, or the embedded pair's).",
+    )
+    p.add_argument(
+        "--min-confidence",
+        type=float,
+        action=InRange,
+        low=0.0,
+        high=1.0,
+        default=DEFAULT_MIN_CONFIDENCE,
+        help="dflash-cut: verify only the drafts the drafter gives at least this probability "
+        f"(default: {DEFAULT_MIN_CONFIDENCE:g}; 0 cuts nothing).",
+    )
+    p.add_argument(
+        "--lookup-fallback",
+        type=int,
+        action=InRange,
+        low=0,
+        default=DEFAULT_LOOKUP_FALLBACK,
+        help="dflash-fallback: the most prompt-lookup cycles after the drafter misses its first draft "
+        f"(default: {DEFAULT_LOOKUP_FALLBACK}; 0 never falls back).",
+    )
+    p.add_argument(
+        "--datastore",
+        default="auto",
+        metavar="auto|none|FILE",
+        help="dflash-default's datastore, as dflash-generate's --datastore (default: auto, the default "
+        "pair's shipped answers); it learns nothing from the benchmark's own replies.",
+    )
+    p.add_argument(
+        "--tree-budget",
+        type=int,
+        action=InRange,
+        low=1,
+        default=DEFAULT_TREE_BUDGET,
+        help=f"dflash-tree: the most draft tree nodes a cycle (default: {DEFAULT_TREE_BUDGET}).",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="Compute dtype of the models (default: the one dflash-generate uses: float32 on a CPU, "
+        "where greedy output is the same for every method, as the benchmark checks; the checkpoint's "
+        "on a GPU, what users run there).",
+    )
     add_blas_argument(p)
     add_kernels_argument(p)
-    p.add_argument("--scaling", nargs="+", default=None, metavar="SHAPE",
-                   help="Scaling mode on random-weight targets of these shapes (qwen3-0.6b, qwen3-1.7b).")
+    p.add_argument(
+        "--scaling",
+        nargs="+",
+        default=None,
+        metavar="SHAPE",
+        help="Scaling mode on random-weight targets of these shapes (qwen3-0.6b, qwen3-1.7b).",
+    )
     p.add_argument("--replay", default=None, help="Results JSON of a normal run whose acceptance --scaling replays.")
-    p.add_argument("--base-url", default=None,
-                   help="Measure an OpenAI-compatible server instead (dflash-serve, vLLM, SGLang), e.g. "
-                   "http://host:8000/v1: requests/min, tok/s and tau per --concurrency; --model names its model.")
+    p.add_argument(
+        "--base-url",
+        default=None,
+        help="Measure an OpenAI-compatible server instead (dflash-serve, vLLM, SGLang), e.g. "
+        "http://host:8000/v1: requests/min, tok/s and tau per --concurrency; --model names its model.",
+    )
     p.add_argument("--api-key", default=None, help="The server's API key (with --base-url).")
-    p.add_argument("--concurrency", type=int, nargs="+", action=InRange, low=1, default=[1, 4, 8],
-                   help="With --base-url: clients sending at once, one level after another (default: 1 4 8).")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        action=InRange,
+        low=1,
+        default=[1, 4, 8],
+        help="With --base-url: clients sending at once, one level after another (default: 1 4 8).",
+    )
     p.add_argument("--json", default=None, help="Write the results as JSON here.")
     p.add_argument("--markdown", default=None, help="Write the Markdown table here.")
     p.add_argument("--plots", default=None, help="Write PNG plots into this folder.")
@@ -468,13 +608,25 @@ def main(argv: list[str] | None = None) -> None:
         if args.base_url:
             return _remote_main(args)
         result = run_benchmark(
-            model=args.model, draft=args.draft, ar_draft=args.ar_draft, prompts=args.prompts,
-            num_prompts=args.num_prompts, max_tokens=args.max_tokens, block_sizes=tuple(args.block_sizes),
-            num_draft_tokens=args.num_draft_tokens, runs=args.runs,
+            model=args.model,
+            draft=args.draft,
+            ar_draft=args.ar_draft,
+            prompts=args.prompts,
+            num_prompts=args.num_prompts,
+            max_tokens=args.max_tokens,
+            block_sizes=tuple(args.block_sizes),
+            num_draft_tokens=args.num_draft_tokens,
+            runs=args.runs,
             methods=tuple(args.methods) if args.methods else None,
-            min_confidence=args.min_confidence, lookup_fallback=args.lookup_fallback, dtype=args.dtype,
-            context=args.context, documents=args.documents, draft_window=args.draft_window,
-            draft_sinks=args.draft_sinks, kernels=args.kernels, datastore=args.datastore,
+            min_confidence=args.min_confidence,
+            lookup_fallback=args.lookup_fallback,
+            dtype=args.dtype,
+            context=args.context,
+            documents=args.documents,
+            draft_window=args.draft_window,
+            draft_sinks=args.draft_sinks,
+            kernels=args.kernels,
+            datastore=args.datastore,
             tree_budget=args.tree_budget,
         )
     except DFlashError as e:
@@ -482,7 +634,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     table = markdown(result["rows"], result["meta"], result["times"])
     if result["mismatches"]:
-        table += "\nOutputs that differ from the first method's (not lossless): " + ", ".join(result["mismatches"]) + "\n"
+        table += (
+            "\nOutputs that differ from the first method's (not lossless): " + ", ".join(result["mismatches"]) + "\n"
+        )
     for category, rows in result["by_category"].items():
         own = result["times_by_category"].get(category, {})
         table += f"\n### {category}\n\n" + "\n".join(markdown(rows, result["meta"], own).splitlines()[2:]) + "\n"
@@ -503,10 +657,18 @@ def _remote_main(args) -> None:
     if any(n < 1 for n in args.concurrency):
         raise DFlashError(f"--concurrency levels must be at least 1 (got {args.concurrency}).")
     if args.num_prompts is not None and args.num_prompts < 1:
-        raise DFlashError(f"--num-prompts must be at least 1 (got {args.num_prompts}); leave it out to use every prompt.")
+        raise DFlashError(
+            f"--num-prompts must be at least 1 (got {args.num_prompts}); leave it out to use every prompt."
+        )
     rows = _prompt_rows(args.prompts or str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
-    result = run_load(args.base_url, rows, api_key=args.api_key, model=args.model,
-                      concurrency=tuple(args.concurrency), max_tokens=args.max_tokens)
+    result = run_load(
+        args.base_url,
+        rows,
+        api_key=args.api_key,
+        model=args.model,
+        concurrency=tuple(args.concurrency),
+        max_tokens=args.max_tokens,
+    )
     result["meta"] = stamp()
     table = load_markdown(result)
     print(table)

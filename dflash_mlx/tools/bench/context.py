@@ -9,9 +9,9 @@ whole prompt is the bucket's length; the bucket's label (``2k``) is its category
 import re
 from pathlib import Path
 
-from ...text.chat_template import has_chat_template, render_chat
 from ...base.errors import DFlashError
 from ...base.files import read_objects
+from ...text.chat_template import has_chat_template, render_chat
 
 
 def parse_lengths(spec: str) -> list[int]:

@@ -13,8 +13,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..client import DFLASH_ACCEPTED, DFLASH_DRAFTS, VLLM_ACCEPTED, VLLM_DRAFTS, RemoteClient
 from ...text.responses import AcceptanceStats
+from ..client import DFLASH_ACCEPTED, DFLASH_DRAFTS, VLLM_ACCEPTED, VLLM_DRAFTS, RemoteClient
 
 
 @dataclass
@@ -53,8 +53,9 @@ def _counters(client: RemoteClient) -> tuple[float, float] | None:
     return None
 
 
-def run_level(client: RemoteClient, rows: list[dict], concurrency: int, max_tokens: int,
-              temperature: float = 0.0) -> dict:
+def run_level(
+    client: RemoteClient, rows: list[dict], concurrency: int, max_tokens: int, temperature: float = 0.0
+) -> dict:
     """Send every row once with ``concurrency`` clients; the numbers of that level."""
     pending = list(enumerate(rows))
     results: list[RequestResult] = []
@@ -110,8 +111,16 @@ def run_level(client: RemoteClient, rows: list[dict], concurrency: int, max_toke
     }
 
 
-def run_load(base_url: str, rows: list[dict], *, api_key: str | None = None, model: str | None = None,
-             concurrency: tuple[int, ...] = (1, 4, 8), max_tokens: int = 128, temperature: float = 0.0) -> dict:
+def run_load(
+    base_url: str,
+    rows: list[dict],
+    *,
+    api_key: str | None = None,
+    model: str | None = None,
+    concurrency: tuple[int, ...] = (1, 4, 8),
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+) -> dict:
     """Warm the server with one request, then measure each concurrency level in turn.
 
     Raises:
@@ -122,8 +131,15 @@ def run_load(base_url: str, rows: list[dict], *, api_key: str | None = None, mod
     info = client.server_info()
     _one(client, rows[0], min(max_tokens, 8), temperature)
     levels = [run_level(client, rows, n, max_tokens, temperature) for n in concurrency]
-    return {"server": info.describe(), "kind": info.kind, "model": info.model, "tau_reason": info.tau_reason,
-            "max_tokens": max_tokens, "prompts": len(rows), "levels": levels}
+    return {
+        "server": info.describe(),
+        "kind": info.kind,
+        "model": info.model,
+        "tau_reason": info.tau_reason,
+        "max_tokens": max_tokens,
+        "prompts": len(rows),
+        "levels": levels,
+    }
 
 
 def load_markdown(result: dict) -> str:
@@ -134,12 +150,17 @@ def load_markdown(result: dict) -> str:
             return f"{level['tau_counters']:.2f} (counters)"
         return "n/a"
 
-    lines = [f"Server: {result['server']}; {result['prompts']} prompts, max {result['max_tokens']} tokens each.", "",
-             "| clients | requests | wall s | requests/min | tok/s (all) | tok/s per request | TTFT s | tau |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Server: {result['server']}; {result['prompts']} prompts, max {result['max_tokens']} tokens each.",
+        "",
+        "| clients | requests | wall s | requests/min | tok/s (all) | tok/s per request | TTFT s | tau |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for lv in result["levels"]:
-        lines.append(f"| {lv['concurrency']} | {lv['requests']} | {lv['wall_s']:.1f} | {lv['requests_per_min']:.1f} "
-                     f"| {lv['tok_s']:.1f} | {lv['tok_s_per_request']:.1f} | {lv['ttft_s']:.2f} | {tau(lv)} |")
+        lines.append(
+            f"| {lv['concurrency']} | {lv['requests']} | {lv['wall_s']:.1f} | {lv['requests_per_min']:.1f} "
+            f"| {lv['tok_s']:.1f} | {lv['tok_s_per_request']:.1f} | {lv['ttft_s']:.2f} | {tau(lv)} |"
+        )
         if lv["errors"]:
             lines.append(f"| | {len(lv['errors'])} failed: {lv['errors'][0]} | | | | | | |")
     if all(lv["tau"] is None and lv["tau_counters"] is None for lv in result["levels"]) and result["tau_reason"]:

@@ -22,9 +22,12 @@ def git_commit(path: str | Path) -> str:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=path
         ).stdout.strip()
-        if commit and subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=path
-        ).stdout.strip():
+        if (
+            commit
+            and subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=path
+            ).stdout.strip()
+        ):
             # A result measured on edited files (say, new weights) must not pass for the commit's.
             commit += "+changes"
     except OSError:
@@ -92,10 +95,15 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
     ]
     shared = [r for r in rows if len(r.get("shares") or {}) > 1]
     if shared:
-        lines += ["", "Accepted drafts by what proposed them (drafter: the DFlash drafter; lookup: prompt lookup; "
-                      "datastore: the target's past text):"]
-        lines += [f"- {r['method']} B={r['block_size']}: "
-                  + ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["shares"].items()) for r in shared]
+        lines += [
+            "",
+            "Accepted drafts by what proposed them (drafter: the DFlash drafter; lookup: prompt lookup; "
+            "datastore: the target's past text):",
+        ]
+        lines += [
+            f"- {r['method']} B={r['block_size']}: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["shares"].items())
+            for r in shared
+        ]
     if meta.get("kernel_verdicts"):
         lines += ["", "Metal kernels (what each dispatcher ran at each shape class):"]
         lines += [f"- {v['kernel']} {v['shape']}: {'kernel' if v['enabled'] else 'twin'}, {v['reason']}"
@@ -124,8 +132,10 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
 
 def plot_caption(meta: dict) -> str:
     """What a plot measured: the model, the drafter and the prompt set."""
-    return (f"target {meta.get('model')} · drafter {meta.get('draft')} · prompts {meta.get('prompt_set')} "
-            f"({meta.get('prompts')}) · {meta.get('dtype')}")
+    return (
+        f"target {meta.get('model')} · drafter {meta.get('draft')} · prompts {meta.get('prompt_set')} "
+        f"({meta.get('prompts')}) · {meta.get('dtype')}"
+    )
 
 
 def plots(rows: list[dict], out: Path, meta: dict | None = None) -> list[Path]:
@@ -178,8 +188,11 @@ def plots(rows: list[dict], out: Path, meta: dict | None = None) -> list[Path]:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         hist = best["histogram"]
         ax.bar(list(hist), list(hist.values()))
-        ax.set(xlabel="acceptance length (tokens per drafting cycle)", ylabel="drafting cycles",
-               title=f"DFlash B={best['block_size']}")
+        ax.set(
+            xlabel="acceptance length (tokens per drafting cycle)",
+            ylabel="drafting cycles",
+            title=f"DFlash B={best['block_size']}",
+        )
         # Both axes count things: whole tokens and whole cycles.
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))

@@ -15,14 +15,30 @@ from mlx_lm.models import qwen3
 
 from ...generation import dflash_generate_step
 from ...loop.options import LoopOptions
-from ...models.drafter import DraftModel, DraftArgs, default_target_layer_ids
+from ...models.drafter import DraftArgs, DraftModel, default_target_layer_ids
 
 # Qwen3 shapes from their published configs.
 SHAPES = {
-    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, vocab_size=151936),
-    "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, intermediate_size=6144, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, vocab_size=151936),
+    "qwen3-0.6b": dict(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        intermediate_size=3072,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        vocab_size=151936,
+    ),
+    "qwen3-1.7b": dict(
+        hidden_size=2048,
+        num_hidden_layers=28,
+        intermediate_size=6144,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        vocab_size=151936,
+    ),
 }
 DRAFT_LAYERS = 5
 
@@ -35,8 +51,14 @@ def build_pair(shape: str, block_size: int = 16, dtype=mx.float32) -> tuple:
     target = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     target.set_dtype(dtype)
     draft_args = DraftArgs.from_dict(
-        dict(s, num_hidden_layers=DRAFT_LAYERS, block_size=block_size, rope_theta=1e6, mask_token_id=vocab - 1,
-             target_layer_ids=default_target_layer_ids(s["num_hidden_layers"], DRAFT_LAYERS))
+        dict(
+            s,
+            num_hidden_layers=DRAFT_LAYERS,
+            block_size=block_size,
+            rope_theta=1e6,
+            mask_token_id=vocab - 1,
+            target_layer_ids=default_target_layer_ids(s["num_hidden_layers"], DRAFT_LAYERS),
+        )
     )
     draft = DraftModel(draft_args)
     draft.set_dtype(dtype)
@@ -79,10 +101,16 @@ def measure_shape(shape: str, taus: dict[int, float], prompt_len: int = 64, toke
                     break
             cycles.append((time.perf_counter() - tic) / n)
         cycle = statistics.median(cycles)
-        rows.append({
-            "shape": shape, "block_size": block_size, "tau": tau, "ar_step_ms": 1e3 * ar,
-            "cycle_ms": 1e3 * cycle, "projected_speedup": tau * ar / cycle,
-        })
+        rows.append(
+            {
+                "shape": shape,
+                "block_size": block_size,
+                "tau": tau,
+                "ar_step_ms": 1e3 * ar,
+                "cycle_ms": 1e3 * cycle,
+                "projected_speedup": tau * ar / cycle,
+            }
+        )
     del target, draft
     mx.clear_cache()
     return rows

@@ -52,6 +52,7 @@ def mean_rollback(by_k: dict, block_size: int, cycles: list[tuple[int, int]]) ->
 def summarize(results: list[RunResult], times: dict, baseline: str = "baseline") -> list[dict]:
     """Per method and block size: tok/s, speedup, tau, histogram, limit and efficiency."""
     rows = []
+
     def pooled_tps(group: list[RunResult]) -> float:
         # Tokens over time summed across prompts, as tau pools the cycles of every prompt.
         tokens = sum(max(r.tokens - 1, 0) for r in group)
@@ -111,5 +112,3 @@ def summarize(results: list[RunResult], times: dict, baseline: str = "baseline")
             )
         rows.append(row)
     return rows
-
-

@@ -3,19 +3,19 @@ loop's passes (AR step, verify, draft) timed alone for the physical limit."""
 
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import mlx.core as mx
 
-from ...tuning.policy import PolicyState
-from ...loop.cache import trim_to
 from ...cpu.speedups import choose_speedups
-from ...generation import stream_generate
 from ...drafts.lookup import PromptLookup
+from ...generation import stream_generate
+from ...loop.cache import trim_to
 from ...models import hybrid
 from ...models import target as tgt
 from ...text.responses import AcceptanceStats
+from ...tuning.policy import PolicyState
 
 METHODS = (
     "baseline", "mlx-spec", "lookup", "dflash", "dflash-cut", "dflash-fallback", "dflash-auto", "dflash-default",
@@ -91,7 +91,14 @@ def _time_stream(
 
 
 def make_runner(
-    method: str, model, draft, ar_draft, tokenizer, block_size: int, num_draft: int, max_tokens: int,
+    method: str,
+    model,
+    draft,
+    ar_draft,
+    tokenizer,
+    block_size: int,
+    num_draft: int,
+    max_tokens: int,
     min_confidence: float = DEFAULT_MIN_CONFIDENCE,
     lookup_fallback: int = DEFAULT_LOOKUP_FALLBACK,
     draft_window: int | None = None,
@@ -125,10 +132,21 @@ def make_runner(
     policy = PolicyState() if default else None
     return lambda ids: _time_stream(
         stream_generate(
-            model, proposer, tokenizer, ids, max_tokens=max_tokens, block_size=width, min_confidence=cutoff,
-            lookup_fallback=fallback, adaptive=default, policy=policy, datastore=datastore if default else None,
+            model,
+            proposer,
+            tokenizer,
+            ids,
+            max_tokens=max_tokens,
+            block_size=width,
+            min_confidence=cutoff,
+            lookup_fallback=fallback,
+            adaptive=default,
+            policy=policy,
+            datastore=datastore if default else None,
             tree_budget=tree_budget if method == "dflash-tree" else 0,
-            draft_window=draft_window if method != "lookup" else None, draft_sinks=draft_sinks, kernels=kernels,
+            draft_window=draft_window if method != "lookup" else None,
+            draft_sinks=draft_sinks,
+            kernels=kernels,
         ),
         lambda r: r.tokens,
     )
@@ -198,7 +216,9 @@ def component_times(
         times["verify"][b] = times["verify_by_size"][b]
         if draft is not None:
             block = mx.array([[1] * draft.block_size])
-            times["draft"][b] = timed(lambda: mx.eval(draft.propose(model, block, None, cache.draft, speedups)))
+            times["draft"][b] = timed(
+                lambda block=block: mx.eval(draft.propose(model, block, None, cache.draft, speedups))
+            )
     recurrent = [c for c in cache.target if isinstance(c, hybrid.RecurrentCache)]
     if recurrent:
 

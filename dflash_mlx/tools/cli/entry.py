@@ -9,11 +9,11 @@ several times slower.
 """
 
 import sys
+from collections.abc import Callable
 from importlib import import_module
-from typing import Callable
 
-from ...cpu.openblas import BLAS_CHOICES, use_fast_blas
 from ...base.errors import DFlashError
+from ...cpu.openblas import BLAS_CHOICES, use_fast_blas
 
 INTERRUPTED = 130  # what a shell reports for a process ended by SIGINT (128 + 2)
 

@@ -6,18 +6,29 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 
-from ...tuning.policy import PolicyStore
-from ...loop.cache import DFlashCache
-from ...text.chat_template import has_chat_template, render_chat
-from ...drafts.datastore import open_datastore
 from ...base.errors import DFlashError
+from ...drafts.datastore import open_datastore
 from ...generation import generate, policy_key
-from ...text.inputs import MAX_SEED, check_text, decode_utf8
+from ...loop.cache import DFlashCache
 from ...models import target as tgt
 from ...models.drafter import DraftModel
 from ...sampling import make_sampler
+from ...text.chat_template import has_chat_template, render_chat
+from ...text.inputs import MAX_SEED, check_text, decode_utf8
+from ...tuning.policy import PolicyStore
 from .options import (
-    ArgumentParser, InRange, add_blas_argument, add_decoding_arguments, add_kernels_argument, add_model_arguments, add_parallel_arguments, add_stop_tokens, add_window_arguments, block_size_problem, boolean_words, str2bool,
+    ArgumentParser,
+    InRange,
+    add_blas_argument,
+    add_decoding_arguments,
+    add_kernels_argument,
+    add_model_arguments,
+    add_parallel_arguments,
+    add_stop_tokens,
+    add_window_arguments,
+    block_size_problem,
+    boolean_words,
+    str2bool,
 )
 
 
@@ -61,7 +72,12 @@ def setup_arg_parser() -> ArgumentParser:
         "goes on from it.",
     )
     parser.add_argument(
-        "--paused-lookup", type=int, action=InRange, low=0, default=1, metavar="N",
+        "--paused-lookup",
+        type=int,
+        action=InRange,
+        low=0,
+        default=1,
+        metavar="N",
         help="While --adaptive pauses the drafter, verify up to N prompt-lookup drafts a cycle (no drafter pass; "
         "default: 1, which a small target verifies at about a plain step's cost; 0: plain steps).",
     )
@@ -121,8 +137,10 @@ def main(argv: list[str] | None = None) -> None:
         # Under mlx.launch every rank generates (its share of each target pass); rank 0 prints.
         leads = mx.distributed.init().rank() == 0
         if draft is None and not args.no_draft and leads:
-            print("dflash-generate: no drafter given or known for this target: plain decoding "
-                  "(pass --draft for DFlash).", file=sys.stderr)
+            print(
+                "dflash-generate: no drafter given or known for this target: plain decoding (pass --draft for DFlash).",
+                file=sys.stderr,
+            )
         if args.no_draft:
             draft = None
         problem = block_size_problem(args.block_size, draft.block_size if draft is not None else None)

@@ -8,10 +8,11 @@ and before anything loads or prints. Flag names and meanings follow ``mlx_lm gen
 import argparse
 import json
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from ...cpu.openblas import BLAS_CHOICES
 from ...base.dtypes import DTYPES
+from ...cpu.openblas import BLAS_CHOICES
 
 DTYPE_HELP = (
     "Compute dtype of both models. Default: float32 on MLX's CPU backend when float32 weights take at most "
@@ -90,7 +91,7 @@ def json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}): {text!r}")
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}): {text!r}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object like '{{\"enable_thinking\": false}}' (got {text!r})")
     return value
@@ -122,15 +123,21 @@ def block_size_problem(block_size: int | str | None, trained: int | None, flag: 
     if block_size is None:
         return None
     if block_size == "auto":
-        return None if trained is not None else (
-            f"{flag} auto chooses how many drafts to verify, but no drafter is loaded. Pass --draft, or a "
-            "fixed block size."
+        return (
+            None
+            if trained is not None
+            else (
+                f"{flag} auto chooses how many drafts to verify, but no drafter is loaded. Pass --draft, or a "
+                "fixed block size."
+            )
         )
     if trained is None:
         if block_size == 1:
             return None
-        return (f"{flag} {block_size} needs a drafter, but none is loaded (--no-draft, or no drafter given or "
-                "known for this target). Pass --draft, or leave out --block-size.")
+        return (
+            f"{flag} {block_size} needs a drafter, but none is loaded (--no-draft, or no drafter given or "
+            "known for this target). Pass --draft, or leave out --block-size."
+        )
     if not 1 <= block_size <= trained:
         return f"{flag} must be from 1 to the drafter's block size {trained} (got {block_size})."
     return None

@@ -19,11 +19,16 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..cli.options import (
-    MAX_TEMP, ArgumentParser, InRange, add_blas_argument, add_cycle_arguments, add_parallel_arguments,
-)
 from ...base.dtypes import DTYPES
 from ...base.errors import DFlashError
+from ..cli.options import (
+    MAX_TEMP,
+    ArgumentParser,
+    InRange,
+    add_blas_argument,
+    add_cycle_arguments,
+    add_parallel_arguments,
+)
 from .handler import APIHandler
 from .metrics import Metrics
 from .protocol import Defaults
@@ -103,22 +108,48 @@ class DFlashServer:
         ranks: On rank 0 of a sharded target, the other ranks (:class:`dflash_mlx.tools.server.ranks.Ranks`).
     """
 
-    def __init__(self, model, draft, tokenizer, *, model_name: str = "default", host: str = "127.0.0.1",
-                 port: int = 8080, api_key: str | None = None, defaults: Defaults = Defaults(),
-                 queue_size: int = 16, prompt_cache_size: int = 4, max_context: int | None = None,
-                 chat_template_args: dict | None = None, prefill_step_size: int = 512,
-                 aliases: tuple[str, ...] = (), datastore=None, ranks=None):
+    def __init__(
+        self,
+        model,
+        draft,
+        tokenizer,
+        *,
+        model_name: str = "default",
+        host: str = "127.0.0.1",
+        port: int = 8080,
+        api_key: str | None = None,
+        defaults: Defaults = Defaults(),  # noqa: B008 (frozen: one shared default is safe)
+        queue_size: int = 16,
+        prompt_cache_size: int = 4,
+        max_context: int | None = None,
+        chat_template_args: dict | None = None,
+        prefill_step_size: int = 512,
+        aliases: tuple[str, ...] = (),
+        datastore=None,
+        ranks=None,
+    ):
         self.metrics = Metrics()
-        self.worker = Worker(model, draft, tokenizer, queue_size=queue_size, prompt_cache_size=prompt_cache_size,
-                             max_context=max_context, chat_template_args=chat_template_args,
-                             prefill_step_size=prefill_step_size, metrics=self.metrics, datastore=datastore,
-                             ranks=ranks)
+        self.worker = Worker(
+            model,
+            draft,
+            tokenizer,
+            queue_size=queue_size,
+            prompt_cache_size=prompt_cache_size,
+            max_context=max_context,
+            chat_template_args=chat_template_args,
+            prefill_step_size=prefill_step_size,
+            metrics=self.metrics,
+            datastore=datastore,
+            ranks=ranks,
+        )
         httpd = DFlashHTTPServer((host, port), APIHandler)
         httpd.worker, httpd.metrics, httpd.defaults, httpd.api_key = self.worker, self.metrics, defaults, api_key
         httpd.model_name, httpd.model_names = model_name, {model_name, *aliases}
         # What /v1/models says about the pair beyond OpenAI's fields.
-        httpd.model_info = {"block_size": draft.block_size if draft is not None else None,
-                            "has_draft": draft is not None}
+        httpd.model_info = {
+            "block_size": draft.block_size if draft is not None else None,
+            "has_draft": draft is not None,
+        }
         httpd.created = int(time.time())
         self.httpd = httpd
         self._thread: threading.Thread | None = None
@@ -129,8 +160,9 @@ class DFlashServer:
         return f"http://{host}:{port}"
 
     def start(self) -> "DFlashServer":
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="dflash-serve-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1}, name="dflash-serve-http", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -150,45 +182,116 @@ class DFlashServer:
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="dflash-serve",
-                                description="An OpenAI-compatible server for DFlash speculative decoding.")
-    p.add_argument("--model", default=None,
-                   help="Target: local folder, pair folder or Hugging Face id (default: the default pair, "
-                   "SmolLM2-135M-Instruct, also named smollm2; dflash-tiny: the toy pair).")
-    p.add_argument("--draft", default=None,
-                   help="DFlash drafter: local folder or Hugging Face id (default: the pair folder's or the known "
-                   "drafter of the target; plain decoding if none).")
+    p = ArgumentParser(prog="dflash-serve", description="An OpenAI-compatible server for DFlash speculative decoding.")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Target: local folder, pair folder or Hugging Face id (default: the default pair, "
+        "SmolLM2-135M-Instruct, also named smollm2; dflash-tiny: the toy pair).",
+    )
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="DFlash drafter: local folder or Hugging Face id (default: the pair folder's or the known "
+        "drafter of the target; plain decoding if none).",
+    )
     p.add_argument("--no-draft", action="store_true", help="Plain decoding, without the drafter.")
     p.add_argument("--served-model-name", default=None, help="The model id clients use (default: --model as given).")
     p.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1, this machine only).")
-    p.add_argument("--port", type=int, action=InRange, low=0, high=65535, default=8080,
-                   help="Port (default: 8080; 0 picks a free one).")
+    p.add_argument(
+        "--port",
+        type=int,
+        action=InRange,
+        low=0,
+        high=65535,
+        default=8080,
+        help="Port (default: 8080; 0 picks a free one).",
+    )
     p.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.")
     # The same limits a request's own values get (and dflash-generate's flags).
-    p.add_argument("--temp", type=float, action=InRange, low=0.0, high=MAX_TEMP, default=0.0,
-                   help=f"Default sampling temperature, 0 to {MAX_TEMP:g} (default: 0.0).")
-    p.add_argument("--top-p", type=float, action=InRange, low=0.0, high=1.0, default=1.0,
-                   help="Default nucleus sampling top-p (default: 1.0).")
-    p.add_argument("--top-k", type=int, action=InRange, low=0, default=0, help="Default top-k sampling (default: 0, off).")
-    p.add_argument("--min-p", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
-                   help="Default min-p sampling (default: 0.0, off).")
-    p.add_argument("--max-tokens", type=int, action=InRange, low=1, default=512,
-                   help="Default most tokens per reply (default: 512).")
+    p.add_argument(
+        "--temp",
+        type=float,
+        action=InRange,
+        low=0.0,
+        high=MAX_TEMP,
+        default=0.0,
+        help=f"Default sampling temperature, 0 to {MAX_TEMP:g} (default: 0.0).",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        action=InRange,
+        low=0.0,
+        high=1.0,
+        default=1.0,
+        help="Default nucleus sampling top-p (default: 1.0).",
+    )
+    p.add_argument(
+        "--top-k", type=int, action=InRange, low=0, default=0, help="Default top-k sampling (default: 0, off)."
+    )
+    p.add_argument(
+        "--min-p",
+        type=float,
+        action=InRange,
+        low=0.0,
+        high=1.0,
+        default=0.0,
+        help="Default min-p sampling (default: 0.0, off).",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        action=InRange,
+        low=1,
+        default=512,
+        help="Default most tokens per reply (default: 512).",
+    )
     add_cycle_arguments(p)
-    p.add_argument("--queue-size", type=int, action=InRange, low=1, default=16,
-                   help="Requests that may wait behind the running one; more get 429 (default: 16).")
-    p.add_argument("--prompt-cache-size", type=int, action=InRange, low=1, default=4,
-                   help="Conversation caches kept for prefix reuse (default: 4).")
-    p.add_argument("--max-context", type=int, action=InRange, low=1, default=None,
-                   help="Most tokens of prompt plus reply (default: the target's max_position_embeddings).")
-    p.add_argument("--prefill-step-size", type=int, action=InRange, low=1, default=512,
-                   help="Prompt tokens per prefill chunk (default: 512).")
-    p.add_argument("--chat-template-args", default="{}",
-                   help="""JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'; a """
-                   "request's chat_template_kwargs and reasoning_effort go over them.")
-    p.add_argument("--dtype", choices=list(DTYPES), default=None,
-                   help="Cast both models to this dtype (default: float32 on a CPU when it fits, else the "
-                   "checkpoint's).")
+    p.add_argument(
+        "--queue-size",
+        type=int,
+        action=InRange,
+        low=1,
+        default=16,
+        help="Requests that may wait behind the running one; more get 429 (default: 16).",
+    )
+    p.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        action=InRange,
+        low=1,
+        default=4,
+        help="Conversation caches kept for prefix reuse (default: 4).",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        action=InRange,
+        low=1,
+        default=None,
+        help="Most tokens of prompt plus reply (default: the target's max_position_embeddings).",
+    )
+    p.add_argument(
+        "--prefill-step-size",
+        type=int,
+        action=InRange,
+        low=1,
+        default=512,
+        help="Prompt tokens per prefill chunk (default: 512).",
+    )
+    p.add_argument(
+        "--chat-template-args",
+        default="{}",
+        help="""JSON keyword arguments for apply_chat_template, e.g. '{"enable_thinking": false}'; a """
+        "request's chat_template_kwargs and reasoning_effort go over them.",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="Cast both models to this dtype (default: float32 on a CPU when it fits, else the checkpoint's).",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_parallel_arguments(p)
     add_blas_argument(p)
@@ -228,8 +331,13 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.pipeline_split is not None and args.parallel != "pipeline":
             parser.error("--pipeline-split needs --pipeline.")
-        model, draft, tokenizer = load(args.model, draft_for_cli(args.model, args.draft, args.no_draft),
-                                       dtype=args.dtype, parallel=args.parallel, pipeline_split=args.pipeline_split)
+        model, draft, tokenizer = load(
+            args.model,
+            draft_for_cli(args.model, args.draft, args.no_draft),
+            dtype=args.dtype,
+            parallel=args.parallel,
+            pipeline_split=args.pipeline_split,
+        )
     except DFlashError as e:
         _error(str(e))
     if args.no_draft:
@@ -237,8 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     # Under mlx.launch: rank 0 serves, the others run what it announces.
     group = mx.distributed.init()
     if group.size() > 1 and group.rank() > 0:
-        follow(model, draft, tokenizer, prompt_cache_size=args.prompt_cache_size,
-               prefill_step_size=args.prefill_step_size)
+        follow(
+            model, draft, tokenizer, prompt_cache_size=args.prompt_cache_size, prefill_step_size=args.prefill_step_size
+        )
         return
     try:  # plain decoding stays plain
         datastore = open_datastore(args.datastore, args.model, vocab_size(model)) if draft is not None else None
@@ -246,15 +355,35 @@ def main(argv: list[str] | None = None) -> None:
         _error(str(e))
     name = args.served_model_name or args.model or DEFAULT_PAIR
     aliases = tuple({Path(name).name} - {name})
-    defaults = Defaults(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                        max_tokens=args.max_tokens, min_confidence=args.min_confidence,
-                        lookup_fallback=args.lookup_fallback, tree_budget=args.tree_budget)
+    defaults = Defaults(
+        temp=args.temp,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        min_confidence=args.min_confidence,
+        lookup_fallback=args.lookup_fallback,
+        tree_budget=args.tree_budget,
+    )
     try:
-        server = DFlashServer(model, draft, tokenizer, model_name=name, host=args.host, port=args.port,
-                              api_key=args.api_key, defaults=defaults, queue_size=args.queue_size,
-                              prompt_cache_size=args.prompt_cache_size, max_context=args.max_context,
-                              chat_template_args=template_args, prefill_step_size=args.prefill_step_size,
-                              aliases=aliases, datastore=datastore, ranks=Ranks(group) if group.size() > 1 else None)
+        server = DFlashServer(
+            model,
+            draft,
+            tokenizer,
+            model_name=name,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            defaults=defaults,
+            queue_size=args.queue_size,
+            prompt_cache_size=args.prompt_cache_size,
+            max_context=args.max_context,
+            chat_template_args=template_args,
+            prefill_step_size=args.prefill_step_size,
+            aliases=aliases,
+            datastore=datastore,
+            ranks=Ranks(group) if group.size() > 1 else None,
+        )
     except OSError as e:
         _error(f"cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port or --host.")
     stop = threading.Event()

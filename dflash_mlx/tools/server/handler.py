@@ -72,8 +72,7 @@ class APIHandler(BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization", "")
         given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(given.encode(), key.encode()):
-            raise APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
+            raise APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
 
     def _client_gone(self) -> bool:
         # A readable socket with nothing to read is one the peer closed.
@@ -96,8 +95,12 @@ class APIHandler(BaseHTTPRequestHandler):
                 self._check_key()
                 return self._send_models(path)
             if path in ROUTES:
-                raise APIError(405, f"{path} takes POST with a JSON body, not GET.", code="method_not_allowed",
-                               headers={"Allow": "POST"})
+                raise APIError(
+                    405,
+                    f"{path} takes POST with a JSON body, not GET.",
+                    code="method_not_allowed",
+                    headers={"Allow": "POST"},
+                )
             raise APIError(404, f"No route GET {path}.", code="not_found")
         except APIError as e:
             self._send_error(e)
@@ -107,8 +110,9 @@ class APIHandler(BaseHTTPRequestHandler):
 
     def _send_metrics(self) -> None:
         worker = self.server.worker
-        text = self.server.metrics.render(self.server.model_name, running=int(worker.running is not None),
-                                          waiting=worker.waiting).encode()
+        text = self.server.metrics.render(
+            self.server.model_name, running=int(worker.running is not None), waiting=worker.waiting
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
         self.send_header("Content-Length", str(len(text)))
@@ -116,12 +120,17 @@ class APIHandler(BaseHTTPRequestHandler):
         self.wfile.write(text)
 
     def _model_card(self) -> dict:
-        return {"id": self.server.model_name, "object": "model", "created": self.server.created,
-                "owned_by": "dflash-mlx", "dflash": self.server.model_info}
+        return {
+            "id": self.server.model_name,
+            "object": "model",
+            "created": self.server.created,
+            "owned_by": "dflash-mlx",
+            "dflash": self.server.model_info,
+        }
 
     def _send_models(self, path: str) -> None:
         if path.startswith("/v1/models/"):
-            name = path[len("/v1/models/"):]
+            name = path[len("/v1/models/") :]
             if name not in self.server.model_names:
                 raise APIError(404, f"The model '{name}' does not exist.", code="model_not_found")
             return self._send_json(200, self._model_card())
@@ -135,14 +144,19 @@ class APIHandler(BaseHTTPRequestHandler):
             if path in ("/health", "/metrics", "/v1/models", "/models") or path.startswith("/v1/models/"):
                 raise APIError(405, f"{path} takes GET, not POST.", code="method_not_allowed", headers={"Allow": "GET"})
             if path not in ROUTES:
-                raise APIError(404, f"No route POST {path}; use /v1/chat/completions or /v1/completions.",
-                               code="not_found")
+                raise APIError(
+                    404, f"No route POST {path}; use /v1/chat/completions or /v1/completions.", code="not_found"
+                )
             self._check_key()
             body = self._read_json()
             req = parse_request(body, ROUTES[path], self.server.defaults)
             if req.model and req.model not in self.server.model_names:
-                raise APIError(404, f"The model '{req.model}' does not exist; this server has "
-                               f"'{self.server.model_name}'.", param="model", code="model_not_found")
+                raise APIError(
+                    404,
+                    f"The model '{req.model}' does not exist; this server has '{self.server.model_name}'.",
+                    param="model",
+                    code="model_not_found",
+                )
             req.model = self.server.model_name
             worker = self.server.worker
             job = Job(req, worker.prompt_ids(req))
@@ -161,14 +175,14 @@ class APIHandler(BaseHTTPRequestHandler):
         try:
             length = int(length)
         except ValueError:
-            raise APIError(400, f"Bad Content-Length header {length!r}.")
+            raise APIError(400, f"Bad Content-Length header {length!r}.") from None
         if not 0 <= length <= MAX_BODY:
             raise APIError(413, f"The request body is larger than {MAX_BODY} bytes.")
         raw = self.rfile.read(length)
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"The request body is not valid JSON: {e}.")
+            raise APIError(400, f"The request body is not valid JSON: {e}.") from None
 
     def _next_event(self, job: Job):
         """The worker's next event, or None once the client has hung up (the job is then cancelled)."""
@@ -204,8 +218,9 @@ class APIHandler(BaseHTTPRequestHandler):
             if event[0] == "error":
                 return self._send_error(event[1])
             _, finish, usage, metrics = event
-            return self._send_json(200, full_response(req, "".join(text), finish, usage, metrics,
-                                                      reasoning="".join(reasoning)))
+            return self._send_json(
+                200, full_response(req, "".join(text), finish, usage, metrics, reasoning="".join(reasoning))
+            )
         self._stream(job, event)
 
     def _stream(self, job: Job, event) -> None:

@@ -34,8 +34,9 @@ class Metrics:
         self.values = {name: 0 for name in COUNTERS}
         self.tps = 0.0
 
-    def observe(self, *, prompt_tokens: int, generation_tokens: int, acceptance: AcceptanceStats, tps: float,
-                finished: bool) -> None:
+    def observe(
+        self, *, prompt_tokens: int, generation_tokens: int, acceptance: AcceptanceStats, tps: float, finished: bool
+    ) -> None:
         with self._lock:
             v = self.values
             v["spec_decode_num_drafts_total"] += acceptance.drafting_cycles
@@ -50,14 +51,21 @@ class Metrics:
 
     def render(self, model_name: str, *, running: int, waiting: int) -> str:
         """The Prometheus text exposition format (version 0.0.4)."""
-        label = '{model_name="%s"}' % model_name.replace("\\", "\\\\").replace('"', '\\"')
+        escaped = model_name.replace("\\", "\\\\").replace('"', '\\"')
+        label = f'{{model_name="{escaped}"}}'
         with self._lock:
             values = dict(self.values)
-            gauges = {"generation_tokens_per_second": self.tps, "num_requests_running": running,
-                      "num_requests_waiting": waiting}
+            gauges = {
+                "generation_tokens_per_second": self.tps,
+                "num_requests_running": running,
+                "num_requests_waiting": waiting,
+            }
         lines = []
         for kind, names, source in (("counter", COUNTERS, values), ("gauge", GAUGES, gauges)):
             for name, text in names.items():
-                lines += [f"# HELP {PREFIX}{name} {text}", f"# TYPE {PREFIX}{name} {kind}",
-                          f"{PREFIX}{name}{label} {float(source[name])}"]
+                lines += [
+                    f"# HELP {PREFIX}{name} {text}",
+                    f"# TYPE {PREFIX}{name} {kind}",
+                    f"{PREFIX}{name}{label} {float(source[name])}",
+                ]
         return "\n".join(lines) + "\n"

@@ -33,8 +33,16 @@ RESERVED_TEMPLATE_ARGS = frozenset({
 class APIError(Exception):
     """A request the server refuses, with the HTTP status and an OpenAI-style error body."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -103,8 +111,7 @@ def _content(message: Any, i: int) -> str:
         raise APIError(400, f"messages[{i}] must be an object with 'role' and 'content'.", param="messages")
     role, content = message.get("role"), message.get("content")
     if role not in ROLES:
-        raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)} (got {role!r}).",
-                       param="messages")
+        raise APIError(400, f"messages[{i}].role must be one of {', '.join(ROLES)} (got {role!r}).", param="messages")
     if content is None:
         content = ""
     if isinstance(content, list):
@@ -112,13 +119,15 @@ def _content(message: Any, i: int) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"messages[{i}].content has a part that is not text; this server "
-                               "takes text only.", param="messages")
+                raise APIError(
+                    400,
+                    f"messages[{i}].content has a part that is not text; this server takes text only.",
+                    param="messages",
+                )
             parts.append(part["text"])
         content = "".join(parts)
     if not isinstance(content, str):
-        raise APIError(400, f"messages[{i}].content must be a string or a list of text parts.",
-                       param="messages")
+        raise APIError(400, f"messages[{i}].content must be a string or a list of text parts.", param="messages")
     _check_text(content, f"messages[{i}].content", "messages")
     return content
 
@@ -144,26 +153,26 @@ def parse_request(body: Any, kind: str, defaults: Defaults = Defaults()) -> Comp
     if kind == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise APIError(400, "'messages' is required: a non-empty list of {role, content} objects.",
-                           param="messages")
+            raise APIError(
+                400, "'messages' is required: a non-empty list of {role, content} objects.", param="messages"
+            )
         req.messages = [{"role": m["role"], "content": _content(m, i)} for i, m in enumerate(messages)]
         req.template_args = _template_args(body)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
-        ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt)
+        ids = (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        )
         if not (isinstance(prompt, str) and prompt) and not ids:
-            raise APIError(400, "'prompt' is required: a non-empty string (or one list of token ids).",
-                           param="prompt")
+            raise APIError(400, "'prompt' is required: a non-empty string (or one list of token ids).", param="prompt")
         if isinstance(prompt, str):
             _check_text(prompt, "'prompt'", "prompt")
         req.prompt = prompt
     n = body.get("n", 1)
     if n != 1:
-        raise APIError(400, f"'n' must be 1: this server generates one choice per request (got {n!r}).",
-                       param="n")
+        raise APIError(400, f"'n' must be 1: this server generates one choice per request (got {n!r}).", param="n")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIError(400, f"'stream' must be true or false (got {stream!r}).", param="stream")
@@ -198,8 +207,7 @@ def parse_request(body: Any, kind: str, defaults: Defaults = Defaults()) -> Comp
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
-        raise APIError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them.",
-                       param="stop")
+        raise APIError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them.", param="stop")
     req.stop = stop
     req.id = ("chatcmpl-" if kind == CHAT else "cmpl-") + uuid.uuid4().hex
     req.created = int(time.time())
@@ -209,17 +217,26 @@ def parse_request(body: Any, kind: str, defaults: Defaults = Defaults()) -> Comp
 def _template_args(body: dict) -> dict[str, Any]:
     args = body.get("chat_template_kwargs") or {}
     if not isinstance(args, dict) or not all(isinstance(k, str) for k in args):
-        raise APIError(400, "'chat_template_kwargs' must be an object, e.g. {\"enable_thinking\": false}.",
-                       param="chat_template_kwargs")
+        raise APIError(
+            400,
+            "'chat_template_kwargs' must be an object, e.g. {\"enable_thinking\": false}.",
+            param="chat_template_kwargs",
+        )
     reserved = sorted(RESERVED_TEMPLATE_ARGS & args.keys())
     if reserved:
-        raise APIError(400, f"'chat_template_kwargs' may not set {', '.join(reserved)}: the server sets "
-                       "them.", param="chat_template_kwargs")
+        raise APIError(
+            400,
+            f"'chat_template_kwargs' may not set {', '.join(reserved)}: the server sets them.",
+            param="chat_template_kwargs",
+        )
     effort = body.get("reasoning_effort")
     if effort is not None:
         if effort not in REASONING_EFFORTS:
-            raise APIError(400, f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)} (got "
-                           f"{effort!r}).", param="reasoning_effort")
+            raise APIError(
+                400,
+                f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)} (got {effort!r}).",
+                param="reasoning_effort",
+            )
         args = {"reasoning_effort": effort, **args}
     return dict(args)
 
@@ -292,8 +309,9 @@ def _envelope(req: CompletionRequest, obj: str, choices: list) -> dict:
     return {"id": req.id, "object": obj, "created": req.created, "model": req.model, "choices": choices}
 
 
-def full_response(req: CompletionRequest, text: str, finish_reason: str, usage_: dict, metrics: dict,
-                  reasoning: str = "") -> dict:
+def full_response(
+    req: CompletionRequest, text: str, finish_reason: str, usage_: dict, metrics: dict, reasoning: str = ""
+) -> dict:
     """The non-streaming answer; a chat reply's reasoning goes in ``reasoning_content``."""
     if req.kind == CHAT:
         message = {"role": "assistant", "content": text}
@@ -309,8 +327,14 @@ def full_response(req: CompletionRequest, text: str, finish_reason: str, usage_:
     return out
 
 
-def chunk(req: CompletionRequest, text: str | None, finish_reason: str | None = None,
-          cycle: dict | None = None, first: bool = False, reasoning: str = "") -> dict:
+def chunk(
+    req: CompletionRequest,
+    text: str | None,
+    finish_reason: str | None = None,
+    cycle: dict | None = None,
+    first: bool = False,
+    reasoning: str = "",
+) -> dict:
     """One streamed chunk; ``cycle`` carries our per-cycle numbers (an extension field)."""
     if req.kind == CHAT:
         delta: dict = {"role": "assistant", "content": text or ""} if first else {}
@@ -318,11 +342,15 @@ def chunk(req: CompletionRequest, text: str | None, finish_reason: str | None = 
             delta["content"] = text
         if reasoning:
             delta["reasoning_content"] = reasoning
-        out = _envelope(req, "chat.completion.chunk",
-                        [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+        out = _envelope(
+            req,
+            "chat.completion.chunk",
+            [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        )
     else:
-        out = _envelope(req, "text_completion",
-                        [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}])
+        out = _envelope(
+            req, "text_completion", [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+        )
     if cycle is not None:
         out["dflash"] = cycle
     return out

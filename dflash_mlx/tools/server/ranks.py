@@ -16,8 +16,8 @@ import os
 
 import mlx.core as mx
 
-from ...tuning.policy import PolicyState
 from ...base.errors import DFlashError
+from ...tuning.policy import PolicyState
 from .worker import PromptCaches, generate_for
 
 log = logging.getLogger("dflash-serve")

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 from mlx_lm.sample_utils import make_logits_processors
 
-from ...tuning.policy import PolicyState
-from ...loop.cache import DFlashCache, make_cache
-from ...text.chat_template import has_chat_template, render_chat
 from ...base.errors import DFlashError
 from ...generation import stream_generate
-from ...text.responses import AcceptanceStats
+from ...loop.cache import DFlashCache, make_cache
 from ...sampling import make_sampler
+from ...text.chat_template import has_chat_template, render_chat
+from ...text.responses import AcceptanceStats
+from ...tuning.policy import PolicyState
 from .metrics import Metrics
 from .protocol import CHAT, APIError, CompletionRequest, StopMatcher, spec_decoding, usage
 
@@ -121,9 +121,21 @@ class Worker:
           told each request before it runs and the shutdown after the last; None alone.
     """
 
-    def __init__(self, model, draft, tokenizer, *, queue_size: int = 16, prompt_cache_size: int = 4,
-                 max_context: int | None = None, chat_template_args: dict | None = None,
-                 prefill_step_size: int = 512, metrics: Metrics | None = None, datastore=None, ranks=None):
+    def __init__(
+        self,
+        model,
+        draft,
+        tokenizer,
+        *,
+        queue_size: int = 16,
+        prompt_cache_size: int = 4,
+        max_context: int | None = None,
+        chat_template_args: dict | None = None,
+        prefill_step_size: int = 512,
+        metrics: Metrics | None = None,
+        datastore=None,
+        ranks=None,
+    ):
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
         self.datastore = datastore  # every request's reply joins it
         self.ranks = ranks
@@ -153,8 +165,12 @@ class Worker:
             raise APIError(400, "'block_size' auto chooses how many drafts to verify, but the server has no "
                            "drafter.", param="block_size")  # fmt: skip
         if isinstance(req.block_size, int) and req.block_size > self.max_block_size:
-            raise APIError(400, f"'block_size' must be from 1 to the drafter's block size {self.max_block_size} "
-                           f"(got {req.block_size}).", param="block_size")
+            raise APIError(
+                400,
+                f"'block_size' must be from 1 to the drafter's block size {self.max_block_size} "
+                f"(got {req.block_size}).",
+                param="block_size",
+            )
         with self._tokenizer_lock:
             ids = self._encode(req)
         if not ids:
@@ -163,10 +179,13 @@ class Worker:
             raise APIError(400, f"The prompt holds token ids outside 0..{self.vocab_size - 1}.", param="prompt")
         if self.max_context is not None:
             if len(ids) >= self.max_context:
-                raise APIError(400, f"This model's maximum context length is {self.max_context} tokens, but the "
-                               f"prompt has {len(ids)}. Shorten the prompt or the conversation.",
-                               param="messages" if req.kind == CHAT else "prompt",
-                               code="context_length_exceeded")
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {self.max_context} tokens, but the "
+                    f"prompt has {len(ids)}. Shorten the prompt or the conversation.",
+                    param="messages" if req.kind == CHAT else "prompt",
+                    code="context_length_exceeded",
+                )
             req.max_tokens = min(req.max_tokens, self.max_context - len(ids))
         return ids
 
@@ -174,10 +193,11 @@ class Worker:
         tok = self.tokenizer
         if req.kind == CHAT:
             try:
-                rendered = render_chat(tok, req.messages, template_args={**self.chat_template_args,
-                                                                         **req.template_args})
+                rendered = render_chat(
+                    tok, req.messages, template_args={**self.chat_template_args, **req.template_args}
+                )
             except Exception as e:  # a template may refuse a role order; say so, not 500
-                raise APIError(400, f"The chat template rejected these messages: {e}", param="messages")
+                raise APIError(400, f"The chat template rejected these messages: {e}", param="messages") from None
             if not isinstance(rendered, str):
                 return rendered
             text = rendered  # a base model continues the text
@@ -198,9 +218,13 @@ class Worker:
             self._queue.put_nowait(job)
         except queue.Full:
             wait = max(1, math.ceil(self._seconds_per_job * (self._queue.qsize() + 1)))
-            raise APIError(429, f"The server is busy: {self._queue.maxsize} requests are already waiting. "
-                           f"Retry in about {wait} s.", type="rate_limit_exceeded", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(wait)})
+            raise APIError(
+                429,
+                f"The server is busy: {self._queue.maxsize} requests are already waiting. Retry in about {wait} s.",
+                type="rate_limit_exceeded",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(wait)},
+            ) from None
 
     @property
     def waiting(self) -> int:
@@ -216,8 +240,9 @@ class Worker:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
-            job.events.put(("error", APIError(503, "The server is shutting down.", type="server_error",
-                                              code="shutting_down")))
+            job.events.put(
+                ("error", APIError(503, "The server is shutting down.", type="server_error", code="shutting_down"))
+            )
         if self.ranks is not None:
             self._queue.put(None)  # the worker thread, after the running job, tells the other ranks
 
@@ -286,8 +311,12 @@ class Worker:
                 finish = "stop" if hit else last.finish_reason
                 if finish and not hit:
                     text += stop.flush()
-                cycle = {"cycle": last.cycle, "tokens": len(last.tokens), "num_draft": last.num_draft,
-                         "acceptance_length": last.acceptance_length}
+                cycle = {
+                    "cycle": last.cycle,
+                    "tokens": len(last.tokens),
+                    "num_draft": last.num_draft,
+                    "acceptance_length": last.acceptance_length,
+                }
                 job.events.put(("delta", text, last.reasoning, cycle))
                 if finish:
                     break
@@ -300,13 +329,26 @@ class Worker:
         cached = len(ids) - last.prompt_tokens if last else 0
         spec = spec_decoding(acceptance, num_spec_tokens) if self.draft is not None else None
         metrics = {"speculative_decoding": spec}
-        self.metrics.observe(prompt_tokens=len(ids), generation_tokens=completion, acceptance=acceptance,
-                             tps=last.generation_tps if last else 0.0, finished=finish != "cancelled")
+        self.metrics.observe(
+            prompt_tokens=len(ids),
+            generation_tokens=completion,
+            acceptance=acceptance,
+            tps=last.generation_tps if last else 0.0,
+            finished=finish != "cancelled",
+        )
         if finish == "cancelled":
             reason = "shutting down" if self._closing.is_set() else "client gone"
             log.info("%s cut after %d tokens (%s)", req.id, completion, reason)
-            job.events.put(("error", APIError(503, "The server is shutting down; the reply was cut.",
-                                              type="server_error", code="shutting_down")))
+            job.events.put(
+                (
+                    "error",
+                    APIError(
+                        503,
+                        "The server is shutting down; the reply was cut.",
+                        type="server_error",
+                        code="shutting_down",
+                    ),
+                )
+            )
             return
         job.events.put(("done", finish, usage(len(ids), completion, cached), metrics))
-

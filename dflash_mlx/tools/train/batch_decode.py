@@ -14,7 +14,7 @@ Attention-only targets (each layer's cache a plain ``KVCache``); recurrent layer
 refilled this way.
 """
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn

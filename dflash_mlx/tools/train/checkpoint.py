@@ -153,8 +153,21 @@ def check_out(out: Path, resume: bool, data_only: bool = False) -> tuple[Path, P
 
 # The settings a resumed run may change (dflash-train's documented way to move the schedule's end
 # is --resume with a new --iters), but then it no longer repeats an uninterrupted run.
-RUN_SETTINGS = ("iters", "learning_rate", "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "batch_size",
-                "blocks_per_seq", "max_seq_len", "loss_decay", "loss_positions", "logit_mse", "seed")
+RUN_SETTINGS = (
+    "iters",
+    "learning_rate",
+    "min_lr_ratio",
+    "warmup",
+    "weight_decay",
+    "grad_clip",
+    "batch_size",
+    "blocks_per_seq",
+    "max_seq_len",
+    "loss_decay",
+    "loss_positions",
+    "logit_mse",
+    "seed",
+)
 
 
 def resumed_settings(saved: dict, args: dict) -> tuple[str, list[str]]:

@@ -6,9 +6,9 @@ import json
 import sys
 from pathlib import Path
 
-from ..cli.options import ArgumentParser, add_blas_argument
 from ...base.dtypes import DTYPES
 from ...base.errors import DFlashError
+from ..cli.options import ArgumentParser, add_blas_argument
 from .checkpoint import TrainingInterrupted, latest_checkpoint
 from .config import TrainingArgs, check_args
 from .trainer import train
@@ -31,17 +31,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(TrainingArgs):
         flag, help_text = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if f.type is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
-            )
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         elif f.name == "target_layer_ids":
             parser.add_argument(flag, type=int, nargs="+", default=None, help=help_text)
         else:
             kind = next((t for t in (int, float) if f.type is t or t in getattr(f.type, "__args__", ())), str)
             choices = {"responses": ["generate", "dataset"], "dtype": list(DTYPES)}
-            parser.add_argument(
-                flag, type=kind, default=f.default, help=help_text, choices=choices.get(f.name)
-            )
+            parser.add_argument(flag, type=kind, default=f.default, help=help_text, choices=choices.get(f.name))
     add_blas_argument(parser)
     return parser
 

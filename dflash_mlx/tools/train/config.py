@@ -7,10 +7,10 @@ import mlx.nn as nn
 
 from ...base.dtypes import DTYPES
 from ...base.errors import DFlashError
-from ...text.inputs import MAX_SEED
 from ...loading.draft_loader import MASK_TOKENS, tokenizer_mask_token
 from ...models import target as tgt
 from ...models.drafter import default_target_layer_ids
+from ...text.inputs import MAX_SEED
 
 
 @dataclass
@@ -24,9 +24,7 @@ class TrainingArgs:
         default="generate",
         metadata={"help": "'generate': the target's greedy answers; 'dataset': the file's."},
     )
-    cache: str | None = field(
-        default=None, metadata={"help": "Response cache JSONL (default: OUT/data.jsonl)."}
-    )
+    cache: str | None = field(default=None, metadata={"help": "Response cache JSONL (default: OUT/data.jsonl)."})
     max_prompts: int | None = field(
         default=None, metadata={"help": "Most prompts to generate responses for (default: all)."}
     )
@@ -47,9 +45,7 @@ class TrainingArgs:
     )
     block_size: int = field(default=16, metadata={"help": "Tokens per draft block."})
     num_layers: int = field(default=2, metadata={"help": "Drafter decoder layers."})
-    intermediate_size: int | None = field(
-        default=None, metadata={"help": "Drafter MLP size (default: target's)."}
-    )
+    intermediate_size: int | None = field(default=None, metadata={"help": "Drafter MLP size (default: target's)."})
     num_taps: int = field(default=4, metadata={"help": "Target layers tapped (the paper's spread)."})
     target_features: bool = field(
         default=True,
@@ -58,14 +54,14 @@ class TrainingArgs:
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "Explicit tapped layers (default: --num-taps layers, spread out)."}
     )
-    mask_token_id: int | None = field(
-        default=None, metadata={"help": "Mask token (default: the tokenizer's)."}
-    )
+    mask_token_id: int | None = field(default=None, metadata={"help": "Mask token (default: the tokenizer's)."})
     dtype: str | None = field(
         default=None,
-        metadata={"help": "Compute dtype of both models (default: the drafter trains in float32; the target "
-                          "computes its taps in the dtype dflash-generate uses: float32 on a CPU, the "
-                          "checkpoint's on a GPU)."},
+        metadata={
+            "help": "Compute dtype of both models (default: the drafter trains in float32; the target "
+            "computes its taps in the dtype dflash-generate uses: float32 on a CPU, the "
+            "checkpoint's on a GPU)."
+        },
     )
     iters: int = field(default=1000, metadata={"help": "Optimizer steps."})
     batch_size: int = field(default=4, metadata={"help": "Sequences per step."})
@@ -79,20 +75,26 @@ class TrainingArgs:
     loss_decay: float = field(default=7.0, metadata={"help": "Block position weight exp(-(k-1)/d); 0: flat."})
     loss_positions: int | None = field(
         default=None,
-        metadata={"help": "Train on the first N drafted positions of each block only (default: all B-1). The "
-                          "LM head's cost is per position; a drafter accepted a few tokens a cycle rarely "
-                          "reaches the last ones."},
+        metadata={
+            "help": "Train on the first N drafted positions of each block only (default: all B-1). The "
+            "LM head's cost is per position; a drafter accepted a few tokens a cycle rarely "
+            "reaches the last ones."
+        },
     )
     loss_vocab: int | None = field(
         default=None,
-        metadata={"help": "Compute the loss over the N token ids most frequent in the training responses only "
-                          "(FR-Spec): the LM head's cost is N of its rows; a position whose label is not among "
-                          "them counts for nothing (default: the whole vocabulary)."},
+        metadata={
+            "help": "Compute the loss over the N token ids most frequent in the training responses only "
+            "(FR-Spec): the LM head's cost is N of its rows; a position whose label is not among "
+            "them counts for nothing (default: the whole vocabulary)."
+        },
     )
     draft_vocab: bool = field(
         default=False,
-        metadata={"help": "Save the --loss-vocab ids with the drafter, which then drafts among them only (its head "
-                          "pass costs N rows too); the target still verifies over its whole vocabulary."},
+        metadata={
+            "help": "Save the --loss-vocab ids with the drafter, which then drafts among them only (its head "
+            "pass costs N rows too); the target still verifies over its whole vocabulary."
+        },
     )
     val_examples: int = field(default=16, metadata={"help": "Examples held out for the validation loss."})
     eval_every: int = field(default=200, metadata={"help": "Steps between evaluations (0: only at the end)."})
@@ -105,48 +107,64 @@ class TrainingArgs:
     )
     minutes: float | None = field(
         default=None,
-        metadata={"help": "Train for this many minutes (at most --iters steps); the cosine decay runs over the time, "
-                          "so runs of different step costs compare at equal compute. Not with --resume."},
+        metadata={
+            "help": "Train for this many minutes (at most --iters steps); the cosine decay runs over the time, "
+            "so runs of different step costs compare at equal compute. Not with --resume."
+        },
     )
     resume: bool = field(default=False, metadata={"help": "Continue from the checkpoint in --out."})
     init_draft: str | None = field(
         default=None,
-        metadata={"help": "Start from this drafter's weights (folder or hub id; its settings must match this "
-                          "run's, except a larger --num-layers, which grows it: the added layers go after its own "
-                          "and start as identities) with a fresh optimizer, e.g. to train a shipped drafter "
-                          "further on new data."},
+        metadata={
+            "help": "Start from this drafter's weights (folder or hub id; its settings must match this "
+            "run's, except a larger --num-layers, which grows it: the added layers go after its own "
+            "and start as identities) with a fresh optimizer, e.g. to train a shipped drafter "
+            "further on new data."
+        },
     )
     cache_taps: bool = field(
-        default=True, metadata={"help": "Keep each example's taps in memory (without --tap-cache; all of them: "
-                                        "for a small data set)."}
+        default=True,
+        metadata={
+            "help": "Keep each example's taps in memory (without --tap-cache; all of them: for a small data set)."
+        },
     )
     drop_lookup_anchors: int = field(
         default=0,
-        metadata={"help": "Draw no training anchor whose next this many tokens prompt lookup already drafts right "
-                          "(the loop verifies lookup's drafts there without a drafter pass; 0: every anchor)."},
+        metadata={
+            "help": "Draw no training anchor whose next this many tokens prompt lookup already drafts right "
+            "(the loop verifies lookup's drafts there without a drafter pass; 0: every anchor)."
+        },
     )
     tap_cache: str | None = field(
         default=None,
-        metadata={"help": "Folder keeping each example's taps on disk (bfloat16), written the first time the "
-                          "example is drawn: a long run reads them back when it draws it again, and resumed or "
-                          "later runs on the same data and target reuse them (default: none; see --cache-taps)."},
+        metadata={
+            "help": "Folder keeping each example's taps on disk (bfloat16), written the first time the "
+            "example is drawn: a long run reads them back when it draws it again, and resumed or "
+            "later runs on the same data and target reuse them (default: none; see --cache-taps)."
+        },
     )
     tap_cache_gb: float = field(
         default=16.0,
-        metadata={"help": "The --tap-cache folder's size limit in GB (about 7 kB a token for SmolLM2's 5 taps); "
-                          "examples not on disk past it are computed each time they are drawn."},
+        metadata={
+            "help": "The --tap-cache folder's size limit in GB (about 7 kB a token for SmolLM2's 5 taps); "
+            "examples not on disk past it are computed each time they are drawn."
+        },
     )
     logit_mse: float = field(
         default=0.0,
-        metadata={"help": "Weight of a distillation term at every drafted position: the mean squared difference "
-                          "of the drafter's and the target's centred logits over the whole vocabulary, computed "
-                          "exactly in the hidden size (through the LM head's Gram matrix), so it costs almost "
-                          "nothing; with it a small --loss-positions is enough (0: off)."},
+        metadata={
+            "help": "Weight of a distillation term at every drafted position: the mean squared difference "
+            "of the drafter's and the target's centred logits over the whole vocabulary, computed "
+            "exactly in the hidden size (through the LM head's Gram matrix), so it costs almost "
+            "nothing; with it a small --loss-positions is enough (0: off)."
+        },
     )
     precondition_fc: bool = field(
         default=True,
-        metadata={"help": "Scale fc's outsized input features down while training (saved folded into fc, so the "
-                          "drafter is a plain one); speeds up learning on targets with massive activations."},
+        metadata={
+            "help": "Scale fc's outsized input features down while training (saved folded into fc, so the "
+            "drafter is a plain one); speeds up learning on targets with massive activations."
+        },
     )
     compile: bool = field(default=True, metadata={"help": "Compile the training step with mx.compile."})
     seed: int = field(default=0, metadata={"help": "Seed for the drafter init and the data sampling."})
@@ -172,8 +190,16 @@ def check_args(args: TrainingArgs) -> None:
         if getattr(args, name) < 1:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)}).")
     # 0 means none / off / flat for these; below 0 means nothing.
-    for name in ("warmup", "weight_decay", "grad_clip", "val_examples", "eval_every", "eval_prompts", "logit_mse",
-                 "text_prompt_lines"):
+    for name in (
+        "warmup",
+        "weight_decay",
+        "grad_clip",
+        "val_examples",
+        "eval_every",
+        "eval_prompts",
+        "logit_mse",
+        "text_prompt_lines",
+    ):
         if getattr(args, name) < 0:
             raise DFlashError(f"--{name.replace('_', '-')} must be at least 0 (got {getattr(args, name):g}).")
     if not 0 <= args.min_lr_ratio <= 1:
@@ -181,17 +207,15 @@ def check_args(args: TrainingArgs) -> None:
     for name in ("intermediate_size", "stop_at", "max_prompts", "loss_vocab"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
-            raise DFlashError(f"--{name.replace('_', '-')} must be at least 1 (got {value}); leave it out for the default.")
+            raise DFlashError(
+                f"--{name.replace('_', '-')} must be at least 1 (got {value}); leave it out for the default."
+            )
     if args.data_minutes is not None and args.data_minutes < 0:
         raise DFlashError(f"--data-minutes must be at least 0 (got {args.data_minutes:g}).")
     if args.block_size < 2:
-        raise DFlashError(
-            f"--block-size must be at least 2: one clean token and one to draft (got {args.block_size})."
-        )
+        raise DFlashError(f"--block-size must be at least 2: one clean token and one to draft (got {args.block_size}).")
     if args.max_seq_len < args.block_size:
-        raise DFlashError(
-            f"--max-seq-len {args.max_seq_len} must be at least --block-size {args.block_size}."
-        )
+        raise DFlashError(f"--max-seq-len {args.max_seq_len} must be at least --block-size {args.block_size}.")
     if args.loss_positions is not None and not 1 <= args.loss_positions <= args.block_size - 1:
         raise DFlashError(
             f"--loss-positions must be from 1 to --block-size minus 1 = {args.block_size - 1} "
@@ -212,13 +236,16 @@ def check_args(args: TrainingArgs) -> None:
     if args.data is None:
         raise DFlashError("No training prompts: pass a JSONL file with --data.")
     if args.tap_cache_gb <= 0:
-        raise DFlashError(f"--tap-cache-gb must be greater than 0 (got {args.tap_cache_gb:g}); leave out --tap-cache "
-                          "for no folder.")
+        raise DFlashError(
+            f"--tap-cache-gb must be greater than 0 (got {args.tap_cache_gb:g}); leave out --tap-cache for no folder."
+        )
     if args.minutes is not None and args.minutes <= 0:
         raise DFlashError(f"--minutes must be greater than 0 (got {args.minutes:g}).")
     if args.minutes is not None and args.resume:
-        raise DFlashError("--minutes schedules one uninterrupted run and cannot be resumed; leave out --resume "
-                          "(or --minutes, to continue by steps).")
+        raise DFlashError(
+            "--minutes schedules one uninterrupted run and cannot be resumed; leave out --resume "
+            "(or --minutes, to continue by steps)."
+        )
     if args.resume and args.init_draft is not None:
         raise DFlashError("--resume continues the run in --out; --init-draft starts a new one. Pass one of them.")
 

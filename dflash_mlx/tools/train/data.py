@@ -12,19 +12,19 @@ import hashlib
 import itertools
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from ...text.chat_template import render_chat
 from ...base.errors import DFlashError
 from ...generation import dflash_generate_step
 from ...loop.options import LoopOptions
+from ...text.chat_template import render_chat
 from . import batch_decode
 
 
@@ -131,9 +131,7 @@ def read_cache(path: str | Path) -> list[dict]:
     return examples
 
 
-def dataset_examples(
-    tokenizer: TokenizerWrapper, prompts: list[Prompt], max_prompt_tokens: int
-) -> list[dict]:
+def dataset_examples(tokenizer: TokenizerWrapper, prompts: list[Prompt], max_prompt_tokens: int) -> list[dict]:
     """Examples from the dataset's own answers instead of generated ones.
 
     The answer is tokenized together with its prompt (inside the chat template for chat
@@ -293,9 +291,7 @@ def generate_responses(
             if slots:
                 results = _generate_slots(model, [p for _, p in part], max_tokens, stop_tokens, batch_size)
             elif batch_size == 1:
-                results = (
-                    (i, _generate_one(model, p, max_tokens, stop_tokens)) for i, (_, p) in enumerate(part)
-                )
+                results = ((i, _generate_one(model, p, max_tokens, stop_tokens)) for i, (_, p) in enumerate(part))
             else:
                 results = _generate_batched(model, [p for _, p in part], max_tokens, stop_tokens, batch_size)
             for i, response in results:
@@ -309,8 +305,7 @@ def generate_responses(
                 if verbose and len(examples) % 10 == 0:
                     elapsed = time.perf_counter() - tic
                     print(
-                        f"data: {len(examples)} responses, {new_tokens / elapsed:.1f} tok/s, "
-                        f"{elapsed / 60:.1f} min",
+                        f"data: {len(examples)} responses, {new_tokens / elapsed:.1f} tok/s, {elapsed / 60:.1f} min",
                         flush=True,
                     )
                 if out_of_time():

@@ -87,9 +87,7 @@ def head_gram(target: nn.Module) -> mx.array:
     return mx.stop_gradient((w @ w.T) / w.shape[1])
 
 
-def logit_error(
-    h: mx.array, target_final: mx.array, anchors: mx.array, gram: mx.array, weights: mx.array
-) -> mx.array:
+def logit_error(h: mx.array, target_final: mx.array, anchors: mx.array, gram: mx.array, weights: mx.array) -> mx.array:
     """Weighted mean over the drafted positions of the centred logits' squared error
     against the target's (see :func:`head_gram`).
 

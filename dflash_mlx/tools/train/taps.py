@@ -74,7 +74,9 @@ class TapStore:
             try:
                 saved = json.loads(file.read_text())
             except (OSError, ValueError) as e:
-                raise DFlashError(f"--tap-cache {self.folder}: unreadable meta.json ({e}); pass another folder.")
+                raise DFlashError(
+                    f"--tap-cache {self.folder}: unreadable meta.json ({e}); pass another folder."
+                ) from None
             if saved != meta:
                 what = next(k for k in meta if saved.get(k) != meta[k])
                 raise DFlashError(

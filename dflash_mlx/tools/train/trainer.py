@@ -29,10 +29,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..cli.progress import Progress
-from ...cpu.speedups import choose_speedups
 from ...base.dtypes import DTYPES
 from ...base.errors import DFlashError
+from ...cpu.speedups import choose_speedups
 from ...generation import dflash_generate_step
 from ...loading.casting import cast, cast_pair
 from ...loading.draft_loader import load_draft
@@ -40,16 +39,33 @@ from ...loading.folders import check_not_drafter, read_config
 from ...loading.hub import local_folder
 from ...loading.pairs import embedded_pair
 from ...loading.target_loader import load_target
+from ...loop.options import LoopOptions
 from ...models import target as tgt
 from ...models.drafter import DraftArgs, DraftModel
-from ...loop.options import LoopOptions
 from ...text.responses import AcceptanceStats
+from ..cli.progress import Progress
 from .checkpoint import (
-    LOSS_VOCAB, TrainingInterrupted, check_out, check_resume, drafter_mismatch, interrupt_after_step, load_extra, load_state, resumed_settings, save_checkpoint, target_record,
+    LOSS_VOCAB,
+    TrainingInterrupted,
+    check_out,
+    check_resume,
+    drafter_mismatch,
+    interrupt_after_step,
+    load_extra,
+    load_state,
+    resumed_settings,
+    save_checkpoint,
+    target_record,
 )
 from .config import TrainingArgs, check_args, draft_config, drafter_dtype
 from .data import (
-    dataset_examples, generate_responses, make_batch, position_weights, read_prompts, render_prompt, usable,
+    dataset_examples,
+    generate_responses,
+    make_batch,
+    position_weights,
+    read_prompts,
+    render_prompt,
+    usable,
 )
 from .grow import deepen
 from .losses import block_loss, head_gram
@@ -93,8 +109,11 @@ def evaluate_acceptance(
     acceptance = AcceptanceStats()
     for ids in prompts:
         options = LoopOptions(
-            max_tokens=max_tokens, stop_tokens=stop_tokens, block_size=block_size,
-            tree_budget=tree_budget, adaptive=False,  # the drafter's own acceptance, every cycle drafted
+            max_tokens=max_tokens,
+            stop_tokens=stop_tokens,
+            block_size=block_size,
+            tree_budget=tree_budget,
+            adaptive=False,  # the drafter's own acceptance, every cycle drafted
         )
         steps = dflash_generate_step(ids, target, draft, options)
         for i, step in enumerate(steps):
@@ -158,8 +177,11 @@ def _target_and_config(args: TrainingArgs, out: Path, checkpoint) -> tuple:
         config = {**init_config, "num_hidden_layers": len(init.layers), "block_size": config["block_size"]}
         if shrinks:
             init.args.block_size = config["block_size"]
-            print(f"training {args.init_draft} (block size {init_config['block_size']}) at block size "
-                  f"{config['block_size']}", flush=True)
+            print(
+                f"training {args.init_draft} (block size {init_config['block_size']}) at block size "
+                f"{config['block_size']}",
+                flush=True,
+            )
     return target, tokenizer, config, target_info, init
 
 
@@ -195,15 +217,11 @@ def _training_data(args: TrainingArgs, target: nn.Module, tokenizer, out: Path) 
     n_val = min(args.val_examples, len(examples) // 5)
     train_ex, val_ex = examples[: len(examples) - n_val], examples[len(examples) - n_val :]
     if not train_ex:
-        raise DFlashError(
-            f"No usable training examples in {args.data}: check --max-seq-len and the responses."
-        )
+        raise DFlashError(f"No usable training examples in {args.data}: check --max-seq-len and the responses.")
     if args.eval_data:
         eval_prompts = [
             render_prompt(tokenizer, p)
-            for p in read_prompts(args.eval_data, text_prompt_lines=args.text_prompt_lines)[
-                : args.eval_prompts
-            ]
+            for p in read_prompts(args.eval_data, text_prompt_lines=args.text_prompt_lines)[: args.eval_prompts]
         ]
     else:
         eval_prompts = [ex["prompt_ids"] for ex in (val_ex or train_ex)[: args.eval_prompts]]
@@ -260,9 +278,7 @@ def _drafter_and_optimizer(
         draft.set_dtype(DTYPES[drafter_dtype(args)])
     draft.set_draft_vocab(draft_vocab)
     draft.train()
-    optimizer = optim.AdamW(
-        learning_rate=args.learning_rate, betas=[0.9, 0.95], weight_decay=args.weight_decay
-    )
+    optimizer = optim.AdamW(learning_rate=args.learning_rate, betas=[0.9, 0.95], weight_decay=args.weight_decay)
     optimizer.init(draft.trainable_parameters())
     start = 0
     if checkpoint is not None:
@@ -274,8 +290,12 @@ def _drafter_and_optimizer(
         now, changed = resumed_settings(saved_args, dataclasses.asdict(args))
         print(f"run settings: {now}", flush=True)
         if changed:
-            print(f"dflash-train: note: resuming with {'; '.join(changed)}: the run goes on with these, so it no "
-                  "longer repeats an uninterrupted run of the checkpoint's settings.", file=sys.stderr, flush=True)
+            print(
+                f"dflash-train: note: resuming with {'; '.join(changed)}: the run goes on with these, so it no "
+                "longer repeats an uninterrupted run of the checkpoint's settings.",
+                file=sys.stderr,
+                flush=True,
+            )
     n_params = sum(v.size for _, v in tree_flatten(draft.trainable_parameters()))
     print(
         f"drafter: {draft.args.num_hidden_layers} layers, block size {draft.block_size}, "
@@ -380,6 +400,7 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
         extra = training_arrays()
         with folded_fc(draft):
             save_checkpoint(out, draft, config, optimizer, step, rng, args, target_info, extra=extra)
+
     end_step = min(args.iters, args.stop_at or args.iters)
     bar = Progress(args.iters, width=20, stream=sys.stdout)
     with open(out / "metrics.jsonl", "a") as metrics, interrupt_after_step() as interrupted:
