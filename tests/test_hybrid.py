@@ -15,6 +15,7 @@ from helpers.decoding import run
 from helpers.family import MAX_REF, prompt_ids, reference
 from helpers.hf_checkpoints import HF_KINDS, write_hf_target
 from helpers.oracles import ScriptedDraft, SecondChoiceDraft
+from helpers.varied import is_varied, variety
 
 from dflash_mlx import DFlashError, LoopOptions, dflash_generate_step, load, make_cache
 from dflash_mlx.models import hybrid, linear_attention
@@ -469,6 +470,12 @@ def test_data_step_refills_rows_only_without_recurrent_layers(pairs, kind):
 @pytest.mark.parametrize("kind", HF_KINDS)
 def test_taps_folded_as_made_equal_fc_of_the_taps(pairs, kind):
     family.check_folded_taps(pairs[kind][0])
+
+
+@pytest.mark.parametrize("kind", HYBRID)
+def test_the_hybrid_targets_say_varied_text(pairs, kind):
+    """The tree and rollback checks here need text that depends on its context (helpers/varied.py)."""
+    assert is_varied(pairs[kind][0]), variety(pairs[kind][0])
 
 
 def test_draft_trees_on_moe_are_lossless(pairs):

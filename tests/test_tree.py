@@ -90,9 +90,9 @@ def test_tree_equals_the_authors_builder(seed, monkeypatch):
 
 
 @pytest.mark.parametrize("budget, prompt_len", [(1, 30), (4, 1), (16, 9), (64, 30)])
-def test_greedy_equals_plain_decoding(tiny_pair, budget, prompt_len):
+def test_greedy_equals_plain_decoding(varied_pair, budget, prompt_len):
     """A random drafter's trees, on every dense target kind (tied and untied Qwen3, Llama, Qwen2)."""
-    model, draft, _ = tiny_pair
+    model, draft, _ = varied_pair
     prompt = prompt_ids(prompt_len)
     ref = reference(model, prompt, 16)
     cache = make_cache(model, draft)
@@ -102,10 +102,10 @@ def test_greedy_equals_plain_decoding(tiny_pair, budget, prompt_len):
     assert cycles[1].num_draft == min(budget, 14)  # the nodes, up to the room left
 
 
-def test_a_branch_is_accepted_where_the_path_is_not(qwen3_pair):
+def test_a_branch_is_accepted_where_the_path_is_not(varied_qwen3_pair):
     """The drafter's first choice at the first position is wrong and the right token second: the
     path keeps nothing, a tree with both branches keeps the whole block."""
-    model, draft, _ = qwen3_pair
+    model, draft, _ = varied_qwen3_pair
     prompt = prompt_ids(9)
     ref = reference(model, prompt, 48)
     oracle = SecondChoiceDraft(draft, prompt + ref, VOCAB)
@@ -116,10 +116,10 @@ def test_a_branch_is_accepted_where_the_path_is_not(qwen3_pair):
     assert [c.num_accepted for c in tree[1:-1]] == [draft.block_size - 1] * (len(tree) - 2)
 
 
-def test_an_oracle_tree_keeps_the_block_and_the_taps_of_its_path(qwen3_pair):
+def test_an_oracle_tree_keeps_the_block_and_the_taps_of_its_path(varied_qwen3_pair):
     """The target's own continuation as the top path: the tree keeps the whole block, and the
     drafter's context grows by exactly the kept positions."""
-    model, draft, _ = qwen3_pair
+    model, draft, _ = varied_qwen3_pair
     prompt = prompt_ids(7)
     ref = reference(model, prompt, 40)
     oracle = ScriptedDraft(draft, prompt + ref, VOCAB)
@@ -131,19 +131,19 @@ def test_an_oracle_tree_keeps_the_block_and_the_taps_of_its_path(qwen3_pair):
 
 
 @pytest.mark.parametrize("kwargs", [dict(lookup_fallback=4, adaptive=False), dict(adaptive=True)])
-def test_trees_with_the_lookup_fallback_and_the_adaptive_policy(qwen3_pair, kwargs):
+def test_trees_with_the_lookup_fallback_and_the_adaptive_policy(varied_qwen3_pair, kwargs):
     """Trees mixed with prompt-lookup paths and paused (plain) cycles: still mlx-lm's greedy tokens."""
-    model, draft, _ = qwen3_pair
+    model, draft, _ = varied_qwen3_pair
     prompt = prompt_ids(9) * 2  # repeated text, for prompt lookup to find
     out, cycles = run(model, draft, prompt, tree_budget=8, max_tokens=30, **kwargs)
     assert out == reference(model, prompt, 30)
 
 
-def test_repetition_penalty_sees_each_nodes_own_path(qwen3_pair):
+def test_repetition_penalty_sees_each_nodes_own_path(varied_qwen3_pair):
     """Logits processors get each node's own preceding tokens: same tokens as the path's."""
     from mlx_lm.sample_utils import make_logits_processors
 
-    model, draft, _ = qwen3_pair
+    model, draft, _ = varied_qwen3_pair
     prompt = prompt_ids(9)
     kwargs = dict(max_tokens=30, adaptive=False, logits_processors=make_logits_processors(repetition_penalty=1.5))
     plain, _ = run(model, None, prompt, **kwargs)
@@ -151,7 +151,7 @@ def test_repetition_penalty_sees_each_nodes_own_path(qwen3_pair):
     assert run(model, oracle, prompt, tree_budget=16, **kwargs)[0] == plain
 
 
-def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(qwen3_pair, monkeypatch):
+def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(varied_qwen3_pair, monkeypatch):
     """tree_budget="auto": greedy output unchanged; a drafter whose right token is its second choice gets
     trees with both branches, a random one that is never right gets trees of a node or few."""
     from dflash_mlx.tuning import widths as verify_width
@@ -166,7 +166,7 @@ def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(qwe
         ),
     )
     monkeypatch.setattr(verify_width.CostStore, "get", lambda self, key: None)  # nothing timed earlier either
-    model, draft, _ = qwen3_pair
+    model, draft, _ = varied_qwen3_pair
     prompt = prompt_ids(9)
     ref = reference(model, prompt, 40)
     oracle = SecondChoiceDraft(draft, prompt + ref, VOCAB)
@@ -186,20 +186,20 @@ def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(qwe
         (dict(tree_budget=4, min_confidence=0.5), "leave block_size fixed"),
     ],
 )
-def test_bad_tree_settings_are_one_line(qwen3_pair, kwargs, message):
-    model, draft, _ = qwen3_pair
+def test_bad_tree_settings_are_one_line(varied_qwen3_pair, kwargs, message):
+    model, draft, _ = varied_qwen3_pair
     with pytest.raises(DFlashError, match=message):
         run(model, draft, [1, 2, 3], max_tokens=4, **kwargs)
 
 
 @pytest.mark.parametrize("draft", [None, PromptLookup(4)])
-def test_a_tree_needs_a_dflash_drafter(qwen3_pair, draft):
+def test_a_tree_needs_a_dflash_drafter(varied_qwen3_pair, draft):
     with pytest.raises(DFlashError, match="builds trees from a DFlash drafter"):
-        run(qwen3_pair[0], draft, [1, 2, 3], max_tokens=4, tree_budget=4)
+        run(varied_qwen3_pair[0], draft, [1, 2, 3], max_tokens=4, tree_budget=4)
 
 
-def test_tree_budget_zero_is_the_path(qwen3_pair):
-    model, draft, _ = qwen3_pair
+def test_tree_budget_zero_is_the_path(varied_qwen3_pair):
+    model, draft, _ = varied_qwen3_pair
     prompt = prompt_ids(9)
     path = run(model, draft, prompt, max_tokens=20, adaptive=False)
     zero = run(model, draft, prompt, max_tokens=20, adaptive=False, tree_budget=0)
