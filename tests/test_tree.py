@@ -10,7 +10,8 @@ import pytest
 from helpers.checkpoints import VOCAB
 from helpers.decoding import run
 from helpers.family import prompt_ids, reference
-from helpers.oracles import ScriptedDraft, SecondChoiceDraft
+from helpers.oracles import AcceptExactlyDraft, ScriptedDraft, SecondChoiceDraft
+from helpers.states import check_states_equal_a_plain_pass
 
 from dflash_mlx import DFlashError, make_cache
 from dflash_mlx.drafts.lookup import PromptLookup
@@ -98,8 +99,39 @@ def test_greedy_equals_plain_decoding(varied_pair, budget, prompt_len):
     cache = make_cache(model, draft)
     out, cycles = run(model, draft, prompt, tree_budget=budget, max_tokens=16, prompt_cache=cache, adaptive=False)
     assert out == ref
-    assert all(c.offset == len(cache.tokens) for c in cache.target)
+    check_states_equal_a_plain_pass(model, cache, draft)
     assert cycles[1].num_draft == min(budget, 14)  # the nodes, up to the room left
+
+
+@pytest.mark.parametrize("max_tokens", [17, 25])
+def test_a_branching_tree_leaves_the_state_of_a_plain_pass(varied_pair, max_tokens):
+    """After cycles whose accepted path is a second branch (its keys and values moved down over the first
+    branch's), ended at a block's end or cut inside a path: every layer's keys, values and offset, and the
+    drafter's context and pending taps, equal those of one plain pass over the committed tokens. (Keeping
+    the first nodes' keys, a node masked to the node before it instead of its parent, nodes at consecutive
+    positions, or the taps of the first nodes instead of the path's each fail it.)"""
+    model, draft, _ = varied_pair
+    prompt = prompt_ids(9)
+    ref = reference(model, prompt, 40)
+    oracle = SecondChoiceDraft(draft, prompt + ref, VOCAB)
+    cache = make_cache(model, oracle)
+    out, cycles = run(model, oracle, prompt, tree_budget=2 * (draft.block_size - 1), max_tokens=max_tokens,
+                      prompt_cache=cache, adaptive=False)  # fmt: skip
+    assert out == ref[:max_tokens] and cycles[1].num_accepted == draft.block_size - 1
+    check_states_equal_a_plain_pass(model, cache, oracle)
+
+
+def test_a_rollback_of_drafts_leaves_the_state_of_a_plain_pass(varied_pair):
+    """A drafter right for exactly k drafts, k = 0..B-1 in turn (a rollback of every length): every
+    layer's state and the drafter's context are those of one plain pass over the committed tokens."""
+    model, draft, _ = varied_pair
+    prompt = prompt_ids(7)
+    ref = reference(model, prompt, 60)
+    oracle = AcceptExactlyDraft(draft, prompt + ref, VOCAB, list(range(draft.block_size)))
+    cache = make_cache(model, oracle)
+    out, _ = run(model, oracle, prompt, max_tokens=60, prompt_cache=cache, adaptive=False)
+    assert out == ref
+    check_states_equal_a_plain_pass(model, cache, oracle)
 
 
 def test_a_branch_is_accepted_where_the_path_is_not(varied_qwen3_pair):
@@ -139,16 +171,23 @@ def test_trees_with_the_lookup_fallback_and_the_adaptive_policy(varied_qwen3_pai
     assert out == reference(model, prompt, 30)
 
 
-def test_repetition_penalty_sees_each_nodes_own_path(varied_qwen3_pair):
-    """Logits processors get each node's own preceding tokens: same tokens as the path's."""
+def test_repetition_penalty_sees_each_nodes_own_path(varied_pair):
+    """Logits processors get each node's own preceding tokens: same tokens as plain decoding with the
+    penalty, on targets where the penalty changes the output and with trees whose accepted paths are deep
+    second branches. (Giving each node the cached tokens only, or the first branch's, fails it.)"""
     from mlx_lm.sample_utils import make_logits_processors
 
-    model, draft, _ = varied_qwen3_pair
+    model, draft, _ = varied_pair
     prompt = prompt_ids(9)
-    kwargs = dict(max_tokens=30, adaptive=False, logits_processors=make_logits_processors(repetition_penalty=1.5))
-    plain, _ = run(model, None, prompt, **kwargs)
+    kwargs = dict(max_tokens=40, adaptive=False)
+    penalty = make_logits_processors(repetition_penalty=1.5, repetition_context_size=40)
+    plain, _ = run(model, None, prompt, **kwargs, logits_processors=penalty)
+    assert plain != run(model, None, prompt, **kwargs)[0]  # the penalty changes the text
     oracle = SecondChoiceDraft(draft, prompt + plain, VOCAB)
-    assert run(model, oracle, prompt, tree_budget=16, **kwargs)[0] == plain
+    budget = 2 * (draft.block_size - 1)  # both branches as deep as the block
+    out, cycles = run(model, oracle, prompt, tree_budget=budget, **kwargs, logits_processors=penalty)
+    assert out == plain
+    assert max(c.num_accepted for c in cycles[1:]) >= 4  # deeper nodes than the first are accepted
 
 
 def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(varied_qwen3_pair, monkeypatch):

@@ -11,6 +11,7 @@ from dflash_mlx.models.drafter import DraftArgs, DraftModel
 from .checkpoints import VOCAB, draft_config
 from .decoding import greedy, run
 from .oracles import AcceptExactlyDraft, ScriptedDraft, SecondChoiceDraft
+from .states import check_states_equal_a_plain_pass
 
 MAX_REF = 64
 
@@ -54,8 +55,8 @@ def check_lossless(model, draft, block_size: int, prompt_len: int) -> None:
 def check_tree_lossless(model, draft, max_tokens: int = 16) -> None:
     """Draft trees of budgets 1, 4, 16 and 64 across prompt lengths, from a random drafter and (at the
     budgets that hold both branches) from one whose first choice at the first position is always
-    wrong, so that the target follows a branch: mlx-lm's greedy tokens, and every layer's cache at
-    the committed length."""
+    wrong, so that the target follows a branch: mlx-lm's greedy tokens, and every layer's cache and the
+    drafter's context what one plain pass over the committed tokens leaves (helpers/states.py)."""
     for budget, prompt_len in ((1, 1), (4, 9), (16, 30), (64, 9)):
         prompt = prompt_ids(prompt_len)
         ref = reference(model, prompt, max_tokens)
@@ -65,7 +66,7 @@ def check_tree_lossless(model, draft, max_tokens: int = 16) -> None:
             out, _ = run(model, drafter, prompt, tree_budget=budget, max_tokens=max_tokens, prompt_cache=cache,
                          adaptive=False)  # fmt: skip
             assert out == ref, (prompt_len, budget, type(drafter).__name__)
-            assert all(c.offset == len(cache.tokens) for c in cache.target)
+            check_states_equal_a_plain_pass(model, cache, drafter)
     # A stop token inside an accepted path, then the next turn through the same cache.
     prompt = prompt_ids(9)
     ref = reference(model, prompt, max_tokens)
@@ -76,7 +77,8 @@ def check_tree_lossless(model, draft, max_tokens: int = 16) -> None:
     cache = make_cache(model, branching)
     out, _ = run(model, branching, prompt, tree_budget=16, max_tokens=max_tokens, stop_tokens={ref[stop_index]},
                  prompt_cache=cache, adaptive=False)  # fmt: skip
-    assert out == ref[: stop_index + 1] and cache.offset == len(cache.tokens)
+    assert out == ref[: stop_index + 1]
+    check_states_equal_a_plain_pass(model, cache, branching)
     follow = prompt + out + prompt_ids(4, seed=9)
     branching.sequence = follow + reference(model, follow, max_tokens)
     again, _ = run(model, branching, follow, tree_budget=16, max_tokens=max_tokens, prompt_cache=cache, adaptive=False)
@@ -85,7 +87,8 @@ def check_tree_lossless(model, draft, max_tokens: int = 16) -> None:
 
 def check_every_acceptance_length(model, draft, block_size: int) -> None:
     """A drafter right for exactly k drafts, k = 0..B-1 in turn: the target keeps exactly k, and
-    every layer's cache ends at the committed length."""
+    every layer's cache (and the drafter's context) is what one plain pass over the committed tokens
+    leaves, after every rollback length (helpers/states.py)."""
     prompt = prompt_ids(7)
     ref = reference(model, prompt, 200)
     schedule = list(range(block_size))
@@ -98,7 +101,7 @@ def check_every_acceptance_length(model, draft, block_size: int) -> None:
     drafted = [s for s in cycles[1:] if s.num_draft == block_size - 1]
     assert [s.num_accepted for s in drafted][: 2 * block_size] == (schedule * 2)[: len(drafted[: 2 * block_size])]
     assert len(drafted) >= block_size
-    assert all(c.offset == len(cache.tokens) for c in cache.target)
+    check_states_equal_a_plain_pass(model, cache, oracle)
 
 
 def check_stop_mid_block_then_continue(model, draft, prompt_len: int = 7, with_plain: bool = False) -> None:
