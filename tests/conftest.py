@@ -40,16 +40,25 @@ def qwen3_pair(pair_dirs):
     return load(pair_dirs["qwen3-tied"], pair_dirs["draft"])
 
 
+class _VariedDirs(dict):
+    """Target folders by kind, each written (its seed chosen) the first time a test asks for it."""
+
+    def __init__(self, root, draft):
+        super().__init__(draft=draft)
+        self.root = root
+
+    def __missing__(self, name):
+        kind, tied = TARGET_KINDS[name]
+        write_varied_target(self.root / name, kind=kind, tied=tied)
+        self[name] = self.root / name
+        return self[name]
+
+
 @pytest.fixture(scope="session")
 def varied_dirs(tmp_path_factory, pair_dirs):
     """Folders of tiny targets (one per kind) whose greedy text depends on its context
     (helpers/varied.py), with ``pair_dirs``' drafter."""
-    root = tmp_path_factory.mktemp("varied")
-    dirs = {"draft": pair_dirs["draft"]}
-    for name, (kind, tied) in TARGET_KINDS.items():
-        write_varied_target(root / name, kind=kind, tied=tied)
-        dirs[name] = root / name
-    return dirs
+    return _VariedDirs(tmp_path_factory.mktemp("varied"), pair_dirs["draft"])
 
 
 @pytest.fixture(scope="session", params=list(TARGET_KINDS))

@@ -407,6 +407,55 @@ def test_a_restored_states_cold_cycle_lengthens_the_plain_run_after_a_loss():
     assert odd.saved() == PolicyState().saved()
 
 
+# Every field a saved policy state holds, and a value for each that no fresh state has: the file below is
+# written from this list, not from the code's own, so a field the code stops saving or reading shows.
+SAVED_FIELDS = {"plain_time": 0.0125, "draft_time": 0.0375, "plain_left": 17, "run": 32, "since_plain": 5}
+
+
+def test_every_saved_policy_field_round_trips_through_a_file(tmp_path):
+    """A policy file written by a version of dflash-mlx (the fields above) is read back field by field, and
+    a state holding those values writes exactly that file. (A field dropped from the save list fails it.)"""
+    import json
+
+    from dflash_mlx.tuning.policy import PolicyStore
+
+    fresh = PolicyState()
+    assert all(getattr(fresh, name) != value for name, value in SAVED_FIELDS.items())
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"key": SAVED_FIELDS}))
+    restored = PolicyStore(path).get("key")
+    assert {name: getattr(restored, name) for name in SAVED_FIELDS} == SAVED_FIELDS
+    again = tmp_path / "again.json"
+    PolicyStore(again).put("key", restored)
+    assert json.loads(again.read_text()) == {"key": SAVED_FIELDS}
+
+
+def test_the_policy_key_is_one_per_machine_pair_drafter_and_setup(pair_dirs):
+    """The adaptive policy's saved verdict is kept per target, drafter and drafting setup: changing any one
+    changes the key, the same three give the same key. (A key that ignores the setup, the drafter or the
+    target fails it.)"""
+    import copy
+
+    from dflash_mlx import load
+    from dflash_mlx.generation import policy_key
+
+    model, draft, _ = load(pair_dirs["qwen3-tied"], pair_dirs["draft"])
+    other_model = load(pair_dirs["llama"])[0]
+    other_draft = copy.deepcopy(draft)
+    other_draft.fc.weight = other_draft.fc.weight * 1.01
+    setup = {"block_size": 16, "lookup": 1, "tree_budget": 0}
+    key = policy_key(model, draft, setup)
+    assert key == policy_key(model, draft, dict(setup))
+    keys = {
+        key,
+        policy_key(model, draft, {**setup, "block_size": 8}),
+        policy_key(model, draft, {**setup, "tree_budget": 16}),
+        policy_key(model, other_draft, setup),
+        policy_key(other_model, draft, setup),
+    }
+    assert len(keys) == 5
+
+
 def test_policy_store_keeps_states_by_key(tmp_path):
     from dflash_mlx.tuning.policy import PolicyStore
 

@@ -650,3 +650,29 @@ def test_dflash_tree_runs_when_named_and_gives_the_same_tokens(pair_dirs, prompt
     assert set(rows) == {"baseline", "dflash-tree"} and rows["dflash-tree"]["block_size"] == 16
     assert result["meta"]["tree_budget"] == 8
     assert 1 < rows["dflash-tree"]["verify_size"] <= 9  # the nodes and the root
+
+
+def test_the_benchmarks_datastore_learns_nothing_from_the_runs(pair_dirs, prompts, monkeypatch):
+    """dflash-default's datastore in a benchmark holds no reply of its runs afterwards: a run must not
+    draft from another run's answer to the same prompt. (A datastore opened to learn fails it.)"""
+    from dflash_mlx.drafts import datastore as ds
+
+    opened = []
+    real = ds.open_datastore
+    monkeypatch.setattr(ds, "open_datastore", lambda *a, **k: opened.append(real(*a, **k)) or opened[-1])
+    benchmark.run_benchmark(
+        model=str(pair_dirs["qwen3-tied"]),
+        draft=str(pair_dirs["draft"]),
+        prompts=str(prompts),
+        num_prompts=1,
+        max_tokens=6,
+        block_sizes=(4,),
+        runs=2,
+        methods=("dflash-default",),
+        datastore="auto",
+    )
+    assert len(opened) == 1 and opened[0].session_length == 0
+    # The same store told to learn would have kept them: the check can see a reply.
+    opened[0].learns = True
+    opened[0].add([1, 2, 3])
+    assert opened[0].session_length == 3
