@@ -11,8 +11,8 @@ from helpers.policy import Clock, CostlyDraft
 
 from dflash_mlx import DFlashError, stream_generate
 from dflash_mlx.drafts.datastore import (
-    DatastoreProposer,
     Datastore,
+    DatastoreProposer,
     SuffixIndex,
     load_datastore,
     open_datastore,
