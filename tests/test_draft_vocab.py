@@ -9,6 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers.checkpoints import HIDDEN, VOCAB
+from helpers import family
 from helpers.decoding import greedy, run
 from helpers.oracles import ScriptedDraft
 
@@ -141,30 +142,8 @@ def test_lossless_with_a_draft_vocab_every_target_kind(tiny_pair):
 
 
 def test_trees_with_a_draft_vocab_walk_on_token_ids(varied_pair):
-    """A drafter with a draft vocabulary builds its tree among its vocabulary's indices; the target walks the
-    tree on token ids. An oracle over a subset (in an order not the ids' own) holding every token the target
-    says keeps whole blocks down second branches, and a random drafter with a subset gives mlx-lm's tokens,
-    on every target kind. (A tree left on the drafter's indices keeps nothing of the oracle's blocks, and
-    emits an index as a token wherever one equals the target's token.)"""
-    from helpers.oracles import SecondChoiceDraft
-
-    model, base, _ = varied_pair
-    for prompt_len in (1, 9, 30):
-        prompt = _prompt(prompt_len)
-        ref = _reference(model, prompt, 40)
-        out, _ = run(model, _with_vocab(base, SUBSET), prompt, tree_budget=16, max_tokens=40, adaptive=False)
-        assert out == ref, prompt_len
-    said = sorted(set(ref), reverse=True)
-    ids = said + [t for t in range(VOCAB) if t not in said][: 64 - len(said)]
-
-    class SubsetSecondChoice(SecondChoiceDraft):
-        def propose(self, *args, **kwargs):
-            return super().propose(*args, **kwargs)[..., self.draft_vocab]
-
-    oracle = SubsetSecondChoice(_with_vocab(base, ids), prompt + ref, VOCAB)
-    out, cycles = run(model, oracle, prompt, tree_budget=2 * (base.block_size - 1), max_tokens=33, adaptive=False)
-    assert out == ref[:33]
-    assert [c.num_accepted for c in cycles[1:]] == [base.block_size - 1] * 2
+    """On every dense target kind (helpers/family.check_tree_with_draft_vocab)."""
+    family.check_tree_with_draft_vocab(*varied_pair[:2])
 
 
 def test_sampled_proposals_are_distributions_over_the_draft_vocab(qwen3_pair, monkeypatch):

@@ -317,6 +317,11 @@ def test_taps_folded_as_made_equal_fc_of_the_taps(gemma_pairs, kind):
 
 
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
+def test_draft_trees_with_a_draft_vocab(gemma_pairs, kind):
+    family.check_tree_with_draft_vocab(*gemma_pairs[kind][:2])
+
+
+@pytest.mark.parametrize("kind", GEMMA_KINDS)
 def test_draft_trees_are_lossless(gemma_pairs, kind):
     """Trees through sliding and full layers, layers that reuse an earlier one's keys, per-layer inputs."""
     family.check_tree_lossless(*gemma_pairs[kind][:2])

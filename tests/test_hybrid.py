@@ -493,6 +493,11 @@ def test_draft_trees_fork_the_recurrent_state_losslessly(pairs, kind):
     family.check_tree_lossless(*pairs[kind][:2])
 
 
+@pytest.mark.parametrize("kind", HYBRID)
+def test_draft_trees_fork_with_a_draft_vocab(pairs, kind):
+    family.check_tree_with_draft_vocab(*pairs[kind][:2])
+
+
 def test_tree_recurrence_equals_each_path_alone():
     """gated_delta_tree_ops: every node's output and state equal the sequential recurrence over its path."""
     from dflash_mlx.kernels.gdn import gated_delta_states_ops

@@ -85,6 +85,39 @@ def check_tree_lossless(model, draft, max_tokens: int = 16) -> None:
     assert again == reference(model, follow, max_tokens)
 
 
+def check_tree_with_draft_vocab(model, base, max_tokens: int = 33) -> None:
+    """Trees from a drafter with a draft vocabulary (built among its vocabulary's indices, walked on token
+    ids): an oracle over a subset (in an order not the ids' own) holding every token the target says keeps
+    whole blocks down second branches, and a random drafter with a subset gives mlx-lm's tokens. (A tree
+    left on the drafter's indices keeps nothing of the oracle's blocks, and emits an index as a token
+    wherever one equals the target's token.)"""
+    import copy
+
+    def with_vocab(ids):
+        draft = type(base)(copy.deepcopy(base.args))
+        draft.update(base.parameters())
+        draft.set_draft_vocab(mx.array(ids, dtype=mx.int32))
+        return draft
+
+    class SubsetSecondChoice(SecondChoiceDraft):
+        def propose(self, *args, **kwargs):
+            return super().propose(*args, **kwargs)[..., self.draft_vocab]
+
+    for prompt_len in (1, 9, 30):
+        prompt = prompt_ids(prompt_len)
+        ref = reference(model, prompt, max_tokens)
+        every_fourth = list(range(0, VOCAB, 4))[::-1]
+        out, _ = run(model, with_vocab(every_fourth), prompt, tree_budget=16, max_tokens=max_tokens, adaptive=False)
+        assert out == ref, prompt_len
+    said = sorted(set(ref), reverse=True)
+    ids = said + [t for t in range(VOCAB) if t not in said][: 64 - len(said)]
+    oracle = SubsetSecondChoice(with_vocab(ids), prompt + ref, VOCAB)
+    budget = 2 * (base.block_size - 1)
+    out, cycles = run(model, oracle, prompt, tree_budget=budget, max_tokens=max_tokens, adaptive=False)
+    assert out == ref
+    assert [c.num_accepted for c in cycles[1:3]] == [base.block_size - 1] * 2
+
+
 def check_every_acceptance_length(model, draft, block_size: int) -> None:
     """A drafter right for exactly k drafts, k = 0..B-1 in turn: the target keeps exactly k, and
     every layer's cache (and the drafter's context) is what one plain pass over the committed tokens
