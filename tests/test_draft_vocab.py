@@ -8,8 +8,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers.checkpoints import HIDDEN, VOCAB
 from helpers import family
+from helpers.checkpoints import HIDDEN, VOCAB
 from helpers.decoding import greedy, run
 from helpers.oracles import ScriptedDraft
 

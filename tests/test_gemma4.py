@@ -317,6 +317,11 @@ def test_taps_folded_as_made_equal_fc_of_the_taps(gemma_pairs, kind):
 
 
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
+def test_draft_trees_past_the_sliding_buffer(gemma_pairs, kind, monkeypatch):
+    family.check_tree_past_the_sliding_buffer(*gemma_pairs[kind][:2], monkeypatch)
+
+
+@pytest.mark.parametrize("kind", GEMMA_KINDS)
 def test_draft_trees_with_a_draft_vocab(gemma_pairs, kind):
     family.check_tree_with_draft_vocab(*gemma_pairs[kind][:2])
 

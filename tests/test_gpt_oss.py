@@ -338,6 +338,10 @@ def test_taps_folded_as_made_equal_fc_of_the_taps(pair):
     family.check_folded_taps(pair[0])
 
 
+def test_draft_trees_past_the_sliding_buffer(pair, monkeypatch):
+    family.check_tree_past_the_sliding_buffer(*pair[:2], monkeypatch)
+
+
 def test_draft_trees_with_a_draft_vocab(pair):
     family.check_tree_with_draft_vocab(*pair[:2])
 

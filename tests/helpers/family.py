@@ -85,6 +85,25 @@ def check_tree_lossless(model, draft, max_tokens: int = 16) -> None:
     assert again == reference(model, follow, max_tokens)
 
 
+def check_tree_past_the_sliding_buffer(model, draft, monkeypatch) -> None:
+    """Draft trees once a sliding window's buffer has moved on from position 0 (its buffers made 4
+    positions at a time, so that a short prompt gets there): the accepted path's keys are moved within the
+    buffer as it now stands, every window what one plain pass leaves. (Counting the buffer's rows from
+    position 0 fails it.)"""
+    from dflash_mlx.models import sliding
+
+    monkeypatch.setattr(sliding.SlidingKVCache, "step", 4)
+    prompt = prompt_ids(40)
+    ref = reference(model, prompt, 40)
+    oracle = SecondChoiceDraft(draft, prompt + ref, VOCAB)
+    cache = make_cache(model, oracle)
+    out, cycles = run(model, oracle, prompt, tree_budget=2 * (draft.block_size - 1), max_tokens=40,
+                      prompt_cache=cache, adaptive=False)  # fmt: skip
+    assert out == ref and max(c.num_accepted for c in cycles[1:]) == draft.block_size - 1
+    assert any(isinstance(c, sliding.SlidingKVCache) and c.start > 0 for c in cache.target)
+    check_states_equal_a_plain_pass(model, cache, oracle)
+
+
 def check_tree_with_draft_vocab(model, base, max_tokens: int = 33) -> None:
     """Trees from a drafter with a draft vocabulary (built among its vocabulary's indices, walked on token
     ids): an oracle over a subset (in an order not the ids' own) holding every token the target says keeps
