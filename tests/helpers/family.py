@@ -67,22 +67,25 @@ def check_tree_lossless(model, draft, max_tokens: int = 16) -> None:
                          adaptive=False)  # fmt: skip
             assert out == ref, (prompt_len, budget, type(drafter).__name__)
             check_states_equal_a_plain_pass(model, cache, drafter)
-    # A stop token inside an accepted path, then the next turn through the same cache.
+    # A stop token inside an accepted path (a second branch as deep as the block, cut a few tokens down it:
+    # a recurrent state rolls back along that path), then the next turn through the same cache.
     prompt = prompt_ids(9)
     ref = reference(model, prompt, max_tokens)
-    stop_index = next((i for i in range(3, max_tokens) if ref[i] not in ref[:i]), None)
-    if stop_index is None:
-        return
+    stop_index = next((i for i in range(3, 12) if ref[i] not in ref[:i]), None)
+    assert stop_index is not None, f"the target's text repeats itself: {ref}"
     branching = SecondChoiceDraft(draft, prompt + ref, VOCAB)
     cache = make_cache(model, branching)
-    out, _ = run(model, branching, prompt, tree_budget=16, max_tokens=max_tokens, stop_tokens={ref[stop_index]},
-                 prompt_cache=cache, adaptive=False)  # fmt: skip
-    assert out == ref[: stop_index + 1]
+    deep = 2 * (draft.block_size - 1)
+    out, cycles = run(model, branching, prompt, tree_budget=deep, max_tokens=max_tokens,
+                      stop_tokens={ref[stop_index]}, prompt_cache=cache, adaptive=False)  # fmt: skip
+    assert out == ref[: stop_index + 1] and len(cycles) == 2  # the first cycle's path was cut
     check_states_equal_a_plain_pass(model, cache, branching)
     follow = prompt + out + prompt_ids(4, seed=9)
     branching.sequence = follow + reference(model, follow, max_tokens)
-    again, _ = run(model, branching, follow, tree_budget=16, max_tokens=max_tokens, prompt_cache=cache, adaptive=False)
+    again, _ = run(model, branching, follow, tree_budget=deep, max_tokens=max_tokens, prompt_cache=cache,
+                   adaptive=False)  # fmt: skip
     assert again == reference(model, follow, max_tokens)
+    check_states_equal_a_plain_pass(model, cache, branching)
 
 
 def check_tree_past_the_sliding_buffer(model, draft, monkeypatch) -> None:
