@@ -11,9 +11,9 @@ import mlx.core as mx
 from ...cpu.speedups import choose_speedups
 from ...drafts.lookup import PromptLookup
 from ...generation import stream_generate
-from ...loop.cache import trim_to
 from ...models import hybrid
 from ...models import target as tgt
+from ...models.caches import trim_to
 from ...text.responses import AcceptanceStats
 from ...tuning.policy import PolicyState
 
