@@ -41,6 +41,7 @@ def make_proposer(
         speedups: The CPU speedups the loop runs with.
     """
     o = options
+    tree_budget = o.tree_budget_for(model, draft)  # checked first: a tree needs a DFlash drafter
     block_size = o.block_size_for(draft)
     policy = o.policy if o.policy is not None else PolicyState()  # what draft-free cycles learn, too
     if draft is None:
@@ -52,7 +53,7 @@ def make_proposer(
         if o.datastore is not None:
             lookup = FirstOf(lookup, DatastoreProposer(o.datastore, cache.tokens, draft.block_size))
         return (PlainProposer(lookup) if block_size == 1 else lookup), block_size
-    drafter = _drafter(model, draft, cache, o, sampler, speedups)
+    drafter = _drafter(model, draft, cache, o, tree_budget, sampler, speedups)
     if block_size == 1:
         return PlainProposer(drafter), block_size  # the drafter still sees the text
     if o.lookup_fallback:
@@ -63,11 +64,12 @@ def make_proposer(
     return AdaptiveProposer(drafter, policy, free_sources(cache, o.datastore, policy.lookup, policy)), block_size
 
 
-def _drafter(model, draft, cache, o: LoopOptions, sampler, speedups: CpuSpeedups | None) -> DFlashProposer:
+def _drafter(
+    model, draft, cache, o: LoopOptions, tree_budget: int | str, sampler, speedups: CpuSpeedups | None
+) -> DFlashProposer:
     # The drafter's own proposer: its path, its tree, or its DFlash2 selector's path; "auto" widths and trees
     # from the target's passes of each width, timed on this machine.
     sample = sampler if o.proposal == "sample" and can_sample_proposals(sampler) else None
-    tree_budget = o.tree_budget_for(model, draft)
     nodes = MAX_AUTO_TREE_BUDGET if tree_budget == "auto" else tree_budget
     choose_width = o.block_size == "auto"
     if isinstance(draft, drafter2.DraftModel):

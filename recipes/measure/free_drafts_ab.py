@@ -9,7 +9,7 @@ two held-out prompts, rounds taking turns (the first is warm-up); prints cumulat
 import json
 import time
 
-import dflash_mlx.generation as g
+import dflash_mlx.drafts.build as g
 from dflash_mlx import load, stream_generate
 from dflash_mlx.drafts.datastore import DatastoreProposer, open_datastore
 from dflash_mlx.drafts.lookup import LookupProposer, PromptLookup
