@@ -206,7 +206,7 @@ def run_benchmark(
     from ...loading.loading import load
     from ...loading.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
     from ...loop.options import LoopOptions
-    from ...models.hybrid import HYBRID_MODEL_TYPES
+    from ...models.families import family
     from ...models.target import vocab_size
     from .context import context_rows, label, load_documents
 
@@ -248,7 +248,7 @@ def run_benchmark(
             if problem := block_size_problem(b, drafter.block_size, flag="--block-sizes"):
                 raise DFlashError(problem)
     ar = _load_ar_draft(ar_path, target, given=ar_draft is not None, dtype=dtype) if "mlx-spec" in methods else None
-    if defaults and getattr(target, "model_type", None) in HYBRID_MODEL_TYPES:
+    if defaults and family(target).recurrent:
         methods = tuple(m for m in methods if m != "dflash-auto")  # auto times passes it cannot trim cheaply
     # The verify passes of every width a method may run: dflash-auto's go up to the drafter's block size.
     timed_sizes = sorted(set(block_sizes) | ({drafter.block_size} if drafter and "dflash-auto" in methods else set()))
