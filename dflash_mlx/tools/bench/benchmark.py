@@ -202,12 +202,10 @@ def run_benchmark(
     the runs, so no run drafts from another's answer to the same prompt. ``tree_budget``: dflash-tree's nodes a cycle
     (its trees are as deep as the drafter's block; it runs only when named in ``methods``).
     """
-    from ...drafts.datastore import open_datastore
-    from ...loading.loading import load
     from ...loading.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
     from ...loop.options import LoopOptions
     from ...models.hybrid import HYBRID_MODEL_TYPES
-    from ...models.target import vocab_size
+    from ..session import Session
     from .context import context_rows, label, load_documents
 
     if runs < 1:
@@ -237,7 +235,8 @@ def run_benchmark(
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise DFlashError(f"Unknown method {bad[0]!r}; choose from {', '.join(METHODS)}.")
-    target, drafter, tokenizer = load(model, draft, dtype=dtype, kernels=kernels)
+    session = Session.open(model, draft, known_draft=False, dtype=dtype, kernels=kernels)
+    target, drafter, tokenizer = session.model, session.draft, session.tokenizer
     # None: what load chose (float32 on a CPU, the checkpoint's dtype on a GPU), named for the AR
     # draft, which must compute in it too, and for the results.
     dtype = dtype or dtype_name(tgt.compute_dtype(target))
@@ -301,7 +300,7 @@ def run_benchmark(
             f"{1e3 * step:.1f} ms plain step, and {timing_seconds:.0f} s of component timing)",
             file=sys.stderr,
         )
-    store = open_datastore(datastore, model, vocab_size(target), learns=False) if "dflash-default" in methods else None
+    store = session.open_datastore(datastore, learns=False) if "dflash-default" in methods else None
     runners = {
         (m, b): make_runner(m, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
                             min_confidence, lookup_fallback, **window, kernels=kernels, datastore=store,
