@@ -72,7 +72,7 @@ def load_prompts(path: Path, limit: int | None = None) -> list[dict]:
     return prompts[:limit] if limit else prompts
 
 
-def _prompt_rows(prompts: str, limit: int | None) -> list[dict]:
+def prompt_rows(prompts: str, limit: int | None) -> list[dict]:
     """A JSONL path, or comma-separated names of the paper's sets (gsm8k, math500, ...)."""
     from .datasets import DATASETS, load_prompt_set
 
@@ -264,7 +264,7 @@ def run_benchmark(
         docs = load_documents(Path(documents) if documents else pair / "long_context.jsonl")
         rows_in = context_rows(tokenizer, docs[:num_prompts] if num_prompts else docs, list(context))
     else:
-        rows_in = _prompt_rows(prompts or str(pair / "prompts.jsonl"), num_prompts)
+        rows_in = prompt_rows(prompts or str(pair / "prompts.jsonl"), num_prompts)
     # Attention grows with the context, and more for a B-token verify than for one token: time
     # the components at the mean context of a generated token (prompt + half the new tokens).
     # They are timed before and after the runs; the faster of the two is kept.
@@ -651,7 +651,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _remote_main(args) -> None:
     from ...loading.pairs import default_pair_path
-    from .load_test import load_markdown, run_load
+    from .server_load import load_markdown, run_load
 
     if any(n < 1 for n in args.concurrency):
         raise DFlashError(f"--concurrency levels must be at least 1 (got {args.concurrency}).")
@@ -659,7 +659,7 @@ def _remote_main(args) -> None:
         raise DFlashError(
             f"--num-prompts must be at least 1 (got {args.num_prompts}); leave it out to use every prompt."
         )
-    rows = _prompt_rows(args.prompts or str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
+    rows = prompt_rows(args.prompts or str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
     result = run_load(
         args.base_url,
         rows,
