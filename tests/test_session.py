@@ -134,3 +134,16 @@ def test_the_session_streams_what_the_public_api_streams(qwen3_pair):
     assert session.generate([1, 2, 3, 4], **settings) == "".join(
         r.text for r in stream_generate(model, draft, tokenizer, [1, 2, 3, 4], **settings)
     )
+
+
+def test_the_session_passes_the_policy_of_the_setup_itself(qwen3_pair, monkeypatch):
+    from dflash_mlx import generation
+
+    seen = []
+    monkeypatch.setattr(generation, "stream_generate", lambda *a, **k: seen.append(k) or iter(()))
+    session = Session(*qwen3_pair, datastore="store")
+    list(session.stream([1, 2], setup={"chat": [4]}, max_tokens=3))
+    list(session.stream([1, 2], setup={"chat": [4]}))
+    list(session.stream([1, 2], policy="given"))
+    assert seen[0]["policy"] is seen[1]["policy"] is session.policy({"chat": [4]}) and seen[0]["datastore"] == "store"
+    assert seen[2]["policy"] == "given" and len(session.policies) == 1

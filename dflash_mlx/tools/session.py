@@ -197,15 +197,25 @@ class Session:
         for name, key in self._stored.items():
             self.policy_store.put(key, self.policies[name])
 
-    def stream(self, prompt: str | list[int], **kwargs) -> Iterator:
-        """:func:`dflash_mlx.stream_generate` on the pair, drafting from the session's datastore;
-        ``kwargs`` are its own (``prompt_cache``, ``policy``, sampling, ...)."""
+    def stream(self, prompt: str | list[int], *, setup: dict | None = None, **kwargs) -> Iterator:
+        """:func:`dflash_mlx.stream_generate` on the pair, drafting from the session's datastore.
+
+        Args:
+            prompt: As ``stream_generate``'s.
+            setup: The drafting setup whose adaptive policy state the call goes on from and updates
+              (:meth:`policy`); None: ``kwargs``' own ``policy``, if any.
+            kwargs: ``stream_generate``'s (``prompt_cache``, sampling, ...).
+        """
         from ..generation import stream_generate
 
+        if setup is not None:
+            kwargs["policy"] = self.policy(setup)
         return stream_generate(self.model, self.draft, self.tokenizer, prompt, datastore=self.datastore, **kwargs)
 
-    def generate(self, prompt: str | list[int], **kwargs) -> str:
+    def generate(self, prompt: str | list[int], *, setup: dict | None = None, **kwargs) -> str:
         """:func:`dflash_mlx.generate` on the pair, as :meth:`stream`."""
         from ..generation import generate
 
+        if setup is not None:
+            kwargs["policy"] = self.policy(setup)
         return generate(self.model, self.draft, self.tokenizer, prompt, datastore=self.datastore, **kwargs)

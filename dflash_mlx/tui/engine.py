@@ -179,7 +179,7 @@ class MLXEngine:
             min_confidence=settings.min_confidence,
             lookup_fallback=settings.lookup_fallback,
             tree_budget=settings.tree_budget if settings.dflash else 0,
-            policy=self.session.policy({"chat": list(setup)}),
+            setup={"chat": list(setup)},
             prompt_cache=self.cache,
             parse_reasoning=has_chat_template(self.tokenizer),
         )

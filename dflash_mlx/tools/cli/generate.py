@@ -143,12 +143,12 @@ def main(argv: list[str] | None = None) -> None:
         session.open_datastore(args.datastore)
         # One-shot runs go on from what earlier ones measured of this pair on this machine.
         adaptive = args.seed is None if args.adaptive is None else args.adaptive
-        policy = None
+        setup = None
         if adaptive and isinstance(draft, DraftModel):
             setup = {k: getattr(args, k) for k in ("block_size", "temp", "top_p", "min_p", "top_k", "proposal",
                                                    "min_confidence", "lookup_fallback", "draft_window",
                                                    "paused_lookup", "datastore", "tree_budget")}  # fmt: skip
-            policy = session.policy(setup, lookup=args.paused_lookup)
+            session.policy(setup, lookup=args.paused_lookup)  # made (or read) with the paused cycles' lookup
         text = session.generate(
             prompt,
             verbose=args.verbose and leads,
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             lookup_fallback=args.lookup_fallback,
             tree_budget=args.tree_budget,
             adaptive=args.adaptive,
-            policy=policy,
+            setup=setup,
             draft_window=args.draft_window,
             draft_sinks=args.draft_sinks,
             seed=args.seed,

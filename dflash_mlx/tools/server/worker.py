@@ -78,11 +78,11 @@ class PromptCaches:
         return best[0]
 
 
-def generate_for(session: Session, generation: dict, *, prompt_cache: DFlashCache, policy: PolicyState | None,
-                 prefill_step_size: int):  # fmt: skip
+def generate_for(session: Session, generation: dict, *, prompt_cache: DFlashCache, prefill_step_size: int,
+                 setup: dict | None = None, policy: PolicyState | None = None):  # fmt: skip
     """``session.stream`` for a request's plain ``generation`` settings (what rank 0 sends the
     other ranks of a sharded target, :mod:`dflash_mlx.tools.server.ranks`); only rank 0 drafts, so only
-    its session has a datastore."""
+    its session has a datastore. ``setup``: the session's policy state to go on from; else ``policy``."""
     g = generation
     processors = make_logits_processors(repetition_penalty=g["repetition_penalty"]) if g["repetition_penalty"] else None
     return session.stream(
@@ -95,6 +95,7 @@ def generate_for(session: Session, generation: dict, *, prompt_cache: DFlashCach
         lookup_fallback=g["lookup_fallback"],
         tree_budget=g.get("tree_budget", 0),
         seed=g["seed"],
+        setup=setup,
         policy=policy,
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step_size,
@@ -300,8 +301,7 @@ class Worker:
         if self.ranks is not None:
             self.ranks.announce(generation)  # the other ranks run the same generation with this one
         responses = generate_for(self.session, generation, prompt_cache=self.caches.take(ids),
-                                 policy=self.session.policy({"serve": list(setup)}),
-                                 prefill_step_size=self.prefill_step_size)  # fmt: skip
+                                 setup={"serve": list(setup)}, prefill_step_size=self.prefill_step_size)  # fmt: skip
         last, finish = None, None
         try:
             for last in responses:
