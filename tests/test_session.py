@@ -94,7 +94,8 @@ def test_the_checks_see_a_tool_that_sets_up_by_itself():
 
 def test_a_session_opens_the_pair_as_the_tools_ask(pair_dirs, tmp_path):
     session = Session.open(str(pair_dirs["qwen3-tied"]), str(pair_dirs["draft"]), extra_eos_token=["7"])
-    assert session.draft is not None and 7 in session.tokenizer.eos_token_ids
+    assert session.draft is not None and session.draft_path == str(pair_dirs["draft"])
+    assert 7 in session.tokenizer.eos_token_ids
     assert isinstance(session.make_cache(), DFlashCache) and session.make_cache() is not session.make_cache()
     with pytest.raises(DFlashError, match="--datastore missing.jsonl: no such file"):
         session.open_datastore("missing.jsonl")

@@ -90,6 +90,8 @@ class Session:
     Args:
         model, draft, tokenizer: The pair; ``draft`` None means plain decoding.
         model_path: The ``--model`` it was loaded from (None: the default pair), for the datastore.
+        draft_path: The drafter it was asked to load (after the choice of :meth:`open`: ``"auto"``
+          for a known target's official drafter; None: the pair folder's, or none).
         datastore: What cycles draft from besides the drafter and the prompt
           (:func:`open_datastore`); None: nothing.
         policy_store: Where the adaptive policy's states are kept between processes; None: only
@@ -102,6 +104,7 @@ class Session:
     draft: Any
     tokenizer: Any
     model_path: str | None = None
+    draft_path: str | None = None
     datastore: "Datastore | None" = None
     policy_store: PolicyStore | None = None
     policies: dict[str, PolicyState] = field(default_factory=dict)
@@ -145,7 +148,7 @@ class Session:
         target, drafter, tokenizer = loading.load(model, draft, dtype=dtype, kernels=kernels, **spread)
         if extra_eos_token:
             add_stop_tokens(tokenizer, list(extra_eos_token))
-        return cls(target, None if no_draft else drafter, tokenizer, model, policy_store=policy_store)
+        return cls(target, None if no_draft else drafter, tokenizer, model, draft, policy_store=policy_store)
 
     @property
     def vocab_size(self) -> int:
