@@ -625,8 +625,8 @@ def test_the_default_dtype_is_the_one_generate_uses(pair_dirs, prompts, monkeypa
     loaded = []
     real_load = loading.load
 
-    def gpu_like_load(model, draft, dtype=None, kernels="auto"):
-        target, drafter, tokenizer = real_load(model, draft, dtype=dtype or "bfloat16", kernels=kernels)
+    def gpu_like_load(model, draft, dtype=None, **kwargs):
+        target, drafter, tokenizer = real_load(model, draft, dtype=dtype or "bfloat16", **kwargs)
         loaded.append(dtype)
         return target, drafter, tokenizer
 

@@ -108,7 +108,7 @@ class Session:
     datastore: "Datastore | None" = None
     policy_store: PolicyStore | None = None
     policies: dict[str, PolicyState] = field(default_factory=dict)
-    _stored: dict[str, str] = field(default_factory=dict, repr=False)  # setup -> key in the store
+    _stored: dict[str, str] = field(default_factory=dict, init=False, repr=False)  # setup -> key in the store
 
     @classmethod
     def open(
@@ -143,9 +143,9 @@ class Session:
 
         if known_draft:
             draft = draft_for_cli(model, draft, no_draft)
-        # Only what was asked for, so that a stand-in for ``load`` needs no more than it uses.
-        spread = {k: v for k, v in (("parallel", parallel), ("pipeline_split", pipeline_split)) if v is not None}
-        target, drafter, tokenizer = loading.load(model, draft, dtype=dtype, kernels=kernels, **spread)
+        target, drafter, tokenizer = loading.load(
+            model, draft, dtype=dtype, kernels=kernels, parallel=parallel, pipeline_split=pipeline_split
+        )
         if extra_eos_token:
             add_stop_tokens(tokenizer, list(extra_eos_token))
         return cls(target, None if no_draft else drafter, tokenizer, model, draft, policy_store=policy_store)
