@@ -4,8 +4,6 @@ Three layers, as in mlx-lm: ``dflash_generate_step`` (token ids), ``stream_gener
 (text and stats as ``GenerationResponse``), and ``generate`` (drains it).
 """
 
-import hashlib
-import json
 import sys
 import time
 from collections.abc import Generator
@@ -34,7 +32,6 @@ from .models.drafter import DraftModel
 from .text.inputs import check_text
 from .text.reasoning import join, reasoning_parser
 from .text.responses import AcceptanceStats, GenerationResponse
-from .tuning.widths import machine_key, model_key
 
 # A stream for generation on whichever thread runs the generator (CLI or TUI worker).
 generation_stream = mx.new_thread_local_stream(mx.default_device())
@@ -387,12 +384,3 @@ def generate(
         if sys.platform == "linux" and mx.default_device() == mx.cpu:
             print(f"BLAS: {blas_in_use()}")  # what every CPU number above depends on most
     return text
-
-
-def policy_key(model: nn.Module, draft: DraftModel, setup: dict) -> str:
-    """What the adaptive policy's verdict depends on: the machine, the target's shape and dtype,
-    the drafter's weights (a checksum) and the drafting setup."""
-    weights = mx.sum(draft.fc.weight.astype(mx.float32)).item()
-    drafter = json.dumps([vars(draft.args), round(weights, 6)], sort_keys=True, default=str)
-    ident = json.dumps([machine_key(), model_key(model), drafter, setup], sort_keys=True)
-    return hashlib.sha256(ident.encode()).hexdigest()[:24]
