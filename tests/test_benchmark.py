@@ -655,11 +655,11 @@ def test_dflash_tree_runs_when_named_and_gives_the_same_tokens(pair_dirs, prompt
 def test_the_benchmarks_datastore_learns_nothing_from_the_runs(pair_dirs, prompts, monkeypatch):
     """dflash-default's datastore in a benchmark holds no reply of its runs afterwards: a run must not
     draft from another run's answer to the same prompt. (A datastore opened to learn fails it.)"""
-    from dflash_mlx.drafts import datastore as ds
+    from dflash_mlx.tools import session
 
     opened = []
-    real = ds.open_datastore
-    monkeypatch.setattr(ds, "open_datastore", lambda *a, **k: opened.append(real(*a, **k)) or opened[-1])
+    real = session.open_datastore
+    monkeypatch.setattr(session, "open_datastore", lambda *a, **k: opened.append(real(*a, **k)) or opened[-1])
     benchmark.run_benchmark(
         model=str(pair_dirs["qwen3-tied"]),
         draft=str(pair_dirs["draft"]),

@@ -187,7 +187,8 @@ def test_lossless_in_the_adaptive_policys_paused_cycles(varied_qwen3_pair, block
 
 def test_replies_join_the_datastore(varied_qwen3_pair):
     model, draft, tokenizer = varied_qwen3_pair
-    store = Datastore(None, VOCAB)
+    # min_count=1: a reply of varied text says each phrase once, and it is drafted from all the same.
+    store = Datastore(None, VOCAB, min_count=1)
     prompt = _prompt(7, 3)
     responses = list(stream_generate(model, None, tokenizer, prompt, max_tokens=20, datastore=store))
     assert store.session_length == responses[-1].generation_tokens == 20

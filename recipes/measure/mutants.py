@@ -43,17 +43,13 @@ def bug(name, what, file, old, new, tests, k=None, more=()):
     return Bug(name, what, ((file, old, new), *more), tuple(tests), k)
 
 
+# fmt: off
 P = "dflash_mlx/"
-TREE, VOCAB, SLIDING, HYBRID = (
-    "tests/test_tree.py",
-    "tests/test_draft_vocab.py",
-    "tests/test_gpt_oss.py",
-    "tests/test_hybrid.py",
-)
+TREE, VOCAB, FAMILIES, HYBRID = "tests/test_tree.py", "tests/test_draft_vocab.py", "tests/test_families.py", "tests/test_hybrid.py"
+SLIDING_TREES, HYBRID_TREES = "gpt_oss and draft_trees", "hybrid and qwen3_5 and draft_trees_are"  # in FAMILIES
 DATASTORE, FREE, ADAPTIVE = "tests/test_datastore.py", "tests/test_free_drafts.py", "tests/test_adaptive.py"
 STATE = "branching_tree_leaves_the_state"  # test_tree's direct state check
 KEY = "ident = json.dumps([machine_key(), model_key(model), drafter, setup], sort_keys=True)"
-# fmt: off
 BUGS = [
     # Draft trees.
     bug("tree-draft-vocab", "a tree from a drafter with a draft vocabulary walks on draft-vocabulary ids",
@@ -63,7 +59,7 @@ BUGS = [
         P + "loop/verify.py", "rows.append(self.cache.tokens + [last] + path[::-1])",
         "rows.append(self.cache.tokens + [last])", [TREE], k="repetition_penalty_sees"),
     bug("tree-keep-first-branch", "the first nodes' keys and values are kept instead of the accepted branch's",
-        P + "models/tree.py", "if path != list(range(len(path))):", "if False:", [TREE], k=STATE),
+        P + "models/caches.py", "if path != list(range(len(path))):", "if False:", [TREE], k=STATE),
     bug("tree-mask-chain", "a node sees the node before it (a chain) instead of its parent's ancestors",
         P + "models/tree.py", "rows[i] = list(rows[self.parents[i]])", "rows[i] = list(rows[i - 1])", [TREE], k=STATE),
     bug("tree-positions", "tree nodes at consecutive positions instead of offset + depth",
@@ -80,23 +76,24 @@ BUGS = [
     # Sliding-window layers in a tree pass (gpt-oss's tiny target).
     bug("sliding-tree-window-edge", "a tree node sees one committed position past its window",
         P + "models/tree.py", "visible_past = past[None, :] > depths[:, None] - window",
-        "visible_past = past[None, :] >= depths[:, None] - window", [SLIDING], k="draft_trees"),
+        "visible_past = past[None, :] >= depths[:, None] - window", [FAMILIES], k=SLIDING_TREES),
     bug("sliding-tree-ancestor-window", "a tree node sees an ancestor a window away",
         P + "models/tree.py", "depths[:, None] - depths[None, :] < window", "depths[:, None] - depths[None, :] <= window",
-        [SLIDING], k="draft_trees"),
+        [FAMILIES], k=SLIDING_TREES),
     bug("sliding-keep-row", "a sliding window's buffer rows of the kept path counted from position 0",
-        P + "models/tree.py", "first = start - (c.start if isinstance(c, SlidingKVCache) else 0)", "first = start",
-        [SLIDING], k="draft_trees"),
+        P + "models/sliding.py", "keep_rows(self.keys, self.values, start - self.start, path)",
+        "keep_rows(self.keys, self.values, start, path)",
+        [FAMILIES], k=SLIDING_TREES),
     # Hybrid (Gated DeltaNet) targets.
     bug("hybrid-tree-wrong-node-state", "the recurrent state of the node at the path's length is installed",
         P + "models/hybrid.py", "self.cache = [mx.contiguous(conv_input[:, -width:]), states[path[-1]]]",
-        "self.cache = [mx.contiguous(conv_input[:, -width:]), states[len(path) - 1]]", [HYBRID], k="trees_fork"),
+        "self.cache = [mx.contiguous(conv_input[:, -width:]), states[len(path) - 1]]", [FAMILIES], k=HYBRID_TREES),
     bug("hybrid-tree-conv-rows", "the convolution state of the first nodes, not of the path",
         P + "models/hybrid.py", "rows = list(range(width)) + [width + i for i in path]",
-        "rows = list(range(width)) + [width + i for i in range(len(path))]", [HYBRID], k="trees_fork"),
+        "rows = list(range(width)) + [width + i for i in range(len(path))]", [FAMILIES], k=HYBRID_TREES),
     bug("hybrid-tree-rollback-states", "a cut inside the accepted path rolls back to the first nodes' states",
         P + "models/hybrid.py", "self._steps = (conv_input, [states[i] for i in path])",
-        "self._steps = (conv_input, states[: len(path)])", [HYBRID], k="trees_fork"),
+        "self._steps = (conv_input, states[: len(path)])", [FAMILIES], k=HYBRID_TREES),
     bug("hybrid-trim-state", "a trim after a verify pass selects the state one token late",
         P + "models/hybrid.py", "states[keep - 1]]", "states[min(keep, len(states) - 1)]]",
         [HYBRID], k="recurrent_trim_equals"),
@@ -108,8 +105,8 @@ BUGS = [
         P + "drafts/datastore.py", "for order in range(min(self.max_order, len(text)), self.min_order - 1, -1):",
         "for order in range(self.min_order, min(self.max_order, len(text)) + 1):", [DATASTORE], k="longest_match"),
     bug("bench-datastore-learns", "the benchmark's datastore learns from the runs",
-        P + "tools/bench/benchmark.py", "open_datastore(datastore, model, vocab_size(target), learns=False)",
-        "open_datastore(datastore, model, vocab_size(target))", ["tests/test_benchmark.py"], k="datastore"),
+        P + "tools/bench/benchmark.py", "session.open_datastore(datastore, learns=False)",
+        "session.open_datastore(datastore)", ["tests/test_benchmark.py"], k="datastore"),
     # Free drafts.
     bug("free-query-early", "free drafts query the text before the last committed token",
         P + "drafts/free.py", "self._candidates(self.history + [last], n)", "self._candidates(self.history, n)",
@@ -124,9 +121,9 @@ BUGS = [
         P + "tuning/policy.py", "hit[0] += i < accepted", "hit[0] += i <= accepted", [FREE], k="chances"),
     # The adaptive policy.
     bug("policy-key-no-setup", "the policy key ignores the drafting setup",
-        P + "generation.py", KEY, KEY.replace(", setup]", "]"), [ADAPTIVE], k="policy_key"),
+        P + "tuning/policy.py", KEY, KEY.replace(", setup]", "]"), [ADAPTIVE], k="policy_key"),
     bug("policy-key-no-drafter", "the policy key ignores the drafter",
-        P + "generation.py", KEY, KEY.replace(" drafter,", ""), [ADAPTIVE], k="policy_key"),
+        P + "tuning/policy.py", KEY, KEY.replace(" drafter,", ""), [ADAPTIVE], k="policy_key"),
     bug("policy-saved-field-dropped", "a field dropped from the policy's save list",
         P + "tuning/policy.py", '_SAVED = ("plain_time", "draft_time", "plain_left", "run", "since_plain")',
         '_SAVED = ("plain_time", "draft_time", "plain_left", "run")', [ADAPTIVE], k="saved_policy_field"),
@@ -200,12 +197,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dflash-mutants-") as tmp:
         tree = scratch_copy(Path(tmp) / "tree")
         if not args.no_baseline:
-            for b in chosen:
-                rc, last = run_tests(tree, b.tests, b.k, args.timeout)
-                if rc != 0:
-                    print(f"baseline fails for {b.name} ({' '.join(b.tests)} -k {b.k!r}): {last}")
-                    return 2
-            print(f"baseline: the tests of {len(chosen)} bugs pass unmutated", flush=True)
+            # One run of every file with every bug's selection: all must pass before any bug is planted.
+            files = tuple(dict.fromkeys(t for b in chosen for t in b.tests))
+            ks = [b.k for b in chosen]
+            k = None if None in ks else " or ".join(f"({x})" for x in dict.fromkeys(ks))
+            rc, last = run_tests(tree, files, k, args.timeout * 2)
+            if rc != 0:
+                print(f"baseline fails, nothing planted ({' '.join(files)}): {last}")
+                return 2
+            print(f"baseline: the tests of {len(chosen)} bugs pass unmutated ({last})", flush=True)
         for b in chosen:
             start = time.perf_counter()
             planted = plant(tree, b)
