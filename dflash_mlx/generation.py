@@ -22,6 +22,7 @@ from .base.errors import DFlashError
 from .cpu.openblas import blas_in_use
 from .cpu.speedups import choose_speedups
 from .drafts.datastore import Datastore, DatastoreProposer
+from .drafts.dspark import DSparkProposer
 from .drafts.free import FreeDrafts
 from .drafts.lookup import LookupProposer, PromptLookup
 from .drafts.proposer import (
@@ -38,7 +39,7 @@ from .loop.options import FREE_DRAFTS, LoopOptions, SampleFn
 from .loop.plain_speed import plain_tokens_per_second
 from .loop.proposal import PlainProposer, Proposer  # fmt: skip
 from .loop.verify import Verifier
-from .models import drafter2
+from .models import drafter2, dspark
 from .models import target as tgt
 from .models.drafter import DraftModel
 from .sampling import can_sample_proposals
@@ -104,7 +105,7 @@ def is_greedy(sampler: SampleFn | None) -> bool:
 
 def _make_proposer(
     model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, policy, speedups, block_size,
-    free_state, choose_width=False, tree_budget=0, datastore=None,
+    free_state, choose_width=False, tree_budget=0, datastore=None, confidence_threshold=0.0,
 ):  # fmt: skip
     # Plain decoding (or the datastore's drafts); prompt lookup alone (and the datastore); the
     # drafter (or its trees), with the lookup fallback, paused while it loses to plain decoding
@@ -132,6 +133,9 @@ def _make_proposer(
         drafter = SelectorProposer(model, draft, cache, sampler=sampler if sample else None, speedups=speedups)
     elif tree_budget:
         drafter = TreeProposer(model, draft, cache, nodes, speedups=speedups, width=width)
+    elif isinstance(draft, dspark.DraftModel):
+        drafter = DSparkProposer(model, draft, cache, threshold=confidence_threshold, sampler=sampler if sample else None,
+                                 min_confidence=min_confidence, speedups=speedups, width=width)  # fmt: skip
     else:
         drafter = DFlashProposer(
             model,
@@ -243,6 +247,7 @@ def dflash_generate_step(
         model, draft, cache, sampler=sampler, proposal=o.proposal, min_confidence=o.min_confidence,
         lookup_fallback=o.lookup_fallback, policy=policy, speedups=speedups, block_size=block_size,
         choose_width=choose_width, tree_budget=tree_budget, datastore=o.datastore, free_state=free_state,
+        confidence_threshold=o.confidence_threshold,
     )  # fmt: skip
     if not peers.leads:
         proposer = FollowProposer(proposer.tap_ids, proposer.drafter)

@@ -9,7 +9,7 @@ import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..base.errors import DFlashError
-from ..models import drafter, drafter2
+from ..models import drafter, drafter2, dspark
 from ..models import target as tgt
 from ..models.drafter import DraftArgs, DraftModel
 from .folders import read_draft_config, read_weights
@@ -53,7 +53,7 @@ def build_draft(
     if named is None and tokenizer is not None and (mask_token_id := tokenizer_mask_token(tokenizer)) is not None:
         config["mask_token_id"] = mask_token_id
     # The architecture's module: its DraftArgs and DraftModel.
-    family = drafter2 if drafter2.is_dflash2(config) else drafter
+    family = drafter2 if drafter2.is_dflash2(config) else dspark if dspark.is_dspark(config) else drafter
     try:
         args = family.DraftArgs.from_dict(config)
     except TypeError as e:
@@ -64,6 +64,8 @@ def build_draft(
             "add dflash_config.target_layer_ids to its config.json."
         )
     _check_draft_vocab(path, args, weights)
+    if family is dspark:
+        dspark.adapt_args(args, weights)
     draft = family.DraftModel(args)
     weights = draft.sanitize(weights)
     if (q := config.get("quantization")) is not None:
