@@ -201,3 +201,224 @@ def test_a_q_that_ignores_the_markov_chain_fails_the_same_check(untied_pair, bro
     excess = _excess((model, drafter, None), exact, "sample", sampler=make_sampler(0.1), drafter=drafter,
                      runs=CONTROL_RUNS if broken else RUNS)  # fmt: skip
     assert (max(excess) > 0) == broken, excess
+
+
+# ---- Parity with the authors' code (deepseek-ai/DeepSpec, checked at afdfa7c9382a3341a3e6f17756dd816da79f132c) ----
+# DeepSpec is not on the package index: point DFLASH_DSPARK_SRC at a checkout of it to run these.
+
+
+@pytest.fixture(scope="module")
+def deepspec():
+    """The authors' drafting ops (``deepspec.eval.dspark.draft_ops``) and a cache that crops as theirs
+    expects, or a skip that says where to get them."""
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    src = os.environ.get("DFLASH_DSPARK_SRC")
+    if not src:
+        pytest.skip(
+            "the DSpark parity tests need the authors' code: DFLASH_DSPARK_SRC=<checkout of deepseek-ai/DeepSpec>"
+        )
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, src)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: more threads only contend
+    try:
+        from deepspec.eval.dspark import draft_ops
+        from transformers import DynamicCache
+
+        class CropToLength(DynamicCache):
+            # DeepSpec crops its caches to a length, as transformers 4 did; transformers 5 crops by a count.
+            def crop(self, length):
+                if length < self.get_seq_length():
+                    super().crop(length - self.get_seq_length())
+
+        yield SimpleNamespace(ops=draft_ops, Cache=CropToLength)
+    finally:
+        torch.set_num_threads(threads)
+        sys.path.remove(src)
+
+
+def authors_dspark(config: dict, seed: int = 0):
+    """The authors' ``Qwen3DSparkModel`` for ``config`` (fp32, eval), each weight drawn at a scale where
+    it counts: the Markov bias large enough to change drafts, the confidence scores spread around 0."""
+    import torch
+    from deepspec.modeling.dspark.qwen3 import Qwen3DSparkModel
+    from transformers import Qwen3Config
+
+    skip = ("model_type", "architectures", "torch_dtype")
+    hf_config = Qwen3Config(**{k: v for k, v in config.items() if k not in skip})
+    hf_config._attn_implementation = "sdpa"  # as their evaluator loads it
+    torch.manual_seed(seed)
+    model = Qwen3DSparkModel(hf_config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith("confidence_head"):
+                p.normal_(0.0, 0.5 if p.ndim == 1 else 3.0 * p.shape[-1] ** -0.5)
+            elif p.ndim == 1:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.startswith("markov_head"):
+                p.normal_(0.0, 2.0 if "w1" in name else 1.0)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    return model.float().eval()
+
+
+LAYOUTS = {
+    "markov": {},  # the released DSpark heads
+    "confidence": {"markov_rank": 0, "confidence_head_with_markov": False},
+    "plain": {"markov_rank": 0, "enable_confidence_head": False},  # DeepSeek's dflash_*_block7
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_blocks_match_the_authors(deepspec, folders, tmp_path, layout):
+    """Three drafting cycles over a context that grows and is cropped between them, as in the authors'
+    loop: each slot's logits before and after the Markov bias, the drafts, the confidence scores, the
+    cut at each threshold, and each slot's sampling distribution after the authors' own draw before it."""
+    import torch
+
+    ops = deepspec.ops
+    config, markov = dspark_config(**LAYOUTS[layout]), layout == "markov"
+    torch_draft = authors_dspark(config)
+    torch_draft.save_pretrained(str(tmp_path / "draft"))
+    model, draft, _ = load(folders / "qwen3", tmp_path / "draft")
+    assert (draft.markov_head is not None) == markov
+    cache, their_cache = make_cache(model, draft), deepspec.Cache()
+    rng = np.random.default_rng(int(markov))
+    start, taps = 10, rng.standard_normal((1, 10, 2 * HIDDEN)).astype(np.float32)
+    positions = torch.arange(64)[None]
+    cuts, changed = set(), 0
+    for _ in range(3):
+        block = [int(rng.integers(0, VOCAB - 4))] + [MASK_ID] * (BLOCK - 1)
+        ids = torch.tensor([block])
+        with torch.no_grad():
+            h = ops.forward_dspark_draft_block(torch_draft, draft_input_ids=ids, position_ids=positions,
+                                                    past_key_values_draft=their_cache, target_hidden_states=torch.tensor(taps),
+                                                    start=start, block_size=BLOCK)  # fmt: skip
+            base = torch_draft.compute_logits(h)
+            tokens, corrected = torch_draft.sample_draft_tokens(base, first_prev_token_ids=ids[:, 0], hidden_states=h)
+            whole = ops.build_dspark_proposal(torch_draft, draft_input_ids=ids, block_hidden=h, block_size=BLOCK,
+                                                   temperature=0.0, confidence_threshold=0.0)  # fmt: skip
+        drafts, _, logits, confidence = draft.draft_steps(model, mx.array([block]), mx.array(taps), cache.draft, BLOCK)
+        our_base = draft.logits(model, draft.block_hidden(model, mx.array([block]), None, cache.draft))[0]
+        np.testing.assert_allclose(np.array(our_base), base[0].numpy(), atol=1e-4)
+        np.testing.assert_allclose(np.array(logits), corrected[0].numpy(), atol=1e-4)
+        assert drafts.tolist() == tokens[0].tolist() == whole.verify_input_ids[0, 1:].tolist()
+        changed += int((base[0].argmax(-1) != tokens[0]).sum())
+        if layout != "plain":
+            np.testing.assert_allclose(np.array(confidence), whole.confidence_logits[0].numpy(), atol=1e-4)
+            for threshold in (0.2, 0.5, 0.8):
+                with torch.no_grad():
+                    cut = ops.build_dspark_proposal(torch_draft, draft_input_ids=ids, block_hidden=h, block_size=BLOCK,
+                                                         temperature=0.0, confidence_threshold=threshold)  # fmt: skip
+                assert dspark.confident_count(confidence, threshold) == cut.draft_token_count
+                cuts.add(cut.draft_token_count)
+        else:
+            assert confidence is None and whole.confidence_logits is None
+        # Sampling: each slot's distribution, after the authors' own draw before it.
+        with torch.no_grad():
+            drawn, their_logits = torch_draft.sample_draft_tokens(base, first_prev_token_ids=ids[:, 0], temperature=0.7,
+                                                                  hidden_states=h)  # fmt: skip
+        previous = mx.array(block[:1] + drawn[0, :-1].tolist())
+        step = our_base + (draft.markov_head(previous) if markov else 0)
+        their_q = torch.softmax(their_logits[0] / 0.7, -1).numpy()
+        np.testing.assert_allclose(np.array(make_sampler(0.7).probs(step)), their_q, atol=1e-5)
+        kept = int(rng.integers(1, BLOCK + 1))
+        start, taps = start + kept, rng.standard_normal((1, kept, 2 * HIDDEN)).astype(np.float32)
+    assert changed > 0 or not markov, "the Markov bias never changed a draft: it went untested"
+    assert layout == "plain" or (len(cuts) > 1 and 0 in cuts), cuts
+
+
+def fit_authors_dspark(draft, target, sequence: list[int], *, steps: int = 80, lr: float = 1e-2, seed: int = 0):
+    """The authors' drafter fitted (in place) to ``sequence``, the target's greedy text, as it drafts: the
+    context the taps of positions before each anchor ``p``, the block ``[sequence[p], MASK...]`` at ``p``,
+    slot ``k``'s label ``sequence[p + k + 1]``, the Markov bias from the true token before it. The
+    embedding and head are the target's, frozen, as the authors train them."""
+    import torch
+    import torch.nn.functional as F
+    from deepspec.modeling.dspark.common import extract_context_feature
+
+    B, mask = draft.block_size, draft.mask_token_id
+    with torch.no_grad():
+        out = target(torch.tensor([sequence]), output_hidden_states=True)
+        taps = extract_context_feature(out.hidden_states, draft.target_layer_ids)
+    embedding = target.get_input_embeddings()
+    draft.initialize_embeddings_and_head(embed_tokens=embedding, lm_head=target.get_output_embeddings())
+    anchors = list(range(1, len(sequence) - B))
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=lr)
+    draft.train()
+    for _ in range(steps):
+        loss = 0.0
+        for i in torch.randperm(len(anchors), generator=gen)[:4].tolist():
+            p = anchors[i]
+            block = torch.tensor([[sequence[p]] + [mask] * (B - 1)])
+            h = draft._forward_backbone(position_ids=torch.arange(p + B)[None], noise_embedding=draft.embed_tokens(block),
+                                        target_hidden_states=taps[:, :p])  # fmt: skip
+            logits = draft.compute_logits(h[0])
+            if draft.markov_head is not None:
+                prev = torch.tensor(sequence[p : p + B])
+                logits = draft.markov_head.apply_step_logits(logits, token_ids=prev, hidden_states=None)
+            loss = loss + F.cross_entropy(logits, torch.tensor(sequence[p + 1 : p + B + 1]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+@pytest.mark.parametrize("threshold, stop", [(0.0, False), (0.0, True), (0.6, True)])
+def test_cycles_match_the_authors_loop(deepspec, tmp_path, monkeypatch, threshold, stop):
+    """The authors' decoding loop (``generate_decoding_sample`` with their evaluator's propose and update)
+    and ours, greedy on the same target with a drafter fitted to agree with it: the same tokens, and per
+    cycle the same number of drafts and of accepted ones; with a confidence threshold that leaves some
+    cycles no draft at all, and a stop token inside an accepted block."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    import torch
+    from deepspec.eval import base_evaluator
+    from deepspec.eval.dspark import evaluator
+    from helpers.decoding import greedy
+    from helpers.hf_checkpoints import write_hf_target
+
+    for module in (base_evaluator, evaluator):
+        monkeypatch.setattr(module, "DynamicCache", deepspec.Cache)
+    target = write_hf_target(tmp_path / "target", "qwen3_moe")
+    model = load(tmp_path / "target")[0]
+    prompt, max_tokens = family.prompt_ids(11, seed=5), 40
+    text = greedy(model, prompt, max_tokens)
+    torch_draft = fit_authors_dspark(authors_dspark(dspark_config()), target, prompt + text)
+    torch_draft.save_pretrained(str(tmp_path / "draft"))
+    stop_tokens = None
+    if stop:
+        stop_tokens = [next(t for i, t in enumerate(text) if i > 12 and t not in text[:i])]
+    E = evaluator.Qwen3DSparkEvaluator
+    state = SimpleNamespace(draft_model=torch_draft, max_proposal_tokens=BLOCK,
+                            args=SimpleNamespace(temperature=0.0, confidence_threshold=threshold))  # fmt: skip
+    theirs = base_evaluator.generate_decoding_sample(
+        target_model=target, input_ids=torch.tensor([prompt]), max_new_tokens=max_tokens, max_proposal_tokens=BLOCK,
+        temperature=0.0, stop_token_ids=stop_tokens, init_context=partial(E._init_context, state),
+        propose=partial(E._propose, state), update=partial(E._update, state),
+    )  # fmt: skip
+    their_tokens = theirs.output_ids[0, len(prompt) :].tolist()
+
+    _, draft, _ = load(tmp_path / "target", tmp_path / "draft")
+    out, cycles = run(model, draft, prompt, max_tokens=max_tokens, adaptive=False, confidence_threshold=threshold,
+                      stop_tokens=set(stop_tokens or ()))  # fmt: skip
+    assert out == their_tokens == text[: len(out)]
+    # Per cycle: the drafts and the accepted ones; our last cycle counts only those within max_tokens.
+    ours = [(s.num_draft, s.num_accepted) for s in cycles[1:]]
+    pairs = list(zip(theirs.proposal_lengths, theirs.accepted_draft_lengths))
+    assert len(ours) == len(pairs) and ours[:-1] == pairs[:-1], (ours, pairs)
+    if stop:
+        # A stop among the drafts: theirs counts the drafts up to it, ours the block's, then emits up to it.
+        assert out[-1] == stop_tokens[0] and len(cycles[-1].tokens) == theirs.acceptance_lengths[-1], pairs
+        assert threshold or theirs.acceptance_lengths[-1] == pairs[-1][1], "the stop token was no draft"
+    else:
+        assert ours[-1] <= pairs[-1]
+    if threshold:
+        assert 0 in theirs.proposal_lengths and max(theirs.accepted_draft_lengths) >= 2, pairs
+    else:
+        assert min(theirs.accepted_draft_lengths[:-1]) >= 4, pairs
