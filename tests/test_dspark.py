@@ -6,7 +6,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import family
+from helpers import family, sampled
 from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB, write_target
 from helpers.decoding import run
 from helpers.dspark_checkpoints import BLOCK, dspark_config, write_dspark_draft
@@ -178,30 +178,12 @@ class _Unconditioned(_FirstRight):
         return drafts, probs(wrong), logits, confidence
 
 
-def _marginals(model, sampler, depth: int = 3) -> list[np.ndarray]:
-    """p(x_1), ..., p(x_depth) of the target after test_sampling's PROMPT, enumerating the prefixes of
-    probability over 1e-6 (the rest, whose mass is checked to be negligible, left out)."""
-    from test_sampling import PROMPT
-
-    marginals, prefixes, joint, dropped = [], [[]], np.ones(1), 0.0
-    for k in range(depth):
-        probs = np.array(sampler.probs(model(mx.array([PROMPT + p for p in prefixes]))[:, -1])) * joint[:, None]
-        marginals.append(probs.sum(axis=0))
-        if k + 1 < depth:
-            keep = probs > 1e-6
-            dropped += probs[~keep].sum()
-            rows, cols = np.nonzero(keep)
-            prefixes, joint = [prefixes[r] + [int(c)] for r, c in zip(rows, cols)], probs[keep]
-    assert dropped < 1e-3, dropped
-    return marginals
-
-
 @pytest.fixture(scope="module")
 def untied_pair(tmp_path_factory, folders):
     folder = tmp_path_factory.mktemp("untied") / "target"
     write_target(folder, tied=False, embed_scale=1.0)
     model, draft, _ = load(folder, folders / "draft")
-    return model, draft, _marginals(model, make_sampler(0.1))
+    return model, draft, sampled.marginals(model, make_sampler(0.1))
 
 
 @pytest.mark.parametrize("broken", [False, True])
@@ -209,16 +191,10 @@ def test_a_q_that_ignores_the_markov_chain_fails_the_same_check(untied_pair, bro
     """Sampled drafts keep the target's distribution, and a q not conditioned on the draft drawn at
     k - 1 fails the same check (negative control). The setting has teeth: the first draft is
     accepted often and the second one's distribution depends on it."""
-    from test_sampling import CONTROL_RUNS, PROMPT, _tv, _tv_bound
-
     model, draft, exact = untied_pair
     assert all(p.max() < 0.6 for p in exact)  # no near-certain token: the check has teeth
-    drafter = (_Unconditioned if broken else _FirstRight)(draft, PROMPT)
-    counts = np.zeros((3, VOCAB))
-    for seed in range(CONTROL_RUNS):
-        out, _ = run(model, drafter, PROMPT, sampler=make_sampler(0.1), seed=seed, block_size=3, max_tokens=3)
-        counts[np.arange(3), out] += 1  # the second draft is the third token (the first comes from the prefill)
-    excess = [_tv(counts[p], exact[p]) - _tv_bound(exact[p], CONTROL_RUNS) for p in range(3)]
+    drafter = (_Unconditioned if broken else _FirstRight)(draft, sampled.PROMPT)
+    excess = sampled.excess(model, drafter, exact, 0.1)
     assert (max(excess) > 0) == broken, excess
 
 

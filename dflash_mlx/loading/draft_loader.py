@@ -150,6 +150,11 @@ def check_drafter(shape: tgt.TargetShape, draft: DraftModel) -> None:
     """
     a, fix = draft.args, "Pass the drafter trained for this target with --draft."
     n_layers, hidden, vocab = shape.num_layers, shape.hidden_size, shape.vocab_size
+    if a.target_hidden_size is not None and a.target_hidden_size != hidden:
+        raise DFlashError(
+            f"The drafter was made for a target of hidden_size={a.target_hidden_size}, but this target has "
+            f"hidden_size={hidden}. {fix}"
+        )
     if a.hidden_size != hidden:
         raise DFlashError(
             f"The drafter has hidden_size={a.hidden_size}, but the target has hidden_size={hidden}. {fix}"
