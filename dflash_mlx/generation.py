@@ -519,7 +519,7 @@ def generate(
 def policy_key(model: nn.Module, draft: DraftModel, setup: dict) -> str:
     """What the adaptive policy's verdict depends on: the machine, the target's shape and dtype,
     the drafter's weights (a checksum) and the drafting setup."""
-    weights = mx.sum(draft.fc.weight.astype(mx.float32)).item()
+    weights = mx.sum((draft.fc if "fc" in draft else draft.norm).weight.astype(mx.float32)).item()
     drafter = json.dumps([vars(draft.args), round(weights, 6)], sort_keys=True, default=str)
     ident = json.dumps([machine_key(), model_key(model), drafter, setup], sort_keys=True)
     return hashlib.sha256(ident.encode()).hexdigest()[:24]

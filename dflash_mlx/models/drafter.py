@@ -63,7 +63,8 @@ def check_layout(config: dict) -> None:
           embedding or DFlash2's fields, each named in the message.
     """
     fix = "Use a DFlash drafter of full_attention or sliding_attention layers."
-    archs = [a for a in config.get("architectures") or [] if a != "DFlashDraftModel" and "DFlash" in a]
+    others = ("DFlash", "DFlare", "DSpark")
+    archs = [a for a in config.get("architectures") or [] if a != "DFlashDraftModel" and any(o in a for o in others)]
     if archs:
         raise DFlashError(f"Unsupported drafter architecture {archs[0]!r}: this drafter is DFlashDraftModel. {fix}")
     check_attention_layout(config, fix)
