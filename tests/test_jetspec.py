@@ -2,38 +2,17 @@
 and an optional hidden-size adapter; lossless on the target families, with draft trees, sampling exact in
 distribution, and parity with the authors' head (hao-ai-lab/JetSpec)."""
 
-import json
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import family, sampled
-from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB, draft_config, write_target
-from mlx.utils import tree_flatten
+from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB, write_target
+from helpers.family_drafters import BLOCK, jetspec_config, write_jetspec
 
 from dflash_mlx import DFlashError, load, make_cache
 from dflash_mlx.loading.draft_loader import load_draft
-from dflash_mlx.models.drafter import DraftArgs, DraftModel, block_mask
+from dflash_mlx.models.drafter import block_mask
 from dflash_mlx.sampling import make_sampler
-
-BLOCK = 16
-
-
-def jetspec_config(**dflash) -> dict:
-    """A JetSpec head's config as its authors' class saves it: z-lab's, with causal_head."""
-    config = draft_config(block_size=BLOCK)
-    config["dflash_config"].update({"causal_head": True, **dflash})
-    return config
-
-
-def write_jetspec(path, config=None, seed: int = 1) -> DraftModel:
-    config = config or jetspec_config()
-    mx.random.seed(seed)
-    draft = DraftModel(DraftArgs.from_dict(config))
-    path.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(draft.parameters())))
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return draft
 
 
 @pytest.fixture(scope="module")
