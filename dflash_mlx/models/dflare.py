@@ -61,6 +61,7 @@ class DraftModel(drafter.DraftModel):
     """The DFlare drafter: a context of its own per layer, from the fused taps."""
 
     layer_class = DecoderLayer
+    family = "DFlare"
 
     def __init__(self, args: DraftArgs):
         if args.draft_vocab_size or args.target_hidden_size or not args.use_target_features:

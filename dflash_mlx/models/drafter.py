@@ -418,6 +418,11 @@ class DraftModel(nn.Module):
         return self.args.block_size
 
     @property
+    def family(self) -> str:
+        """The drafter family, as shown to users: a causal-head z-lab layout is JetSpec's."""
+        return "JetSpec" if self.args.causal_head else "DFlash"
+
+    @property
     def target_layer_ids(self) -> list[int]:
         return self.args.target_layer_ids
 

@@ -120,6 +120,8 @@ class DraftModel(drafter.DraftModel):
             extra = args.markov_rank if args.confidence_head_with_markov else 0
             self.confidence_head = ConfidenceHead(args.hidden_size + extra)
 
+    family = "DSpark"
+
     @property
     def block_size(self) -> int:
         """Tokens verified a cycle: the anchor and one draft per trained slot."""
