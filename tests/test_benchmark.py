@@ -449,6 +449,7 @@ def test_results_name_the_model_drafter_and_prompts_and_the_run_time_is_estimate
     assert meta["model"] == str(pair_dirs["qwen3-tied"]) and meta["draft"] == str(pair_dirs["draft"])
     assert meta["prompt_set"] == str(prompts) and meta["prompts"] == 2
     assert str(prompts) in plot_caption(meta) and str(pair_dirs["draft"]) in plot_caption(meta)
+    assert meta["draft_family"] == "DFlash" and "(DFlash)" in plot_caption(meta)
     assert "Estimated run time: about" in capsys.readouterr().err
     # 2 prompts x 2 settings x (1 run + warm-up) x 8 tokens at 10 ms.
     assert estimate_seconds(2, 2, 1, 8, 0.01) == pytest.approx(0.64)

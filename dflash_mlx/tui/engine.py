@@ -135,6 +135,8 @@ class MLXEngine:
             name += " (no drafter)"
         elif self.draft_path not in (None, AUTO_DRAFT):
             name += f" + {Path(self.draft_path).name}"
+        if self.draft is not None and getattr(self.draft, "family", "DFlash") != "DFlash":
+            name += f" [{self.draft.family}]"
         return {
             "name": name,
             "has_draft": self.draft is not None,

@@ -323,7 +323,7 @@ def policy_key(model, draft, setup: dict) -> str:
 
     from .widths import machine_key, model_key
 
-    weights = mx.sum(draft.fc.weight.astype(mx.float32)).item()
+    weights = mx.sum((draft.fc if "fc" in draft else draft.norm).weight.astype(mx.float32)).item()
     drafter = json.dumps([vars(draft.args), round(weights, 6)], sort_keys=True, default=str)
     ident = json.dumps([machine_key(), model_key(model), drafter, setup], sort_keys=True)
     return hashlib.sha256(ident.encode()).hexdigest()[:24]

@@ -371,6 +371,7 @@ def run_benchmark(
             "dtype": dtype,
             "model": f"{pair_name} (embedded)" if pair_name else model,
             "draft": draft or (f"{pair_name} drafter (embedded)" if pair_name else None),
+            "draft_family": getattr(drafter, "family", None),
             "ar_draft": (ar_draft if ar_draft is not None else f"{pair_name} ar-draft (embedded)")
             if "mlx-spec" in methods
             else None,

@@ -56,7 +56,8 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
     lines = [
         f"Machine: {meta['machine']} ({meta['device']}); BLAS: {meta['blas']}; mlx {meta['mlx']}, "
         f"mlx-lm {meta['mlx_lm']}; commit {meta['commit']}; {meta['date']}"
-        + (f"; kernels {meta['kernels']}" if "kernels" in meta else ""),
+        + (f"; kernels {meta['kernels']}" if "kernels" in meta else "")
+        + (f"; drafter family {meta['draft_family']}" if meta.get("draft_family") else ""),
         "",
         "| method | block | gen tok/s | speedup | tau | drafting / plain cycles | verified | prompt tok/s | limit "
         "| efficiency | loop eff. | peak GB |",
@@ -133,7 +134,9 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
 def plot_caption(meta: dict) -> str:
     """What a plot measured: the model, the drafter and the prompt set."""
     return (
-        f"target {meta.get('model')} · drafter {meta.get('draft')} · prompts {meta.get('prompt_set')} "
+        f"target {meta.get('model')} · drafter {meta.get('draft')}"
+        + (f" ({meta['draft_family']})" if meta.get("draft_family") else "")
+        + f" · prompts {meta.get('prompt_set')} "
         f"({meta.get('prompts')}) · {meta.get('dtype')}"
     )
 

@@ -36,6 +36,11 @@ def setup_arg_parser() -> ArgumentParser:
     add_decoding_arguments(parser, max_tokens=256)
     add_window_arguments(parser)
     parser.add_argument(
+        "--confidence-threshold", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
+        help="A DSpark drafter's confidence head: stop its drafts before the first whose predicted chance "
+        "of acceptance is under this (default: 0, the whole block, as the reference).",
+    )  # fmt: skip
+    parser.add_argument(
         "--top-p", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
         help="Nucleus sampling threshold (default: 0, off).",
     )  # fmt: skip
@@ -146,8 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         setup = None
         if adaptive and isinstance(draft, DraftModel):
             setup = {k: getattr(args, k) for k in ("block_size", "temp", "top_p", "min_p", "top_k", "proposal",
-                                                   "min_confidence", "lookup_fallback", "draft_window",
-                                                   "paused_lookup", "datastore", "tree_budget")}  # fmt: skip
+                                                   "min_confidence", "confidence_threshold", "lookup_fallback",
+                                                   "draft_window", "paused_lookup", "datastore", "tree_budget")}  # fmt: skip
             session.policy(setup, lookup=args.paused_lookup)  # made (or read) with the paused cycles' lookup
         text = session.generate(
             prompt,
@@ -160,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             logits_processors=make_logits_processors(repetition_penalty=args.repetition_penalty),
             proposal=args.proposal,
             min_confidence=args.min_confidence,
+            confidence_threshold=args.confidence_threshold,
             lookup_fallback=args.lookup_fallback,
             tree_budget=args.tree_budget,
             adaptive=args.adaptive,
