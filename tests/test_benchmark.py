@@ -1,5 +1,7 @@
+import importlib.util
 import json
 import shutil
+import sys
 import types
 from pathlib import Path
 
@@ -650,3 +652,16 @@ def test_dflash_tree_runs_when_named_and_gives_the_same_tokens(pair_dirs, prompt
     assert set(rows) == {"baseline", "dflash-tree"} and rows["dflash-tree"]["block_size"] == 16
     assert result["meta"]["tree_budget"] == 8
     assert 1 < rows["dflash-tree"]["verify_size"] <= 9  # the nodes and the root
+
+
+def test_plots_without_matplotlib_fail_before_loading(no_loading, tmp_path, capsys, monkeypatch):
+    # matplotlib comes only with the [bench] extra; a missing one must not cost the whole run first.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        main(["--plots", str(tmp_path / "plots")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and "\n" not in err
+    assert err.startswith(f"dflash-bench: error: --plots {tmp_path / 'plots'} needs matplotlib")
+    assert "mlx-dflash[bench]" in err

@@ -6,6 +6,7 @@ the benchmark checks that too.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -594,6 +595,12 @@ def _check_outputs(json_path: str | None, markdown_path: str | None, plots_dir: 
             raise DFlashError(f"{flag} {value}: {where} is a file, not a folder; pass another path.")
         if not os.access(where, os.W_OK | os.X_OK):
             raise DFlashError(f"{flag} {value}: the folder {where} is not writable; pass another path.")
+    if plots_dir is not None and importlib.util.find_spec("matplotlib") is None:
+        # matplotlib comes only with the [bench] extra: say so before the run, not in a traceback after it.
+        raise DFlashError(
+            f"--plots {plots_dir} needs matplotlib, which is not installed; "
+            "run pip install 'mlx-dflash[bench]' or leave out --plots."
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
