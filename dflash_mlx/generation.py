@@ -457,8 +457,11 @@ def generate(
     # The rates a policy comes with were measured by earlier runs, not this one.
     policy = kwargs.get("policy") or getattr(kwargs.get("prompt_cache"), "policy", None)
     earlier = (policy.plain_tps, policy.draft_tps) if policy is not None else (None, None)
+    why_paused, paused_before = None, policy.paused_cycles if policy is not None else 0
     for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         text += response.text
+        if policy is not None and policy.paused_why:
+            why_paused = policy.paused_why  # the pause's reason, kept after it ends
         if verbose and show_reasoning and response.reasoning:
             if not in_reasoning:
                 print("Reasoning:", flush=True)
@@ -505,6 +508,9 @@ def generate(
                     f"Drafting: {response.generation_tps:.3f} tokens-per-sec, {verdict} than plain decoding "
                     f"({rate:.3f} in plain steps timed after the run; --no-draft decodes plainly)"
                 )
+        paused = policy.paused_cycles - paused_before if policy is not None else 0
+        if paused:
+            print(f"Drafter paused for {paused} cycles of this run: {why_paused}")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
         if sys.platform == "linux" and mx.default_device() == mx.cpu:
             print(f"BLAS: {blas_in_use()}")  # what every CPU number above depends on most

@@ -156,12 +156,30 @@ def test_a_rate_saved_by_an_earlier_run_is_not_shown_as_this_runs(qwen3_pair, ca
     # An earlier run found drafting slow and set a run of plain cycles: this run drafts nothing.
     saved = {"plain_time": 0.01, "draft_time": 0.05, "plain_left": 200, "run": 256}
     policy = PolicyState.restored(saved, lookup=0)  # paused cycles: plain steps (no lookup drafts)
-    generate(model, draft, tokenizer, [5, 6, 7], max_tokens=12, block_size=4, verbose=True, policy=policy)
+    generate(model, draft, tokenizer, [5, 6, 7], max_tokens=9, block_size=4, verbose=True, policy=policy)
     stats = _stats(capsys.readouterr().out)
-    assert "Acceptance length: no drafting cycles; 11 plain" in stats
+    assert "Acceptance length: no drafting cycles; 8 plain" in stats
     (line,) = [x for x in stats if x.startswith("Drafting:")]
     assert line.startswith("Drafting: 20.000 tokens-per-sec (measured by an earlier run), ")
-    assert re.search(r"\(\d+\.\d{3} measured; 11 cycles decoded plainly\)", line)  # plain: timed in this run
+    assert re.search(r"\(\d+\.\d{3} measured; 8 cycles decoded plainly\)", line)  # plain: timed in this run
+    # And it says plainly that the drafter was paused, and why.
+    (paused,) = [x for x in stats if x.startswith("Drafter paused")]
+    assert paused.startswith("Drafter paused for 8 cycles of this run: an earlier run measured drafting at 20.0 ")
+
+
+def test_an_earlier_runs_pause_is_re_checked_within_one_window(qwen3_pair, capsys):
+    # A drafting speed timed on a busy machine must not pause the drafter of later runs for long:
+    # the carried pause is cut to one window, then this run times the drafter itself.
+    model, draft, tokenizer = qwen3_pair
+    saved = {"plain_time": 0.01, "draft_time": 0.64, "plain_left": 272, "run": 256}
+    policy = PolicyState.restored(saved, lookup=0)
+    assert policy.plain_left == policy.window
+    generate(model, draft, tokenizer, [5, 6, 7], max_tokens=40, block_size=4, verbose=True, policy=policy)
+    stats = _stats(capsys.readouterr().out)
+    assert "no drafting cycles" not in " ".join(stats)  # it drafted again after the window
+    (line,) = [x for x in stats if x.startswith("Drafting:")]
+    assert "(measured by an earlier run)" not in line.split(",")[0]  # and timed the drafter itself
+    assert any(x.startswith("Drafter paused for ") for x in stats), stats
 
 
 def test_tau_is_explained_where_it_is_printed(qwen3_pair, capsys):
