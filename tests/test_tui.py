@@ -279,6 +279,60 @@ async def test_bad_commands_say_why_and_change_nothing(line, expected):
         assert app.query_one(PromptInput).text == line
 
 
+@pytest.mark.parametrize(
+    "first, second, expected",
+    [
+        (
+            "/cutoff 0.3",
+            "/tree 4",
+            "/tree 4 cannot go with the current settings: a draft tree verifies the drafter's "
+            "likeliest nodes, not a path cut at a probability. Send /cutoff 0 first, then /tree 4.",
+        ),
+        ("/tree 4", "/cutoff 0.3", "Send /tree 0 first, then /cutoff 0.3."),
+        ("/tree auto", "/block auto", "Send /tree 0 first, then /block auto."),
+        ("/block auto", "/tree 8", "Send /block N first, then /tree 8."),
+        ("/block auto", "/cutoff 0.5", "Send /block N first, then /cutoff 0.5."),
+        ("/cutoff 0.5", "/block auto", "Send /cutoff 0 first, then /block auto."),
+    ],
+)
+async def test_settings_that_clash_are_refused_at_the_command_in_the_apps_words(first, second, expected):
+    # Refused when typed, naming the app's command that clears the clash, not at the next message
+    # in the library's argument names.
+    fake = FakeStream()
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, first)
+        await pilot.pause()
+        before = app.settings
+        await send(pilot, second)
+        await pilot.pause()
+        assert app.settings == before
+        errors = [str(n.render()) for n in app.query(".note.error")]
+        assert len(errors) == 1 and errors[0].endswith(expected) and "min_confidence" not in errors[0]
+        assert app.query_one(PromptInput).text == second
+        # Cleared as the note says, the command goes through.
+        await send(pilot, expected.split("Send ")[1].split(" first")[0].replace("/block N", "/block 8"))
+        await pilot.pause()
+        await send(pilot, second)
+        await pilot.pause()
+        assert len(app.query(".note.error")) == 1 and app.settings != before
+
+
+async def test_a_message_given_back_after_an_error_keeps_the_cursor_at_its_end():
+    def failing(messages, settings):
+        raise DFlashError("The prompt is too long for this model: start a new conversation with /clear.")
+        yield
+
+    app = ChatApp(failing)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Name three primary colors.")
+        await finish(pilot)
+        await pilot.press(*" ok")
+        assert app.query_one(PromptInput).text == "Name three primary colors. ok"
+
+
 async def test_help_and_clear():
     fake = FakeStream()
     app = ChatApp(fake)

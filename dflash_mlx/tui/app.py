@@ -176,7 +176,9 @@ class ChatApp(App):
             user = self.turns.pop()
             prompt = self.query_one(PromptInput)
             if not prompt.text:
+                # The cursor at its end, so that what is typed next extends it rather than lands before it.
                 prompt.load_text(user["content"])
+                prompt.move_cursor(prompt.document.end)
         else:
             # The answer alone goes back to the template (gpt-oss's refuses a reply with its channels).
             turn = {"role": "assistant", "content": self._reply_text}
