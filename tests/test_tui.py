@@ -394,7 +394,7 @@ async def test_save_names_the_settings_in_use_and_its_hint_repeats_the_typed_pat
         # The header says what the settings bar says: the drafter's block 16, not "auto".
         bar = str(app.query_one("#settings-bar").render())
         header = (tmp_path / "notes" / "chat.md").read_text().splitlines()[2]
-        assert "block 16" in bar and header == f"_{bar.split(' · ', 1)[1]}_"
+        assert "block 16" in bar and header == f"_Settings at save time: {bar.split(' · ', 1)[1]}_"
         assert (
             json.loads(save_transcript("notes/c.json", app.turns, app.settings, max_block_size=16).read_text())[
                 "settings"
@@ -412,6 +412,30 @@ async def test_save_names_the_settings_in_use_and_its_hint_repeats_the_typed_pat
         await pilot.pause()
         assert "## Assistant" in (tmp_path / "notes" / "chat.md").read_text()
         assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
+
+
+async def test_save_names_each_replys_own_settings(tmp_path):
+    # Settings changed between replies: each reply is saved with those it was generated with.
+    app = ChatApp(FakeStream())
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "one")
+        await finish(pilot)
+        await send(pilot, "/temp 0.7")
+        await send(pilot, "/block 4")
+        await send(pilot, "two")
+        await finish(pilot)
+        await send(pilot, "/max 99")
+        await send(pilot, f"/save {tmp_path / 'chat.md'}")
+        await send(pilot, f"/save {tmp_path / 'chat.json'}")
+        await pilot.pause()
+        text = (tmp_path / "chat.md").read_text()
+        used = [line for line in text.splitlines() if line.startswith("_Generated with: ")]
+        assert used == ["_Generated with: DFlash on · block 16 · temp 0 · max 512_",
+                        "_Generated with: DFlash on · block 4 · temp 0.7 · max 512_"]  # fmt: skip
+        assert "_Settings at save time: DFlash on · block 4 · temp 0.7 · max 99_" in text
+        replies = [m for m in json.loads((tmp_path / "chat.json").read_text())["messages"] if m["role"] == "assistant"]
+        assert [(m["settings"]["block_size"], m["settings"]["temp"]) for m in replies] == [(16, 0.0), (4, 0.7)]
 
 
 def test_interrupted_save_leaves_no_file(tmp_path, monkeypatch):

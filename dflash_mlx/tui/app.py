@@ -7,7 +7,7 @@ plain-Python messages (``messages.py``) that the UI turns into text and numbers.
 
 import argparse
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -58,7 +58,7 @@ class ChatApp(App):
         self.settings = settings or Settings()
         self.note = note  # shown under the welcome line (why the settings are what they are)
         self.info: ModelReady | None = None
-        self.turns: list[dict[str, str]] = []
+        self.turns: list[dict] = []
         self.conversation = ConversationStats()
         self.reply_stats: ReplyStats | None = None
         self.generating = False
@@ -68,6 +68,7 @@ class ChatApp(App):
         self._reasoning_text = ""
         self._reasoning_stream = None
         self._stop_key = "Esc"
+        self._reply_settings = self.settings
 
     def compose(self) -> ComposeResult:
         yield Static("", id="settings-bar")
@@ -184,7 +185,9 @@ class ChatApp(App):
             turn = {"role": "assistant", "content": self._reply_text}
             if self._reasoning_text:
                 turn["reasoning"] = self._reasoning_text
-            self.turns.append({**turn, "stats": summary})
+            # The settings this reply was generated with: /save names them under it.
+            used = asdict(self._reply_settings.in_use(self._max_block()))
+            self.turns.append({**turn, "stats": summary, "settings": used})
         self.generating, self._reply, self._stream = False, None, None
         self._reasoning_stream = None
         self._refresh()
@@ -226,7 +229,7 @@ class ChatApp(App):
         self._reasoning_text, self._reasoning_stream = "", None
         await transcript.mount_all([UserMessage(text), self._reply])
         self._stream = Markdown.get_stream(self._reply.body)
-        s = self.settings
+        s = self._reply_settings = self.settings
         block = (_block(s.block_size) or self.info.max_block_size) if s.dflash else 1
         self.reply_stats = ReplyStats(dflash=s.dflash, block_size=block)
         self.generating = True

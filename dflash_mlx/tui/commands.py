@@ -302,7 +302,7 @@ def _think(arg: str, settings: Settings, switches: frozenset[str] | None, usage_
 
 def transcript_markdown(turns: list[dict[str, Any]], settings: Settings) -> str:
     """The conversation as Markdown: one section per message, stats under each reply."""
-    lines = ["# dflash-chat transcript", "", f"_{settings.describe()}_", ""]
+    lines = ["# dflash-chat transcript", "", f"_Settings at save time: {settings.describe()}_", ""]
     if settings.system_prompt:
         lines += ["## System", "", settings.system_prompt, ""]
     for turn in turns:
@@ -311,6 +311,8 @@ def transcript_markdown(turns: list[dict[str, Any]], settings: Settings) -> str:
             # Folded, as the app shows it; Markdown viewers render the HTML details element.
             lines += ["<details><summary>Reasoning</summary>", "", turn["reasoning"], "", "</details>", ""]
         lines += [turn["content"], ""]
+        if turn.get("settings"):  # what this reply was generated with, which may differ from the header's
+            lines += [f"_Generated with: {Settings(**turn['settings']).describe()}_", ""]
         if turn.get("stats"):
             lines += [f"_{turn['stats']}_", ""]
     return "\n".join(lines)
@@ -336,7 +338,8 @@ def save_transcript(
 
     Args:
         path: ``.md``/``.markdown``/``.txt`` (Markdown) or ``.json``.
-        turns: The messages, ``{"role", "content"}`` and optionally ``"stats"``.
+        turns: The messages, ``{"role", "content"}`` and optionally ``"stats"`` and ``"settings"``
+          (a reply's own, as :class:`Settings` fields), written under each reply.
         settings: The current settings, written in the header.
         force: Overwrite ``path`` if it exists.
         max_block_size: The drafter's block size, which a ``block_size`` of None means; the
