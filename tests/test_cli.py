@@ -36,6 +36,15 @@ def test_generates_with_a_pair(pair_dirs, capsys):
     assert "Generation:" in out and "Acceptance length:" in out
 
 
+def test_verbose_names_the_target_and_drafter_loaded(pair_dirs, capsys):
+    target, draft = str(pair_dirs["qwen3-tied"]), str(pair_dirs["draft"])
+    main(["--model", target, "--draft", draft, "--prompt", "t1 t2", "--max-tokens", "4", "--block-size", "4"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [f"Target: {target}", f"Drafter: {draft}"]
+    main(["--model", target, "--no-draft", "--prompt", "t1 t2", "--max-tokens", "4"])
+    assert capsys.readouterr().out.splitlines()[:2] == [f"Target: {target}", "Drafter: none (plain decoding)"]
+
+
 OPTIONS = [["--min-confidence", "0.05"], ["--lookup-fallback", "4"], ["--adaptive", "false"], ["--adaptive", "True"],
            ["--kernels", "off"], ["--tree-budget", "8"], ["--tree-budget", "auto"]]  # fmt: skip
 

@@ -2,6 +2,7 @@ import importlib
 import json
 import os
 import threading
+from pathlib import Path
 
 import pytest
 from helpers.checkpoints import write_draft, write_target
@@ -612,6 +613,27 @@ def test_engine_goes_on_from_the_last_sessions_policy(pair, tmp_path):
     list(third([{"role": "user", "content": "t3"}], Settings(max_tokens=10, block_size=4)))
     third.close()
     assert store.get(key).plain_left == 200 - len(cycles)
+
+
+async def test_the_settings_bar_names_the_drafter(pair, tmp_path):
+    app = ChatApp(MLXEngine(*pair), settings=Settings(max_tokens=4))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        drafter = f"{Path(pair[1]).parent.name}/draft"
+        assert str(app.query_one("#settings-bar").render()).startswith(f"target + {drafter} · ")
+    app.engine.close()
+    # Also a drafter nobody named: the one a pair folder holds.
+    folder = tmp_path / "mypair"
+    folder.mkdir()
+    for part in ("target", "draft"):
+        (folder / part).symlink_to(Path(pair[0 if part == "target" else 1]))
+    (folder / "dflash_pair.json").write_text(json.dumps({"format": "dflash-pair", "version": 1, "target": "target",
+                                                         "draft": "draft"}))  # fmt: skip
+    app = ChatApp(MLXEngine(str(folder)), settings=Settings(max_tokens=4))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert str(app.query_one("#settings-bar").render()).startswith("mypair + mypair/draft · ")
+    app.engine.close()
 
 
 async def test_real_pair_dflash_off_gives_the_same_greedy_reply(pair):

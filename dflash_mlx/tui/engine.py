@@ -113,8 +113,8 @@ class MLXEngine:
     def _load(self) -> dict[str, Any]:
         from ..drafts.datastore import open_datastore
         from ..loading.loading import load
-        from ..loading.pairs import AUTO_DRAFT, DEFAULT_PAIR
-        from ..loading.registry import draft_for_cli
+        from ..loading.pairs import DEFAULT_PAIR
+        from ..loading.registry import draft_for_cli, loaded_names
         from ..loop.cache import make_cache
         from ..models import target as tgt
         from ..text.chat_template import template_switches
@@ -131,8 +131,10 @@ class MLXEngine:
         name = DEFAULT_PAIR if self.model_path is None else Path(self.model_path).name
         if self.draft is None:
             name += " (no drafter)"
-        elif self.draft_path not in (None, AUTO_DRAFT):
-            name += f" + {Path(self.draft_path).name}"
+        else:
+            # The drafter is named too, also one taken from a pair folder or the registry.
+            _, draft_name = loaded_names(self.model_path, draft)
+            name += f" + {_short_name(draft_name)}" if draft_name else ""
         return {
             "name": name,
             "has_draft": self.draft is not None,
@@ -288,3 +290,13 @@ class RemoteEngine:
         if settings.reasoning_effort is not None:
             params["reasoning_effort"] = settings.reasoning_effort
         return self.client.stream_chat(messages, **params)
+
+
+def _short_name(name: str) -> str:
+    """A drafter's name for the settings bar: a hub id as it is, a folder by its own name (a pair
+    folder's ``draft/`` with its pair's)."""
+    path = name.rsplit(" (", 1)[1][:-1] if name.endswith(")") and " (" in name else name
+    folder = Path(path)
+    if not (folder.is_absolute() or folder.exists()):
+        return path
+    return f"{folder.parent.name}/{folder.name}" if folder.name == "draft" else folder.name

@@ -116,7 +116,7 @@ def _window_cache(model: nn.Module, max_kv_size: int) -> DFlashCache:
 
 def main(argv: list[str] | None = None) -> None:
     from ...loading.loading import load
-    from ...loading.registry import draft_for_cli
+    from ...loading.registry import draft_for_cli, loaded_names
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -143,6 +143,10 @@ def main(argv: list[str] | None = None) -> None:
             )
         if args.no_draft:
             draft = None
+        if args.verbose and leads:
+            target_name, draft_name = loaded_names(args.model, None if draft is None else draft_arg)
+            print(f"Target: {target_name}")
+            print(f"Drafter: {draft_name or 'none (plain decoding)'}")
         problem = block_size_problem(args.block_size, draft.block_size if draft is not None else None)
         if problem:
             raise DFlashError(problem)
