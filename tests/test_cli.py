@@ -45,6 +45,16 @@ def test_verbose_names_the_target_and_drafter_loaded(pair_dirs, capsys):
     assert capsys.readouterr().out.splitlines()[:2] == [f"Target: {target}", "Drafter: none (plain decoding)"]
 
 
+def test_a_gguf_file_as_the_model_names_dflash_convert(tmp_path, capsys):
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(gguf), "--prompt", "hi"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and "\n" not in err
+    assert f"is a GGUF file; convert it first with dflash-convert --hf-path {gguf} --mlx-path FOLDER" in err
+
+
 OPTIONS = [["--min-confidence", "0.05"], ["--lookup-fallback", "4"], ["--adaptive", "false"], ["--adaptive", "True"],
            ["--kernels", "off"], ["--tree-budget", "8"], ["--tree-budget", "auto"]]  # fmt: skip
 
