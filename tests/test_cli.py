@@ -312,3 +312,22 @@ def test_generate_and_chat_answer_a_bad_value_alike(argv, line, capsys):
             tool_main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith(f"{prog}: error: {line}") and err.count("\n") == 1
+
+
+def test_every_tool_has_version(capsys):
+    from importlib import import_module
+    from pathlib import Path
+
+    import tomllib
+
+    from dflash_mlx import __version__
+    from dflash_mlx.tools.cli import entry
+
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) == set(entry.TOOLS)  # every console script is checked
+    for prog, module in entry.TOOLS.items():
+        with pytest.raises(SystemExit) as e:
+            import_module(module).main(["--version"])
+        out = capsys.readouterr().out.strip()
+        assert e.value.code == 0 and out.startswith(f"{prog} {__version__} (pip: mlx-dflash; mlx "), (prog, out)
+    assert entry._blas_choice(["--version"]) is None  # no restart with a BLAS preloaded just to print it

@@ -47,3 +47,10 @@ def test_every_relative_link_in_the_docs_points_to_a_file():
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(REPO)} -> {target}")
     assert not broken, f"links to nothing: {broken}"
+
+
+def test_the_readme_install_says_what_pip_calls_the_package():
+    # The project is dflash-mlx, the distribution mlx-dflash: `pip show dflash-mlx` finds nothing.
+    install = (REPO / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert "pip show\nmlx-dflash" in install or "pip show mlx-dflash" in install
+    assert "`dflash-mlx` was taken" in install and "--version" in install

@@ -48,7 +48,7 @@ from ..models import target as tgt
 from ..models.drafter import DraftModel, save_draft
 from ..text.chat_template import render_chat
 from ..text.responses import AcceptanceStats
-from ..tools.cli.options import add_blas_argument
+from ..tools.cli.options import ArgumentParser, add_blas_argument
 from ..tools.cli.progress import Progress
 from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft
 
@@ -522,7 +522,7 @@ def _format_pairs() -> str:
 
 def configure_parser() -> argparse.ArgumentParser:
     """The argument parser of ``dflash-convert``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="dflash-convert",
         description="Convert a Hugging Face target and its DFlash drafter to one checked MLX pair folder.",
     )
