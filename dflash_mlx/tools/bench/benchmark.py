@@ -499,8 +499,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         choices=METHODS,
         default=None,
         metavar="METHOD",
-        help=f"Methods to run, of {', '.join(METHODS)} (default: all; mlx-spec only with an AR "
-        "draft: --ar-draft, or the embedded pair's).",
+        help=f"Methods to run, of {', '.join(METHODS)} (default: all but dflash-tree, which runs when named; "
+        "mlx-spec only with an AR draft: --ar-draft, or the embedded pair's).",
     )
     p.add_argument(
         "--min-confidence",
