@@ -269,7 +269,7 @@ def dflash_generate_step(
         drafts = None
         try:
             peers.watch()
-            last = verifier.prefill(ids[reuse:], o.prefill_step_size, proposer.drafter)
+            last = verifier.prefill(ids[reuse:], o.prefill_step_size, proposer.drafter, o.prompt_progress_callback)
             # The next cycle's drafts, their pass already started; None when generation is over.
             emitted = budget.emit([last]) if peers.leads else []
             if peers.leads and budget.open:

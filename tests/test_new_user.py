@@ -248,3 +248,54 @@ def test_make_chat_installs_quietly():
     installs = [line for line in recipe.splitlines() if "pip install" in line]
     # setuptools' editable-install banner comes through pip -q: the output goes to a log, shown on failure.
     assert installs and all("> $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }" in x for x in installs)
+
+
+def test_a_long_prompts_prefill_reports_its_progress(qwen3_pair):
+    model, draft, tokenizer = qwen3_pair
+    seen = []
+    prompt = [5 + i % 50 for i in range(300)]
+    text = generate(model, draft, tokenizer, prompt, max_tokens=4, block_size=4, prefill_step_size=128,
+                    prompt_progress_callback=lambda done, total: seen.append((done, total)))  # fmt: skip
+    assert seen == [(128, 300), (256, 300), (300, 300)]
+    assert text == generate(model, draft, tokenizer, prompt, max_tokens=4, block_size=4, prefill_step_size=128)
+
+
+def test_dflash_generate_draws_a_bar_for_a_long_prompts_prefill(pair_dirs, capsys):
+    argv = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--max-tokens", "2",
+            "--ignore-chat-template"]  # fmt: skip
+    cli_generate.main([*argv, "--prompt", " ".join(f"t{i % 9}" for i in range(1500))])
+    err = capsys.readouterr().err
+    done = re.search(r"\] (\d+)/(\d+) prompt tokens prefilled", err.splitlines()[-1])
+    assert done and done[1] == done[2] and int(done[1]) >= 1024, err
+    cli_generate.main([*argv, "--prompt", "t1 t2"])  # a short prompt: no bar
+    assert "prefilled" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("served", ["smollm2-135m-instruct", "Qwen/Qwen3-8B"])
+async def test_a_chat_with_a_server_samples_its_default_pair_as_locally_and_has_no_peak_memory(served):
+    from dflash_mlx.tui.app import make_app
+    from dflash_mlx.tui.widgets import Reply
+
+    class Served(FakeStream):  # what RemoteEngine.load says of a server and its model
+        def load(self):
+            from dflash_mlx.loading.pairs import is_default_pair
+
+            return {"name": f"{served} @ server", "has_draft": True, "max_block_size": 16, "chat_template": True,
+                    "peak_memory_known": False, "default_pair": is_default_pair(served)}  # fmt: skip
+
+        def reset(self):
+            pass
+
+    app = make_app(None, base_url="http://127.0.0.1:9/v1")
+    app.engine = engine = Served()
+    async with app.run_test(size=(120, 30)) as pilot:
+        await wait_until(pilot, lambda: app.info is not None)
+        app.query_one("#prompt").load_text("hi")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: not app.generating and app.turns)
+        await pilot.pause()
+        sampled = served == "smollm2-135m-instruct"
+        assert (engine.calls[0][1].temp, engine.calls[0][1].top_p) == ((0.2, 0.9) if sampled else (0.0, 0.0))
+        assert f"peak mem    {'n/a':>6}" in str(app.query_one("#live").render())
+        stats = str(app.query_one(Reply).query_one(".reply-stats").render())
+        assert "peak n/a" in stats and "GB" not in stats

@@ -101,6 +101,37 @@ async def test_stats_panel_shows_both_measured_rates_without_a_verdict():
         assert "faster" not in live and "slower" not in live and "vs plain" not in live
 
 
+async def test_before_the_first_token_the_state_says_warming_up_then_prefilling():
+    class Engine(FakeStream):
+        def load(self):
+            return {"name": "fake", "has_draft": True, "max_block_size": 16, "chat_template": True}
+
+        def reset(self):
+            pass
+
+        def __call__(self, messages, settings):
+            self.calls.append((messages, settings))
+            if len(self.calls) == 2:
+                self.on_prefill(512, 6000)  # a long prompt, its first chunk done
+            return self._play()
+
+    engine = Engine(pause_after=0)
+    app = ChatApp(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hi")
+        await pilot.pause()
+        assert "warming up" in str(app.query_one("#state").render())  # the first reply, nothing yet
+        engine.gate.set()
+        await finish(pilot)
+        engine.gate.clear()
+        await send(pilot, "a long prompt")
+        await wait_until(pilot, lambda: "prefilling 512/6,000 prompt tokens" in str(app.query_one("#state").render()))
+        engine.gate.set()
+        await finish(pilot)
+        assert "ready" in str(app.query_one("#state").render())
+
+
 async def test_stats_update_while_streaming():
     fake = FakeStream(pause_after=3)
     app = ChatApp(fake)
@@ -586,7 +617,8 @@ def test_engine_keeps_what_the_adaptive_policy_learned_across_replies(pair, monk
 
 def test_engine_goes_on_from_the_last_sessions_policy(pair, tmp_path):
     """With a policy store (dflash-chat's), a new session starts from what the last one
-    measured of the pair: here inside a run of plain cycles, so its first reply never drafts."""
+    measured of the pair: here inside a run of plain cycles (cut to one window, after which the drafter
+    is timed again), so its first reply never drafts."""
     from dflash_mlx.tuning.policy import PolicyStore
 
     store = PolicyStore(tmp_path / "policy.json")
@@ -602,17 +634,18 @@ def test_engine_goes_on_from_the_last_sessions_policy(pair, tmp_path):
 
     second = MLXEngine(*pair, policy_store=store)
     second.load()
-    responses = list(second([{"role": "user", "content": "t3"}], Settings(max_tokens=10, block_size=4)))
+    window = saved.window
+    responses = list(second([{"role": "user", "content": "t3"}], Settings(max_tokens=window, block_size=4)))
     second.close()
     cycles = [r for r in responses if r.cycle > 0]
     assert cycles and all(r.num_draft <= 1 for r in cycles)  # a looked-up draft at most, never the drafter's 3
-    assert store.get(key).plain_left == 200 - len(cycles)
+    assert store.get(key).plain_left == window - len(cycles)
     # Without a store (the default), nothing is read or written.
     third = MLXEngine(*pair)
     third.load()
     list(third([{"role": "user", "content": "t3"}], Settings(max_tokens=10, block_size=4)))
     third.close()
-    assert store.get(key).plain_left == 200 - len(cycles)
+    assert store.get(key).plain_left == window - len(cycles)
 
 
 async def test_the_settings_bar_names_the_drafter(pair, tmp_path):

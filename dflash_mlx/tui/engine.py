@@ -94,6 +94,8 @@ class MLXEngine:
         self._policy_keys: dict[tuple, str] = {}  # their keys in the policy store
         self._setup: tuple | None = None
         self._closing = False
+        # Called as (done, total) after each prefill chunk, on the model thread (the app posts a message).
+        self.on_prefill: Callable[[int, int], None] | None = None
 
     def _run(self, fn: Callable, *args) -> Any:
         return self._thread.run(fn, *args)
@@ -198,7 +200,12 @@ class MLXEngine:
             datastore=self.datastore,
             prompt_cache=self.cache,
             parse_reasoning=has_chat_template(self.tokenizer),
+            prompt_progress_callback=self._prefilled,
         )
+
+    def _prefilled(self, done: int, total: int) -> None:
+        if self.on_prefill is not None:
+            self.on_prefill(done, total)
 
     def __call__(self, messages: list[dict[str, str]], settings: Settings) -> Iterator[Any]:
         """Stream a reply to ``messages`` as ``GenerationResponse`` objects, reusing the cache.
@@ -256,12 +263,16 @@ class RemoteEngine:
         self.context_tokens: int | None = None
 
     def load(self) -> dict[str, Any]:
+        from ..loading.pairs import is_default_pair
+
         info = self.client.server_info()
         return {
             "name": info.describe(),
             "has_draft": True,
             "max_block_size": info.block_size or 16,
             "chat_template": True,
+            "peak_memory_known": False,  # no server reports it
+            "default_pair": is_default_pair(info.model),
         }
 
     def reset(self) -> None:

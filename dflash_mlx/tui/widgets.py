@@ -229,7 +229,7 @@ class StatsPanel(VerticalScroll):
             f"prefill     {r.prompt_tokens:>6} tok",
             f"prompt tok/s{r.prompt_tps:>7.0f}",
             f"TTFT        {r.ttft:>6.2f} s",
-            f"peak mem    {r.peak_memory:>6.2f} GB",
+            f"peak mem    {r.peak_memory:>6.2f} GB" if r.peak_memory_known else f"peak mem    {'n/a':>6}",
         ]
         if r.plain_tps and r.draft_tps:
             # The adaptive policy's two rates, side by side and unjudged: the latest window of drafting

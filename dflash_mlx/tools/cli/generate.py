@@ -30,6 +30,7 @@ from .options import (
     boolean_words,
     str2bool,
 )
+from .progress import prefill_progress
 
 
 def setup_arg_parser() -> ArgumentParser:
@@ -143,10 +144,6 @@ def main(argv: list[str] | None = None) -> None:
             )
         if args.no_draft:
             draft = None
-        if args.verbose and leads:
-            target_name, draft_name = loaded_names(args.model, None if draft is None else draft_arg)
-            print(f"Target: {target_name}")
-            print(f"Drafter: {draft_name or 'none (plain decoding)'}")
         problem = block_size_problem(args.block_size, draft.block_size if draft is not None else None)
         if problem:
             raise DFlashError(problem)
@@ -173,6 +170,10 @@ def main(argv: list[str] | None = None) -> None:
                                                    "paused_lookup", "datastore", "tree_budget")}  # fmt: skip
             store, key = PolicyStore(), policy_key(model, draft, setup)
             policy = store.get(key, lookup=args.paused_lookup)
+        if args.verbose and leads:  # once every value is known good: a refused run prints nothing
+            target_name, draft_name = loaded_names(args.model, None if draft is None else draft_arg)
+            print(f"Target: {target_name}")
+            print(f"Drafter: {draft_name or 'none (plain decoding)'}")
         text = generate(
             model,
             draft,
@@ -198,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
             prompt_cache=cache,
             # mlx-lm's prefill step: with a rotating window (--max-kv-size) the chunks shape the output.
             prefill_step_size=2048 if cache is not None else 512,
+            # A long prompt's prefill shows a bar on stderr instead of minutes of silence.
+            prompt_progress_callback=prefill_progress() if args.verbose and leads else None,
             kernels=args.kernels,
         )
         if store is not None and leads:

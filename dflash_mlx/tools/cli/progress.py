@@ -51,3 +51,22 @@ class Progress:
     def close(self) -> None:
         if self.enabled and self.tty:
             print(file=self.stream)
+
+
+def prefill_progress(min_tokens: int = 1024, stream: TextIO | None = None):
+    """A ``prompt_progress_callback`` that draws a bar for a prompt of at least ``min_tokens``
+    tokens to prefill (a long prompt takes minutes on a CPU; a short one shows nothing)."""
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if total < min_tokens:
+            return
+        if bar is None:
+            bar = Progress(total, stream=stream)
+        rate = done / max(time.perf_counter() - bar.start, 1e-9)
+        bar.update(done, f"prompt tokens prefilled ({rate:.0f} tok/s)", elapsed=False)
+        if done >= total:
+            bar.close()
+
+    return update
