@@ -55,6 +55,16 @@ def test_stdin_in_utf8_is_read_as_is(monkeypatch, pair_dirs, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_an_empty_stdin_is_named_as_stdin(monkeypatch, capsys):
+    _stdin(monkeypatch, b"")
+    with pytest.raises(SystemExit) as e:
+        cli_generate.main(["--prompt", "-"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == (
+        "dflash-generate: error: --prompt - read nothing: stdin was empty; pipe or type at least one character.\n"
+    )
+
+
 def test_the_python_api_refuses_a_lone_surrogate_in_one_line(qwen3_pair):
     model, draft, tokenizer = qwen3_pair
     with pytest.raises(DFlashError) as e:

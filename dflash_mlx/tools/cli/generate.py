@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     except DFlashError as e:
         parser.error(str(e))
     if not prompt:
+        if args.prompt == "-":
+            parser.error("--prompt - read nothing: stdin was empty; pipe or type at least one character.")
         parser.error("--prompt is empty: pass at least one character.")
     try:
         draft_arg = draft_for_cli(args.model, args.draft, args.no_draft)
