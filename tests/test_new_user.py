@@ -309,3 +309,13 @@ async def test_a_chat_with_a_server_samples_its_default_pair_as_locally_and_has_
         assert f"peak mem    {'n/a':>6}" in str(app.query_one("#live").render())
         stats = str(app.query_one(Reply).query_one(".reply-stats").render())
         assert "peak n/a" in stats and "GB" not in stats
+
+
+def test_draft_takes_the_embedded_pairs_names_as_model_does(capsys):
+    from dflash_mlx.loading.pairs import default_pair_draft, embedded_pair_path, name_pair
+
+    assert name_pair("Some/target", "smollm2").draft == default_pair_draft()
+    assert name_pair("Some/target", "SmolLM2-135M-Instruct").draft == default_pair_draft()
+    cli_generate.main(["--model", "dflash-tiny", "--draft", "dflash-tiny", "--prompt", "hi", "-m", "3"])
+    out = capsys.readouterr().out
+    assert f"Drafter: {embedded_pair_path('dflash-tiny') / 'draft'}" in out and "Acceptance length:" in out
