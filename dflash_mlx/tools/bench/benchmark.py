@@ -99,6 +99,12 @@ def estimate_seconds(num_prompts: int, num_settings: int, runs: int, max_tokens:
     return num_prompts * num_settings * (runs + 1) * max_tokens * step
 
 
+def eta_seconds(elapsed: float, done: int, total: int, tail: float = 0.0) -> float:
+    """Seconds left when ``done`` of ``total`` equal units of work took ``elapsed``, plus ``tail``
+    seconds of work after them."""
+    return elapsed / done * (total - done) + tail if done else tail
+
+
 def _load_ar_draft(path: str | None, target: nn.Module, *, given: bool, dtype: str | None) -> nn.Module:
     """mlx-spec's small autoregressive draft, with one line for what it cannot use."""
     from mlx_lm.utils import load_model
@@ -310,11 +316,16 @@ def run_benchmark(
         for m, b in plan
     }  # fmt: skip
     results, total, done, start = [], len(plan) * len(rows_in) * runs, 0, time.perf_counter()
+    # The ETA counts the warm-ups as runs too (each prompt's come first) and the component timing
+    # the end repeats: counted from timed runs alone, the first ETA was twice the estimate.
+    units = len(plan) * len(rows_in) * (runs + 1)
+    warmed = 0
     mismatches = []
     for i, row in enumerate(rows_in):
         ids = encode(tokenizer, row)
         for runner in runners.values():
             runner(ids)  # warm-up
+            warmed += 1
         # Round robin: a slow spell of the machine hits one run of every method, not all runs of one.
         samples = {key: [] for key in plan}
         peaks = {key: 0.0 for key in plan}
@@ -325,7 +336,7 @@ def run_benchmark(
                 peaks[key] = max(peaks[key], mx.get_peak_memory() / 1e9)
                 done += 1
                 if progress:
-                    eta = (time.perf_counter() - start) / done * (total - done)
+                    eta = eta_seconds(time.perf_counter() - start, done + warmed, units, timing_seconds)
                     print(
                         f"\r[{done}/{total}] prompt {i + 1}, run {r + 1}: {key[0]} B={key[1]}, ETA {eta:.0f}s   ",
                         end="",
