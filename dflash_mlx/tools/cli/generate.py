@@ -70,7 +70,7 @@ def setup_arg_parser() -> ArgumentParser:
         help="Pause the drafter while drafting is measured slower than decoding without it, drafting again "
         "later (same distribution; default: true, false with --seed, whose output would depend on timings). What "
         "it measured is kept per pair, setup and machine in ~/.cache/dflash-mlx/policy.json, where the next run "
-        "goes on from it.",
+        "goes on from it, timing the drafter again after at most one window of a pause it carries over.",
     )
     parser.add_argument(
         "--paused-lookup",
