@@ -22,7 +22,6 @@ _EXPORTS = {
     "stream_generate": "generation",
     "check_pair": "loading.draft_loader",
     "load": "loading.loading",
-    "open_datastore": "drafts.datastore",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
