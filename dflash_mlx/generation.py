@@ -332,11 +332,11 @@ def generate(
     # The rates a policy comes with were measured by earlier runs, not this one.
     policy = kwargs.get("policy")
     earlier = (policy.plain_tps, policy.draft_tps) if policy is not None else (None, None)
-    why_paused, paused_before = None, policy.paused_cycles if policy is not None else 0
+    why_paused, paused_before = [], policy.paused_cycles if policy is not None else 0
     for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         text += response.text
-        if policy is not None and policy.paused_why:
-            why_paused = policy.paused_why  # the pause's reason, kept after it ends
+        if policy is not None and policy.paused_why and policy.paused_why not in why_paused:
+            why_paused.append(policy.paused_why)  # each pause's reason, kept after it ends
         if verbose and show_reasoning and response.reasoning:
             if not in_reasoning:
                 print("Reasoning:", flush=True)
@@ -385,7 +385,10 @@ def generate(
                 )
         paused = policy.paused_cycles - paused_before if policy is not None else 0
         if paused:
-            print(f"Drafter paused for {paused} cycles of this run: {why_paused}")
+            later = f"; later, {why_paused[-1]}" if len(why_paused) > 1 else ""
+            print(
+                f"Drafter paused for {paused} cycles of this run: {why_paused[0] if why_paused else 'drafting was timed slower than plain decoding'}{later}"
+            )
         print(f"Peak memory: {response.peak_memory:.3f} GB")
         if sys.platform == "linux" and mx.default_device() == mx.cpu:
             print(f"BLAS: {blas_in_use()}")  # what every CPU number above depends on most

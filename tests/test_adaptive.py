@@ -465,7 +465,9 @@ def test_dflash_generate_goes_on_from_the_last_run(pair_dirs, tmp_path, monkeypa
     second = capsys.readouterr().out
     assert second.split("==========")[1] == first.split("==========")[1]  # the same text
     # The saved run of plain cycles goes on for one window, and the stats say so and why.
-    assert f"Drafter paused for {saved.window} cycles of this run: an earlier run measured drafting at 20.0" in second
+    (line,) = [x for x in second.splitlines() if x.startswith("Drafter paused for ")]
+    # (Drafting may lose again once timed, on a busy machine: the line then adds that pause's reason.)
+    assert " cycles of this run: an earlier run measured drafting at 20.0 tokens-per-sec" in line, line
     # --adaptive false and --seed leave the state alone.
     kept = store.read()
     main([*args, "--adaptive", "false"])
