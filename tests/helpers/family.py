@@ -40,6 +40,14 @@ def gemma_draft_config() -> dict:
     return config
 
 
+def oracle_for(oracle: type, draft, *args, **kwargs):
+    """An oracle drafter (tests/helpers/oracles.py) on ``draft``'s own family (DFlare's, say), so that
+    its real passes are that family's."""
+    if type(draft) is not DraftModel:
+        oracle = type(oracle.__name__, (oracle, type(draft)), {})
+    return oracle(draft, *args, **kwargs)
+
+
 def prompt_ids(length: int, seed: int = 3) -> list[int]:
     return mx.random.randint(0, VOCAB - 4, (length,), key=mx.random.key(seed)).tolist()
 
@@ -84,7 +92,7 @@ def check_tree_lossless(model, draft, max_tokens: int = 16) -> None:
     for budget, prompt_len in ((1, 1), (4, 9), (16, 30), (64, 9)):
         prompt = prompt_ids(prompt_len)
         ref = reference(model, prompt, max_tokens)
-        drafters = [draft] + ([SecondChoiceDraft(draft, prompt + ref, VOCAB)] if budget >= 16 else [])
+        drafters = [draft] + ([oracle_for(SecondChoiceDraft, draft, prompt + ref, VOCAB)] if budget >= 16 else [])
         for drafter in drafters:
             cache = make_cache(model, drafter)
             out, _ = run(model, drafter, prompt, tree_budget=budget, max_tokens=max_tokens, prompt_cache=cache,
@@ -95,9 +103,9 @@ def check_tree_lossless(model, draft, max_tokens: int = 16) -> None:
     # a recurrent state rolls back along that path), then the next turn through the same cache.
     prompt = prompt_ids(9)
     ref = reference(model, prompt, max_tokens)
-    stop_index = next((i for i in range(3, 12) if ref[i] not in ref[:i]), None)
+    stop_index = next((i for i in range(3, max_tokens) if ref[i] not in ref[:i]), None)
     assert stop_index is not None, f"the target's text repeats itself: {ref}"
-    branching = SecondChoiceDraft(draft, prompt + ref, VOCAB)
+    branching = oracle_for(SecondChoiceDraft, draft, prompt + ref, VOCAB)
     cache = make_cache(model, branching)
     deep = 2 * (draft.block_size - 1)
     out, cycles = run(model, branching, prompt, tree_budget=deep, max_tokens=max_tokens,
@@ -171,7 +179,7 @@ def check_every_acceptance_length(model, draft, block_size: int) -> None:
     prompt = prompt_ids(7)
     ref = reference(model, prompt, 200)
     schedule = list(range(block_size))
-    oracle = AcceptExactlyDraft(draft, prompt + ref, VOCAB, schedule)
+    oracle = oracle_for(AcceptExactlyDraft, draft, prompt + ref, VOCAB, schedule)
     cache = make_cache(model, oracle)
     # adaptive=False: the adaptive policy's plain cycles follow wall-clock timings.
     out, cycles = run(model, oracle, prompt, block_size=block_size, max_tokens=200, prompt_cache=cache,
@@ -194,7 +202,7 @@ def check_stop_mid_block_then_continue(model, draft, prompt_len: int = 7, with_p
         if stop_index is not None:
             break
     stop = {ref[stop_index]}
-    oracle = ScriptedDraft(draft, prompt + ref, VOCAB)
+    oracle = oracle_for(ScriptedDraft, draft, prompt + ref, VOCAB)
     for block_size in (4, 16):
         for drafter in (oracle, draft, None) if with_plain else (oracle, draft):
             size = block_size if drafter is not None else 1
@@ -213,7 +221,7 @@ def two_turns(model, draft):
     (everything cached is reused), each mlx-lm's own decoding. Returns ``(cache, oracle, prompt,
     follow, second)`` for the family's own later turns: ``follow`` is the second turn's prompt,
     ``second`` its answer, ``oracle`` a scripted drafter (wrong every third draft)."""
-    oracle = ScriptedDraft(draft, [], VOCAB, wrong_every=3)  # its script is set per turn
+    oracle = oracle_for(ScriptedDraft, draft, [], VOCAB, wrong_every=3)  # its script is set per turn
     prompt = prompt_ids(20)
     cache = make_cache(model, oracle)
     oracle.sequence = prompt + reference(model, prompt)
