@@ -409,9 +409,11 @@ def test_a_restored_states_cold_cycle_lengthens_the_plain_run_after_a_loss():
     assert odd.saved() == PolicyState().saved()
 
 
-# Every field a saved policy state holds, and a value for each that no fresh state has: the file below is
-# written from this list, not from the code's own, so a field the code stops saving or reading shows.
-SAVED_FIELDS = {"plain_time": 0.0125, "draft_time": 0.0375, "plain_left": 17, "run": 32, "since_plain": 5}
+# Every field a saved policy state holds, and a value for each that no fresh state has (plain_left within the
+# one window a restored pause is cut to): the file below is written from this list, not from the code's own,
+# so a field the code stops saving or reading shows. Plus when it was saved (states too old are not trusted).
+SAVED_FIELDS = {"plain_time": 0.0125, "draft_time": 0.0375, "plain_left": 6, "run": 32, "since_plain": 5}
+SAVED_AT = 1.8e9
 
 
 def test_every_saved_policy_field_round_trips_through_a_file(tmp_path):
@@ -424,12 +426,13 @@ def test_every_saved_policy_field_round_trips_through_a_file(tmp_path):
     fresh = PolicyState()
     assert all(getattr(fresh, name) != value for name, value in SAVED_FIELDS.items())
     path = tmp_path / "policy.json"
-    path.write_text(json.dumps({"key": SAVED_FIELDS}))
-    restored = PolicyStore(path).get("key")
+    path.write_text(json.dumps({"key": {**SAVED_FIELDS, "saved_at": SAVED_AT}}))
+    restored = PolicyStore(path).get("key", now=SAVED_AT + 60)
     assert {name: getattr(restored, name) for name in SAVED_FIELDS} == SAVED_FIELDS
     again = tmp_path / "again.json"
     PolicyStore(again).put("key", restored)
-    assert json.loads(again.read_text()) == {"key": SAVED_FIELDS}
+    written = json.loads(again.read_text())["key"]
+    assert isinstance(written.pop("saved_at"), float) and written == SAVED_FIELDS
 
 
 def test_the_policy_key_is_one_per_machine_pair_drafter_and_setup(pair_dirs):

@@ -151,10 +151,10 @@ def scratch_copy(dest: Path) -> Path:
     return dest
 
 
-def run_tests(tree: Path, tests: tuple[str, ...], k: str | None, timeout: float) -> tuple[int, str]:
+def run_tests(tree: Path, tests: tuple[str, ...], k: str | None, timeout: float, workers: int = 0) -> tuple[int, str]:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    cmd = [sys.executable, "-m", "dflash_mlx.cpu.openblas", sys.executable, "-m", "pytest", "-q", "-x", "-n", "0",
-           "-p", "no:cacheprovider", *tests]  # fmt: skip
+    cmd = [sys.executable, "-m", "dflash_mlx.cpu.openblas", sys.executable, "-m", "pytest", "-q", "-x", "-n", str(workers), "--dist", "loadfile",
+           "-rf", "-p", "no:cacheprovider", *tests]  # fmt: skip
     if k:
         cmd += ["-k", k]
     try:
@@ -162,7 +162,9 @@ def run_tests(tree: Path, tests: tuple[str, ...], k: str | None, timeout: float)
     except subprocess.TimeoutExpired:
         return -1, "timed out"
     lines = [line for line in done.stdout.splitlines() if line.strip()]
-    return done.returncode, lines[-1] if lines else done.stderr.strip()[-200:]
+    failed = [line.split(" - ")[0] for line in lines if line.startswith("FAILED ")]
+    summary = lines[-1] if lines else done.stderr.strip()[-200:]
+    return done.returncode, " ".join(failed[:1] + [summary])
 
 
 def plant(tree: Path, b: Bug) -> dict[Path, str] | str:
@@ -201,7 +203,7 @@ def main() -> int:
             files = tuple(dict.fromkeys(t for b in chosen for t in b.tests))
             ks = [b.k for b in chosen]
             k = None if None in ks else " or ".join(f"({x})" for x in dict.fromkeys(ks))
-            rc, last = run_tests(tree, files, k, args.timeout * 2)
+            rc, last = run_tests(tree, files, k, args.timeout * 2, workers=2)
             if rc != 0:
                 print(f"baseline fails, nothing planted ({' '.join(files)}): {last}")
                 return 2
