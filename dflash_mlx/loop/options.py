@@ -108,6 +108,9 @@ class LoopOptions:
         seed: Seed MLX's random generator first: the same seed gives the same output.
         stop_tokens: Generation ends right after the first of these, even mid-block.
         prefill_step_size: Prompt tokens per prefill chunk.
+        prompt_progress_callback: Called as ``(processed, total)`` prompt tokens after each
+          prefill chunk, as mlx-lm's own option (``total``: the tokens to prefill, those the
+          ``prompt_cache`` reuses left out), so a tool can show a long prompt's prefill.
         cpu_speedups: None (default) uses the CPU speedups where they pay (float32 on MLX's
           CPU backend; :func:`dflash_mlx.cpu.speedups.choose_speedups`); False runs the portable path
           an Apple GPU takes; True or a ``CpuSpeedups`` forces them. Same tokens either way.
@@ -142,6 +145,7 @@ class LoopOptions:
     seed: int | None = None
     stop_tokens: frozenset[int] = frozenset()
     prefill_step_size: int = 512
+    prompt_progress_callback: Callable[[int, int], None] | None = None
     cpu_speedups: CpuSpeedups | bool | None = None
     kernels: str = "auto"
 

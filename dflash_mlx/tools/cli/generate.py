@@ -24,6 +24,7 @@ from .options import (
     boolean_words,
     str2bool,
 )
+from .progress import prefill_progress
 
 
 def setup_arg_parser() -> ArgumentParser:
@@ -68,7 +69,7 @@ def setup_arg_parser() -> ArgumentParser:
         help="Pause the drafter while drafting is measured slower than decoding without it, drafting again "
         "later (same distribution; default: true, false with --seed, whose output would depend on timings). What "
         "it measured is kept per pair, setup and machine in ~/.cache/dflash-mlx/policy.json, where the next run "
-        "goes on from it.",
+        "goes on from it, timing the drafter again after at most one window of a pause it carries over.",
     )
     parser.add_argument(
         "--paused-lookup",
@@ -105,6 +106,7 @@ def setup_arg_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from ...loading.registry import loaded_names
     from ..session import Session
 
     parser = setup_arg_parser()
@@ -116,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     except DFlashError as e:
         parser.error(str(e))
     if not prompt:
+        if args.prompt == "-":
+            parser.error("--prompt - read nothing: stdin was empty; pipe or type at least one character.")
         parser.error("--prompt is empty: pass at least one character.")
     try:
         if args.pipeline_split is not None and args.parallel != "pipeline":
@@ -154,6 +158,10 @@ def main(argv: list[str] | None = None) -> None:
                                                    "min_confidence", "confidence_threshold", "lookup_fallback",
                                                    "draft_window", "paused_lookup", "datastore", "tree_budget")}  # fmt: skip
             session.policy(setup, lookup=args.paused_lookup)  # made (or read) with the paused cycles' lookup
+        if args.verbose and leads:  # once every value is known good: a refused run prints nothing
+            target_name, draft_name = loaded_names(args.model, None if draft is None else session.draft_path)
+            print(f"Target: {target_name}")
+            print(f"Drafter: {draft_name or 'none (plain decoding)'}")
         text = session.generate(
             prompt,
             verbose=args.verbose and leads,
@@ -176,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
             prompt_cache=cache,
             # mlx-lm's prefill step: with a rotating window (--max-kv-size) the chunks shape the output.
             prefill_step_size=2048 if cache is not None else 512,
+            # A long prompt's prefill shows a bar on stderr instead of minutes of silence.
+            prompt_progress_callback=prefill_progress() if args.verbose and leads else None,
             kernels=args.kernels,
         )
         if leads:
