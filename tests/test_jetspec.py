@@ -58,10 +58,13 @@ def test_greedy_is_lossless_on_the_target_families(tmp_path, folders, kind):
     family.check_stop_mid_block_then_continue(model, draft)
 
 
-def test_draft_trees(pair):
+def test_draft_trees(tmp_path, folders):
     """The causal head's slots are still one distribution per depth from one pass: DDTree's trees
     (the authors' accum_logp construction) run on them."""
-    model, draft, _ = pair
+    from helpers.varied import write_varied_target
+
+    write_varied_target(tmp_path / "target")  # a target whose text does not repeat: a wrong branch shows
+    model, draft, _ = load(tmp_path / "target", folders / "draft")
     family.check_tree_lossless(model, draft)
 
 
