@@ -16,13 +16,13 @@ from dflash_mlx.models import drafter, dspark
 
 FIXTURES = Path(__file__).parent / "fixtures" / "families"
 PROMPTS = Path(__file__).parent.parent / "dflash_mlx" / "assets" / "dflash-tiny" / "prompts.jsonl"
-MAX_TOKENS = 40
+MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
 def toy():
     model, _, tokenizer = load("dflash-tiny", dtype="float32")
-    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()][:3]
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()][:2]
     prompts = [
         tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True)
         if "messages" in r
@@ -49,11 +49,16 @@ def _drafter(toy, family):
     return load("dflash-tiny", FIXTURES / family, dtype="float32")[1]
 
 
-@pytest.mark.parametrize("family, floor", [("dspark", 2.0), ("jetspec", 1.3), ("dflare", 1.3)])
-def test_trained_drafters_are_lossless_and_accepted(toy, family, floor):
+@pytest.fixture(scope="module")
+def dspark_tau(toy):
+    return _tau(toy, _drafter(toy, "dspark"))
+
+
+@pytest.mark.parametrize("family", ["dspark", "jetspec", "dflare"])
+def test_trained_drafters_are_lossless_and_accepted(toy, dspark_tau, family):
     draft = _drafter(toy, family)
     assert draft.family == {"dspark": "DSpark", "jetspec": "JetSpec", "dflare": "DFlare"}[family]
-    assert _tau(toy, draft) >= floor
+    assert (dspark_tau if family == "dspark" else _tau(toy, draft)) >= 2.0
 
 
 def _as_zlab(draft: dspark.DraftModel) -> drafter.DraftModel:
@@ -88,9 +93,8 @@ def _broken(draft):
     return broken
 
 
-def test_a_wrong_slot_offset_or_markov_chain_loses_acceptance(toy):
+def test_a_wrong_slot_offset_or_markov_chain_loses_acceptance(toy, dspark_tau):
     """Both mistakes keep the text (the target verifies it) but lose a large part of the acceptance."""
-    draft = _drafter(toy, "dspark")
-    right = _tau(toy, draft)
+    draft, right = _drafter(toy, "dspark"), dspark_tau
     for name, wrong in (("z-lab slots", _as_zlab(draft)), ("Markov from the anchor", _broken(draft))):
         assert _tau(toy, wrong) < 0.75 * right, (name, right)
