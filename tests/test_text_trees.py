@@ -4,16 +4,19 @@ merged and verified in one pass; lossless greedy on every target family and exac
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
-from helpers.checkpoints import VOCAB
+from helpers.checkpoints import VOCAB, write_target
 from helpers.decoding import greedy, run
 from helpers.policy import Clock
 
+from dflash_mlx import load
 from dflash_mlx.drafts.datastore import Datastore, SuffixIndex
 from dflash_mlx.drafts.free import FreeDrafts
 from dflash_mlx.drafts.text_tree import SourcePath, TextTree, choose_size
 from dflash_mlx.loop.verify import Verifier
 from dflash_mlx.models.tree import DraftTree
+from dflash_mlx.sampling import make_sampler
 from dflash_mlx.tuning.policy import FreeStats, PolicyState
 
 
@@ -102,14 +105,17 @@ def _prompt(length, seed):
     return mx.random.randint(0, VOCAB - 4, (length,), key=mx.random.key(seed)).tolist()
 
 
+def _store_of(documents) -> Datastore:
+    return Datastore(SuffixIndex.build(documents, VOCAB), VOCAB, min_count=1, min_step=0.01, min_path=0.001)
+
+
 def _branchy_store(model, prompts):
     """The target's own greedy text and copies of it with a fifth of their tokens changed at random:
     rare continuations beside the frequent ones, kept as branches (every share of 1% or more)."""
     texts = [p + greedy(model, p, 60) for p in prompts]
     rng = random.Random(0)
     changed = [[t if rng.random() > 0.2 else rng.randrange(VOCAB) for t in text] for text in texts * 3]
-    index = SuffixIndex.build(texts + changed, VOCAB)
-    return Datastore(index, VOCAB, min_count=1, min_step=0.01, min_path=0.001)
+    return _store_of(texts + changed)
 
 
 @pytest.mark.parametrize("block_size", [4, 8])
@@ -137,3 +143,47 @@ def test_text_trees_in_the_drafters_paused_cycles(qwen3_pair, monkeypatch):
         out, _ = run(model, draft, prompt, max_tokens=60, datastore=store, policy=policy)
         assert out == greedy(model, prompt, 60)
     assert sizes
+
+
+@pytest.fixture(scope="module")
+def sampling_pair(tmp_path_factory, pair_dirs):
+    """test_sampling's target, whose samples have real choices."""
+    folder = tmp_path_factory.mktemp("text-trees") / "target"
+    write_target(folder, embed_scale=0.2)
+    return load(folder, pair_dirs["draft"])
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_sampled_text_trees_keep_the_targets_distribution(sampling_pair, monkeypatch, broken):
+    """A datastore that continues the prompt with the target's likeliest first tokens, each followed by
+    likely second and third ones (the likeliest second one left out, so that the first child is not the
+    target's usual choice): two-level trees verified, the target's marginals. Negative control: a walk
+    that follows the last child whatever the target drew."""
+    from test_sampling import CONTROL_RUNS, DEPTH, PROMPT, RUNS, TEMP, _exact_marginals, _tokens, _tv, _tv_bound
+
+    model = sampling_pair[0]
+    exact = _exact_marginals(model)
+    firsts, seconds, thirds = (
+        np.argsort(-p)[ranks].tolist() for p, ranks in zip(exact, ([0, 1, 2, 3], [1, 2, 3], [0, 1]))
+    )
+    store = _store_of([PROMPT + [a, b, c] for a in firsts for b in seconds for c in thirds])
+    if broken:
+
+        def last_child(tree, target_tokens):
+            path = [0]
+            while tree.children[path[-1]]:
+                path.append(max(tree.children[path[-1]].values()))
+            return path, target_tokens[path[-1]]
+
+        monkeypatch.setattr(DraftTree, "walk", last_child)
+    sizes = _count_tree_passes(monkeypatch)
+    runs = CONTROL_RUNS // 2 if broken else RUNS
+    counts = np.zeros((DEPTH, VOCAB))
+    for seed in range(runs):
+        out = _tokens(model, None, sampler=make_sampler(TEMP), seed=seed, block_size=DEPTH, max_tokens=DEPTH,
+                      datastore=store, policy=_tree_policy())  # fmt: skip
+        for pos, tok in enumerate(out):
+            counts[pos, tok] += 1
+    excess = [_tv(counts[p], exact[p]) - _tv_bound(exact[p], runs) for p in range(DEPTH)]
+    assert (max(excess) > 0) == broken, excess
+    assert len(sizes) > runs // 2 and max(sizes) > 4  # trees in most runs, two levels deep
