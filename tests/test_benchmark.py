@@ -650,3 +650,15 @@ def test_dflash_tree_runs_when_named_and_gives_the_same_tokens(pair_dirs, prompt
     assert set(rows) == {"baseline", "dflash-tree"} and rows["dflash-tree"]["block_size"] == 16
     assert result["meta"]["tree_budget"] == 8
     assert 1 < rows["dflash-tree"]["verify_size"] <= 9  # the nodes and the root
+
+
+def test_sampled_runs_sample_every_method_alike(pair_dirs, prompts, monkeypatch):
+    from dflash_mlx.tools.bench import timing
+
+    made = []
+    monkeypatch.setattr(timing, "make_sampler", lambda temp, top_p: made.append((temp, top_p)) or None)
+    result = run_benchmark(model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts),
+                           max_tokens=4, block_sizes=(4,), runs=1, methods=("baseline", "dflash-default"),
+                           temp=0.2, top_p=0.9, progress=False)  # fmt: skip
+    assert set(made) == {(0.2, 0.9)} and result["meta"]["temp"] == 0.2 and result["meta"]["top_p"] == 0.9
+    assert not result["mismatches"]  # sampled outputs are not compared
