@@ -393,9 +393,9 @@ def test_eight_concurrent_streams_lose_duplicate_and_mix_nothing(server, qwen3_p
 
 def _count_cycles_after_cancel(monkeypatch, srv) -> list[int]:
     """Per request, the cycles the worker asked ``stream_generate`` for once its job was cancelled."""
-    from dflash_mlx.tools.server import worker
+    from dflash_mlx import generation
 
-    counts, inner = [], worker.stream_generate
+    counts, inner = [], generation.stream_generate
 
     def counting(*args, **kwargs):
         job, responses = srv.worker.running, inner(*args, **kwargs)
@@ -412,7 +412,7 @@ def _count_cycles_after_cancel(monkeypatch, srv) -> list[int]:
         finally:
             responses.close()
 
-    monkeypatch.setattr(worker, "stream_generate", counting)
+    monkeypatch.setattr(generation, "stream_generate", counting)
     return counts
 
 
@@ -707,13 +707,13 @@ HARMONY_SCRIPT = ("<|channel|> analysis <|message|> t5 t6 <|end|> <|start|> assi
 def test_a_reasoning_models_reasoning_comes_back_as_reasoning_content(pair_dirs, tmp_path, monkeypatch):
     from helpers.chat_formats import script_target, token_ids, with_tokenizer, write_harmony_tokenizer
 
+    from dflash_mlx import generation
     from dflash_mlx.tools.client import RemoteClient
-    from dflash_mlx.tools.server import worker as worker_module
 
     target = with_tokenizer(pair_dirs["qwen3-tied"], tmp_path / "target", write_harmony_tokenizer)
     model, draft, tokenizer = load(target, pair_dirs["draft"])
     script = token_ids(tokenizer, HARMONY_SCRIPT)
-    script_target(monkeypatch, worker_module, script)
+    script_target(monkeypatch, generation, script)  # what the session streams
     srv = DFlashServer(model, draft, tokenizer, model_name="gpt-oss", port=0).start()
     try:
         messages = [{"role": "user", "content": "t1 t2"}]
@@ -770,3 +770,22 @@ def test_chat_template_kwargs_and_reasoning_effort_reach_the_template(qwen3_pair
                                {"chat_template_kwargs": {"reasoning_effort": "low"}})  # fmt: skip
     assert "Reasoning:" not in plain and "Reasoning:high" in high and "Reasoning:low" in low
     assert "<|start|>developer<|message|>t9<|end|>" in high
+
+
+def test_a_successful_request_is_logged_and_the_banner_names_the_blas(server, caplog, qwen3_pair):
+    import logging
+
+    from dflash_mlx.cpu.openblas import blas_in_use
+    from dflash_mlx.tools.server.app import banner
+
+    with caplog.at_level(logging.INFO, logger="dflash-serve"):  # the default --log-level
+        conn, resp = _request(server.url, "POST", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+        assert resp.status == 200
+        resp.read()
+        conn.close()
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any('"POST /v1/completions HTTP/1.1" 200' in line for line in lines), lines
+    line = banner("tiny", qwen3_pair[1], "http://127.0.0.1:8000")
+    assert line.startswith("dflash-serve: tiny (drafter block 16) at http://127.0.0.1:8000/v1")
+    if sys.platform == "linux":
+        assert line.endswith(f"; BLAS: {blas_in_use()}")

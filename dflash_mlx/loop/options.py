@@ -16,8 +16,9 @@ import mlx.nn as nn
 from ..base.errors import DFlashError
 from ..cpu.speedups import CpuSpeedups
 from ..kernels import check_kernels
-from ..models import drafter2, hybrid
+from ..models import drafter2, dspark
 from ..models.drafter import DraftModel
+from ..models.families import family
 from ..sampling import check_proposal
 from ..text.inputs import MAX_SEED
 from ..tuning.policy import PolicyState
@@ -48,7 +49,7 @@ class LoopOptions:
           ``block_size - 1`` tokens under the drafter's per-position distributions, all checked in
           one target pass, the longest one the target agrees with kept. 0 or None (default): the
           drafter's single path. ``"auto"``: each cycle, the first nodes of a tree of
-          64 (``generation.MAX_AUTO_TREE_BUDGET``) that give the most tokens per second, from the measured cost of
+          64 (``drafts.build.MAX_AUTO_TREE_BUDGET``) that give the most tokens per second, from the measured cost of
           tree passes of each size (kept on disk, as for ``block_size="auto"``) and the drafter's
           path probabilities, scaled by how often they were right so far. Same output either way;
           ``num_draft`` counts the tree's nodes.
@@ -69,6 +70,9 @@ class LoopOptions:
           paper. The output is the same either way; a cutoff pays where a verify pass costs
           more the more tokens it checks (CPUs, small targets), at the price of one more
           host synchronisation per cycle.
+        confidence_threshold: A DSpark drafter's confidence head (:mod:`dflash_mlx.models.dspark`):
+          its drafts stop before the first whose predicted chance of acceptance is under this.
+          0 (default, the reference's): the whole block. The output is the same either way.
         lookup_fallback: When the target rejects the drafter's first draft, draft the next
           cycle by prompt lookup instead (no drafter pass: it matches the last few tokens
           against the earlier text); each further such miss doubles the lookup cycles that
@@ -88,8 +92,7 @@ class LoopOptions:
         policy: What ``adaptive`` measured so far and its schedule, continued and updated in
           place: pass the same :class:`dflash_mlx.tuning.policy.PolicyState` to every call for a
           pair (each reply of a chat), so a reply does not pay again to learn that drafting
-          loses. None (default): the ``prompt_cache``'s own (``DFlashCache.policy``), else a
-          fresh one.
+          loses. None (default): a fresh one for this call.
         draft_window: Let the drafter see the target's taps of only the first
           ``draft_sinks`` positions and the latest ``draft_window`` ones, so that a draft pass
           and the drafter's cache stay the same size however long the context grows. None
@@ -105,6 +108,9 @@ class LoopOptions:
         seed: Seed MLX's random generator first: the same seed gives the same output.
         stop_tokens: Generation ends right after the first of these, even mid-block.
         prefill_step_size: Prompt tokens per prefill chunk.
+        prompt_progress_callback: Called as ``(processed, total)`` prompt tokens after each
+          prefill chunk, as mlx-lm's own option (``total``: the tokens to prefill, those the
+          ``prompt_cache`` reuses left out), so a tool can show a long prompt's prefill.
         cpu_speedups: None (default) uses the CPU speedups where they pay (float32 on MLX's
           CPU backend; :func:`dflash_mlx.cpu.speedups.choose_speedups`); False runs the portable path
           an Apple GPU takes; True or a ``CpuSpeedups`` forces them. Same tokens either way.
@@ -113,7 +119,8 @@ class LoopOptions:
           this machine and was faster; ``"on"`` wherever it can run, untimed, raising if it
           differs from its twin; ``"off"`` the twins only. Off Metal the twins run, and
           ``"on"`` is an error. The quantized target's matmuls are chosen by ``load``'s own
-          ``kernels``. Same tokens either way.
+          ``kernels``, a recurrent layer's recurrence by the cache's (``make_cache(kernels=)``;
+          a cache the loop makes itself takes this one). Same tokens either way.
 
     Raises:
         DFlashError: On ``max_tokens < 1``, a bad ``proposal``, ``min_confidence``,
@@ -128,6 +135,7 @@ class LoopOptions:
     logits_processors: list[LogitsProcessor] | None = None
     proposal: str = "sample"
     min_confidence: float = 0.0
+    confidence_threshold: float = 0.0
     lookup_fallback: int = 0
     adaptive: bool | None = None
     policy: PolicyState | None = None
@@ -137,6 +145,7 @@ class LoopOptions:
     seed: int | None = None
     stop_tokens: frozenset[int] = frozenset()
     prefill_step_size: int = 512
+    prompt_progress_callback: Callable[[int, int], None] | None = None
     cpu_speedups: CpuSpeedups | bool | None = None
     kernels: str = "auto"
 
@@ -153,6 +162,9 @@ class LoopOptions:
             raise DFlashError(
                 f"tree_budget must be a non-negative integer of nodes (0: a path) or 'auto' (got {budget!r})."
             )
+        threshold = self.confidence_threshold
+        if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+            raise DFlashError(f"confidence_threshold must be a probability from 0 to 1 (got {threshold!r}).")
         if self.block_size == "auto" and self.min_confidence > 0:
             raise DFlashError("block_size='auto' chooses each cycle's drafts itself; leave min_confidence at 0.")
 
@@ -169,7 +181,10 @@ class LoopOptions:
 
     def tree_budget_for(self, model: nn.Module, draft) -> int | str:
         """``tree_budget`` as a number of nodes (0: a path) or ``"auto"``, checked against the pair."""
-        return check_tree_budget(self.tree_budget, model, draft, self.block_size, self.min_confidence)
+        budget = check_tree_budget(self.tree_budget, model, draft, self.block_size, self.min_confidence)
+        if budget and isinstance(draft, dspark.DraftModel):
+            dspark_tree_check(draft, self.confidence_threshold)
+        return budget
 
 
 def check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallback: int, proposal: str) -> None:
@@ -228,9 +243,18 @@ def check_tree_budget(
         raise DFlashError(f"tree_budget={tree_budget} builds trees from a DFlash drafter's block: pass one (--draft).")
     if block_size == "auto" or min_confidence > 0:
         raise DFlashError("A draft tree chooses its own nodes: leave block_size fixed and min_confidence at 0.")
-    if tree_budget == "auto" and model.model_type in hybrid.HYBRID_MODEL_TYPES:
+    if tree_budget == "auto" and family(model).recurrent:
         raise DFlashError(
             "tree_budget='auto' times tree passes on the live cache and rolls them back, which a hybrid target's "
             "recurrent state cannot do cheaply; pass a fixed tree_budget."
         )
     return tree_budget
+
+
+def dspark_tree_check(draft: "dspark.DraftModel", threshold: float) -> None:
+    """A DSpark drafter builds trees only without its Markov bias and its confidence cut."""
+    if draft.markov_head is not None:
+        # Each slot's distribution depends on the draft before it: no one distribution per depth.
+        raise DFlashError("A DSpark drafter with a Markov head drafts one path: use tree_budget=0.")
+    if threshold > 0:
+        raise DFlashError("A draft tree chooses its own nodes: leave confidence_threshold at 0.")

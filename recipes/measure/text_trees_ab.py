@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate as mlx_lm_stream
 from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
 
-import dflash_mlx.generation as g
+import dflash_mlx.drafts.build as g
 from dflash_mlx import load, stream_generate
 from dflash_mlx.cpu.openblas import blas_in_use
 from dflash_mlx.drafts.datastore import open_datastore

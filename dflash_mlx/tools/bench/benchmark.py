@@ -6,6 +6,7 @@ the benchmark checks that too.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -72,7 +73,7 @@ def load_prompts(path: Path, limit: int | None = None) -> list[dict]:
     return prompts[:limit] if limit else prompts
 
 
-def _prompt_rows(prompts: str, limit: int | None) -> list[dict]:
+def prompt_rows(prompts: str, limit: int | None) -> list[dict]:
     """A JSONL path, or comma-separated names of the paper's sets (gsm8k, math500, ...)."""
     from .datasets import DATASETS, load_prompt_set
 
@@ -96,6 +97,12 @@ def estimate_seconds(num_prompts: int, num_settings: int, runs: int, max_tokens:
     making all ``max_tokens`` at one plain decoding step each. Rough: drafting methods and early stops
     take less, while warm-ups, prefills and loading take more than it counts."""
     return num_prompts * num_settings * (runs + 1) * max_tokens * step
+
+
+def eta_seconds(elapsed: float, done: int, total: int, tail: float = 0.0) -> float:
+    """Seconds left when ``done`` of ``total`` equal units of work took ``elapsed``, plus ``tail``
+    seconds of work after them."""
+    return elapsed / done * (total - done) + tail if done else tail
 
 
 def _load_ar_draft(path: str | None, target: nn.Module, *, given: bool, dtype: str | None) -> nn.Module:
@@ -206,12 +213,10 @@ def run_benchmark(
     samples (with ``top_p``), every method with the same settings; outputs then differ by chance and are not
     compared.
     """
-    from ...drafts.datastore import open_datastore
-    from ...loading.loading import load
     from ...loading.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
     from ...loop.options import LoopOptions
-    from ...models.hybrid import HYBRID_MODEL_TYPES
-    from ...models.target import vocab_size
+    from ...models.families import family
+    from ..session import Session
     from .context import context_rows, label, load_documents
 
     if runs < 1:
@@ -241,7 +246,8 @@ def run_benchmark(
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise DFlashError(f"Unknown method {bad[0]!r}; choose from {', '.join(METHODS)}.")
-    target, drafter, tokenizer = load(model, draft, dtype=dtype, kernels=kernels)
+    session = Session.open(model, draft, known_draft=False, dtype=dtype, kernels=kernels)
+    target, drafter, tokenizer = session.model, session.draft, session.tokenizer
     # None: what load chose (float32 on a CPU, the checkpoint's dtype on a GPU), named for the AR
     # draft, which must compute in it too, and for the results.
     dtype = dtype or dtype_name(tgt.compute_dtype(target))
@@ -252,7 +258,7 @@ def run_benchmark(
             if problem := block_size_problem(b, drafter.block_size, flag="--block-sizes"):
                 raise DFlashError(problem)
     ar = _load_ar_draft(ar_path, target, given=ar_draft is not None, dtype=dtype) if "mlx-spec" in methods else None
-    if defaults and getattr(target, "model_type", None) in HYBRID_MODEL_TYPES:
+    if defaults and family(target).recurrent:
         methods = tuple(m for m in methods if m != "dflash-auto")  # auto times passes it cannot trim cheaply
     # The verify passes of every width a method may run: dflash-auto's go up to the drafter's block size.
     timed_sizes = sorted(set(block_sizes) | ({drafter.block_size} if drafter and "dflash-auto" in methods else set()))
@@ -269,7 +275,7 @@ def run_benchmark(
         docs = load_documents(Path(documents) if documents else pair / "long_context.jsonl")
         rows_in = context_rows(tokenizer, docs[:num_prompts] if num_prompts else docs, list(context))
     else:
-        rows_in = _prompt_rows(prompts or str(pair / "prompts.jsonl"), num_prompts)
+        rows_in = prompt_rows(prompts or str(pair / "prompts.jsonl"), num_prompts)
     # Attention grows with the context, and more for a B-token verify than for one token: time
     # the components at the mean context of a generated token (prompt + half the new tokens).
     # They are timed before and after the runs; the faster of the two is kept.
@@ -305,7 +311,7 @@ def run_benchmark(
             f"{1e3 * step:.1f} ms plain step, and {timing_seconds:.0f} s of component timing)",
             file=sys.stderr,
         )
-    store = open_datastore(datastore, model, vocab_size(target), learns=False) if "dflash-default" in methods else None
+    store = session.open_datastore(datastore, learns=False) if "dflash-default" in methods else None
     runners = {
         (m, b): make_runner(m, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
                             min_confidence, lookup_fallback, **window, kernels=kernels, datastore=store,
@@ -313,11 +319,16 @@ def run_benchmark(
         for m, b in plan
     }  # fmt: skip
     results, total, done, start = [], len(plan) * len(rows_in) * runs, 0, time.perf_counter()
+    # The ETA counts the warm-ups as runs too (each prompt's come first) and the component timing
+    # the end repeats: counted from timed runs alone, the first ETA was twice the estimate.
+    units = len(plan) * len(rows_in) * (runs + 1)
+    warmed = 0
     mismatches = []
     for i, row in enumerate(rows_in):
         ids = encode(tokenizer, row)
         for runner in runners.values():
             runner(ids)  # warm-up
+            warmed += 1
         # Round robin: a slow spell of the machine hits one run of every method, not all runs of one.
         samples = {key: [] for key in plan}
         peaks = {key: 0.0 for key in plan}
@@ -328,7 +339,7 @@ def run_benchmark(
                 peaks[key] = max(peaks[key], mx.get_peak_memory() / 1e9)
                 done += 1
                 if progress:
-                    eta = (time.perf_counter() - start) / done * (total - done)
+                    eta = eta_seconds(time.perf_counter() - start, done + warmed, units, timing_seconds)
                     print(
                         f"\r[{done}/{total}] prompt {i + 1}, run {r + 1}: {key[0]} B={key[1]}, ETA {eta:.0f}s   ",
                         end="",
@@ -376,6 +387,7 @@ def run_benchmark(
             "dtype": dtype,
             "model": f"{pair_name} (embedded)" if pair_name else model,
             "draft": draft or (f"{pair_name} drafter (embedded)" if pair_name else None),
+            "draft_family": getattr(drafter, "family", None),
             "ar_draft": (ar_draft if ar_draft is not None else f"{pair_name} ar-draft (embedded)")
             if "mlx-spec" in methods
             else None,
@@ -504,8 +516,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         choices=METHODS,
         default=None,
         metavar="METHOD",
-        help=f"Methods to run, of {', '.join(METHODS)} (default: all; mlx-spec only with an AR "
-        "draft: --ar-draft, or the embedded pair's).",
+        help=f"Methods to run, of {', '.join(METHODS)} (default: all but dflash-tree, which runs when named; "
+        "mlx-spec only with an AR draft: --ar-draft, or the embedded pair's).",
     )
     p.add_argument(
         "--min-confidence",
@@ -608,6 +620,12 @@ def _check_outputs(json_path: str | None, markdown_path: str | None, plots_dir: 
             raise DFlashError(f"{flag} {value}: {where} is a file, not a folder; pass another path.")
         if not os.access(where, os.W_OK | os.X_OK):
             raise DFlashError(f"{flag} {value}: the folder {where} is not writable; pass another path.")
+    if plots_dir is not None and importlib.util.find_spec("matplotlib") is None:
+        # matplotlib comes only with the [bench] extra: say so before the run, not in a traceback after it.
+        raise DFlashError(
+            f"--plots {plots_dir} needs matplotlib, which is not installed; "
+            "run pip install 'mlx-dflash[bench]' or leave out --plots."
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -668,7 +686,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _remote_main(args) -> None:
     from ...loading.pairs import default_pair_path
-    from .load_test import load_markdown, run_load
+    from .server_load import load_markdown, run_load
 
     if any(n < 1 for n in args.concurrency):
         raise DFlashError(f"--concurrency levels must be at least 1 (got {args.concurrency}).")
@@ -676,7 +694,7 @@ def _remote_main(args) -> None:
         raise DFlashError(
             f"--num-prompts must be at least 1 (got {args.num_prompts}); leave it out to use every prompt."
         )
-    rows = _prompt_rows(args.prompts or str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
+    rows = prompt_rows(args.prompts or str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
     result = run_load(
         args.base_url,
         rows,

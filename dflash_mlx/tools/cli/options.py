@@ -23,9 +23,30 @@ DTYPE_HELP = (
 MAX_TEMP = 10.0
 
 
+def version_line(prog: str) -> str:
+    """What ``--version`` prints: the tool, this package's version and distribution name (pip's
+    ``mlx-dflash``), and the mlx and mlx-lm it runs on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from ... import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"{prog} {__version__} (pip: mlx-dflash; mlx {installed('mlx')}, mlx-lm {installed('mlx-lm')})"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, with errors on one line: what was wrong and the fix, without the usage
-    block above it (``--help`` shows that)."""
+    block above it (``--help`` shows that), and ``--version``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action="version", version=version_line(self.prog),
+                          help="Print the version (and mlx's and mlx-lm's) and exit.")  # fmt: skip
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -278,23 +299,3 @@ def add_window_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-sinks", type=int, action=InRange, low=0, default=4, metavar="N",
         help="The leading positions --draft-window always keeps (default: 4).",
     )  # fmt: skip
-
-
-def add_stop_tokens(tokenizer, tokens: list[str]) -> None:
-    """Make each of ``tokens`` (a token's text or id) end generation, as mlx-lm's ``--extra-eos-token``.
-
-    Raises:
-        DFlashError: For text that is not one token of this tokenizer, or an id outside its vocabulary.
-    """
-    from ...base.errors import DFlashError
-
-    vocab = tokenizer.get_vocab()
-    ids = set(vocab.values())
-    for token in tokens:
-        token_id = int(token) if token.lstrip("-").isdigit() else vocab.get(token)
-        if token_id is None or token_id not in ids:
-            raise DFlashError(
-                f"--extra-eos-token {token!r} is not a token of this tokenizer; pass a token's exact text "
-                "(e.g. '<|im_end|>') or its id."
-            )
-        tokenizer.add_eos_token(str(token_id))

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from ...base.dtypes import DTYPES
 from ...base.errors import DFlashError
+from ...cpu.openblas import blas_in_use
 from ..cli.options import (
     MAX_TEMP,
     ArgumentParser,
@@ -313,11 +314,8 @@ def _error(message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     import json
 
-    from ...drafts.datastore import open_datastore
-    from ...loading.loading import load
     from ...loading.pairs import DEFAULT_PAIR
-    from ...loading.registry import draft_for_cli
-    from ...models.target import vocab_size
+    from ..session import Session
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -331,17 +329,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.pipeline_split is not None and args.parallel != "pipeline":
             parser.error("--pipeline-split needs --pipeline.")
-        model, draft, tokenizer = load(
+        session = Session.open(
             args.model,
-            draft_for_cli(args.model, args.draft, args.no_draft),
+            args.draft,
+            no_draft=args.no_draft,
             dtype=args.dtype,
             parallel=args.parallel,
             pipeline_split=args.pipeline_split,
         )
     except DFlashError as e:
         _error(str(e))
-    if args.no_draft:
-        draft = None
+    model, draft, tokenizer = session.model, session.draft, session.tokenizer
     # Under mlx.launch: rank 0 serves, the others run what it announces.
     group = mx.distributed.init()
     if group.size() > 1 and group.rank() > 0:
@@ -350,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         return
     try:  # plain decoding stays plain
-        datastore = open_datastore(args.datastore, args.model, vocab_size(model)) if draft is not None else None
+        datastore = session.open_datastore(args.datastore)
     except DFlashError as e:
         _error(str(e))
     name = args.served_model_name or args.model or DEFAULT_PAIR
@@ -390,16 +388,25 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
-    drafter = f"drafter block {draft.block_size}" if draft is not None else "no drafter"
-    line = f"dflash-serve: {name} ({drafter}) at {server.url}/v1"
-    if not _is_loopback(args.host) and not args.api_key:
-        line += " -- listening beyond this machine WITHOUT --api-key: anyone who can reach it can use it"
-    print(line, file=sys.stderr, flush=True)
+    print(banner(name, draft, server.url, exposed=not _is_loopback(args.host) and not args.api_key),
+          file=sys.stderr, flush=True)  # fmt: skip
     while not stop.wait(0.5):
         pass
     cut = " (the running request is cut after its cycle)" if server.worker.running is not None else ""
     print(f"dflash-serve: stopping{cut}", file=sys.stderr, flush=True)
     server.close()
+
+
+def banner(name: str, draft, url: str, exposed: bool = False) -> str:
+    """The line dflash-serve prints once it listens: the model, the drafter, where, and on a Linux
+    CPU the BLAS every number it serves depends on."""
+    drafter = f"drafter block {draft.block_size}" if draft is not None else "no drafter"
+    line = f"dflash-serve: {name} ({drafter}) at {url}/v1"
+    if sys.platform == "linux" and mx.default_device() == mx.cpu:
+        line += f"; BLAS: {blas_in_use()}"
+    if exposed:
+        line += " -- listening beyond this machine WITHOUT --api-key: anyone who can reach it can use it"
+    return line
 
 
 if __name__ == "__main__":
