@@ -110,8 +110,10 @@ class FreeDrafts(Proposer):
             if m and rate > best_rate:
                 nodes = nodes.first(m)
                 self.pending = "tree", tree.paths, nodes, chain, start, self.clock()
-                # Named after the source of its likeliest node.
-                top = next(p for p in tree.paths if p.tokens[:1] == nodes.tokens[:1])
+                # Named after the source whose own path it holds the most of (the likelier on a tie).
+                top = max(
+                    tree.paths, key=lambda p: (present(nodes, p.tokens), sum(p.chances[: present(nodes, p.tokens)]))
+                )
                 tokens = mx.array(nodes.tokens, dtype=mx.uint32)
                 return Proposal(tokens, None, top.kind.split()[0], None if chain else nodes)
         if best is None:
