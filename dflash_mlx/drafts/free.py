@@ -31,8 +31,8 @@ from .datastore import Datastore
 from .lookup import PromptLookup
 from .text_tree import SourcePath, TextTree, agreed, choose_size, present
 
-# A text tree's most nodes a cycle. On the default pair's CPU a tree pass of more than ~8 nodes costs more
-# than the chances the sources give can repay.
+# A text tree's most nodes a cycle: a bound on the host's work (a suffix-array range read per node); the
+# size verified is chosen by cost, each further node repaying its share of a tree pass.
 TREE_NODES = 12
 
 
