@@ -19,10 +19,10 @@ from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
 import dflash_mlx.drafts.build as g
 from dflash_mlx import load, stream_generate
 from dflash_mlx.cpu.openblas import blas_in_use
-from dflash_mlx.drafts.datastore import open_datastore
 from dflash_mlx.drafts.free import TREE_NODES, FreeDrafts
 from dflash_mlx.loading.pairs import DEFAULT_PAIR, embedded_pair_path
 from dflash_mlx.sampling import make_sampler
+from dflash_mlx.tools.session import open_datastore
 from dflash_mlx.tuning.policy import PolicyState
 
 parser = argparse.ArgumentParser()
