@@ -49,6 +49,10 @@ TREE, VOCAB, FAMILIES, HYBRID = "tests/test_tree.py", "tests/test_draft_vocab.py
 SLIDING_TREES, HYBRID_TREES = "gpt_oss and draft_trees", "hybrid and qwen3_5 and draft_trees_are"  # in FAMILIES
 DATASTORE, FREE, ADAPTIVE = "tests/test_datastore.py", "tests/test_free_drafts.py", "tests/test_adaptive.py"
 STATE = "branching_tree_leaves_the_state"  # test_tree's direct state check
+# Datastore.draft's loop over match lengths (branches() has the same loop line; the next lines tell them apart).
+DRAFT_ORDERS = "for order in range(min(self.max_order, len(text)), self.min_order - 1, -1):\n" + 12 * " " + (
+    "pattern = [int(t) for t in text[-order:]]\n" + 12 * " " + "for index in indexes:\n" + 16 * " "
+    + "lo, hi = index.find(pattern)\n" + 16 * " " + "if hi > lo:\n" + 20 * " " + "tokens, shares")
 KEY = "ident = json.dumps([machine_key(), model_key(model), drafter, setup], sort_keys=True)"
 BUGS = [
     # Draft trees.
@@ -102,17 +106,17 @@ BUGS = [
         P + "drafts/datastore.py", "text = self.history[-self.store.max_order :] + [last]",
         "text = self.history[-self.store.max_order :]", [DATASTORE], k="queries or datastore_alone"),
     bug("datastore-shortest-first", "the datastore tries its shortest match first",
-        P + "drafts/datastore.py", "for order in range(min(self.max_order, len(text)), self.min_order - 1, -1):",
-        "for order in range(self.min_order, min(self.max_order, len(text)) + 1):", [DATASTORE], k="longest_match"),
+        P + "drafts/datastore.py", DRAFT_ORDERS, DRAFT_ORDERS.replace("range(min(self.max_order, len(text)), self.min_order - 1, -1)",
+        "range(self.min_order, min(self.max_order, len(text)) + 1)"), [DATASTORE], k="longest_match"),
     bug("bench-datastore-learns", "the benchmark's datastore learns from the runs",
         P + "tools/bench/benchmark.py", "session.open_datastore(datastore, learns=False)",
         "session.open_datastore(datastore)", ["tests/test_benchmark.py"], k="datastore"),
     # Free drafts.
     bug("free-query-early", "free drafts query the text before the last committed token",
-        P + "drafts/free.py", "self._candidates(self.history + [last], n)", "self._candidates(self.history, n)",
+        P + "drafts/free.py", "self._sources(self.history + [last], n, tree)", "self._sources(self.history, n, tree)",
         [FREE], k="query"),
     bug("free-worse-offer", "free drafts verify the last offer that beats a plain step, not the best",
-        P + "drafts/free.py", "if k and rate > best[5]:", "if k and rate > 1.0:", [FREE], k="offers"),
+        P + "drafts/free.py", "if k and rate > best_rate:", "if k and rate > 1.0:", [FREE], k="offers"),
     bug("free-costs-never-forget", "the cost estimates weigh every cycle ever timed alike",
         P + "tuning/policy.py", "self.sizes[drafts] = (0.98 * weight + 1.0, 0.98 * total + y)",
         "self.sizes[drafts] = (weight + 1.0, total + y)", [FREE], k="machine_speed",
