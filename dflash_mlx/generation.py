@@ -559,12 +559,13 @@ def batch_request(
 
 
 def batch_engine(model: nn.Module, draft, *, max_batch: int = 8, prefill_step_size: int = 512,
-                 cpu_speedups=None, kernels: str = "auto") -> BatchEngine:  # fmt: skip
-    """A :class:`~dflash_mlx.loop.batch.BatchEngine` for the pair (the drafter's taps, the CPU speedups)."""
+                 cpu_speedups=None, kernels: str = "auto", costs=None) -> BatchEngine:  # fmt: skip
+    """A :class:`~dflash_mlx.loop.batch.BatchEngine` for the pair (the drafter's taps, the CPU speedups);
+    ``costs``, a :class:`~dflash_mlx.tuning.batch.BatchCosts` to continue (a server's, across engines)."""
     return BatchEngine(
         model, tap_ids=draft.target_layer_ids if isinstance(draft, DraftModel) else [], max_batch=max_batch,
         prefill_step_size=prefill_step_size, speedups=choose_speedups(tgt.compute_dtype(model), cpu_speedups),
-        kernels=kernels,
+        kernels=kernels, costs=costs,
     )  # fmt: skip
 
 

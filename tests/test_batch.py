@@ -19,6 +19,7 @@ from dflash_mlx.generation import batch_engine, batch_request
 from dflash_mlx.loop import batch
 from dflash_mlx.models.rows import RowsKVCache
 from dflash_mlx.sampling import make_sampler, speculative_accept
+from dflash_mlx.tuning.batch import BatchCosts
 
 # Prompts of different lengths, some repetitive (prompt lookup finds drafts there), and reply lengths.
 PROMPTS = [[1, 5, 9, 3] * 2 + [7], [11, 12, 13, 14, 15, 11, 12, 13] * 4, [40, 41] * 30 + [42], [2, 90, 7]]
@@ -169,13 +170,29 @@ def test_refusals_say_what_to_do(qwen3_pair, pair_dirs):
         batch_generate(model, draft, tok, PROMPTS[:2], max_tokens=[3])
 
 
+class Widest(BatchCosts):
+    """Every row verifies all the drafts it may: drafts that never pay on a tiny model are still checked."""
+
+    def width(self, rows, most):
+        return most
+
+
 def _batched_counts(pair, proposal, runs):
     # ``runs`` sampled rows of PROMPT, decoded eight at a time beside greedy rows of other prompts.
     model, draft, tok = pair
     if proposal == "greedy":
         continuation = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=DEPTH)]
         draft = ScriptedDraft(draft, PROMPT + continuation, VOCAB)
-    engine = batch_engine(model, draft, max_batch=8)
+    engine = batch_engine(model, draft, max_batch=8, costs=Widest())
+    batched = []
+    step = engine.step
+
+    def counted():
+        events = step()
+        batched.append(sum(e.num_draft > 0 for e in events))
+        return events
+
+    engine.step = counted
     sampled = []
     for r in range(runs):
         options = LoopOptions(max_tokens=DEPTH, block_size=DEPTH, sampler=make_sampler(1.0), proposal=proposal)
@@ -184,6 +201,8 @@ def _batched_counts(pair, proposal, runs):
             engine.add(batch_request(model, draft, PROMPTS[r % 3], LoopOptions(max_tokens=5, block_size=3)),
                        lambda: make_cache(model, draft))  # fmt: skip
     out, _ = _drain(engine, range(engine._next_id))
+    # Most rows' drafts were verified in passes with other rows' drafts.
+    assert sum(n for n in batched if n > 1) > 0.8 * runs, batched
     counts = np.zeros((DEPTH, VOCAB))
     for rid in sampled:
         for pos, t in enumerate(out[rid]):

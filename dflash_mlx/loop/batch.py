@@ -9,8 +9,8 @@ each row as long as its own sequence (:mod:`dflash_mlx.models.rows`).
 
 Each :meth:`BatchEngine.step` is one cycle:
 
-1. A request that joined is prefilled by itself, one chunk of ``prefill_step_size`` tokens a cycle, so a long
-   prompt does not stop the running rows for long; when its last chunk is done its first token is out and its
+1. Requests that joined are prefilled by themselves, in arrival order, ``prefill_step_size`` prompt tokens a
+   cycle in all, so a long prompt does not stop the running rows for long; when its last chunk is done its first token is out and its
    cache is copied in as a new row.
 2. Every running row proposes up to ``W - 1`` drafts, ``W`` the width :class:`~dflash_mlx.tuning.batch.BatchCosts`
    finds best for this batch size from timed passes and the rows' acceptance so far (at one row, the
@@ -27,8 +27,12 @@ Every row's tokens are the target's own samples given that row's tokens only, so
 request decoded alone token for token, whatever else is in the batch (up to float rounding of a batched pass
 against a single one, as a verify pass against a one-token step).
 
+While one row runs (and others at most prefill), it runs alone on its own cache with the single-stream
+:class:`~dflash_mlx.loop.verify.Verifier`: the compiled CPU steps, a plain step queued ahead, every family. It
+moves into the rows cache when a second row is ready, and out again when it is the last (a copy each way).
 Targets :func:`~dflash_mlx.models.rows.rows_supported` refuses (sliding windows, hybrid recurrent layers,
-Gemma, Kimi, gpt-oss) and draft trees are refused when the engine is made: serve those one at a time.
+Gemma, Kimi, gpt-oss) run with ``max_batch=1`` only (the engine refuses more in one line); draft trees and
+``block_size="auto"`` are refused per request.
 """
 
 from collections import deque
@@ -105,7 +109,8 @@ class _Row:
     request: RowRequest
     cache: DFlashCache
     proposer: Proposer | None = None
-    verifier: Verifier | None = None  # the prefill's, while prefilling
+    verifier: Verifier | None = None  # the prefill's, then a row running alone's
+    in_rows: bool = False  # its target entries are in the rows cache (else in its own cache)
     prefilled: int = 0  # prompt tokens fed so far (reused ones included)
     reused: int = 0
     last: int = 0
@@ -158,7 +163,7 @@ class BatchEngine:
         costs: BatchCosts | None = None,
     ):
         why = rows_model.rows_supported(model)
-        if why is not None:
+        if why is not None and max_batch > 1:
             raise DFlashError(f"Several requests at once: {why}; serve them one at a time (--max-batch 1).")
         if max_batch < 1:
             raise DFlashError(f"max_batch must be at least 1 (got {max_batch}).")
@@ -210,9 +215,16 @@ class BatchEngine:
             events = self._leave_cancelled()
             while self.waiting and self.active < self.max_batch:
                 self._join(self.waiting.popleft())
-            if self.joining:
-                events += self._prefill_chunk(self.joining[0])
-            if self.running:
+            budget = self.prefill_step_size  # prompt tokens this cycle, over the joining requests in order
+            while self.joining and budget > 0:
+                row = self.joining[0]
+                n = min(budget, len(row.request.ids) - row.prefilled)
+                events += self._prefill_chunk(row, n)
+                budget -= n
+            if len(self.running) == 1:
+                events += self._solo_cycle(self.running[0])
+            elif self.running:
+                self._to_rows()
                 events += self._cycle()
             return events
 
@@ -228,33 +240,60 @@ class BatchEngine:
         )  # fmt: skip
         self.joining.append(row)
 
-    def _prefill_chunk(self, row: _Row) -> list[RowEvent]:
+    def _prefill_chunk(self, row: _Row, n: int) -> list[RowEvent]:
         ids = row.request.ids
-        chunk = ids[row.prefilled : row.prefilled + self.prefill_step_size]
+        chunk = ids[row.prefilled : row.prefilled + n]
         first = row.verifier.prefill(chunk, len(chunk), row.proposer.drafter)
         row.prefilled += len(chunk)
         if row.prefilled < len(ids):
             return []
         # The prompt is in: the row's first token is out and its cache joins the rows.
         self.joining.remove(row)
+        row.verifier.finish()
         row.verifier = None
         row.last = first
         tokens, finish = row.emit([first])
         event = RowEvent(row.id, tokens, finish=finish, prompt_tokens=len(ids) - row.reused, cached=row.reused)
-        if finish is not None:
-            row.cache.drop_uncommitted()
-            return [event]
-        for rows, c in zip(self.target, row.cache.target):
-            rows.add(c)
-            c.keys = c.values = None  # held by the rows until the row leaves
-            c.offset = 0
-        self.running.append(row)
+        if finish is None:
+            self.running.append(row)
         return [event]
+
+    def _to_rows(self) -> None:
+        # Rows that ran alone or just joined move into the rows cache, in running order (those already
+        # there come first: a row runs alone only while no other runs, and joiners are appended).
+        for row in self.running:
+            if row.in_rows:
+                continue
+            if row.verifier is not None:
+                row.verifier.finish()  # forgets a plain step queued ahead
+                row.verifier = None
+            for rows, c in zip(self.target, row.cache.target):
+                rows.add(c)
+                c.keys = c.values = None  # held by the rows until the row runs alone or leaves
+                c.offset = 0
+            row.in_rows = True
+
+    def _alone(self, row: _Row) -> None:
+        # The one running row leaves the rows cache for its own, and runs the single-stream verifier on it.
+        if row.in_rows:
+            for rows, c in zip(self.target, row.cache.target):
+                rows.take(0, c)
+            row.in_rows = False
+        if row.verifier is None:
+            req = row.request
+            row.verifier = Verifier(
+                self.model, row.cache, sampler=None if is_greedy(req.sampler) else req.sampler,
+                logits_processors=req.logits_processors, tap_ids=row.proposer.tap_ids, speedups=self.speedups,
+                kernels=self.kernels,
+            )  # fmt: skip
 
     def _leave(self, index: int) -> None:
         row = self.running.pop(index)
-        for rows, c in zip(self.target, row.cache.target):
-            rows.take(index, c)
+        if row.in_rows:
+            for rows, c in zip(self.target, row.cache.target):
+                rows.take(index, c)
+        elif row.verifier is not None:
+            row.verifier.finish()
 
     def _leave_cancelled(self) -> list[RowEvent]:
         events = []
@@ -271,11 +310,29 @@ class BatchEngine:
         return events
 
     def _width(self) -> int:
-        rows = self.running
-        most = max(r.request.block_size for r in rows)
-        if len(rows) == 1:
-            return most  # one row: its proposer sizes its drafts, as a single stream does
-        return self.costs.width([r.acceptance for r in rows], most)
+        most = max(r.request.block_size for r in self.running)
+        return self.costs.width([r.acceptance for r in self.running], most)
+
+    def _solo_cycle(self, row: _Row) -> list[RowEvent]:
+        # One row: the single-stream cycle on its own cache (the compiled CPU steps, a plain step queued
+        # ahead), so one request runs as fast as dflash_generate_step runs it.
+        self._alone(row)
+        self.last_width = 0
+        n = min(row.request.block_size, row.room) - 1
+        p = row.proposer.propose(row.last, n) if n > 0 else Proposal(mx.zeros((0,), dtype=mx.uint32))
+        if p.tree is not None:
+            raise DFlashError("Draft trees are not batched: leave tree_budget at 0 with several requests.")
+        num_draft = min(p.size, max(n, 0))
+        verdict = row.verifier.verify(row.last, p, plain_next=row.room > 1 and row.proposer.plain_next())
+        emitted, finish = row.emit(verdict.tokens)
+        row.cache.commit(row.last, emitted, verdict.cached)
+        row.proposer.accept(len(emitted) - 1, verdict.taps)
+        row.acceptance.judged(num_draft, min(verdict.num_accepted, num_draft))
+        row.last = emitted[-1]
+        event = RowEvent(row.id, emitted, num_draft, min(verdict.num_accepted, len(emitted) - 1), finish, p.source)
+        if finish is not None:
+            self._leave(0)
+        return [event]
 
     def _cycle(self) -> list[RowEvent]:
         rows, width = self.running, self._width()
