@@ -1,5 +1,8 @@
 """Several requests at once: every row equals its request decoded alone, whatever else is in the batch."""
 
+import threading
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -229,3 +232,59 @@ def test_a_broken_acceptance_rule_fails_the_batched_check(pair, exact, proposal,
     )
     excess = _excess(_batched_counts(pair, proposal, CONTROL_RUNS), exact, CONTROL_RUNS)
     assert max(excess) > 0, excess
+
+
+def test_the_server_decodes_concurrent_requests_together_each_as_alone(qwen3_pair):
+    from test_server import PROMPTS as TEXTS
+    from test_server import _chat_ids, _post, _request, _stream, _stream_text
+
+    from dflash_mlx import generate
+    from dflash_mlx.tools.server.app import DFlashServer
+    from dflash_mlx.tools.server.batch_worker import BatchWorker
+
+    model, draft, tokenizer = qwen3_pair
+    srv = DFlashServer(model, draft, tokenizer, model_name="tiny", port=0, max_batch=4).start()
+    assert isinstance(srv.worker, BatchWorker) and "up to 4 requests together" in srv.batch_note
+    expected = [generate(model, draft, tokenizer, _chat_ids(tokenizer, t), max_tokens=20) for t in TEXTS]
+    results, rows_seen, answered = {}, [], threading.Event()
+
+    def ask(i):
+        body = {"messages": [{"role": "user", "content": TEXTS[i]}], "max_tokens": 20, "temperature": 0}
+        try:
+            if i % 2:
+                results[i] = _stream_text(_stream(srv.url, "/v1/chat/completions", body))
+            else:
+                status, full, _ = _post(srv.url, "/v1/chat/completions", body)
+                results[i] = full["choices"][0]["message"]["content"] if status == 200 else f"HTTP {status}"
+        except Exception as e:  # reported by the comparison below
+            results[i] = repr(e)
+
+    def watch():
+        while not answered.is_set():
+            conn, resp = _request(srv.url, "GET", "/metrics")
+            lines = resp.read().decode().splitlines()
+            conn.close()
+            rows_seen.extend(float(line.split()[-1]) for line in lines if line.startswith("dflash:batch_rows"))
+            time.sleep(0.01)
+
+    try:
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(TEXTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        answered.set()
+        watcher.join()
+        assert [results[i] for i in range(len(TEXTS))] == expected
+        assert max(rows_seen) > 1, "no two requests were ever decoded together"
+        # A stop string ends a batched reply where its text starts.
+        cut = expected[4][4:8]
+        body = {"messages": [{"role": "user", "content": TEXTS[4]}], "max_tokens": 20, "stop": [cut]}
+        status, full, _ = _post(srv.url, "/v1/chat/completions", body)
+        assert full["choices"][0]["message"]["content"] == expected[4][: expected[4].index(cut)]
+        assert full["choices"][0]["finish_reason"] == "stop"
+    finally:
+        answered.set()
+        srv.close()
