@@ -4,12 +4,11 @@ Three layers, as in mlx-lm: ``dflash_generate_step`` (token ids), ``stream_gener
 (text and stats as ``GenerationResponse``), and ``generate`` (drains it).
 """
 
-import hashlib
-import json
 import sys
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -21,36 +20,22 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .base.errors import DFlashError
 from .cpu.openblas import blas_in_use
 from .cpu.speedups import choose_speedups
-from .drafts.datastore import Datastore, DatastoreProposer
-from .drafts.free import FreeDrafts
-from .drafts.lookup import LookupProposer, PromptLookup
-from .drafts.proposer import (
-    AdaptiveProposer,
-    DFlashProposer,
-    FallbackProposer,
-    FirstOf,
-    SelectorProposer,
-    TreeProposer,
-)
+from .drafts.build import make_proposer
+from .drafts.datastore import Datastore
+from .drafts.lookup import PromptLookup
 from .loop.batch import BatchEngine, RowRequest, batch_stream
 from .loop.cache import DFlashCache, make_cache
-from .loop.distributed import FollowProposer, Peers, check_sharded, target_group
-from .loop.options import FREE_DRAFTS, LoopOptions, SampleFn
+from .loop.distributed import on_ranks, sharded_group, target_group
+from .loop.options import LoopOptions, SampleFn
 from .loop.plain_speed import plain_tokens_per_second
-from .loop.proposal import PlainProposer, Proposer  # fmt: skip
+from .loop.proposal import Proposer
 from .loop.verify import Verifier
-from .models import drafter2
 from .models import target as tgt
 from .models.drafter import DraftModel
-from .sampling import can_sample_proposals
 from .text.inputs import check_text
 from .text.reasoning import join, reasoning_parser
 from .text.responses import AcceptanceStats, GenerationResponse
 from .tuning.policy import PolicyState
-from .tuning.widths import VerifyWidth, machine_key, model_key
-
-# tree_budget="auto" verifies up to this many draft tree nodes a cycle.
-MAX_AUTO_TREE_BUDGET = 64
 
 # A stream for generation on whichever thread runs the generator (CLI or TUI worker).
 generation_stream = mx.new_thread_local_stream(mx.default_device())
@@ -75,20 +60,6 @@ class StepOutput(NamedTuple):
     source: str = ""
 
 
-def free_sources(
-    cache: DFlashCache, datastore: Datastore | None, lookup: int, state: PolicyState, width: int = FREE_DRAFTS
-) -> Proposer | None:
-    """What drafts without a drafter pass: with a datastore, up to ``width`` drafts from it or
-    from prompt lookup, as many as pay (:class:`~dflash_mlx.drafts.free.FreeDrafts`, learning
-    into ``state``, the policy state the caller keeps); without, prompt lookup's ``lookup``
-    drafts on any match (None: ``lookup`` 0, plain steps)."""
-    if not lookup:  # paused cycles are plain steps (PolicyState(lookup=0))
-        return None
-    if datastore is None:
-        return LookupProposer(PromptLookup(lookup + 1), cache.tokens)
-    return FreeDrafts(cache.tokens, datastore, width, state.free, clock=state.clock)
-
-
 def _prompt_ids(prompt) -> list[int]:
     if isinstance(prompt, mx.array):
         prompt = prompt.reshape(-1).tolist()
@@ -101,56 +72,6 @@ def _prompt_ids(prompt) -> list[int]:
 def is_greedy(sampler: SampleFn | None) -> bool:
     """True for samplers that take the argmax: None, ours at temperature 0, mlx-lm's own."""
     return sampler is None or sampler is greedy_sampler or getattr(sampler, "greedy", False) is True
-
-
-def _make_proposer(
-    model, draft, cache, *, sampler, proposal, min_confidence, lookup_fallback, policy, speedups, block_size,
-    free_state, choose_width=False, tree_budget=0, datastore=None,
-):  # fmt: skip
-    # Plain decoding (or the datastore's drafts); prompt lookup alone (and the datastore); the
-    # drafter (or its trees), with the lookup fallback, paused while it loses to plain decoding
-    # (with a policy) and then drafting from lookup and the datastore. Block size 1 never drafts.
-    if draft is None:
-        if datastore is None or block_size == 1:
-            return PlainProposer()
-        return free_sources(cache, datastore, 1, free_state, block_size - 1)
-    if isinstance(draft, PromptLookup):
-        lookup = LookupProposer(draft, cache.tokens)
-        if datastore is not None:
-            lookup = FirstOf(lookup, DatastoreProposer(datastore, cache.tokens, draft.block_size))
-        return PlainProposer(lookup) if block_size == 1 else lookup
-    sample = proposal == "sample" and can_sample_proposals(sampler)
-    selector = isinstance(draft, drafter2.DraftModel)
-    if selector and (choose_width or min_confidence > 0):
-        # Its drafts are a path through the selector, with no per-draft confidence to cut or size blocks by.
-        raise DFlashError("A DFlash2 drafter verifies whole blocks: use a fixed block_size and min_confidence=0.")
-    # "auto" widths and trees: the target's passes of each width, timed on this machine.
-    nodes = MAX_AUTO_TREE_BUDGET if tree_budget == "auto" else tree_budget
-    width = None
-    if choose_width or tree_budget == "auto":
-        width = VerifyWidth(model, draft, cache, speedups, tree_nodes=nodes if tree_budget else 0)
-    if selector:
-        drafter = SelectorProposer(model, draft, cache, sampler=sampler if sample else None, speedups=speedups)
-    elif tree_budget:
-        drafter = TreeProposer(model, draft, cache, nodes, speedups=speedups, width=width)
-    else:
-        drafter = DFlashProposer(
-            model,
-            draft,
-            cache,
-            sampler=sampler if sample else None,
-            min_confidence=min_confidence,
-            speedups=speedups,
-            width=width,
-        )
-    if block_size == 1:
-        return PlainProposer(drafter)
-    if lookup_fallback:
-        lookup = LookupProposer(PromptLookup(draft.block_size), cache.tokens)
-        drafter = FallbackProposer(drafter, lookup, lookup_fallback)
-    if policy is None:
-        return drafter
-    return AdaptiveProposer(drafter, policy, free_sources(cache, datastore, policy.lookup, free_state))
 
 
 @dataclass
@@ -214,40 +135,15 @@ def dflash_generate_step(
           on a head split by vocabulary.
     """
     ids, o = _prompt_ids(prompt), options
-    tree_budget = o.tree_budget_for(model, draft)
-    choose_width = o.block_size == "auto"
-    block_size = o.block_size_for(draft)
-    # A sharded target: rank 0 decides each cycle and the others follow (dflash_mlx.loop.distributed).
-    peers = Peers(target_group(model), block_size)
-    if peers.group is not None:
-        check_sharded(model, draft, choose_width)
-        if tree_budget:
-            raise DFlashError(
-                "Draft trees run in one process only for now: leave tree_budget at 0 on a sharded target."
-            )
-    sampler = None if is_greedy(o.sampler) else o.sampler
-    if prompt_cache is None:
-        cache = make_cache(model, draft, draft_window=o.draft_window, draft_sinks=o.draft_sinks)
-    else:
-        cache = prompt_cache
-    drafter = draft if isinstance(draft, DraftModel) else None  # DFlash's (not prompt lookup, not None)
-    if drafter is not None and cache.draft is None:
+    cache = prompt_cache
+    if cache is None:
+        cache = make_cache(model, draft, draft_window=o.draft_window, draft_sinks=o.draft_sinks, kernels=o.kernels)
+    if isinstance(draft, DraftModel) and cache.draft is None:
         raise DFlashError("The prompt cache was made without a drafter; make it with make_cache(model, draft).")
+    group = sharded_group(model, draft, o)  # None: one process
+    sampler = None if is_greedy(o.sampler) else o.sampler
     speedups = choose_speedups(tgt.compute_dtype(model), o.cpu_speedups)
-    # The policy paces the DFlash drafter; with block 1 it never drafts, so it is left alone. What
-    # draft-free cycles learn is kept with the policy state given (or the cache's) either way.
-    free_state = o.policy if o.policy is not None else cache.policy
-    policy = None
-    if o.adaptive_on and drafter is not None and block_size > 1:
-        policy = free_state
-    proposer = _make_proposer(
-        model, draft, cache, sampler=sampler, proposal=o.proposal, min_confidence=o.min_confidence,
-        lookup_fallback=o.lookup_fallback, policy=policy, speedups=speedups, block_size=block_size,
-        choose_width=choose_width, tree_budget=tree_budget, datastore=o.datastore, free_state=free_state,
-    )  # fmt: skip
-    if not peers.leads:
-        proposer = FollowProposer(proposer.tap_ids, proposer.drafter)
-
+    proposer, block_size = make_proposer(model, draft, cache, o, sampler=sampler, speedups=speedups)
     budget = Budget(o.max_tokens, o.stop_tokens)
     # Always the whole block, cut to the budget after verifying: a seeded run then draws the same
     # random numbers whatever max_tokens is, so its text keeps its prefix.
@@ -255,8 +151,7 @@ def dflash_generate_step(
     with mx.stream(stream):
         if o.seed is not None:
             mx.random.seed(o.seed)
-        # Reuse the longest common prefix; at least one token is prefilled for its logits.
-        reuse = cache.resume(ids, o.kernels)
+        reuse = cache.resume(ids)  # the longest common prefix; at least one token is prefilled for its logits
         verifier = Verifier(
             model,
             cache,
@@ -265,49 +160,32 @@ def dflash_generate_step(
             tap_ids=proposer.tap_ids,
             speedups=speedups,
             kernels=o.kernels,
-            run_ahead=peers.group is None,
+            run_ahead=group is None,
         )
-        drafts = None
+        proposer, verifier = on_ranks(group, proposer, verifier, block_size)
         try:
-            peers.watch()
             last = verifier.prefill(ids[reuse:], o.prefill_step_size, proposer.drafter)
+            emitted = budget.emit([last])
             # The next cycle's drafts, their pass already started; None when generation is over.
-            emitted = budget.emit([last]) if peers.leads else []
-            if peers.leads and budget.open:
-                drafts = proposer.propose(last, n)
-            emitted, _, drafts = peers.settle(emitted, 0, drafts)
-            if not peers.leads:
-                budget.emit(emitted)
-            last = emitted[-1]
+            drafts = proposer.propose(last, n) if budget.open else None
             yield StepOutput(emitted, 0, 0)
             while drafts is not None:
                 room = budget.room  # the drafts past it count as neither drafted nor accepted
                 verdict = verifier.verify(last, drafts, plain_next=room > 1 and proposer.plain_next())
-                verified, num_accepted, emitted, next_drafts = verdict.cached, verdict.num_accepted, [], None
-                source, num_draft = drafts.source, min(drafts.size, room - 1)
-                if peers.leads:
-                    # Rewind: the target forgets the rejected drafts, the proposer keeps the taps
-                    # of the kept positions.
-                    emitted = budget.emit(verdict.tokens)
-                    cache.commit(last, emitted, verified)
-                    proposer.accept(len(emitted) - 1, verdict.taps)
-                    # The next drafter pass starts before this cycle's tokens are handed out, so it
-                    # runs while the caller decodes and shows them.
-                    next_drafts = proposer.propose(emitted[-1], n) if budget.open else None
-                emitted, num_accepted, next_drafts = peers.settle(emitted, num_accepted, next_drafts)
-                if not emitted:
-                    return  # rank 0 left early
-                if not peers.leads:
-                    cache.commit(last, budget.emit(emitted), verified)
-                last, drafts = emitted[-1], next_drafts
-                yield StepOutput(emitted, min(num_accepted, room - 1), num_draft, *proposer.rates(), source=source)
+                if not verdict.tokens:
+                    return  # the generation was ended elsewhere (rank 0 of a sharded target left)
+                # Rewind: the target forgets the rejected drafts, the proposer keeps the taps of the kept positions.
+                emitted = budget.emit(verdict.tokens)
+                cache.commit(last, emitted, verdict.cached)
+                proposer.accept(len(emitted) - 1, verdict.taps)
+                accepted, drafted = min(verdict.num_accepted, room - 1), min(drafts.size, room - 1)
+                step = StepOutput(emitted, accepted, drafted, *proposer.rates(), source=drafts.source)
+                # The next drafter pass starts before this cycle's tokens are handed out, so it runs
+                # while the caller decodes and shows them.
+                last = emitted[-1]
+                drafts = proposer.propose(last, n) if budget.open else None
+                yield step
         finally:
-            if peers.leads and peers.group is not None and drafts is not None:
-                # Left between cycles: the others are verifying the drafts sent last. Take part in
-                # that pass, then tell them to stop.
-                verifier.verify(last, drafts)
-                peers.settle([], 0, None)
-            peers.close()
             verifier.finish()
 
 
@@ -452,11 +330,11 @@ def generate(
     if verbose and kwargs.get("prompt_cache") is None:
         # Kept, so that a run that never decoded plainly can time plain decoding afterwards.
         window = {k: kwargs.pop(k) for k in ("draft_window", "draft_sinks") if k in kwargs}
-        kwargs["prompt_cache"] = make_cache(model, draft, **window)
+        kwargs["prompt_cache"] = make_cache(model, draft, **window, kernels=kwargs.get("kernels", "auto"))
     if verbose:
         print("=" * 10)
     # The rates a policy comes with were measured by earlier runs, not this one.
-    policy = kwargs.get("policy") or getattr(kwargs.get("prompt_cache"), "policy", None)
+    policy = kwargs.get("policy")
     earlier = (policy.plain_tps, policy.draft_tps) if policy is not None else (None, None)
     for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         text += response.text
@@ -512,15 +390,6 @@ def generate(
     return text
 
 
-def policy_key(model: nn.Module, draft: DraftModel, setup: dict) -> str:
-    """What the adaptive policy's verdict depends on: the machine, the target's shape and dtype,
-    the drafter's weights (a checksum) and the drafting setup."""
-    weights = mx.sum(draft.fc.weight.astype(mx.float32)).item()
-    drafter = json.dumps([vars(draft.args), round(weights, 6)], sort_keys=True, default=str)
-    ident = json.dumps([machine_key(), model_key(model), drafter, setup], sort_keys=True)
-    return hashlib.sha256(ident.encode()).hexdigest()[:24]
-
-
 def batch_request(
     model: nn.Module,
     draft: DraftModel | PromptLookup | None,
@@ -543,16 +412,9 @@ def batch_request(
     block_size = o.block_size_for(draft)
     sampler = None if is_greedy(o.sampler) else o.sampler
     speedups = choose_speedups(tgt.compute_dtype(model), o.cpu_speedups)
-    drafter = isinstance(draft, DraftModel)
 
     def proposer(cache: DFlashCache) -> Proposer:
-        free_state = o.policy if o.policy is not None else cache.policy
-        policy = free_state if o.adaptive_on and drafter and block_size > 1 else None
-        return _make_proposer(
-            model, draft, cache, sampler=sampler, proposal=o.proposal, min_confidence=o.min_confidence,
-            lookup_fallback=o.lookup_fallback, policy=policy, speedups=speedups, block_size=block_size,
-            free_state=free_state, datastore=o.datastore,
-        )  # fmt: skip
+        return make_proposer(model, draft, cache, o, sampler=sampler, speedups=speedups)[0]
 
     return RowRequest(_prompt_ids(ids), proposer, prompt_cache, o.max_tokens, o.stop_tokens, sampler,
                       o.logits_processors, block_size)  # fmt: skip
@@ -610,6 +472,7 @@ def batch_generate(
     if len(limits) != len(prompts):
         raise DFlashError(f"max_tokens has {len(limits)} entries for {len(prompts)} prompts: give one per prompt.")
     stop_tokens = frozenset(tokenizer.eos_token_ids)
+    kwargs.setdefault("policy", PolicyState())  # what the adaptive policy learns, shared by the rows
     engine = batch_engine(model, draft, max_batch=max_batch, prefill_step_size=kwargs.get("prefill_step_size", 512),
                           cpu_speedups=kwargs.get("cpu_speedups"), kernels=kwargs.get("kernels", "auto"))  # fmt: skip
     order = {}
@@ -622,7 +485,7 @@ def batch_generate(
             prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
         options = LoopOptions(max_tokens=limit, stop_tokens=stop_tokens, **kwargs)
         request = batch_request(model, draft, prompt, options)
-        order[engine.add(request, lambda: make_cache(model, draft))] = i
+        order[engine.add(request, partial(make_cache, model, draft, kernels=options.kernels))] = i
     n = len(prompts)
     tokens, finish, acceptance = [[] for _ in range(n)], [""] * n, [AcceptanceStats() for _ in range(n)]
     datastore = kwargs.get("datastore")

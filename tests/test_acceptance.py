@@ -102,9 +102,9 @@ async def test_every_surface_shows_the_same_tau(scripted, pair_dirs, capsys, tmp
     # The benchmark: its own counting of a drained stream, its row and its table.
     from dflash_mlx.tools.bench.report import markdown
     from dflash_mlx.tools.bench.stats import summarize
-    from dflash_mlx.tools.bench.timing import RunResult, _time_stream
+    from dflash_mlx.tools.bench.timing import RunResult, time_stream
 
-    out, gen_s, _, accept, sizes, _ = _time_stream(
+    out, gen_s, _, accept, sizes, _ = time_stream(
         stream_generate(model, draft, tokenizer, ids, policy=PolicyState(), **settings), lambda r: r.tokens
     )
     row = summarize([RunResult("dflash", BLOCK, 0, "chat", len(out), 10.0, 10.0, accept, verify_sizes=sizes)], {})[0]

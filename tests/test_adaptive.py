@@ -229,18 +229,17 @@ def test_drafting_slower_is_what_the_policy_then_acts_on(qwen3_pair, slow):
 @pytest.mark.parametrize("carried_by", ["prompt_cache", "policy"])
 def test_later_replies_continue_the_policy(qwen3_pair, carried_by):
     """Three turns with a drafter that loses: only the first turn drafts (its warm-up and one
-    window, cut short). The state rides on the conversation's cache, or is passed to every call (here with
-    a fresh cache each turn, as after /clear)."""
+    window, cut short). The state is passed to every call, with the conversation's cache or with a fresh cache
+    each turn (as after /clear)."""
     model, draft, tokenizer = qwen3_pair
     clock = Clock(step=1.0)
     drafter = CostlyDraft(draft, [], clock, 3.0, wrong_every=1)
     policy = PolicyState(clock=clock, lookup=0)  # paused cycles are plain steps: num_draft 0
     cache = make_cache(model, drafter)
-    cache.policy = policy
     ids, turns = _prompt(7), []
     for _ in range(3):
         if carried_by == "prompt_cache":
-            kwargs = {"prompt_cache": cache}
+            kwargs = {"policy": policy, "prompt_cache": cache}
         else:
             kwargs = {"policy": policy, "prompt_cache": make_cache(model, drafter)}
         responses = list(stream_generate(model, drafter, tokenizer, ids, block_size=4, max_tokens=24, **kwargs))

@@ -323,7 +323,7 @@ def test_scaling_needs_a_replay(capsys):
 
 def test_prompt_sets_from_a_local_hub_cache(tmp_path):
     """The real huggingface_hub path for a named set, resolved offline from an HF cache layout."""
-    from dflash_mlx.tools.bench.benchmark import _prompt_rows
+    from dflash_mlx.tools.bench.benchmark import prompt_rows
     from dflash_mlx.tools.bench.datasets import load_prompt_set
 
     snapshot = tmp_path / "hf-cache" / "datasets--HuggingFaceH4--MATH-500" / "snapshots" / ("0" * 40)
@@ -335,7 +335,7 @@ def test_prompt_sets_from_a_local_hub_cache(tmp_path):
     rows = load_prompt_set("math500", limit=3)
     assert [r["messages"][0]["content"] for r in rows] == ["1+0?", "1+1?", "1+2?"]
     assert rows[0]["category"] == "math500"
-    assert len(_prompt_rows("math500", 2)) == 2
+    assert len(prompt_rows("math500", 2)) == 2
 
 
 def test_prompt_set_offline_or_unknown_is_one_line():
@@ -625,8 +625,8 @@ def test_the_default_dtype_is_the_one_generate_uses(pair_dirs, prompts, monkeypa
     loaded = []
     real_load = loading.load
 
-    def gpu_like_load(model, draft, dtype=None, kernels="auto"):
-        target, drafter, tokenizer = real_load(model, draft, dtype=dtype or "bfloat16", kernels=kernels)
+    def gpu_like_load(model, draft, dtype=None, **kwargs):
+        target, drafter, tokenizer = real_load(model, draft, dtype=dtype or "bfloat16", **kwargs)
         loaded.append(dtype)
         return target, drafter, tokenizer
 

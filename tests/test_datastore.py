@@ -14,11 +14,11 @@ from dflash_mlx.drafts.datastore import (
     Datastore,
     SuffixIndex,
     load_datastore,
-    open_datastore,
     read_responses,
     suffix_array,
 )
 from dflash_mlx.drafts.lookup import PromptLookup
+from dflash_mlx.tools.session import default_pair_answers, open_datastore
 from dflash_mlx.tuning.policy import PolicyState
 
 
@@ -198,9 +198,9 @@ def test_open_datastore_as_the_tools_ask(tmp_path, monkeypatch):
         open_datastore("missing.jsonl", None, 10)
     built = []
     monkeypatch.setattr(ds, "load_datastore", lambda path, vocab, **kw: built.append(path) or "store")
-    assert open_datastore("auto", None, 10) == "store" and built == [ds.default_pair_answers()]
+    assert open_datastore("auto", None, 10) == "store" and built == [default_pair_answers()]
     assert open_datastore(None, "smollm2", 10) == "store"
-    assert ds.default_pair_answers().is_file()  # it ships with the package
+    assert default_pair_answers().is_file()  # it ships with the package
     given = tmp_path / "mine.jsonl"
     given.write_text("")
     assert open_datastore(str(given), "dflash-tiny", 10) == "store" and built[-1] == given

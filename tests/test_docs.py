@@ -33,7 +33,8 @@ def test_the_architecture_page_lists_every_module_and_nothing_else():
 
 
 def _markdown_pages() -> list[Path]:
-    return [REPO / "README.md", REPO / "BENCHMARKS.md", REPO / "recipes" / "README.md", *(REPO / "docs").rglob("*.md")]
+    docs = [REPO / "README.md", REPO / "BENCHMARKS.md", REPO / "recipes" / "README.md", *(REPO / "docs").rglob("*.md")]
+    return docs + sorted((REPO / "notes").glob("*.md"))  # history, not documentation: its links resolve too
 
 
 def test_every_relative_link_in_the_docs_points_to_a_file():

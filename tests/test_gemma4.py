@@ -8,10 +8,10 @@ import shutil
 import mlx.core as mx
 import pytest
 from helpers import family
-from helpers.checkpoints import MASK_ID, draft_config, write_draft
+from helpers.checkpoints import MASK_ID
 from helpers.decoding import run
-from helpers.family import prompt_ids, reference
-from helpers.hf_checkpoints import GEMMA_KINDS, GEMMA_WINDOW, write_hf_target
+from helpers.family import gemma_draft_config, prompt_ids, reference
+from helpers.hf_checkpoints import GEMMA_KINDS, GEMMA_WINDOW
 from mlx_lm.models.cache import KVCache
 
 from dflash_mlx import DFlashError, load, make_cache
@@ -21,37 +21,18 @@ from dflash_mlx.models.drafter import DraftArgs
 
 torch = pytest.importorskip("torch")
 
-SLACK = 16  # the largest rollback here: a block of 16's rejected drafts, plus one
+SLACK = family.SLIDING_SLACK
 
 
 @pytest.fixture(autouse=True)
 def small_sliding_caches(monkeypatch):
-    """Sliding caches that drop old positions within these short runs (every 8 past the
-    window and a slack of 16), so that the tests go through what long conversations do."""
-    monkeypatch.setattr(sliding, "SLIDING_SLACK", SLACK)
-    monkeypatch.setattr(sliding.SlidingKVCache, "step", 8)
-
-
-def gemma_draft_config() -> dict:
-    """A drafter config with the keys of z-lab's published Gemma 4 drafters (sliding layers, the
-    target's softcap, rope_theta at the top level), at this test's sizes."""
-    config = draft_config(num_target_layers=4, layers=2, target_layer_ids=(1, 2))
-    config.update(
-        layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
-        final_logit_softcapping=5.0, rope_scaling=None, tie_word_embeddings=True, attention_bias=False, dtype="float32",
-    )  # fmt: skip
-    return config
+    family.small_sliding_caches(monkeypatch)
 
 
 @pytest.fixture(scope="session")
 def gemma_targets(tmp_path_factory):
     """{kind: (folder, transformers model)} and the drafter folder under "draft"."""
-    root = tmp_path_factory.mktemp("gemma-targets")
-    out = {kind: (root / kind, write_hf_target(root / kind, kind)) for kind in GEMMA_KINDS}
-    write_draft(root / "draft")
-    (root / "draft" / "config.json").write_text(json.dumps(gemma_draft_config()))
-    out["draft"] = (root / "draft", None)
-    return out
+    return family.write_targets(tmp_path_factory.mktemp("gemma-targets"), GEMMA_KINDS, draft=gemma_draft_config())
 
 
 @pytest.fixture(scope="session")
@@ -152,27 +133,6 @@ def test_a_sliding_cache_keeps_its_window_and_slack(gemma_pairs):
         sliding.trim(sliding.offset - floor + 1)
     sliding.trim(sliding.offset)
     assert sliding.offset == sliding.start == sliding.stored == 0
-
-
-@pytest.mark.parametrize("prompt_len", [1, 7, 40])
-@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
-@pytest.mark.parametrize("kind", GEMMA_KINDS)
-def test_lossless_random_drafter(gemma_pairs, kind, block_size, prompt_len):
-    model, draft, _ = gemma_pairs[kind]
-    family.check_lossless(model, draft, block_size, prompt_len)
-
-
-@pytest.mark.parametrize("block_size", [2, 5, 16])
-@pytest.mark.parametrize("kind", GEMMA_KINDS)
-def test_every_acceptance_length(gemma_pairs, kind, block_size):
-    model, draft, _ = gemma_pairs[kind]
-    family.check_every_acceptance_length(model, draft, block_size)
-
-
-@pytest.mark.parametrize("kind", GEMMA_KINDS)
-def test_stop_tokens_mid_block_then_continue(gemma_pairs, kind):
-    model, draft, _ = gemma_pairs[kind]
-    family.check_stop_mid_block_then_continue(model, draft)
 
 
 @pytest.mark.parametrize("kind", GEMMA_KINDS)
@@ -309,14 +269,3 @@ def test_convert_load_generate_chat(gemma_targets, kind, tmp_path, capsys):
     assert second == reply(fresh, turns)
     chat.close()
     fresh.close()
-
-
-@pytest.mark.parametrize("kind", GEMMA_KINDS)
-def test_taps_folded_as_made_equal_fc_of_the_taps(gemma_pairs, kind):
-    family.check_folded_taps(gemma_pairs[kind][0])
-
-
-@pytest.mark.parametrize("kind", GEMMA_KINDS)
-def test_draft_trees_are_lossless(gemma_pairs, kind):
-    """Trees through sliding and full layers, layers that reuse an earlier one's keys, per-layer inputs."""
-    family.check_tree_lossless(*gemma_pairs[kind][:2])

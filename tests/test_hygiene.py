@@ -64,3 +64,46 @@ def test_the_wheel_leaves_out_the_baseline_drafts_and_bench_results():
     # What load() and dflash-bench's defaults read still ships.
     for needed in ("smollm2/draft/model.safetensors", "smollm2/prompts.jsonl", "dflash-tiny/target/config.json"):
         assert needed in shipped
+
+
+def private_imports(source: str) -> list[str]:
+    """The private names (a leading underscore) that ``source`` imports from the package, or reads off a module of
+    it: a recipe that does either breaks silently when the package renames its internals."""
+    import ast
+
+    tree, modules, found = ast.parse(source), set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "dflash_mlx":
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+            modules.update(a.asname or a.name for a in node.names if not a.name.startswith("_"))
+        elif isinstance(node, ast.Import):
+            modules.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.startswith("dflash_mlx"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if isinstance(node.value, ast.Name) and node.value.id in modules:
+                found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+# The one recipe that reaches inside on purpose: it replays the design before a target's compiled layer steps were
+# kept, by emptying the library's store of them before every pass.
+REPLAYS_INTERNALS = {
+    "recipes/measure/layer_steps_ab.py": ["target._cpu_steps", "target._cpu_steps", "target._CPU_STEPS"]
+}
+
+
+@needs_source
+def test_the_recipes_use_only_public_names():
+    found = {
+        path.relative_to(REPO).as_posix(): names
+        for path in sorted((REPO / "recipes").rglob("*.py"))
+        if (names := private_imports(path.read_text()))
+    }
+    assert found == REPLAYS_INTERNALS
+    # Negative controls: each form is seen; a private name of the recipe's own or of another package is not.
+    assert private_imports("from dflash_mlx.tools.bench.timing import _time_stream") == [
+        "dflash_mlx.tools.bench.timing._time_stream"
+    ]
+    assert private_imports("import dflash_mlx.generation as g\ng._make_proposer()") == ["g._make_proposer"]
+    assert private_imports("from dflash_mlx.tools.train import data\ndata._key([1])") == ["data._key"]
+    assert private_imports("import os\nos._exit(1)\nclass A:\n    def f(self):\n        self._x = 1") == []

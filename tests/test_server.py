@@ -393,9 +393,9 @@ def test_eight_concurrent_streams_lose_duplicate_and_mix_nothing(server, qwen3_p
 
 def _count_cycles_after_cancel(monkeypatch, srv) -> list[int]:
     """Per request, the cycles the worker asked ``stream_generate`` for once its job was cancelled."""
-    from dflash_mlx.tools.server import worker
+    from dflash_mlx import generation
 
-    counts, inner = [], worker.stream_generate
+    counts, inner = [], generation.stream_generate
 
     def counting(*args, **kwargs):
         job, responses = srv.worker.running, inner(*args, **kwargs)
@@ -412,7 +412,7 @@ def _count_cycles_after_cancel(monkeypatch, srv) -> list[int]:
         finally:
             responses.close()
 
-    monkeypatch.setattr(worker, "stream_generate", counting)
+    monkeypatch.setattr(generation, "stream_generate", counting)
     return counts
 
 
@@ -707,13 +707,13 @@ HARMONY_SCRIPT = ("<|channel|> analysis <|message|> t5 t6 <|end|> <|start|> assi
 def test_a_reasoning_models_reasoning_comes_back_as_reasoning_content(pair_dirs, tmp_path, monkeypatch):
     from helpers.chat_formats import script_target, token_ids, with_tokenizer, write_harmony_tokenizer
 
+    from dflash_mlx import generation
     from dflash_mlx.tools.client import RemoteClient
-    from dflash_mlx.tools.server import worker as worker_module
 
     target = with_tokenizer(pair_dirs["qwen3-tied"], tmp_path / "target", write_harmony_tokenizer)
     model, draft, tokenizer = load(target, pair_dirs["draft"])
     script = token_ids(tokenizer, HARMONY_SCRIPT)
-    script_target(monkeypatch, worker_module, script)
+    script_target(monkeypatch, generation, script)  # what the session streams
     srv = DFlashServer(model, draft, tokenizer, model_name="gpt-oss", port=0).start()
     try:
         messages = [{"role": "user", "content": "t1 t2"}]

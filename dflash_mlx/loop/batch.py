@@ -230,7 +230,7 @@ class BatchEngine:
 
     def _join(self, row: _Row) -> None:
         req = row.request
-        row.reused = row.cache.resume(req.ids, self.kernels)
+        row.reused = row.cache.resume(req.ids)
         row.prefilled = row.reused
         row.proposer = req.proposer(row.cache)
         row.verifier = Verifier(

@@ -2,8 +2,8 @@
 
 The target cache is mlx-lm's own per-layer ``KVCache``; rolling back a rejected draft
 is ``trim``. Layers that mlx-lm gives state that cannot be cut (a hybrid target's recurrent
-state, a sliding window's rotating buffer) get caches of ours with the same ``trim``
-(``hybrid.RecurrentCache``, ``sliding.SlidingKVCache``), which return only to some lengths.
+state, a sliding window's rotating buffer) get caches of ours with the same ``trim``, which
+return only to some lengths (:mod:`dflash_mlx.models.caches`, the one protocol the loop asks).
 The drafter's cache holds context keys/values only (the noisy block is never cached), so its
 rollback is a trim to the committed length too.
 """
@@ -13,16 +13,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, RotatingKVCache, can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache
 
 from ..base.errors import DFlashError
-from ..models import gemma, hybrid
+from ..kernels import check_kernels
+from ..models import caches as layer_caches
 from ..models.drafter import DraftModel
-from ..models.sliding import SlidingKVCache
-from ..tuning.policy import PolicyState
-
-# Target caches that return only to some lengths (``restorable_lengths``), the rest through a checkpoint.
-RESTORING_CACHES = (hybrid.RecurrentCache, SlidingKVCache)
+from ..models.families import make_target_cache
 
 
 class WindowedKVCache:
@@ -132,10 +129,7 @@ def reserve(caches: list[Any], length: int, draft: DraftModel) -> None:
 
 @dataclass
 class DFlashCache:
-    """Everything a pair remembers about a conversation, reusable across calls.
-
-    It also carries what the adaptive policy measured of the pair (``policy``), so calls that
-    pass the same cache continue its schedule.
+    """Everything a pair remembers about a conversation, reusable across calls: keys, values and states.
 
     Each side of a cycle has its own methods: the loop ``resume`` (a generation's start) and
     ``commit`` (each cycle's verdict); the verifier the ``target`` caches and ``tokens``,
@@ -154,7 +148,6 @@ class DFlashCache:
     pending_taps: mx.array | None = None
     # Why the last reusable_prefix() reused less than the common prefix, or None.
     reuse_note: str | None = None
-    policy: PolicyState = field(default_factory=PolicyState)
 
     @property
     def offset(self) -> int:
@@ -178,12 +171,11 @@ class DFlashCache:
                 break
             n += 1
         self.reuse_note = None
-        restorable = restorable_lengths(self.target)
+        restorable = layer_caches.restorable_lengths(self.target)
         if restorable is not None and n not in restorable:
             # A recurrent state or a window returns only to where it was saved: reuse the nearest one.
             best = max(k for k in restorable if k <= n)
-            recurrent = any(isinstance(c, hybrid.RecurrentCache) for c in self.target)
-            kind = "recurrent state" if recurrent else "sliding window"
+            kind = layer_caches.limited_by(self.target, n)
             self.reuse_note = (
                 f"reused {best} of {n} cached tokens: the target's {kind} was saved "
                 f"at {sorted(restorable)[-6:]} only, so the rest is prefilled again"
@@ -191,14 +183,9 @@ class DFlashCache:
             n = best
         return n
 
-    def resume(self, ids: list[int], kernels: str = "auto") -> int:
+    def resume(self, ids: list[int]) -> int:
         """Start a generation on ``ids``: keep the longest prefix the pair can return to and forget
-        the rest; returns its length (at least one id is left to prefill, for its logits).
-        ``kernels`` is the generation's Metal kernels' mode for the target caches whose passes run
-        one (a recurrent layer's verify recurrence; :mod:`dflash_mlx.kernels`)."""
-        for c in self.target:
-            if isinstance(c, hybrid.RecurrentCache):
-                c.kernels = kernels
+        the rest; returns its length (at least one id is left to prefill, for its logits)."""
         reuse = self.reusable_prefix(ids)
         self.trim_to(reuse)
         return reuse
@@ -206,7 +193,7 @@ class DFlashCache:
     def trim_to(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens."""
         length = max(0, min(length, len(self.tokens)))
-        trim_to(self.target, length)
+        layer_caches.trim_to(self.target, length)
         if self.draft:
             d = self.draft_offset
             if length >= d:
@@ -259,54 +246,29 @@ class DFlashCache:
         return taps
 
 
-def restorable_lengths(caches: list[Any]) -> set[int] | None:
-    """Lengths every target layer can return to, or None if every layer can return anywhere."""
-    sets = [c.restorable_lengths() for c in caches if isinstance(c, RESTORING_CACHES)]
-    return set.intersection(*sets) if sets else None
-
-
-def trim_to(caches: list[Any], length: int) -> None:
-    """Trim every target layer to ``length``, through a checkpoint where a trim cannot reach."""
-    for c in caches:
-        if isinstance(c, RESTORING_CACHES) and not c.can_trim(c.offset - length):
-            c.restore(length)
-        else:
-            c.trim(c.offset - length)
-        if isinstance(c, RESTORING_CACHES):
-            # Where a generation starts (the end of the previous turn): a later turn may
-            # return here even after this one's prefill and cycles.
-            c.checkpoint()
-
-
-def make_target_cache(target: nn.Module) -> list[Any]:
-    """The target's per-layer caches, each one that can be rolled back after a rejected draft.
-
-    mlx-lm's own, except recurrent layers (``hybrid.RecurrentCache``) and sliding-window
-    layers, whose rotating buffer becomes a ``sliding.SlidingKVCache`` of the same window.
-    """
-    if getattr(target, "model_type", None) in hybrid.HYBRID_MODEL_TYPES:
-        return hybrid.make_cache(target)
-    if getattr(target, "model_type", None) in gemma.GEMMA_MODEL_TYPES:
-        return gemma.make_cache(target)
-    caches = make_prompt_cache(target)
-    return [SlidingKVCache(c.max_size) if type(c) is RotatingKVCache and c.keep == 0 else c for c in caches]
-
-
 def make_cache(
-    target: nn.Module, draft: nn.Module | None = None, *, draft_window: int | None = None, draft_sinks: int = 4
+    target: nn.Module,
+    draft: nn.Module | None = None,
+    *,
+    draft_window: int | None = None,
+    draft_sinks: int = 4,
+    kernels: str = "auto",
 ) -> DFlashCache:
     """A fresh cache for ``target`` (and ``draft`` if given).
 
     ``draft`` may also be any other proposer (prompt lookup): only a DFlash drafter keeps
     a context cache of its own: all of the target's taps, or with ``draft_window``, those of
-    the first ``draft_sinks`` positions and the latest ``draft_window`` ones.
+    the first ``draft_sinks`` positions and the latest ``draft_window`` ones. ``kernels`` is the
+    Metal kernels' mode of the target layers whose passes run one (a recurrent layer's recurrence;
+    :mod:`dflash_mlx.kernels`), for every generation that continues this cache.
 
     Raises:
         DFlashError: If the target's cache cannot be rolled back (e.g. a rotating window),
           or on a bad window.
     """
     check_draft_window(draft_window, draft_sinks)
-    target_cache = make_target_cache(target)
+    check_kernels(kernels)
+    target_cache = make_target_cache(target, kernels)
     if not can_trim_prompt_cache(target_cache):
         types = {type(c).__name__ for c in target_cache if not c.is_trimmable()}
         raise DFlashError(

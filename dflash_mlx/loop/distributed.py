@@ -4,11 +4,16 @@ Every rank runs the same generation on its shard of the target (mlx-lm's tensor 
 ``model.shard`` or pipeline ``model.model.pipeline``), so every target pass is one pass of
 all of them. What must not differ between ranks is what they feed the target and what they
 keep of it: rank 0 drafts, verifies and accepts as one process would, and after each cycle
-sends the others one small message (:class:`Peers`): the tokens it kept, how many drafts
+sends the others one small message (:class:`Peers`): its verdict's tokens, how many drafts
 were accepted, and the next cycle's drafts, or that generation stops. The others verify the
-same drafts (their share of the pass) and keep what rank 0 kept, never their own verdict, so
-they cannot drift apart even where machines' timings or rounding differ. A rank that dies
-mid-generation ends the others through a TCP connection beside the collectives (:meth:`Peers.watch`).
+same drafts (their share of the pass) and keep what rank 0 kept (cut to the same budget),
+never their own verdict, so they cannot drift apart even where machines' timings or rounding
+differ. A rank that dies mid-generation ends the others through a TCP connection beside the
+collectives (:meth:`Peers.watch`).
+
+The loop knows none of this: :func:`on_ranks` wraps its proposer and verifier, on rank 0 in
+:class:`LeadProposer` and :class:`LeadVerifier`, which tell the others, and on the others in
+:class:`FollowProposer` and :class:`FollowVerifier`, which take what rank 0 told.
 """
 
 import json
@@ -23,7 +28,9 @@ import mlx.nn as nn
 from ..base.errors import DFlashError
 from ..models import drafter2
 from ..models import target as tgt
+from .options import LoopOptions
 from .proposal import ContextTaker, Proposal, Proposer
+from .verify import Verdict, Verifier
 
 log = logging.getLogger("dflash_mlx")
 _BYE = b"\x01"  # a rank's last collective of the generation is done: its connection may close
@@ -50,6 +57,18 @@ def target_group(model: nn.Module) -> mx.distributed.Group | None:
         if group is not None and group.size() > 1:
             return group
     return None
+
+
+def sharded_group(model: nn.Module, draft: nn.Module | None, options: LoopOptions) -> mx.distributed.Group | None:
+    """The group the target is sharded over (None: whole), once what only rank 0 would run is refused."""
+    group = target_group(model)
+    if group is not None:
+        check_sharded(model, draft, options.block_size == "auto")
+        if options.tree_budget_for(model, draft):
+            raise DFlashError(
+                "Draft trees run in one process only for now: leave tree_budget at 0 on a sharded target."
+            )
+    return group
 
 
 def check_sharded(model: nn.Module, draft: nn.Module | None, choose_width: bool) -> None:
@@ -81,6 +100,9 @@ class Peers:
         self.block_size = block_size
         self.width = 2 * block_size + 3
         self.done = False  # the generation's last message went round
+        self.verdict: tuple[list[int], int] | None = None  # rank 0's latest, not yet told
+        self.sent: tuple[int, Proposal] | None = None  # rank 0's drafts the others verify next (after last)
+        self.drafts: Proposal | None = None  # the drafts rank 0 sent last (None: it stopped)
         self.links: list[socket.socket] = []
         self.closing = False
 
@@ -153,6 +175,20 @@ class Peers:
         drafts = None if n_drafts == 0 else Proposal(mx.array(total[start : start + n_drafts - 1], dtype=mx.uint32))
         return total[3 : 3 + n_kept], num_accepted, drafts
 
+    def decided(self, tokens: list[int], num_accepted: int) -> None:
+        """Rank 0's verdict, told with what follows it."""
+        self.verdict = (tokens, num_accepted)
+
+    def tell(self, drafts: Proposal | None) -> None:
+        """Rank 0: the verdict and the drafts after it (None: generation stops)."""
+        (tokens, num_accepted), self.verdict = self.verdict, None
+        self.settle(tokens, num_accepted, drafts)
+
+    def hear(self) -> tuple[list[int], int]:
+        """The others: rank 0's verdict (no tokens: it left); its drafts after it wait in ``drafts``."""
+        tokens, num_accepted, self.drafts = self.settle([], 0, None)
+        return tokens, num_accepted
+
 
 def _leader_host() -> str | None:
     # Rank 0's address as mlx.launch gave it: the ring's hostfile, or JACCL's coordinator.
@@ -167,19 +203,110 @@ def _leader_host() -> str | None:
     return None
 
 
-class FollowProposer(Proposer):
-    """A follower's proposer: it drafts nothing (rank 0's drafts come with :meth:`Peers.settle`)
-    and keeps nothing, but its taps are the leader's (a pipeline's hand-offs carry them), and so is
-    its prefill: ``drafter`` takes the taps in, folded as the leader's are."""
+class LeadVerifier:
+    """Rank 0's verifier: each verdict is kept until what follows it is known, then told to the others with the
+    next cycle's drafts (:class:`LeadProposer`), or with none when the generation ends (:meth:`finish`)."""
 
-    def __init__(self, tap_ids: list[int], drafter: ContextTaker | None = None):
-        self.tap_ids, self.drafter = tap_ids, drafter
+    def __init__(self, verifier: Verifier, peers: Peers):
+        self.verifier, self.peers = verifier, peers
+
+    def prefill(self, tokens: list[int], step_size: int, drafter: ContextTaker | None = None) -> int:
+        self.peers.watch()
+        token = self.verifier.prefill(tokens, step_size, drafter)
+        self.peers.decided([token], 0)
+        return token
+
+    def verify(self, last: int, proposal: Proposal, plain_next: bool = False) -> Verdict:
+        self.peers.sent = None  # the others take part in this pass
+        verdict = self.verifier.verify(last, proposal, plain_next)
+        self.peers.decided(verdict.tokens, verdict.num_accepted)
+        return verdict
+
+    def finish(self) -> None:
+        try:
+            if self.peers.sent is not None:
+                # Left between cycles: the others are verifying the drafts sent last. Take part in
+                # that pass, then tell them to stop.
+                self.verifier.verify(*self.peers.sent)
+                self.peers.settle([], 0, None)
+            elif self.peers.verdict is not None:
+                self.peers.tell(None)  # the last verdict, and no drafts after it
+        finally:
+            self.peers.close()
+            self.verifier.finish()
+
+
+class LeadProposer(Proposer):
+    """Rank 0's proposer: its drafts go to the others with the verdict before them."""
+
+    def __init__(self, inner: Proposer, peers: Peers):
+        self.inner, self.peers = inner, peers
+        self.tap_ids, self.drafter = inner.tap_ids, inner.drafter
 
     def propose(self, last: int, n: int) -> Proposal:
-        raise AssertionError("a follower verifies rank 0's drafts")
+        drafts = self.inner.propose(last, n)
+        self.peers.tell(drafts)
+        self.peers.sent = (last, drafts)
+        return drafts
+
+    def accept(self, num_accepted: int, taps: mx.array | None) -> None:
+        self.inner.accept(num_accepted, taps)
+
+    def plain_next(self) -> bool:
+        return self.inner.plain_next()
+
+    def rates(self) -> tuple[float | None, float | None]:
+        return self.inner.rates()
+
+
+class FollowVerifier:
+    """Another rank's verifier: it runs its share of each pass, and its verdict is rank 0's. No tokens: rank 0
+    left the generation early."""
+
+    def __init__(self, verifier: Verifier, peers: Peers):
+        self.verifier, self.peers = verifier, peers
+
+    def prefill(self, tokens: list[int], step_size: int, drafter: ContextTaker | None = None) -> int:
+        self.peers.watch()
+        self.verifier.prefill(tokens, step_size, drafter)
+        return self.peers.hear()[0][0]
+
+    def verify(self, last: int, proposal: Proposal, plain_next: bool = False) -> Verdict:
+        cached = self.verifier.verify(last, proposal).cached
+        tokens, num_accepted = self.peers.hear()
+        return Verdict(num_accepted, tokens, None, cached)
+
+    def finish(self) -> None:
+        self.peers.close()
+        self.verifier.finish()
+
+
+class FollowProposer(Proposer):
+    """Another rank's proposer: it drafts nothing (rank 0's drafts came with its last verdict) and keeps
+    nothing, but its taps are the leader's (a pipeline's hand-offs carry them), and so is its prefill:
+    ``drafter`` takes the taps in, folded as the leader's are."""
+
+    def __init__(self, peers: Peers, tap_ids: list[int], drafter: ContextTaker | None = None):
+        self.peers, self.tap_ids, self.drafter = peers, tap_ids, drafter
+
+    def propose(self, last: int, n: int) -> Proposal | None:
+        return self.peers.drafts
 
     def accept(self, num_accepted: int, taps: mx.array | None) -> None:
         pass
 
     def plain_next(self) -> bool:
         return False
+
+
+def on_ranks(
+    group: mx.distributed.Group | None, proposer: Proposer, verifier: Verifier, block_size: int
+) -> tuple[Proposer, "Verifier | LeadVerifier | FollowVerifier"]:
+    """The proposer and verifier of this rank: as they are alone (``group`` None); on rank 0 telling the others
+    what it decided; on the others, taking it."""
+    if group is None:
+        return proposer, verifier
+    peers = Peers(group, block_size)
+    if peers.leads:
+        return LeadProposer(proposer, peers), LeadVerifier(verifier, peers)
+    return FollowProposer(peers, proposer.tap_ids, proposer.drafter), FollowVerifier(verifier, peers)

@@ -16,8 +16,9 @@ import mlx.nn as nn
 from ..base.errors import DFlashError
 from ..cpu.speedups import CpuSpeedups
 from ..kernels import check_kernels
-from ..models import drafter2, hybrid
+from ..models import drafter2
 from ..models.drafter import DraftModel
+from ..models.families import family
 from ..sampling import check_proposal
 from ..text.inputs import MAX_SEED
 from ..tuning.policy import PolicyState
@@ -48,7 +49,7 @@ class LoopOptions:
           ``block_size - 1`` tokens under the drafter's per-position distributions, all checked in
           one target pass, the longest one the target agrees with kept. 0 or None (default): the
           drafter's single path. ``"auto"``: each cycle, the first nodes of a tree of
-          64 (``generation.MAX_AUTO_TREE_BUDGET``) that give the most tokens per second, from the measured cost of
+          64 (``drafts.build.MAX_AUTO_TREE_BUDGET``) that give the most tokens per second, from the measured cost of
           tree passes of each size (kept on disk, as for ``block_size="auto"``) and the drafter's
           path probabilities, scaled by how often they were right so far. Same output either way;
           ``num_draft`` counts the tree's nodes.
@@ -88,8 +89,7 @@ class LoopOptions:
         policy: What ``adaptive`` measured so far and its schedule, continued and updated in
           place: pass the same :class:`dflash_mlx.tuning.policy.PolicyState` to every call for a
           pair (each reply of a chat), so a reply does not pay again to learn that drafting
-          loses. None (default): the ``prompt_cache``'s own (``DFlashCache.policy``), else a
-          fresh one.
+          loses. None (default): a fresh one for this call.
         draft_window: Let the drafter see the target's taps of only the first
           ``draft_sinks`` positions and the latest ``draft_window`` ones, so that a draft pass
           and the drafter's cache stay the same size however long the context grows. None
@@ -113,7 +113,8 @@ class LoopOptions:
           this machine and was faster; ``"on"`` wherever it can run, untimed, raising if it
           differs from its twin; ``"off"`` the twins only. Off Metal the twins run, and
           ``"on"`` is an error. The quantized target's matmuls are chosen by ``load``'s own
-          ``kernels``. Same tokens either way.
+          ``kernels``, a recurrent layer's recurrence by the cache's (``make_cache(kernels=)``;
+          a cache the loop makes itself takes this one). Same tokens either way.
 
     Raises:
         DFlashError: On ``max_tokens < 1``, a bad ``proposal``, ``min_confidence``,
@@ -228,7 +229,7 @@ def check_tree_budget(
         raise DFlashError(f"tree_budget={tree_budget} builds trees from a DFlash drafter's block: pass one (--draft).")
     if block_size == "auto" or min_confidence > 0:
         raise DFlashError("A draft tree chooses its own nodes: leave block_size fixed and min_confidence at 0.")
-    if tree_budget == "auto" and model.model_type in hybrid.HYBRID_MODEL_TYPES:
+    if tree_budget == "auto" and family(model).recurrent:
         raise DFlashError(
             "tree_budget='auto' times tree passes on the live cache and rolls them back, which a hybrid target's "
             "recurrent state cannot do cheaply; pass a fixed tree_budget."

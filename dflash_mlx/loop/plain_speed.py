@@ -12,7 +12,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..models import hybrid
+from ..models.families import family
 from ..sampling import Sampler
 from .cache import DFlashCache
 
@@ -26,7 +26,7 @@ def plain_tokens_per_second(
     cannot be timed without losing state: an empty cache, or a hybrid target whose recurrent
     state cannot be rolled back to an arbitrary position.
     """
-    if not cache.tokens or any(isinstance(c, hybrid.RecurrentCache) for c in cache.target):
+    if not cache.tokens or family(model).recurrent:
         return None
     token = mx.array([[cache.tokens[-1]]], dtype=mx.uint32)
     times = []

@@ -7,17 +7,17 @@ ones pass the speculative-sampling test (``dflash_mlx.sampling``).
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import RotatingKVCache
 
 from ..cpu.speedups import CpuSpeedups
 from ..kernels import greedy_accept
-from ..models import hybrid
 from ..models import target as tgt
-from ..models.tree import DraftTree, keep_path
+from ..models.caches import fed_as_mlx_lm, keep_path
+from ..models.families import family
+from ..models.tree import DraftTree
 from ..sampling import Sampler, accept_one_hot, sample_rows, speculative_accept
 from .cache import DFlashCache
 from .proposal import ContextTaker, Proposal
@@ -76,16 +76,23 @@ class Verifier:
     ):
         self.model, self.cache, self.tap_ids, self.speedups = model, cache, tap_ids, speedups
         self.kernels = kernels
-        # By type, once: an empty rotating cache still says it can be trimmed.
-        self.rotating = any(isinstance(c, RotatingKVCache) for c in cache.target)
-        # A step may run ahead of the host only where one step can be taken back exactly
-        # (a stop token read late): not a rotating window, not a recurrent state.
-        self.can_run_ahead = run_ahead and not self.rotating and model.model_type not in hybrid.HYBRID_MODEL_TYPES
+        self.run_ahead = run_ahead and not family(model).recurrent
         self._ahead: tuple[mx.array, mx.array | None] | None = None  # a queued plain step
         self.greedy, self.sampler = sampler is None, sampler
         fast_exp = speedups is not None and speedups.fast_exp
         self.probs = partial(sampler.probs, fast_exp=fast_exp) if isinstance(sampler, Sampler) else None
         self.logits_processors = logits_processors or []
+
+    @cached_property
+    def rotating(self) -> bool:
+        """Whether the target's cache is mlx-lm's rotating window (:func:`~dflash_mlx.models.caches.fed_as_mlx_lm`)."""
+        return fed_as_mlx_lm(self.cache.target)
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """A step may run ahead of the host only where one step can be taken back exactly (a stop token read
+        late): not a rotating window, not a recurrent state, not on a sharded target."""
+        return self.run_ahead and not self.rotating
 
     def _logits(self, logits: mx.array, block: mx.array | None = None, seen: list[int] | None = None) -> mx.array:
         # Row i of a verified block sees the cached tokens (or ``seen``) plus block[: i + 1].

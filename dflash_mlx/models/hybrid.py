@@ -27,7 +27,7 @@ projections, the convolution and the recurrence of the kept tokens.
 It also keeps a few earlier states ("checkpoints"), at the start of passes that followed a
 pass nothing was trimmed from: the ends of prefills, which is where a chat's next turn
 may want to return to. ``DFlashCache.reusable_prefix`` limits prefix reuse to them
-(``dflash_mlx.loop.cache.restorable_lengths``).
+(:func:`dflash_mlx.models.caches.restorable_lengths`).
 """
 
 import dataclasses
@@ -41,6 +41,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..base.errors import DFlashError
 from . import linear_attention
+from .caches import Restoring
 from .stages import Stage
 
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -53,17 +54,20 @@ MAX_CHECKPOINTS = 4
 RECORD_POSITIONS = 16
 
 
-class RecurrentCache(ArraysCache):
+class RecurrentCache(ArraysCache, Restoring):
     """A Gated DeltaNet layer's ``[conv_state, recurrent_state]`` that can be trimmed.
 
     ``begin(layer, h)`` is called before each pass with the decoder layer and its input;
     ``trim(n)`` then drops the last ``n`` tokens of that pass (and only of that pass), and
-    :meth:`restore` returns the state to a checkpoint.
+    :meth:`restore` returns the state to a checkpoint. ``kernels`` is the Metal kernels' mode of its
+    passes' recurrence (:mod:`dflash_mlx.kernels`), given once when the cache is made.
     """
 
-    def __init__(self):
+    kind = "recurrent state"
+
+    def __init__(self, kernels: str = "auto"):
         super().__init__(size=2)
-        self.kernels = "auto"  # the Metal kernels' mode for its verify passes (DFlashCache.resume)
+        self.kernels = kernels
         self.offset = 0
         self._layer: nn.Module | None = None
         self._inputs: mx.array | None = None  # (B, L, H): the last pass's decoder layer input
@@ -96,7 +100,7 @@ class RecurrentCache(ArraysCache):
         self._before = self._inputs = self._steps = None
         self._tree = (sources, states)
 
-    def keep(self, path: list[int]) -> None:
+    def keep(self, start: int, path: list[int]) -> None:
         """Take the state after the last node of ``path`` (root first) as this layer's, ``len(path)``
         tokens on; :meth:`trim` can then go back along the path like after a verify pass."""
         sources, states = self._tree
@@ -182,9 +186,10 @@ class RecurrentCache(ArraysCache):
         self.cache = v
 
 
-def make_cache(model: nn.Module) -> list[Any]:
-    """The per-layer caches of a hybrid target: recurrent ones for linear attention layers."""
-    return [RecurrentCache() if layer.is_linear else KVCache() for layer in model.layers]
+def make_cache(model: nn.Module, kernels: str = "auto") -> list[Any]:
+    """The per-layer caches of a hybrid target: recurrent ones for linear attention layers, whose passes run
+    the Metal kernels as ``kernels`` says."""
+    return [RecurrentCache(kernels) if layer.is_linear else KVCache() for layer in model.layers]
 
 
 def check_layout(config: dict) -> None:

@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from ..base.errors import DFlashError
+from .caches import Restoring, keep_rows
 
 # States kept per layer for prefix reuse across calls, as for a hybrid target's recurrent state.
 MAX_CHECKPOINTS = 4
@@ -32,7 +33,7 @@ def _fresh(x: mx.array, size: int) -> mx.array:
     return buf
 
 
-class SlidingKVCache:
+class SlidingKVCache(Restoring):
     """Keys and values of a layer that attends to its last ``window`` positions only.
 
     It stores positions ``[start, offset)`` from ``keys[..., 0, :]``. ``update_and_fetch`` returns
@@ -45,6 +46,7 @@ class SlidingKVCache:
     """
 
     step = 256
+    kind = "sliding window"
 
     def __init__(self, window: int, slack: int | None = None):
         self.window = window
@@ -161,6 +163,11 @@ class SlidingKVCache:
             self.start = offset - keys.shape[2]
         self.offset, self._passed = offset, False
         self.checkpoints = {k: v for k, v in self.checkpoints.items() if k <= offset}
+
+    def keep(self, start: int, path: list[int]) -> None:
+        # The buffer row of position p is p - self.start.
+        keep_rows(self.keys, self.values, start - self.start, path)
+        self.trim(self.offset - start - len(path))
 
     @property
     def state(self):

@@ -1,11 +1,11 @@
 """Draft trees as the target sees them: the tree's topology (:class:`DraftTree`), its attention masks, the
-cache views a tree pass writes through, and :func:`keep_path`, which keeps the accepted path.
+cache views a tree pass writes through; :func:`dflash_mlx.models.caches.keep_path` keeps the accepted path.
 
 How a tree is built from a drafter's distributions is :mod:`dflash_mlx.drafts.tree`. The target sees the tree
 as a batch: node ``i`` is batch row ``i``, a one-token step at its own position (mlx-lm's layers take a
 per-row RoPE offset, as for batched decoding), and every row reads the keys of the whole pass (:class:`TreeCache`)
 under its row of the ancestor mask. The pass appends all nodes to each layer's cache in node order;
-:func:`keep_path` then moves the accepted path's keys to consecutive positions and drops the rest.
+:func:`~dflash_mlx.models.caches.keep_path` then moves the accepted path's keys to consecutive positions and drops the rest.
 """
 
 from dataclasses import dataclass, field
@@ -147,20 +147,3 @@ def check_tree_caches(caches: list[Any]) -> None:
             f"Draft trees need attention caches that keep every position (got {sorted(kinds)}); "
             "use tree_budget=0 with this target."
         )
-
-
-def keep_path(caches: list[Any], start: int, path: list[int]) -> None:
-    """After a tree pass that appended ``n + 1`` positions from ``start``: keep the nodes of
-    ``path`` (indices into the pass) at ``start, start + 1, ...`` and forget the rest."""
-    index = mx.array(path)
-    for c in caches:
-        if isinstance(c, RecurrentCache):
-            c.keep(path)
-            continue
-        added = c.offset - start
-        # The buffer row of position p: p itself, or p - start for a sliding window's buffer.
-        first = start - (c.start if isinstance(c, SlidingKVCache) else 0)
-        if path != list(range(len(path))):
-            c.keys[..., first : first + len(path), :] = c.keys[..., first + index, :]
-            c.values[..., first : first + len(path), :] = c.values[..., first + index, :]
-        c.trim(added - len(path))

@@ -456,8 +456,8 @@ def _prepare_embedded_pair(model: str | None, datastore: str = "auto") -> None:
         return
     import json
 
-    from ..drafts.datastore import open_datastore
     from ..loading.pairs import DEFAULT_PAIR, embedded_pair
+    from ..tools.session import open_datastore
 
     try:
         target, _ = embedded_pair(model or DEFAULT_PAIR)

@@ -68,7 +68,7 @@ class MLXEngine:
         policy_store: Where what the adaptive policy measured is kept between sessions
           (:class:`dflash_mlx.tuning.policy.PolicyStore`); None: within this session only.
         datastore: ``--datastore``: ``"auto"``, ``"none"`` or a response cache file
-          (:func:`dflash_mlx.drafts.datastore.open_datastore`); every reply joins it.
+          (:func:`dflash_mlx.tools.session.open_datastore`); every reply joins it.
     """
 
     def __init__(
@@ -88,12 +88,23 @@ class MLXEngine:
         self.policy_store = policy_store
         self.extra_eos_token, self.template_kwargs = list(extra_eos_token), dict(chat_template_config or {})
         self._thread = MLXThread()
-        self.model = self.draft = self.tokenizer = self.cache = None
+        self.session = None  # the loaded pair (dflash_mlx.tools.session.Session), once load() ran
+        self.cache = None
         self.context_tokens: int | None = None
-        self.policies: dict[tuple, Any] = {}  # PolicyState by (block size, sampling, cutoff, fallback)
-        self._policy_keys: dict[tuple, str] = {}  # their keys in the policy store
-        self._setup: tuple | None = None
         self._closing = False
+
+    # The pair as loaded; the drafter may be swapped (tests wrap it to time it).
+    model = property(lambda self: self.session.model if self.session else None)
+    tokenizer = property(lambda self: self.session.tokenizer if self.session else None)
+    draft = property(
+        lambda self: self.session.draft if self.session else None,
+        lambda self, draft: setattr(self.session, "draft", draft),
+    )
+
+    @property
+    def policies(self) -> dict:
+        """The adaptive policy's state per drafting setup (block size, sampling, cutoff, fallback, tree)."""
+        return self.session.policies if self.session else {}
 
     def _run(self, fn: Callable, *args) -> Any:
         return self._thread.run(fn, *args)
@@ -111,23 +122,14 @@ class MLXEngine:
         return self._run(self._load)
 
     def _load(self) -> dict[str, Any]:
-        from ..drafts.datastore import open_datastore
-        from ..loading.loading import load
         from ..loading.pairs import AUTO_DRAFT, DEFAULT_PAIR
-        from ..loading.registry import draft_for_cli
-        from ..loop.cache import make_cache
-        from ..models import target as tgt
         from ..text.chat_template import template_switches
-        from ..tools.cli.options import add_stop_tokens
+        from ..tools.session import Session
 
-        draft = draft_for_cli(self.model_path, self.draft_path, self.no_draft)
-        self.model, self.draft, self.tokenizer = load(self.model_path, draft, dtype=self.dtype)
-        add_stop_tokens(self.tokenizer, self.extra_eos_token)
-        if self.no_draft:
-            self.draft = None
-        self.cache = make_cache(self.model, self.draft)
-        if self.draft is not None:  # plain decoding stays plain
-            self.datastore = open_datastore(self.datastore_choice, self.model_path, tgt.vocab_size(self.model))
+        self.session = Session.open(self.model_path, self.draft_path, no_draft=self.no_draft, dtype=self.dtype,
+                                    extra_eos_token=self.extra_eos_token, policy_store=self.policy_store)  # fmt: skip
+        self.cache = self.session.make_cache()
+        self.datastore = self.session.open_datastore(self.datastore_choice)
         name = DEFAULT_PAIR if self.model_path is None else Path(self.model_path).name
         if self.draft is None:
             name += " (no drafter)"
@@ -146,10 +148,8 @@ class MLXEngine:
         """Forget the conversation (a fresh cache). Returns at once; later calls run after it."""
 
         def _reset():
-            from ..loop.cache import make_cache
-
-            if self.model is not None:
-                self.cache = make_cache(self.model, self.draft)
+            if self.session is not None:
+                self.cache = self.session.make_cache()
             self.context_tokens = 0
 
         self._thread.submit(_reset)
@@ -162,11 +162,8 @@ class MLXEngine:
         return render_chat(self.tokenizer, messages, system_prompt=settings.system_prompt, template_args=args)
 
     def _start(self, messages: list[dict[str, str]], settings: Settings):
-        from ..generation import policy_key, stream_generate
-        from ..models.drafter import DraftModel
         from ..sampling import make_sampler
         from ..text.chat_template import has_chat_template
-        from ..tuning.policy import PolicyState
 
         if self.draft is not None:
             # Off keeps the drafter, verifying one token per pass, so its cache stays in sync.
@@ -174,17 +171,7 @@ class MLXEngine:
         else:
             block_size = None
         setup = (block_size, settings.temp > 0, settings.min_confidence, settings.lookup_fallback, settings.tree_budget)
-        if setup not in self.policies:
-            self.policies[setup] = PolicyState()
-            if self.policy_store is not None and isinstance(self.draft, DraftModel):
-                key = policy_key(self.model, self.draft, {"chat": list(setup)})
-                self.policies[setup] = self.policy_store.get(key)
-                self._policy_keys[setup] = key
-        self._setup = setup
-        return stream_generate(
-            self.model,
-            self.draft,
-            self.tokenizer,
+        return self.session.stream(
             self._prompt(messages, settings),
             max_tokens=settings.max_tokens,
             block_size=block_size,
@@ -192,8 +179,7 @@ class MLXEngine:
             min_confidence=settings.min_confidence,
             lookup_fallback=settings.lookup_fallback,
             tree_budget=settings.tree_budget if settings.dflash else 0,
-            policy=self.policies[setup],
-            datastore=self.datastore,
+            setup={"chat": list(setup)},
             prompt_cache=self.cache,
             parse_reasoning=has_chat_template(self.tokenizer),
         )
@@ -211,9 +197,7 @@ class MLXEngine:
         finally:
             self._run(responses.close)
             self.context_tokens = self._run(lambda: len(self.cache.tokens))
-            key = self._policy_keys.get(self._setup)
-            if key is not None:
-                self.policy_store.put(key, self.policies[self._setup])
+            self.session.keep_policies()
 
 
 class StreamEngine:

@@ -11,6 +11,8 @@ new reply starts where the last one left off instead of drafting again to find o
 Plain Python only.
 """
 
+import hashlib
+import json
 import math
 import time
 from collections import defaultdict
@@ -311,3 +313,17 @@ class PolicyStore(JsonStore):
 
     def put(self, key: str, state: PolicyState) -> None:
         self.write(key, state.saved())
+
+
+def policy_key(model, draft, setup: dict) -> str:
+    """What the adaptive policy's verdict depends on, as :class:`PolicyStore`'s key: the machine,
+    the target's shape and dtype, the drafter's weights (a checksum) and the drafting ``setup``."""
+    # The one function here that reads arrays: imported when a key is made, so the rest stays plain Python.
+    import mlx.core as mx
+
+    from .widths import machine_key, model_key
+
+    weights = mx.sum(draft.fc.weight.astype(mx.float32)).item()
+    drafter = json.dumps([vars(draft.args), round(weights, 6)], sort_keys=True, default=str)
+    ident = json.dumps([machine_key(), model_key(model), drafter, setup], sort_keys=True)
+    return hashlib.sha256(ident.encode()).hexdigest()[:24]

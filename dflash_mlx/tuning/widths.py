@@ -29,8 +29,8 @@ import mlx.nn as nn
 
 from ..base.errors import DFlashError
 from ..base.store import JsonStore
-from ..models import hybrid
 from ..models import target as tgt
+from ..models.families import family
 from ..models.tree import chain
 
 MIN_BUCKET = 256  # contexts up to this many tokens share one measurement
@@ -158,7 +158,7 @@ class VerifyWidth:
         self, model, draft, cache, speedups=None, store: CostStore | None = None, prior: float = 4.0,
         tree_nodes: int = 0,
     ):  # fmt: skip
-        if getattr(model, "model_type", None) in hybrid.HYBRID_MODEL_TYPES:
+        if family(model).recurrent:
             raise DFlashError(
                 "block_size='auto' times verify passes on the live cache and trims them off, which a hybrid "
                 "target's recurrent state cannot do cheaply; pass a fixed block size."

@@ -11,7 +11,7 @@ import argparse
 from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interleaved
 
 from dflash_mlx.generation import stream_generate
-from dflash_mlx.tools.bench.timing import _time_stream
+from dflash_mlx.tools.bench.timing import time_stream
 
 CONFIGS = {"plain": (False, None), "dflash, every cycle": (True, False), "dflash, adaptive (default)": (True, None)}
 
@@ -27,7 +27,7 @@ def main() -> None:
         drafted, adaptive = CONFIGS[name]
         stream = stream_generate(model, draft if drafted else None, tokenizer, ids, max_tokens=args.max_tokens,
                                  adaptive=adaptive)  # fmt: skip
-        return _time_stream(stream, lambda r: r.tokens)
+        return time_stream(stream, lambda r: r.tokens)
 
     tps, outputs = run_interleaved(tokenizer, rows, list(CONFIGS), run, args.runs)
     same = all(outputs[name] == outputs["plain"] for name in CONFIGS)

@@ -18,7 +18,7 @@ from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interl
 
 from dflash_mlx.cpu.speedups import CpuSpeedups
 from dflash_mlx.generation import stream_generate
-from dflash_mlx.tools.bench.timing import _time_stream
+from dflash_mlx.tools.bench.timing import time_stream
 
 
 def main() -> None:
@@ -43,7 +43,7 @@ def main() -> None:
             lookup_fallback=fallback,
             cpu_speedups=CpuSpeedups(start_every=every),
         )
-        return _time_stream(stream, lambda r: r.tokens)
+        return time_stream(stream, lambda r: r.tokens)
 
     tps, outputs = run_interleaved(tokenizer, rows, list(configs), run, args.runs)
 

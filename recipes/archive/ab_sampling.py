@@ -23,7 +23,7 @@ from interleaved import add_run_arguments, embedded_pair_and_prompts, run_interl
 
 from dflash_mlx.generation import stream_generate
 from dflash_mlx.sampling import make_sampler
-from dflash_mlx.tools.bench.timing import _time_stream
+from dflash_mlx.tools.bench.timing import time_stream
 
 
 def main() -> None:
@@ -62,7 +62,7 @@ def main() -> None:
             seed=len(ids),
             **extra,
         )
-        out = _time_stream(stream, lambda r: r.tokens)
+        out = time_stream(stream, lambda r: r.tokens)
         for accepted, size in zip(out[3], out[4]):
             s = stats[name]
             s[3] += 1

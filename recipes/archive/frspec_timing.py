@@ -67,7 +67,7 @@ def main() -> None:
     from dflash_mlx.tools.train.losses import block_loss
     from dflash_mlx.tools.train.precondition import ScaledLinear, feature_scale
     from dflash_mlx.tools.train.taps import TapStore
-    from dflash_mlx.tools.train.trainer import _KEYS, _to_mx, evaluate_acceptance
+    from dflash_mlx.tools.train.trainer import BATCH_KEYS, evaluate_acceptance, to_mx
     from dflash_mlx.tools.train.vocab import LossVocab, coverage, token_counts, top_tokens
 
     print(f"BLAS: {blas_in_use()}")
@@ -88,7 +88,7 @@ def main() -> None:
     store = TapStore(target, draft.target_layer_ids, train_args.max_seq_len, keep=True)
     draft.fc = ScaledLinear.from_linear(draft.fc, feature_scale([store.get(ex)[0] for ex in examples[:8]]))
     a = train_args
-    batch = _to_mx(make_batch(examples, np.random.default_rng(0), batch_size=a.batch_size, blocks_per_seq=a.blocks_per_seq,
+    batch = to_mx(make_batch(examples, np.random.default_rng(0), batch_size=a.batch_size, blocks_per_seq=a.blocks_per_seq,
                               block_size=a.block_size, max_seq_len=a.max_seq_len, mask_token_id=draft.mask_token_id,
                               weights=position_weights(a.block_size, a.loss_decay)))  # fmt: skip
     L = batch["tokens"].shape[1]
@@ -115,7 +115,7 @@ def main() -> None:
             optimizer.update(draft, grads)
             return loss
 
-        return lambda: mx.eval(step(taps, last, *[batch[k] for k in _KEYS]), state)
+        return lambda: mx.eval(step(taps, last, *[batch[k] for k in BATCH_KEYS]), state)
 
     steps = {
         "whole vocabulary": make_step(None),

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from dflash_mlx import load
 from dflash_mlx.loading.pairs import default_pair_path
-from dflash_mlx.tools.bench.benchmark import _prompt_rows, encode
+from dflash_mlx.tools.bench.benchmark import encode, prompt_rows
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,13 +19,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def embedded_pair_and_prompts(num_prompts: int) -> tuple:
     """The default pair in fp32 and the first ``num_prompts`` of its held-out prompts."""
     model, draft, tokenizer = load(dtype="float32")
-    return model, draft, tokenizer, _prompt_rows(str(default_pair_path() / "prompts.jsonl"), num_prompts)
+    return model, draft, tokenizer, prompt_rows(str(default_pair_path() / "prompts.jsonl"), num_prompts)
 
 
 def run_interleaved(tokenizer, rows: list, names: list[str], run: Callable, runs: int) -> tuple[dict, dict]:
     """Per prompt, a warm-up of each configuration, then ``runs`` rounds across them.
 
-    ``run(name, ids)`` returns what ``dflash_mlx.tools.bench.timing._time_stream`` does. Returns the
+    ``run(name, ids)`` returns what ``dflash_mlx.tools.bench.timing.time_stream`` does. Returns the
     tok/s of each configuration (its tokens over the sum of its per-prompt median times) and
     the token ids of each of its runs.
     """

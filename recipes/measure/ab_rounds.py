@@ -10,8 +10,8 @@ from mlx_lm.generate import stream_generate as mlx_lm_stream
 
 from dflash_mlx import load, stream_generate
 from dflash_mlx.cpu.openblas import blas_in_use
-from dflash_mlx.drafts.datastore import open_datastore
 from dflash_mlx.loading.pairs import DEFAULT_PAIR, default_pair_path
+from dflash_mlx.tools.session import open_datastore
 
 
 def run_rounds(arms: dict[str, dict], rounds: int, prompts: int = 2, setup: dict | None = None) -> None:

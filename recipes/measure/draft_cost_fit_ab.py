@@ -13,9 +13,9 @@ import json
 import time
 
 from dflash_mlx import load, stream_generate
-from dflash_mlx.drafts.datastore import open_datastore
 from dflash_mlx.loading.pairs import DEFAULT_PAIR, default_pair_path
 from dflash_mlx.sampling import make_sampler
+from dflash_mlx.tools.session import open_datastore
 from dflash_mlx.tuning.policy import FreeStats, PolicyState
 
 parser = argparse.ArgumentParser()

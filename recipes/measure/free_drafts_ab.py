@@ -9,12 +9,13 @@ two held-out prompts, rounds taking turns (the first is warm-up); prints cumulat
 import json
 import time
 
-import dflash_mlx.generation as g
+import dflash_mlx.drafts.build as g
 from dflash_mlx import load, stream_generate
-from dflash_mlx.drafts.datastore import DatastoreProposer, open_datastore
+from dflash_mlx.drafts.datastore import DatastoreProposer
 from dflash_mlx.drafts.lookup import LookupProposer, PromptLookup
 from dflash_mlx.drafts.proposer import FirstOf
 from dflash_mlx.loading.pairs import DEFAULT_PAIR
+from dflash_mlx.tools.session import open_datastore
 from dflash_mlx.tuning.policy import PolicyState
 
 model, draft, tok = load()

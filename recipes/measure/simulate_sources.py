@@ -145,7 +145,7 @@ def main():
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from dflash_mlx.tools.train.data import _key, read_cache, read_prompts, render_prompt
+    from dflash_mlx.tools.train.data import prompt_key, read_cache, read_prompts, render_prompt
 
     tokenizer = load_tokenizer(Path("runs/smollm2/target"))
     records = [json.loads(line) for line in open(args.prompts) if line.strip()]
@@ -153,7 +153,7 @@ def main():
     for rec, prompt in zip(records, read_prompts(args.prompts)):
         source = rec.get("source", "?")
         kind = "topics:wordnet" if source.startswith("topics:wordnet") else source.split(":")[0]
-        group[_key(render_prompt(tokenizer, prompt))] = f"{rec.get('category', 'all')}/{kind}"
+        group[prompt_key(render_prompt(tokenizer, prompt))] = f"{rec.get('category', 'all')}/{kind}"
     examples = [ex for ex in read_cache(args.heldout) if ex["key"] in group]
     groups = sorted({group[ex["key"]] for ex in examples})
     tic = time.perf_counter()

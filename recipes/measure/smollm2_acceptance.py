@@ -51,8 +51,8 @@ def main() -> None:
     model, draft, tokenizer = load(args.model, args.draft)
     settings = {"adaptive": False}
     if args.defaults:
-        from dflash_mlx.drafts.datastore import open_datastore
         from dflash_mlx.models.target import vocab_size
+        from dflash_mlx.tools.session import open_datastore
         from dflash_mlx.tuning.policy import PolicyState
 
         store = open_datastore(args.datastore, args.model, vocab_size(model), learns=False)

@@ -72,7 +72,7 @@ def main():
     from dflash_mlx.loading.draft_loader import load_draft
     from dflash_mlx.loading.target_loader import load_target
     from dflash_mlx.tools.train.block_acceptance import response_acceptance
-    from dflash_mlx.tools.train.data import _key, read_cache, read_prompts, render_prompt
+    from dflash_mlx.tools.train.data import prompt_key, read_cache, read_prompts, render_prompt
     from dflash_mlx.tools.train.taps import TapStore
 
     target, tokenizer = load_target(Path(args.model))
@@ -80,7 +80,7 @@ def main():
     records = [json.loads(line) for line in open(args.prompts) if line.strip()]
     category, group = {}, {}  # by response key: the category, and "category/source kind" (before the first colon)
     for rec, prompt in zip(records, read_prompts(args.prompts)):
-        key = _key(render_prompt(tokenizer, prompt))
+        key = prompt_key(render_prompt(tokenizer, prompt))
         category[key] = rec.get("category", "all")
         group[key] = f"{category[key]}/{rec.get('source', '?').split(':')[0]}"
     examples = [ex for ex in read_cache(args.cache) if ex["key"] in category]

@@ -20,7 +20,7 @@ import numpy as np
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from dflash_mlx.tools.train.data import _key, read_cache, read_prompts, render_prompt
+from dflash_mlx.tools.train.data import prompt_key, read_cache, read_prompts, render_prompt
 
 
 def repeat_share(ids: list[int], n: int = 4) -> tuple[int, int]:
@@ -58,7 +58,7 @@ def main() -> None:
     meta = {}
     for path in args.prompts:
         records = [json.loads(line) for line in open(path) if line.strip()]
-        meta.update({_key(render_prompt(tokenizer, p)): r for p, r in zip(read_prompts(path), records)})
+        meta.update({prompt_key(render_prompt(tokenizer, p)): r for p, r in zip(read_prompts(path), records)})
     examples = read_cache(args.cache)
 
     by = defaultdict(lambda: defaultdict(lambda: [0, 0, 0, 0]))  # n, tokens, repeated, grams

@@ -19,7 +19,7 @@ processes, with mlx-lm's own model (float32, ``mlx_lm.load``):
   the only writer of the cache.
 
 The cache line is exactly dflash-train's: ``{"key", "prompt_ids", "response_ids",
-"finish_reason"}`` with the key of ``train_data._key``; the stop token is kept in the response,
+"finish_reason"}`` with the key of ``dflash_mlx.tools.train.data.prompt_key``; the stop token is kept in the response,
 ``finish_reason`` is ``stop`` when the response ends with an EOS id, else ``length``. Lines are
 appended and flushed one by one (a kill loses only unfinished responses); a rerun skips keys
 already cached and ignores a torn last line. ``--minutes``: no new prompts after that time,
@@ -139,7 +139,7 @@ def worker_main(wid, args, task_q, result_q, stop_event):
 def load_todo(args):
     from mlx_lm.utils import load_tokenizer
 
-    from dflash_mlx.tools.train.data import _key, read_cache, read_prompts, render_prompt
+    from dflash_mlx.tools.train.data import prompt_key, read_cache, read_prompts, render_prompt
 
     tokenizer = load_tokenizer(Path(args.model))
     done = {ex["key"] for ex in read_cache(args.cache)}
@@ -148,7 +148,7 @@ def load_todo(args):
     for path in args.prompts:
         for prompt in read_prompts(path):
             ids = render_prompt(tokenizer, prompt)
-            key = _key(ids)
+            key = prompt_key(ids)
             if key not in done and len(ids) <= args.max_prompt_tokens:
                 done.add(key)
                 todo.append((key, ids))

@@ -1,6 +1,9 @@
 """The checks every target family passes on its tiny exact-layout pair: DFlash's greedy output is
 mlx-lm's own greedy decoding with a random drafter, through every rollback length, and across a
-stop token inside a block. Each family's test module runs them on its own pairs."""
+stop token inside a block. tests/test_families.py runs them on every family's pairs; each family's
+own module runs the checks that are its alone (multi-turn reuse, its cache's rollback, its layouts)."""
+
+import json
 
 import mlx.core as mx
 
@@ -13,6 +16,27 @@ from .decoding import greedy, run
 from .oracles import AcceptExactlyDraft, ScriptedDraft, SecondChoiceDraft
 
 MAX_REF = 64
+SLIDING_SLACK = 16  # the largest rollback in these checks: a block of 16's rejected drafts, plus one
+
+
+def small_sliding_caches(monkeypatch) -> None:
+    """Sliding caches that drop old positions within these short runs (every 8 past the window and
+    a slack of 16), so that the checks go through what long conversations do."""
+    from dflash_mlx.models import sliding
+
+    monkeypatch.setattr(sliding, "SLIDING_SLACK", SLIDING_SLACK)
+    monkeypatch.setattr(sliding.SlidingKVCache, "step", 8)
+
+
+def gemma_draft_config() -> dict:
+    """A drafter config with the keys of z-lab's published Gemma 4 drafters (sliding layers, the
+    target's softcap, rope_theta at the top level), at these tests' sizes."""
+    config = draft_config(num_target_layers=4, layers=2, target_layer_ids=(1, 2))
+    config.update(
+        layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True,
+        final_logit_softcapping=5.0, rope_scaling=None, tie_word_embeddings=True, attention_bias=False, dtype="float32",
+    )  # fmt: skip
+    return config
 
 
 def prompt_ids(length: int, seed: int = 3) -> list[int]:
@@ -166,6 +190,20 @@ def check_greedy_matches_transformers(model, hf, prompt: list[int], max_tokens: 
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
                           eos_token_id=None, pad_token_id=0)  # fmt: skip
     assert reference(model, prompt, max_tokens) == out[0, len(prompt) :].tolist()
+
+
+def write_targets(root, kinds, draft: dict | None = None) -> dict:
+    """``{kind: (folder, transformers model)}`` for tiny targets written by transformers in their published
+    layouts, and a drafter folder (with config ``draft``, if given) under ``"draft"``."""
+    from .checkpoints import write_draft
+    from .hf_checkpoints import write_hf_target
+
+    out = {kind: (root / kind, write_hf_target(root / kind, kind)) for kind in kinds}
+    write_draft(root / "draft")
+    if draft is not None:
+        (root / "draft" / "config.json").write_text(json.dumps(draft))
+    out["draft"] = (root / "draft", None)
+    return out
 
 
 def write_pair_folders(root, kind: str):

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+from dflash_mlx import generation
 from dflash_mlx.generation import GenerationResponse
 from dflash_mlx.tools.server import app, handler, worker
 
@@ -58,7 +59,7 @@ class LateWriter:
 
 
 def _patch() -> None:
-    worker.stream_generate = endless_responses
+    generation.stream_generate = endless_responses  # what the server's session streams
     close, setup = worker.Worker.close, handler.APIHandler.setup
 
     def closing_close(self):

@@ -72,7 +72,7 @@ def load_prompts(path: Path, limit: int | None = None) -> list[dict]:
     return prompts[:limit] if limit else prompts
 
 
-def _prompt_rows(prompts: str, limit: int | None) -> list[dict]:
+def prompt_rows(prompts: str, limit: int | None) -> list[dict]:
     """A JSONL path, or comma-separated names of the paper's sets (gsm8k, math500, ...)."""
     from .datasets import DATASETS, load_prompt_set
 
@@ -202,12 +202,10 @@ def run_benchmark(
     the runs, so no run drafts from another's answer to the same prompt. ``tree_budget``: dflash-tree's nodes a cycle
     (its trees are as deep as the drafter's block; it runs only when named in ``methods``).
     """
-    from ...drafts.datastore import open_datastore
-    from ...loading.loading import load
     from ...loading.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
     from ...loop.options import LoopOptions
-    from ...models.hybrid import HYBRID_MODEL_TYPES
-    from ...models.target import vocab_size
+    from ...models.families import family
+    from ..session import Session
     from .context import context_rows, label, load_documents
 
     if runs < 1:
@@ -237,7 +235,8 @@ def run_benchmark(
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise DFlashError(f"Unknown method {bad[0]!r}; choose from {', '.join(METHODS)}.")
-    target, drafter, tokenizer = load(model, draft, dtype=dtype, kernels=kernels)
+    session = Session.open(model, draft, known_draft=False, dtype=dtype, kernels=kernels)
+    target, drafter, tokenizer = session.model, session.draft, session.tokenizer
     # None: what load chose (float32 on a CPU, the checkpoint's dtype on a GPU), named for the AR
     # draft, which must compute in it too, and for the results.
     dtype = dtype or dtype_name(tgt.compute_dtype(target))
@@ -248,7 +247,7 @@ def run_benchmark(
             if problem := block_size_problem(b, drafter.block_size, flag="--block-sizes"):
                 raise DFlashError(problem)
     ar = _load_ar_draft(ar_path, target, given=ar_draft is not None, dtype=dtype) if "mlx-spec" in methods else None
-    if defaults and getattr(target, "model_type", None) in HYBRID_MODEL_TYPES:
+    if defaults and family(target).recurrent:
         methods = tuple(m for m in methods if m != "dflash-auto")  # auto times passes it cannot trim cheaply
     # The verify passes of every width a method may run: dflash-auto's go up to the drafter's block size.
     timed_sizes = sorted(set(block_sizes) | ({drafter.block_size} if drafter and "dflash-auto" in methods else set()))
@@ -265,7 +264,7 @@ def run_benchmark(
         docs = load_documents(Path(documents) if documents else pair / "long_context.jsonl")
         rows_in = context_rows(tokenizer, docs[:num_prompts] if num_prompts else docs, list(context))
     else:
-        rows_in = _prompt_rows(prompts or str(pair / "prompts.jsonl"), num_prompts)
+        rows_in = prompt_rows(prompts or str(pair / "prompts.jsonl"), num_prompts)
     # Attention grows with the context, and more for a B-token verify than for one token: time
     # the components at the mean context of a generated token (prompt + half the new tokens).
     # They are timed before and after the runs; the faster of the two is kept.
@@ -301,7 +300,7 @@ def run_benchmark(
             f"{1e3 * step:.1f} ms plain step, and {timing_seconds:.0f} s of component timing)",
             file=sys.stderr,
         )
-    store = open_datastore(datastore, model, vocab_size(target), learns=False) if "dflash-default" in methods else None
+    store = session.open_datastore(datastore, learns=False) if "dflash-default" in methods else None
     runners = {
         (m, b): make_runner(m, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
                             min_confidence, lookup_fallback, **window, kernels=kernels, datastore=store,
@@ -670,7 +669,7 @@ def _join_row(tokens: int) -> dict:
 
 def _remote_main(args) -> None:
     from ...loading.pairs import default_pair_path
-    from .load_test import load_markdown, run_load
+    from .server_load import load_markdown, run_load
 
     if any(n < 1 for n in args.concurrency):
         raise DFlashError(f"--concurrency levels must be at least 1 (got {args.concurrency}).")
@@ -678,7 +677,7 @@ def _remote_main(args) -> None:
         raise DFlashError(
             f"--num-prompts must be at least 1 (got {args.num_prompts}); leave it out to use every prompt."
         )
-    rows = _prompt_rows(args.prompts or str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
+    rows = prompt_rows(args.prompts or str(default_pair_path() / "prompts.jsonl"), args.num_prompts)
     result = run_load(
         args.base_url,
         rows,

@@ -11,9 +11,9 @@ import mlx.core as mx
 from ...cpu.speedups import choose_speedups
 from ...drafts.lookup import PromptLookup
 from ...generation import stream_generate
-from ...loop.cache import trim_to
 from ...models import hybrid
 from ...models import target as tgt
+from ...models.caches import trim_to
 from ...text.responses import AcceptanceStats
 from ...tuning.policy import PolicyState
 
@@ -60,7 +60,7 @@ class RunResult:
         return stats
 
 
-def _time_stream(
+def time_stream(
     responses: Iterator, get_tokens: Callable, num_draft: int = 0
 ) -> tuple[list[int], float, float, list[int], list[int], list[str]]:
     """Drain a stream: (ids, seconds after the first token, seconds to the first token, acceptances,
@@ -117,7 +117,7 @@ def make_runner(
 
         kwargs = {"draft_model": ar_draft, "num_draft_tokens": num_draft} if method == "mlx-spec" else {}
         # mlx-lm's last response carries the stop token; ours leave it out of the text and tokens.
-        return lambda ids: _time_stream(
+        return lambda ids: time_stream(
             mlx_lm_stream(model, tokenizer, ids, max_tokens=max_tokens, **kwargs),
             lambda r: [] if r.finish_reason == "stop" else [r.token],
             num_draft=num_draft if method == "mlx-spec" else 0,
@@ -130,7 +130,7 @@ def make_runner(
     # policy for all of the method's runs, warm-up first, as a chat or a server keeps it.
     default = method == "dflash-default"
     policy = PolicyState() if default else None
-    return lambda ids: _time_stream(
+    return lambda ids: time_stream(
         stream_generate(
             model,
             proposer,

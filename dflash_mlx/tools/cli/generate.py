@@ -3,14 +3,9 @@
 import sys
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.sample_utils import make_logits_processors
 
 from ...base.errors import DFlashError
-from ...drafts.datastore import open_datastore
-from ...generation import generate, policy_key
-from ...loop.cache import DFlashCache
-from ...models import target as tgt
 from ...models.drafter import DraftModel
 from ...sampling import make_sampler
 from ...text.chat_template import has_chat_template, render_chat
@@ -24,7 +19,6 @@ from .options import (
     add_kernels_argument,
     add_model_arguments,
     add_parallel_arguments,
-    add_stop_tokens,
     add_window_arguments,
     block_size_problem,
     boolean_words,
@@ -105,18 +99,8 @@ def setup_arg_parser() -> ArgumentParser:
     return parser
 
 
-def _window_cache(model: nn.Module, max_kv_size: int) -> DFlashCache:
-    """An empty target cache that keeps the last ``max_kv_size`` tokens (mlx-lm's rotating
-    cache). Plain decoding only: it never rolls back. Prefilled with mlx-lm's step (2048),
-    it gives ``mlx_lm generate``'s output (see ``Verifier.prefill``)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    return DFlashCache(make_prompt_cache(model, max_kv_size=max_kv_size))
-
-
 def main(argv: list[str] | None = None) -> None:
-    from ...loading.loading import load
-    from ...loading.registry import draft_for_cli
+    from ..session import Session
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -129,11 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     if not prompt:
         parser.error("--prompt is empty: pass at least one character.")
     try:
-        draft_arg = draft_for_cli(args.model, args.draft, args.no_draft)
         if args.pipeline_split is not None and args.parallel != "pipeline":
             parser.error("--pipeline-split needs --pipeline.")
-        model, draft, tokenizer = load(args.model, draft_arg, dtype=args.dtype, kernels=args.kernels,
-                                       parallel=args.parallel, pipeline_split=args.pipeline_split)  # fmt: skip
+        session = Session.open(args.model, args.draft, no_draft=args.no_draft, dtype=args.dtype, kernels=args.kernels,
+                               parallel=args.parallel, pipeline_split=args.pipeline_split,
+                               extra_eos_token=args.extra_eos_token, policy_store=PolicyStore())  # fmt: skip
+        draft, tokenizer = session.draft, session.tokenizer
         # Under mlx.launch every rank generates (its share of each target pass); rank 0 prints.
         leads = mx.distributed.init().rank() == 0
         if draft is None and not args.no_draft and leads:
@@ -141,8 +126,6 @@ def main(argv: list[str] | None = None) -> None:
                 "dflash-generate: no drafter given or known for this target: plain decoding (pass --draft for DFlash).",
                 file=sys.stderr,
             )
-        if args.no_draft:
-            draft = None
         problem = block_size_problem(args.block_size, draft.block_size if draft is not None else None)
         if problem:
             raise DFlashError(problem)
@@ -151,28 +134,22 @@ def main(argv: list[str] | None = None) -> None:
                 "--max-kv-size needs plain decoding (--no-draft): DFlash rolls back the cache after a "
                 "rejected draft, which a rotating cache cannot do once it is full."
             )
-        add_stop_tokens(tokenizer, args.extra_eos_token)
         # A reply to a chat prompt may carry reasoning; a raw prompt's text is left as it comes.
         parse_reasoning = not args.ignore_chat_template and has_chat_template(tokenizer)
         if not args.ignore_chat_template:
             prompt = render_chat(tokenizer, [{"role": "user", "content": prompt}], system_prompt=args.system_prompt,
                                  template_args=args.chat_template_config)  # fmt: skip
-        cache = _window_cache(model, args.max_kv_size) if args.max_kv_size is not None else None
-        # Plain decoding (--no-draft, or no drafter) stays plain.
-        datastore = open_datastore(args.datastore, args.model, tgt.vocab_size(model)) if draft is not None else None
+        cache = session.make_cache(max_kv_size=args.max_kv_size) if args.max_kv_size is not None else None
+        session.open_datastore(args.datastore)
         # One-shot runs go on from what earlier ones measured of this pair on this machine.
         adaptive = args.seed is None if args.adaptive is None else args.adaptive
-        store = key = policy = None
+        setup = None
         if adaptive and isinstance(draft, DraftModel):
             setup = {k: getattr(args, k) for k in ("block_size", "temp", "top_p", "min_p", "top_k", "proposal",
                                                    "min_confidence", "lookup_fallback", "draft_window",
                                                    "paused_lookup", "datastore", "tree_budget")}  # fmt: skip
-            store, key = PolicyStore(), policy_key(model, draft, setup)
-            policy = store.get(key, lookup=args.paused_lookup)
-        text = generate(
-            model,
-            draft,
-            tokenizer,
+            session.policy(setup, lookup=args.paused_lookup)  # made (or read) with the paused cycles' lookup
+        text = session.generate(
             prompt,
             verbose=args.verbose and leads,
             show_reasoning=not args.hide_reasoning,
@@ -186,18 +163,17 @@ def main(argv: list[str] | None = None) -> None:
             lookup_fallback=args.lookup_fallback,
             tree_budget=args.tree_budget,
             adaptive=args.adaptive,
-            policy=policy,
+            setup=setup,
             draft_window=args.draft_window,
             draft_sinks=args.draft_sinks,
-            datastore=datastore,
             seed=args.seed,
             prompt_cache=cache,
             # mlx-lm's prefill step: with a rotating window (--max-kv-size) the chunks shape the output.
             prefill_step_size=2048 if cache is not None else 512,
             kernels=args.kernels,
         )
-        if store is not None and leads:
-            store.put(key, policy)
+        if leads:
+            session.keep_policies()
         if not args.verbose and leads:
             print(text)  # the text alone, as mlx_lm.generate does
     except DFlashError as e:

@@ -278,23 +278,3 @@ def add_window_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft-sinks", type=int, action=InRange, low=0, default=4, metavar="N",
         help="The leading positions --draft-window always keeps (default: 4).",
     )  # fmt: skip
-
-
-def add_stop_tokens(tokenizer, tokens: list[str]) -> None:
-    """Make each of ``tokens`` (a token's text or id) end generation, as mlx-lm's ``--extra-eos-token``.
-
-    Raises:
-        DFlashError: For text that is not one token of this tokenizer, or an id outside its vocabulary.
-    """
-    from ...base.errors import DFlashError
-
-    vocab = tokenizer.get_vocab()
-    ids = set(vocab.values())
-    for token in tokens:
-        token_id = int(token) if token.lstrip("-").isdigit() else vocab.get(token)
-        if token_id is None or token_id not in ids:
-            raise DFlashError(
-                f"--extra-eos-token {token!r} is not a token of this tokenizer; pass a token's exact text "
-                "(e.g. '<|im_end|>') or its id."
-            )
-        tokenizer.add_eos_token(str(token_id))

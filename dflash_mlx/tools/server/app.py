@@ -328,11 +328,8 @@ def _error(message: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     import json
 
-    from ...drafts.datastore import open_datastore
-    from ...loading.loading import load
     from ...loading.pairs import DEFAULT_PAIR
-    from ...loading.registry import draft_for_cli
-    from ...models.target import vocab_size
+    from ..session import Session
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -346,17 +343,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.pipeline_split is not None and args.parallel != "pipeline":
             parser.error("--pipeline-split needs --pipeline.")
-        model, draft, tokenizer = load(
+        session = Session.open(
             args.model,
-            draft_for_cli(args.model, args.draft, args.no_draft),
+            args.draft,
+            no_draft=args.no_draft,
             dtype=args.dtype,
             parallel=args.parallel,
             pipeline_split=args.pipeline_split,
         )
     except DFlashError as e:
         _error(str(e))
-    if args.no_draft:
-        draft = None
+    model, draft, tokenizer = session.model, session.draft, session.tokenizer
     # Under mlx.launch: rank 0 serves, the others run what it announces.
     group = mx.distributed.init()
     if group.size() > 1 and group.rank() > 0:
@@ -365,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         return
     try:  # plain decoding stays plain
-        datastore = open_datastore(args.datastore, args.model, vocab_size(model)) if draft is not None else None
+        datastore = session.open_datastore(args.datastore)
     except DFlashError as e:
         _error(str(e))
     name = args.served_model_name or args.model or DEFAULT_PAIR

@@ -19,7 +19,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from ...base.errors import DFlashError
 from ...generation import batch_engine, batch_request
-from ...loop.cache import DFlashCache, make_cache
+from ...loop.cache import DFlashCache
 from ...loop.options import LoopOptions
 from ...models import target as tgt
 from ...sampling import make_sampler
@@ -27,7 +27,6 @@ from ...text.chat_template import has_chat_template
 from ...text.reasoning import join, reasoning_parser
 from ...text.responses import AcceptanceStats
 from ...tuning.batch import BatchCosts
-from ...tuning.policy import PolicyState
 from .protocol import CHAT, APIError, StopMatcher, spec_decoding, usage
 from .worker import Job, PromptCaches, Worker
 
@@ -73,11 +72,11 @@ class BusyAwareCaches(PromptCaches):
         if best is not None:
             self.entries.remove(best)
         elif len(self.entries) < self.size:
-            best = [make_cache(self.model, self.draft), 0]
+            best = [self.session.make_cache(), 0]
         else:
             idle = [e for e in self.entries if id(e[0]) not in busy]
             if not idle:
-                return make_cache(self.model, self.draft)  # all held: one for this request alone
+                return self.session.make_cache()  # all held: one for this request alone
             best = idle[0]
             self.entries.remove(best)
         best[1] = len(ids)
@@ -125,7 +124,7 @@ class BatchWorker(Worker):
                                    prefill_step_size=kwargs.get("prefill_step_size", 512), costs=self.costs)  # fmt: skip
         self.flights: dict[int, _Flight] = {}
         super().__init__(model, draft, tokenizer, **kwargs)
-        self.caches = BusyAwareCaches(model, draft, kwargs.get("prompt_cache_size", 4))
+        self.caches = BusyAwareCaches(self.session, kwargs.get("prompt_cache_size", 4))
 
     @property
     def num_running(self) -> int:
@@ -179,7 +178,7 @@ class BatchWorker(Worker):
                 max_tokens=req.max_tokens, block_size=block_size, tree_budget=req.tree_budget if self.draft else 0,
                 sampler=make_sampler(req.temperature, req.top_p, req.min_p, req.top_k), logits_processors=processors,
                 min_confidence=req.min_confidence, lookup_fallback=req.lookup_fallback,
-                policy=self.policies.setdefault(setup, PolicyState()), datastore=self.datastore,
+                policy=self.session.policy({"serve": list(setup)}), datastore=self.datastore,
                 stop_tokens=frozenset(self.tokenizer.eos_token_ids), prefill_step_size=self.prefill_step_size,
             )  # fmt: skip
             cache = self.caches.take(ids, busy)

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from ...base.errors import DFlashError
 from ...tuning.policy import PolicyState
+from ..session import Session
 from .worker import PromptCaches, generate_for
 
 log = logging.getLogger("dflash-serve")
@@ -55,13 +56,14 @@ class Ranks:
 def follow(model, draft, tokenizer, *, prompt_cache_size: int = 4, prefill_step_size: int = 512) -> None:
     """A rank other than 0: run each generation rank 0 announces, until it says to stop."""
     group = mx.distributed.init()
-    caches = PromptCaches(model, draft, prompt_cache_size)  # taken in the same order as rank 0's
+    session = Session(model, draft, tokenizer)  # no datastore: only rank 0 drafts
+    caches = PromptCaches(session, prompt_cache_size)  # taken in the same order as rank 0's
     policy = PolicyState()
     while (message := _receive(group)) is not None:
         if not message:
             continue  # rank 0's heartbeat
         generation = json.loads(message)
-        responses = generate_for(model, draft, tokenizer, generation, prompt_cache=caches.take(generation["ids"]),
+        responses = generate_for(session, generation, prompt_cache=caches.take(generation["ids"]),
                                  policy=policy, prefill_step_size=prefill_step_size)  # fmt: skip
         try:
             for _ in responses:

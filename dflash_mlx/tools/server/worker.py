@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from mlx_lm.sample_utils import make_logits_processors
 
 from ...base.errors import DFlashError
-from ...generation import stream_generate
-from ...loop.cache import DFlashCache, make_cache
+from ...loop.cache import DFlashCache
 from ...sampling import make_sampler
 from ...text.chat_template import has_chat_template, render_chat
 from ...text.responses import AcceptanceStats
 from ...tuning.policy import PolicyState
+from ..session import Session
 from .metrics import Metrics
 from .protocol import CHAT, APIError, CompletionRequest, StopMatcher, spec_decoding, usage
 
@@ -55,8 +55,8 @@ class PromptCaches:
     conversations that share only a system prompt do not keep cutting each other's cache.
     """
 
-    def __init__(self, model, draft, size: int):
-        self.model, self.draft, self.size = model, draft, max(1, size)
+    def __init__(self, session: Session, size: int):
+        self.session, self.size = session, max(1, size)
         self.entries: list[list] = []  # [cache, last prompt length], least recently used first
 
     def take(self, ids: list[int]) -> DFlashCache:
@@ -70,7 +70,7 @@ class PromptCaches:
         if best is not None:
             self.entries.remove(best)
         elif len(self.entries) < self.size:
-            best = [make_cache(self.model, self.draft), 0]
+            best = [self.session.make_cache(), 0]
         else:
             best = self.entries.pop(0)  # the least recently used; stream_generate trims it
         best[1] = len(ids)
@@ -78,15 +78,15 @@ class PromptCaches:
         return best[0]
 
 
-def generate_for(model, draft, tokenizer, generation: dict, *, prompt_cache: DFlashCache, policy: PolicyState | None,
-                 prefill_step_size: int, datastore=None):  # fmt: skip
-    """``stream_generate`` for a request's plain ``generation`` settings (what rank 0 sends the
+def generate_for(session: Session, generation: dict, *, prompt_cache: DFlashCache, prefill_step_size: int,
+                 setup: dict | None = None, policy: PolicyState | None = None):  # fmt: skip
+    """``session.stream`` for a request's plain ``generation`` settings (what rank 0 sends the
     other ranks of a sharded target, :mod:`dflash_mlx.tools.server.ranks`); only rank 0 drafts, so only
-    its call takes the ``datastore``."""
+    its session has a datastore. ``setup``: the session's policy state to go on from; else ``policy``."""
     g = generation
     processors = make_logits_processors(repetition_penalty=g["repetition_penalty"]) if g["repetition_penalty"] else None
-    return stream_generate(
-        model, draft, tokenizer, g["ids"],
+    return session.stream(
+        g["ids"],
         max_tokens=g["max_tokens"],
         block_size=g["block_size"],
         sampler=make_sampler(g["temperature"], g["top_p"], g["min_p"], g["top_k"]),
@@ -95,9 +95,9 @@ def generate_for(model, draft, tokenizer, generation: dict, *, prompt_cache: DFl
         lookup_fallback=g["lookup_fallback"],
         tree_budget=g.get("tree_budget", 0),
         seed=g["seed"],
+        setup=setup,
         policy=policy,
         prompt_cache=prompt_cache,
-        datastore=datastore,
         prefill_step_size=prefill_step_size,
         parse_reasoning=g["parse_reasoning"],
     )  # fmt: skip
@@ -138,6 +138,7 @@ class Worker:
     ):
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
         self.datastore = datastore  # every request's reply joins it
+        self.session = Session(model, draft, tokenizer, datastore=datastore)
         self.ranks = ranks
         self.released = threading.Event()  # the other ranks were told to stop
         self.max_block_size = draft.block_size if draft is not None else 1
@@ -146,9 +147,9 @@ class Worker:
         self.chat_template_args = chat_template_args or {}
         self.prefill_step_size = prefill_step_size
         self.metrics = metrics or Metrics()
-        self.caches = PromptCaches(model, draft, prompt_cache_size)
+        self.caches = PromptCaches(self.session, prompt_cache_size)
         # The adaptive policy's state per drafting setup (block size, sampling, cut, fallback).
-        self.policies: dict[tuple, PolicyState] = {}
+        self.policies = self.session.policies
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe across threads
         self._closing = threading.Event()
@@ -304,9 +305,8 @@ class Worker:
         }  # fmt: skip
         if self.ranks is not None:
             self.ranks.announce(generation)  # the other ranks run the same generation with this one
-        responses = generate_for(self.model, self.draft, self.tokenizer, generation, prompt_cache=self.caches.take(ids),
-                                 policy=self.policies.setdefault(setup, PolicyState()),
-                                 prefill_step_size=self.prefill_step_size, datastore=self.datastore)  # fmt: skip
+        responses = generate_for(self.session, generation, prompt_cache=self.caches.take(ids),
+                                 setup={"serve": list(setup)}, prefill_step_size=self.prefill_step_size)  # fmt: skip
         last, finish = None, None
         try:
             for last in responses:

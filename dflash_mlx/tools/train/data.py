@@ -110,7 +110,7 @@ def read_prompts(path: str | Path, *, text_prompt_lines: int = 0) -> list[Prompt
     return prompts
 
 
-def _key(prompt_ids: list[int]) -> str:
+def prompt_key(prompt_ids: list[int]) -> str:
     return hashlib.sha1(json.dumps(prompt_ids).encode()).hexdigest()[:16]
 
 
@@ -163,7 +163,7 @@ def dataset_examples(tokenizer: TokenizerWrapper, prompts: list[Prompt], max_pro
         if ends:
             response = response[: ends[0] + 1]
         if response:
-            ex = {"key": _key(prompt_ids), "prompt_ids": prompt_ids, "response_ids": response}
+            ex = {"key": prompt_key(prompt_ids), "prompt_ids": prompt_ids, "response_ids": response}
             examples.append({**ex, "finish_reason": "stop" if ends else "length"})
     if not examples:
         raise DFlashError(
@@ -267,7 +267,7 @@ def generate_responses(
     todo = []
     for prompt in prompts:
         prompt_ids = render_prompt(tokenizer, prompt)
-        key = _key(prompt_ids)
+        key = prompt_key(prompt_ids)
         if key not in done and len(prompt_ids) <= max_prompt_tokens:
             done.add(key)
             todo.append((key, prompt_ids))

@@ -74,7 +74,7 @@ from .taps import TapStore
 from .vocab import LossVocab, coverage, token_counts, top_tokens
 
 # A batch's arrays in the order the loss takes them.
-_KEYS = ("blocks", "anchors", "starts", "labels", "weights")
+BATCH_KEYS = ("blocks", "anchors", "starts", "labels", "weights")
 
 
 def get_lr(it: int, args: TrainingArgs, elapsed: float | None = None) -> float:
@@ -90,7 +90,8 @@ def get_lr(it: int, args: TrainingArgs, elapsed: float | None = None) -> float:
     return args.learning_rate * (args.min_lr_ratio + (1 - args.min_lr_ratio) * coeff)
 
 
-def _to_mx(batch: dict) -> dict:
+def to_mx(batch: dict) -> dict:
+    """A batch of numpy arrays as MLX arrays (the training step and the recipes that replay it)."""
     return {k: mx.array(v) for k, v in batch.items()}
 
 
@@ -374,9 +375,9 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
     def run_eval(step: int) -> dict:
         draft.eval()
         val = []
-        for b in map(_to_mx, val_batches):
+        for b in map(to_mx, val_batches):
             taps, target_final = taps_for(b, val_ex)
-            val.append(loss_fn(taps, *[b[k] for k in _KEYS], target_final=target_final).item())
+            val.append(loss_fn(taps, *[b[k] for k in BATCH_KEYS], target_final=target_final).item())
         mean, hist = None, {}
         if eval_prompts:
             mean, hist = evaluate_acceptance(target, draft, eval_prompts, args.eval_max_tokens, stop_tokens)
@@ -406,9 +407,9 @@ def _train_loop(args, out, target, tokenizer, draft, optimizer, start, rng, data
     with open(out / "metrics.jsonl", "a") as metrics, interrupt_after_step() as interrupted:
         for it in range(start, end_step):
             optimizer.learning_rate = get_lr(it, args, time.perf_counter() - tic)
-            batch = _to_mx(make_batch(train_ex, rng, **batch_kwargs, drop_lookup=args.drop_lookup_anchors))
+            batch = to_mx(make_batch(train_ex, rng, **batch_kwargs, drop_lookup=args.drop_lookup_anchors))
             taps, last_hidden = taps_for(batch, train_ex)
-            loss = step_fn(taps, last_hidden, *[batch[k] for k in _KEYS])
+            loss = step_fn(taps, last_hidden, *[batch[k] for k in BATCH_KEYS])
             mx.eval(loss, state)
             losses.append(loss.item())
             tokens_done += int(batch["weights"].size)
