@@ -661,7 +661,7 @@ def main(argv: list[str] | None = None) -> None:
 def _join_row(tokens: int) -> dict:
     # The default pair's first long document (the standard library's source), as a chat prompt of that size.
     from ...loading.pairs import default_pair_path
-    from .load_test import join_row
+    from .server_load import join_row
 
     document = json.loads((default_pair_path() / "long_context.jsonl").read_text().splitlines()[0])["document"]
     return join_row(document, tokens)
