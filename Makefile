@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: chat test test-all
+.PHONY: chat test test-all mutants
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,3 +47,8 @@ test: $(VENV)/.test
 
 test-all: $(VENV)/.test
 	$(PYTEST) -m ""
+
+# Plants small bugs one at a time in a scratch copy of the tree and runs the tests that should see each
+# (docs/testing.md); every one must be caught. About half an hour on 2 cores.
+mutants: $(VENV)/.test
+	$(PY) recipes/measure/mutants.py

@@ -164,7 +164,7 @@ def dflash_generate_step(
         )
         proposer, verifier = on_ranks(group, proposer, verifier, block_size)
         try:
-            last = verifier.prefill(ids[reuse:], o.prefill_step_size, proposer.drafter)
+            last = verifier.prefill(ids[reuse:], o.prefill_step_size, proposer.drafter, o.prompt_progress_callback)
             emitted = budget.emit([last])
             # The next cycle's drafts, their pass already started; None when generation is over.
             drafts = proposer.propose(last, n) if budget.open else None
@@ -336,8 +336,11 @@ def generate(
     # The rates a policy comes with were measured by earlier runs, not this one.
     policy = kwargs.get("policy")
     earlier = (policy.plain_tps, policy.draft_tps) if policy is not None else (None, None)
+    why_paused, paused_before = [], policy.paused_cycles if policy is not None else 0
     for response in stream_generate(model, draft, tokenizer, prompt, **kwargs):
         text += response.text
+        if policy is not None and policy.paused_why and policy.paused_why not in why_paused:
+            why_paused.append(policy.paused_why)  # each pause's reason, kept after it ends
         if verbose and show_reasoning and response.reasoning:
             if not in_reasoning:
                 print("Reasoning:", flush=True)
@@ -384,6 +387,12 @@ def generate(
                     f"Drafting: {response.generation_tps:.3f} tokens-per-sec, {verdict} than plain decoding "
                     f"({rate:.3f} in plain steps timed after the run; --no-draft decodes plainly)"
                 )
+        paused = policy.paused_cycles - paused_before if policy is not None else 0
+        if paused:
+            later = f"; later, {why_paused[-1]}" if len(why_paused) > 1 else ""
+            print(
+                f"Drafter paused for {paused} cycles of this run: {why_paused[0] if why_paused else 'drafting was timed slower than plain decoding'}{later}"
+            )
         print(f"Peak memory: {response.peak_memory:.3f} GB")
         if sys.platform == "linux" and mx.default_device() == mx.cpu:
             print(f"BLAS: {blas_in_use()}")  # what every CPU number above depends on most

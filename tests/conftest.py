@@ -4,6 +4,7 @@ import os
 import mlx.core as mx
 import pytest
 from helpers.checkpoints import write_draft, write_target
+from helpers.varied import write_varied_target
 
 from dflash_mlx import load
 
@@ -37,6 +38,38 @@ def tiny_pair(request, pair_dirs):
 @pytest.fixture(scope="session")
 def qwen3_pair(pair_dirs):
     return load(pair_dirs["qwen3-tied"], pair_dirs["draft"])
+
+
+class _VariedDirs(dict):
+    """Target folders by kind, each written (its seed chosen) the first time a test asks for it."""
+
+    def __init__(self, root, draft):
+        super().__init__(draft=draft)
+        self.root = root
+
+    def __missing__(self, name):
+        kind, tied = TARGET_KINDS[name]
+        write_varied_target(self.root / name, kind=kind, tied=tied)
+        self[name] = self.root / name
+        return self[name]
+
+
+@pytest.fixture(scope="session")
+def varied_dirs(tmp_path_factory, pair_dirs):
+    """Folders of tiny targets (one per kind) whose greedy text depends on its context
+    (helpers/varied.py), with ``pair_dirs``' drafter."""
+    return _VariedDirs(tmp_path_factory.mktemp("varied"), pair_dirs["draft"])
+
+
+@pytest.fixture(scope="session", params=list(TARGET_KINDS))
+def varied_pair(request, varied_dirs):
+    """(model, draft, tokenizer) of a varied target, for each target kind."""
+    return load(varied_dirs[request.param], varied_dirs["draft"])
+
+
+@pytest.fixture(scope="session")
+def varied_qwen3_pair(varied_dirs):
+    return load(varied_dirs["qwen3-tied"], varied_dirs["draft"])
 
 
 @pytest.fixture(scope="session", autouse=True)

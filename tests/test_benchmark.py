@@ -1,5 +1,7 @@
+import importlib.util
 import json
 import shutil
+import sys
 import types
 from pathlib import Path
 
@@ -449,6 +451,7 @@ def test_results_name_the_model_drafter_and_prompts_and_the_run_time_is_estimate
     assert meta["model"] == str(pair_dirs["qwen3-tied"]) and meta["draft"] == str(pair_dirs["draft"])
     assert meta["prompt_set"] == str(prompts) and meta["prompts"] == 2
     assert str(prompts) in plot_caption(meta) and str(pair_dirs["draft"]) in plot_caption(meta)
+    assert meta["draft_family"] == "DFlash" and "(DFlash)" in plot_caption(meta)
     assert "Estimated run time: about" in capsys.readouterr().err
     # 2 prompts x 2 settings x (1 run + warm-up) x 8 tokens at 10 ms.
     assert estimate_seconds(2, 2, 1, 8, 0.01) == pytest.approx(0.64)
@@ -458,7 +461,7 @@ def test_help_shows_the_defaults():
     from dflash_mlx.tools.bench.benchmark import setup_arg_parser
 
     text = " ".join(setup_arg_parser().format_help().split())
-    for default in ("Most tokens per prompt and run (default: 128)", "(default: 4 8 16)", "(default: all; mlx-spec only with an AR draft",
+    for default in ("Most tokens per prompt and run (default: 128)", "(default: 4 8 16)", "(default: all but dflash-tree, which runs when named; mlx-spec only with an AR draft",
                     "generate uses: float32 on a CPU", "was faster (auto, the default)"):  # fmt: skip
         assert default in text
 
@@ -650,3 +653,70 @@ def test_dflash_tree_runs_when_named_and_gives_the_same_tokens(pair_dirs, prompt
     assert set(rows) == {"baseline", "dflash-tree"} and rows["dflash-tree"]["block_size"] == 16
     assert result["meta"]["tree_budget"] == 8
     assert 1 < rows["dflash-tree"]["verify_size"] <= 9  # the nodes and the root
+
+
+def test_the_benchmarks_datastore_learns_nothing_from_the_runs(pair_dirs, prompts, monkeypatch):
+    """dflash-default's datastore in a benchmark holds no reply of its runs afterwards: a run must not
+    draft from another run's answer to the same prompt. (A datastore opened to learn fails it.)"""
+    from dflash_mlx.tools import session as ds
+
+    opened = []
+    real = ds.open_datastore
+    monkeypatch.setattr(ds, "open_datastore", lambda *a, **k: opened.append(real(*a, **k)) or opened[-1])
+    benchmark.run_benchmark(
+        model=str(pair_dirs["qwen3-tied"]),
+        draft=str(pair_dirs["draft"]),
+        prompts=str(prompts),
+        num_prompts=1,
+        max_tokens=6,
+        block_sizes=(4,),
+        runs=2,
+        methods=("dflash-default",),
+        datastore="auto",
+    )
+    assert len(opened) == 1 and opened[0].session_length == 0
+    # The same store told to learn would have kept them: the check can see a reply.
+    opened[0].learns = True
+    opened[0].add([1, 2, 3])
+    assert opened[0].session_length == 3
+
+
+def test_plots_without_matplotlib_fail_before_loading(no_loading, tmp_path, capsys, monkeypatch):
+    # matplotlib comes only with the [bench] extra; a missing one must not cost the whole run first.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        main(["--plots", str(tmp_path / "plots")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and "\n" not in err
+    assert err.startswith(f"dflash-bench: error: --plots {tmp_path / 'plots'} needs matplotlib")
+    assert "mlx-dflash[bench]" in err
+
+
+def test_the_tables_limit_columns_are_left_out_when_no_row_has_a_limit_and_dashed_where_one_lacks_it():
+    from dflash_mlx.tools.bench.report import markdown
+
+    meta = {k: "x" for k in ("machine", "device", "blas", "mlx", "mlx_lm", "commit", "date")}
+    row = {"method": "baseline", "block_size": 1, "generation_tps": 10.0, "speedup": 1.0, "tau": 0.0,
+           "drafting_cycles": 0, "plain_cycles": 9, "prompt_tps": 100.0, "peak_memory_gb": 0.1}  # fmt: skip
+    table = markdown([row, {**row, "method": "dflash-default"}], meta, {}).splitlines()
+    head = next(line for line in table if line.startswith("| method"))
+    assert "limit" not in head and "efficiency" not in head
+    assert all(line.count("|") == head.count("|") for line in table if line.startswith("| "))
+    limited = {**row, "method": "dflash", "limit": 2.0, "efficiency": 0.5, "loop_efficiency": 0.9}
+    table = markdown([row, limited], meta, {}).splitlines()
+    rows = [line for line in table if line.startswith("| baseline") or line.startswith("| dflash")]
+    assert "| - | - | - |" in rows[0] and "| 2.00x | 50% | 90% |" in rows[1]
+
+
+def test_the_eta_counts_the_warm_ups_and_the_final_timing():
+    from dflash_mlx.tools.bench.benchmark import estimate_seconds, eta_seconds
+
+    # 3 prompts x 4 settings x (2 runs + a warm-up), 1 s each, then 5 s of component timing: the ETA
+    # after the first prompt's warm-ups and first timed run is the time that really remains.
+    prompts, settings, runs, tail = 3, 4, 2, 5.0
+    units = prompts * settings * (runs + 1)
+    done = settings + 1
+    assert eta_seconds(float(done), done, units, tail) == pytest.approx(units - done + tail)
+    assert estimate_seconds(prompts, settings, runs, 1, 1.0) == units

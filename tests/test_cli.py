@@ -36,6 +36,25 @@ def test_generates_with_a_pair(pair_dirs, capsys):
     assert "Generation:" in out and "Acceptance length:" in out
 
 
+def test_verbose_names_the_target_and_drafter_loaded(pair_dirs, capsys):
+    target, draft = str(pair_dirs["qwen3-tied"]), str(pair_dirs["draft"])
+    main(["--model", target, "--draft", draft, "--prompt", "t1 t2", "--max-tokens", "4", "--block-size", "4"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [f"Target: {target}", f"Drafter: {draft}"]
+    main(["--model", target, "--no-draft", "--prompt", "t1 t2", "--max-tokens", "4"])
+    assert capsys.readouterr().out.splitlines()[:2] == [f"Target: {target}", "Drafter: none (plain decoding)"]
+
+
+def test_a_gguf_file_as_the_model_names_dflash_convert(tmp_path, capsys):
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(gguf), "--prompt", "hi"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and "\n" not in err
+    assert f"is a GGUF file; convert it first with dflash-convert --hf-path {gguf} --mlx-path FOLDER" in err
+
+
 OPTIONS = [["--min-confidence", "0.05"], ["--lookup-fallback", "4"], ["--adaptive", "false"], ["--adaptive", "True"],
            ["--kernels", "off"], ["--tree-budget", "8"], ["--tree-budget", "auto"]]  # fmt: skip
 
@@ -293,3 +312,22 @@ def test_generate_and_chat_answer_a_bad_value_alike(argv, line, capsys):
             tool_main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith(f"{prog}: error: {line}") and err.count("\n") == 1
+
+
+def test_every_tool_has_version(capsys):
+    from importlib import import_module
+    from pathlib import Path
+
+    import tomllib
+
+    from dflash_mlx import __version__
+    from dflash_mlx.tools.cli import entry
+
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) == set(entry.TOOLS)  # every console script is checked
+    for prog, module in entry.TOOLS.items():
+        with pytest.raises(SystemExit) as e:
+            import_module(module).main(["--version"])
+        out = capsys.readouterr().out.strip()
+        assert e.value.code == 0 and out.startswith(f"{prog} {__version__} (pip: mlx-dflash; mlx "), (prog, out)
+    assert entry._blas_choice(["--version"]) is None  # no restart with a BLAS preloaded just to print it

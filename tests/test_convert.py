@@ -648,10 +648,47 @@ def test_cli_prints_both_speeds_and_warns_when_dflash_is_slower(hf, tmp_path, ca
           "--check-tokens", "8"])  # fmt: skip
     out, err = capsys.readouterr()
     assert "Speed in the check: target-only 8.0 tokens-per-sec, DFlash 4.0 tokens-per-sec (0.50x)" in out
-    assert "warning: DFlash was slower than the target alone" in err
+    assert "warning: DFlash was slower than the target alone" in err and "--dtype float32" in err
     monkeypatch.setattr(module, "check_converted", real)
     main(["--hf-path", str(hf / "target"), "--draft", str(hf / "draft"), "--mlx-path", str(tmp_path / "pair2"),
           "--check-tokens", "8"])  # fmt: skip
     out, err = capsys.readouterr()
     assert "Speed in the check: target-only" in out
     assert ("warning: DFlash was slower" in err) == ("(0." in out.split("Speed in the check")[1].splitlines()[0])
+
+
+def _bf16_folder(write, path):
+    """A drafter folder written by ``write``, stored in bfloat16 as published."""
+    write(path)
+    weights = mx.load(str(path / "model.safetensors"))
+    mx.save_safetensors(str(path / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in weights.items()})
+    config = json.loads((path / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("family", ["dspark", "jetspec", "dflare"])
+def test_convert_each_drafter_family(hf, tmp_path, family):
+    """A DSpark, JetSpec or DFlare drafter published in bf16 converts with the target, as float32 for a CPU
+    or as bf16, and the pair loads as that family and passes its check."""
+    from helpers.dspark_checkpoints import write_dspark_draft
+    from helpers.family_drafters import write_dflare, write_jetspec
+
+    from dflash_mlx.models import dflare, dspark
+    from dflash_mlx.models.drafter import DraftModel
+
+    write, cls = {"dspark": (write_dspark_draft, dspark.DraftModel), "jetspec": (write_jetspec, DraftModel),
+                  "dflare": (write_dflare, dflare.DraftModel)}[family]  # fmt: skip
+    _bf16_folder(write, tmp_path / "src")
+    result = _convert(hf, tmp_path / "pair", draft_hf_path=str(tmp_path / "src"), dtype="float32")
+    assert result.check.tokens_match
+    model, draft, _ = load(tmp_path / "pair")
+    assert type(draft) is cls and draft.norm.weight.dtype == mx.float32
+    assert family != "jetspec" or all(layer.self_attn.causal for layer in draft.layers)
+    ref_model, ref_draft, _ = load(hf / "target", tmp_path / "src", dtype="float32")
+    prompt = _prompt()
+    assert _dflash(model, draft, prompt) == _dflash(ref_model, ref_draft, prompt) == _target_only(model, prompt)
+    _convert(hf, tmp_path / "bf16", draft_hf_path=str(tmp_path / "src"), dtype="bfloat16", check=False)
+    stored = mx.load(str(tmp_path / "bf16" / "draft" / "model.safetensors"))
+    assert {v.dtype for v in stored.values() if mx.issubdtype(v.dtype, mx.floating)} == {mx.bfloat16}
+    assert type(load(tmp_path / "bf16")[1]) is cls

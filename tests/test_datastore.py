@@ -12,6 +12,7 @@ from helpers.policy import Clock, CostlyDraft
 from dflash_mlx import DFlashError, stream_generate
 from dflash_mlx.drafts.datastore import (
     Datastore,
+    DatastoreProposer,
     SuffixIndex,
     load_datastore,
     read_responses,
@@ -117,6 +118,17 @@ def test_built_once_and_kept(tmp_path):
         load_datastore(bad, 10, cache_dir=tmp_path / "kept")
 
 
+def test_the_proposer_queries_the_text_up_to_the_last_committed_token():
+    """The drafts follow ``history + [last]``: "5 6 7" goes on "1 2", while "4 5 6" (one token early) would
+    draft "7 8". (Querying without ``last`` fails it.)"""
+    docs = [[4, 5, 6, 7, 8, 9], [3, 5, 6, 7, 1, 2, 0]]
+    store = Datastore(SuffixIndex.build(docs, 10), 10, min_count=1, min_step=0.0, min_path=0.0)
+    history = [9, 4, 5, 6]
+    assert DatastoreProposer(store, history, 8).propose(7, 4).tokens.tolist() == [8, 9]
+    history = [3, 5, 6]
+    assert DatastoreProposer(store, history, 8).propose(7, 4).tokens.tolist() == [1, 2, 0]
+
+
 def _stores(model):
     """Datastores over the target's own greedy text, over a corrupted copy of it, and over noise."""
     texts = [reference(model, _prompt(n, seed), 120) for n, seed in ((7, 3), (30, 4), (1, 5))]
@@ -130,8 +142,8 @@ def _stores(model):
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
-def test_lossless_with_a_datastore_alone(qwen3_pair, block_size):
-    model, _, _ = qwen3_pair
+def test_lossless_with_a_datastore_alone(varied_qwen3_pair, block_size):
+    model, _, _ = varied_qwen3_pair
     stores = _stores(model)
     for prompt in (_prompt(7, 3), _prompt(30, 4), _prompt(1, 5)):
         ref = reference(model, prompt)
@@ -139,11 +151,14 @@ def test_lossless_with_a_datastore_alone(qwen3_pair, block_size):
             out, cycles = run(model, None, prompt, block_size=block_size, max_tokens=len(ref), datastore=store)
             assert out == ref, (name, block_size, len(prompt))
             if name == "exact" and len(prompt) > 1:
-                assert any(c.source == "datastore" and c.num_accepted > 0 for c in cycles)
+                # The target's own text: most drafts are right (a query one token early gets few).
+                drafted = sum(c.num_draft for c in cycles if c.source == "datastore")
+                accepted = sum(c.num_accepted for c in cycles if c.source == "datastore")
+                assert drafted and accepted >= 0.8 * drafted, (accepted, drafted)
 
 
-def test_lossless_with_prompt_lookup_and_a_datastore(qwen3_pair):
-    model, _, _ = qwen3_pair
+def test_lossless_with_prompt_lookup_and_a_datastore(varied_qwen3_pair):
+    model, _, _ = varied_qwen3_pair
     store = _stores(model)["corrupted"]
     for prompt in (_prompt(7, 3), _prompt(30, 4)):
         ref = reference(model, prompt)
@@ -153,9 +168,9 @@ def test_lossless_with_prompt_lookup_and_a_datastore(qwen3_pair):
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_lossless_in_the_adaptive_policys_paused_cycles(qwen3_pair, block_size):
+def test_lossless_in_the_adaptive_policys_paused_cycles(varied_qwen3_pair, block_size):
     """A drafter that always loses is paused; its paused cycles verify the datastore's drafts."""
-    model, draft, _ = qwen3_pair
+    model, draft, _ = varied_qwen3_pair
     store = _stores(model)["exact"]
     prompt = _prompt(1, 5)  # the text repeats no two tokens before the first paused cycle
     ref = reference(model, prompt)
@@ -170,8 +185,8 @@ def test_lossless_in_the_adaptive_policys_paused_cycles(qwen3_pair, block_size):
     assert "datastore" in sources and "drafter" in sources
 
 
-def test_replies_join_the_datastore(qwen3_pair):
-    model, draft, tokenizer = qwen3_pair
+def test_replies_join_the_datastore(varied_qwen3_pair):
+    model, draft, tokenizer = varied_qwen3_pair
     store = Datastore(None, VOCAB)
     prompt = _prompt(7, 3)
     responses = list(stream_generate(model, None, tokenizer, prompt, max_tokens=20, datastore=store))
@@ -182,8 +197,8 @@ def test_replies_join_the_datastore(qwen3_pair):
     assert again[-1].accepted_by_source.get("datastore", 0) > 0
 
 
-def test_block_size_with_a_datastore_alone(qwen3_pair):
-    model, _, _ = qwen3_pair
+def test_block_size_with_a_datastore_alone(varied_qwen3_pair):
+    model, _, _ = varied_qwen3_pair
     with pytest.raises(DFlashError, match="from 1 to 64 with a datastore alone"):
         run(model, None, [1, 2, 3], block_size=0, datastore=Datastore(None, VOCAB))
 

@@ -31,7 +31,10 @@ def _check(ranks, cases: list[str]) -> None:
             assert runs[case]["tokens"] == runs[case]["reference"], f"{case} on rank {r.rank}"
 
 
-GREEDY_ON_TWO = ["qwen3:tensor", "qwen3_5:tensor", "qwen3_5:pipeline", "kimi_k25:tensor", "kimi_k25:pipeline"]
+# ":oracle": rank 0 drafts the target's own text, so every rank must verify exactly rank 0's drafts (a random
+# drafter's are rejected at once, whatever the other ranks verified).
+GREEDY_ON_TWO = ["qwen3:tensor", "qwen3_5:tensor", "qwen3_5:pipeline", "kimi_k25:tensor", "kimi_k25:pipeline",
+                 "qwen3:tensor:oracle", "qwen3_5:pipeline:oracle"]  # fmt: skip
 SAMPLED_ON_TWO = ["qwen3_5:pipeline:7"]
 
 

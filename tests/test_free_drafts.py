@@ -75,6 +75,45 @@ def test_each_size_learns_its_own_cost_where_the_line_misses_a_step():
     assert stats.cost(6) == pytest.approx(1 + stats.first + 5 * stats.each)
 
 
+def test_cost_estimates_follow_a_change_in_machine_speed():
+    """Cycle costs from a slow spell, then from a faster machine: the estimates follow the new cycles
+    (recent cycles weigh most). (Weighing every cycle ever timed alike keeps them halfway: fails.)"""
+    stats = FreeStats(first=0.15, each=0.06, prior=4.0)
+    stats.timed(1.0, 0)
+    for i in range(400):
+        k = 1 + i % 4
+        stats.timed(1.0 + 0.6 + 0.2 * (k - 1), k)
+    assert [stats.cost(k) for k in (1, 2, 3, 4)] == pytest.approx([1.6, 1.8, 2.0, 2.2], abs=0.02)
+    for i in range(600):
+        k = 1 + i % 4
+        stats.timed(1.0 + 0.1 + 0.05 * (k - 1), k)
+    assert [stats.cost(k) for k in (1, 2, 3, 4)] == pytest.approx([1.1, 1.15, 1.2, 1.25], abs=0.05)
+    assert stats.first == pytest.approx(0.1, abs=0.02) and stats.each == pytest.approx(0.05, abs=0.02)
+
+
+@pytest.mark.parametrize("datastore_trust, chosen", [((4.0, 4.0), "datastore"), ((1.6, 4.0), "lookup")])
+def test_of_two_offers_the_one_that_gives_more_tokens_a_step_is_verified(datastore_trust, chosen):
+    """Prompt lookup and the datastore both offer drafts, each worth verifying; the better one is verified
+    whichever comes first. (Taking the last offer that beats a plain step, or the first, fails one case.)"""
+    store = Datastore(SuffixIndex.build([[1, 2, 7, 8, 9, 5, 6]] * 4, 10), 10)
+    stats = FreeStats()
+    stats.trust["datastore 2"] = list(datastore_trust)  # its drafts right as often as its shares say, or 0.4 of it
+    history = [1, 2, 3, 4, 0, 1]  # then 2: lookup finds "3 4 0 1 2" after "1 2", the datastore "7 8 9 5 6"
+    drafts = FreeDrafts(history, store, 4, stats, clock=Clock())
+    offers = {kind.split()[0]: stats.best(chances) for kind, _, chances, _ in drafts._candidates(history + [2], 4)}
+    assert set(offers) == {"lookup", "datastore"} and all(k > 0 and rate > 1.0 for k, rate in offers.values())
+    proposal = drafts.propose(2, 4)
+    assert proposal.source == chosen
+    assert proposal.tokens.tolist() == {"lookup": [3, 4, 0, 1], "datastore": [7, 8, 9, 5]}[chosen][: proposal.size]
+
+
+def test_free_drafts_query_the_text_up_to_the_last_committed_token():
+    """The datastore's drafts follow ``history + [last]``. (Querying without ``last`` drafts "7 8" here.)"""
+    store = Datastore(SuffixIndex.build([[4, 5, 6, 7, 8, 9], [3, 5, 6, 7, 1, 2, 0]] * 2, 10), 10, min_step=0.0)
+    drafts = FreeDrafts([3, 5, 6], store, 4, FreeStats(), clock=Clock())
+    assert drafts.propose(7, 4).tokens.tolist() == [1, 2, 0]
+
+
 def test_a_source_that_keeps_missing_gives_way_to_plain_steps():
     text = [1, 2, 3, 9, 9, 1]  # and then 2: lookup finds [3, ...] after [1, 2]; the target never agrees
     clock = Clock()

@@ -1,5 +1,6 @@
 """GGUF to mlx-lm: checked against transformers' own GGUF reader, on a tiny file and on SmolLM2."""
 
+import importlib
 import importlib.util
 import json
 from pathlib import Path
@@ -442,6 +443,32 @@ def test_cli_converts_a_gguf_target(tiny, tmp_path, capsys):
     manifest = json.loads((out / "dflash_pair.json").read_text())
     assert manifest["source"]["target"] == str(tiny[0]) and manifest["dtype"] == "float32"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft", "pair"]
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_cli_gguf_defaults_to_float32_on_a_cpu_with_numbered_steps(tiny, tmp_path, capsys, monkeypatch, fits):
+    # Like dflash-generate: float32 on MLX's CPU backend when it fits (bf16 runs several times slower).
+    module = importlib.import_module("dflash_mlx.convert.convert")
+    monkeypatch.setattr(module, "available_memory", lambda: 1 << 40 if fits else 1)
+    vocab = len(_tiny_tokenizer()[0])
+    _tiny_draft(tmp_path / "draft", vocab)
+    out = tmp_path / "pair"
+    convert_main(["--hf-path", str(tiny[0]), "--draft", str(tmp_path / "draft"), "--mlx-path", str(out),
+                  "--check-tokens", "8"])  # fmt: skip
+    err = capsys.readouterr().err
+    manifest = json.loads((out / "dflash_pair.json").read_text())
+    target_config = json.loads((out / "target" / "config.json").read_text())
+    if fits:
+        assert manifest["dtype"] == "float32" and "quantization" not in target_config
+    else:
+        assert manifest["dtype"] != "float32" and "quantization" in target_config
+    # Each line names the step that is running, counted from 1, so a long step shows its own number.
+    lines = err.splitlines()
+    for n, label in enumerate(["resolving the models", "converting the target from GGUF", "checking the pairing",
+                               "converting the drafter", "checking DFlash against the target",
+                               "moving the pair into place"], 1):  # fmt: skip
+        assert any(f"step {n}/6: {label}" in line for line in lines), (label, err)
+    assert "6/6 done" in err
 
 
 def test_cli_gguf_without_drafter_is_one_line(tiny, tmp_path, capsys):

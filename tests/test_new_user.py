@@ -55,6 +55,16 @@ def test_stdin_in_utf8_is_read_as_is(monkeypatch, pair_dirs, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_an_empty_stdin_is_named_as_stdin(monkeypatch, capsys):
+    _stdin(monkeypatch, b"")
+    with pytest.raises(SystemExit) as e:
+        cli_generate.main(["--prompt", "-"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == (
+        "dflash-generate: error: --prompt - read nothing: stdin was empty; pipe or type at least one character.\n"
+    )
+
+
 def test_the_python_api_refuses_a_lone_surrogate_in_one_line(qwen3_pair):
     model, draft, tokenizer = qwen3_pair
     with pytest.raises(DFlashError) as e:
@@ -156,12 +166,30 @@ def test_a_rate_saved_by_an_earlier_run_is_not_shown_as_this_runs(qwen3_pair, ca
     # An earlier run found drafting slow and set a run of plain cycles: this run drafts nothing.
     saved = {"plain_time": 0.01, "draft_time": 0.05, "plain_left": 200, "run": 256}
     policy = PolicyState.restored(saved, lookup=0)  # paused cycles: plain steps (no lookup drafts)
-    generate(model, draft, tokenizer, [5, 6, 7], max_tokens=12, block_size=4, verbose=True, policy=policy)
+    generate(model, draft, tokenizer, [5, 6, 7], max_tokens=9, block_size=4, verbose=True, policy=policy)
     stats = _stats(capsys.readouterr().out)
-    assert "Acceptance length: no drafting cycles; 11 plain" in stats
+    assert "Acceptance length: no drafting cycles; 8 plain" in stats
     (line,) = [x for x in stats if x.startswith("Drafting:")]
     assert line.startswith("Drafting: 20.000 tokens-per-sec (measured by an earlier run), ")
-    assert re.search(r"\(\d+\.\d{3} measured; 11 cycles decoded plainly\)", line)  # plain: timed in this run
+    assert re.search(r"\(\d+\.\d{3} measured; 8 cycles decoded plainly\)", line)  # plain: timed in this run
+    # And it says plainly that the drafter was paused, and why.
+    (paused,) = [x for x in stats if x.startswith("Drafter paused")]
+    assert paused.startswith("Drafter paused for 8 cycles of this run: an earlier run measured drafting at 20.0 ")
+
+
+def test_an_earlier_runs_pause_is_re_checked_within_one_window(qwen3_pair, capsys):
+    # A drafting speed timed on a busy machine must not pause the drafter of later runs for long:
+    # the carried pause is cut to one window, then this run times the drafter itself.
+    model, draft, tokenizer = qwen3_pair
+    saved = {"plain_time": 0.01, "draft_time": 0.64, "plain_left": 272, "run": 256}
+    policy = PolicyState.restored(saved, lookup=0)
+    assert policy.plain_left == policy.window
+    generate(model, draft, tokenizer, [5, 6, 7], max_tokens=40, block_size=4, verbose=True, policy=policy)
+    stats = _stats(capsys.readouterr().out)
+    assert "no drafting cycles" not in " ".join(stats)  # it drafted again after the window
+    (line,) = [x for x in stats if x.startswith("Drafting:")]
+    assert "(measured by an earlier run)" not in line.split(",")[0]  # and timed the drafter itself
+    assert any(x.startswith("Drafter paused for ") for x in stats), stats
 
 
 def test_tau_is_explained_where_it_is_printed(qwen3_pair, capsys):
@@ -230,3 +258,64 @@ def test_make_chat_installs_quietly():
     installs = [line for line in recipe.splitlines() if "pip install" in line]
     # setuptools' editable-install banner comes through pip -q: the output goes to a log, shown on failure.
     assert installs and all("> $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }" in x for x in installs)
+
+
+def test_a_long_prompts_prefill_reports_its_progress(qwen3_pair):
+    model, draft, tokenizer = qwen3_pair
+    seen = []
+    prompt = [5 + i % 50 for i in range(300)]
+    text = generate(model, draft, tokenizer, prompt, max_tokens=4, block_size=4, prefill_step_size=128,
+                    prompt_progress_callback=lambda done, total: seen.append((done, total)))  # fmt: skip
+    assert seen == [(128, 300), (256, 300), (300, 300)]
+    assert text == generate(model, draft, tokenizer, prompt, max_tokens=4, block_size=4, prefill_step_size=128)
+
+
+def test_dflash_generate_draws_a_bar_for_a_long_prompts_prefill(pair_dirs, capsys):
+    argv = ["--model", str(pair_dirs["qwen3-tied"]), "--draft", str(pair_dirs["draft"]), "--max-tokens", "2",
+            "--ignore-chat-template"]  # fmt: skip
+    cli_generate.main([*argv, "--prompt", " ".join(f"t{i % 9}" for i in range(1500))])
+    err = capsys.readouterr().err
+    done = re.search(r"\] (\d+)/(\d+) prompt tokens prefilled", err.splitlines()[-1])
+    assert done and done[1] == done[2] and int(done[1]) >= 1024, err
+    cli_generate.main([*argv, "--prompt", "t1 t2"])  # a short prompt: no bar
+    assert "prefilled" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("served", ["smollm2-135m-instruct", "Qwen/Qwen3-8B"])
+async def test_a_chat_with_a_server_samples_its_default_pair_as_locally_and_has_no_peak_memory(served):
+    from dflash_mlx.tui.app import make_app
+    from dflash_mlx.tui.widgets import Reply
+
+    class Served(FakeStream):  # what RemoteEngine.load says of a server and its model
+        def load(self):
+            from dflash_mlx.loading.pairs import is_default_pair
+
+            return {"name": f"{served} @ server", "has_draft": True, "max_block_size": 16, "chat_template": True,
+                    "peak_memory_known": False, "default_pair": is_default_pair(served)}  # fmt: skip
+
+        def reset(self):
+            pass
+
+    app = make_app(None, base_url="http://127.0.0.1:9/v1")
+    app.engine = engine = Served()
+    async with app.run_test(size=(120, 30)) as pilot:
+        await wait_until(pilot, lambda: app.info is not None)
+        app.query_one("#prompt").load_text("hi")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: not app.generating and app.turns)
+        await pilot.pause()
+        sampled = served == "smollm2-135m-instruct"
+        assert (engine.calls[0][1].temp, engine.calls[0][1].top_p) == ((0.2, 0.9) if sampled else (0.0, 0.0))
+        assert f"peak mem    {'n/a':>6}" in str(app.query_one("#live").render())
+        stats = str(app.query_one(Reply).query_one(".reply-stats").render())
+        assert "peak n/a" in stats and "GB" not in stats
+
+
+def test_draft_takes_the_embedded_pairs_names_as_model_does(capsys):
+    from dflash_mlx.loading.pairs import default_pair_draft, embedded_pair_path, name_pair
+
+    assert name_pair("Some/target", "smollm2").draft == default_pair_draft()
+    assert name_pair("Some/target", "SmolLM2-135M-Instruct").draft == default_pair_draft()
+    cli_generate.main(["--model", "dflash-tiny", "--draft", "dflash-tiny", "--prompt", "hi", "-m", "3"])
+    out = capsys.readouterr().out
+    assert f"Drafter: {embedded_pair_path('dflash-tiny') / 'draft'}" in out and "Acceptance length:" in out

@@ -770,3 +770,22 @@ def test_chat_template_kwargs_and_reasoning_effort_reach_the_template(qwen3_pair
                                {"chat_template_kwargs": {"reasoning_effort": "low"}})  # fmt: skip
     assert "Reasoning:" not in plain and "Reasoning:high" in high and "Reasoning:low" in low
     assert "<|start|>developer<|message|>t9<|end|>" in high
+
+
+def test_a_successful_request_is_logged_and_the_banner_names_the_blas(server, caplog, qwen3_pair):
+    import logging
+
+    from dflash_mlx.cpu.openblas import blas_in_use
+    from dflash_mlx.tools.server.app import banner
+
+    with caplog.at_level(logging.INFO, logger="dflash-serve"):  # the default --log-level
+        conn, resp = _request(server.url, "POST", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+        assert resp.status == 200
+        resp.read()
+        conn.close()
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any('"POST /v1/completions HTTP/1.1" 200' in line for line in lines), lines
+    line = banner("tiny", qwen3_pair[1], "http://127.0.0.1:8000")
+    assert line.startswith("dflash-serve: tiny (drafter block 16) at http://127.0.0.1:8000/v1")
+    if sys.platform == "linux":
+        assert line.endswith(f"; BLAS: {blas_in_use()}")

@@ -10,7 +10,8 @@ import pytest
 from helpers.checkpoints import VOCAB
 from helpers.decoding import run
 from helpers.family import prompt_ids, reference
-from helpers.oracles import ScriptedDraft, SecondChoiceDraft
+from helpers.oracles import AcceptExactlyDraft, ScriptedDraft, SecondChoiceDraft
+from helpers.states import check_states_equal_a_plain_pass
 
 from dflash_mlx import DFlashError, make_cache
 from dflash_mlx.drafts.lookup import PromptLookup
@@ -90,22 +91,53 @@ def test_tree_equals_the_authors_builder(seed, monkeypatch):
 
 
 @pytest.mark.parametrize("budget, prompt_len", [(1, 30), (4, 1), (16, 9), (64, 30)])
-def test_greedy_equals_plain_decoding(tiny_pair, budget, prompt_len):
+def test_greedy_equals_plain_decoding(varied_pair, budget, prompt_len):
     """A random drafter's trees, on every dense target kind (tied and untied Qwen3, Llama, Qwen2)."""
-    model, draft, _ = tiny_pair
+    model, draft, _ = varied_pair
     prompt = prompt_ids(prompt_len)
     ref = reference(model, prompt, 16)
     cache = make_cache(model, draft)
     out, cycles = run(model, draft, prompt, tree_budget=budget, max_tokens=16, prompt_cache=cache, adaptive=False)
     assert out == ref
-    assert all(c.offset == len(cache.tokens) for c in cache.target)
+    check_states_equal_a_plain_pass(model, cache, draft)
     assert cycles[1].num_draft == min(budget, 14)  # the nodes, up to the room left
 
 
-def test_a_branch_is_accepted_where_the_path_is_not(qwen3_pair):
+@pytest.mark.parametrize("max_tokens", [17, 25])
+def test_a_branching_tree_leaves_the_state_of_a_plain_pass(varied_pair, max_tokens):
+    """After cycles whose accepted path is a second branch (its keys and values moved down over the first
+    branch's), ended at a block's end or cut inside a path: every layer's keys, values and offset, and the
+    drafter's context and pending taps, equal those of one plain pass over the committed tokens. (Keeping
+    the first nodes' keys, a node masked to the node before it instead of its parent, nodes at consecutive
+    positions, or the taps of the first nodes instead of the path's each fail it.)"""
+    model, draft, _ = varied_pair
+    prompt = prompt_ids(9)
+    ref = reference(model, prompt, 40)
+    oracle = SecondChoiceDraft(draft, prompt + ref, VOCAB)
+    cache = make_cache(model, oracle)
+    out, cycles = run(model, oracle, prompt, tree_budget=2 * (draft.block_size - 1), max_tokens=max_tokens,
+                      prompt_cache=cache, adaptive=False)  # fmt: skip
+    assert out == ref[:max_tokens] and cycles[1].num_accepted == draft.block_size - 1
+    check_states_equal_a_plain_pass(model, cache, oracle)
+
+
+def test_a_rollback_of_drafts_leaves_the_state_of_a_plain_pass(varied_pair):
+    """A drafter right for exactly k drafts, k = 0..B-1 in turn (a rollback of every length): every
+    layer's state and the drafter's context are those of one plain pass over the committed tokens."""
+    model, draft, _ = varied_pair
+    prompt = prompt_ids(7)
+    ref = reference(model, prompt, 60)
+    oracle = AcceptExactlyDraft(draft, prompt + ref, VOCAB, list(range(draft.block_size)))
+    cache = make_cache(model, oracle)
+    out, _ = run(model, oracle, prompt, max_tokens=60, prompt_cache=cache, adaptive=False)
+    assert out == ref
+    check_states_equal_a_plain_pass(model, cache, oracle)
+
+
+def test_a_branch_is_accepted_where_the_path_is_not(varied_qwen3_pair):
     """The drafter's first choice at the first position is wrong and the right token second: the
     path keeps nothing, a tree with both branches keeps the whole block."""
-    model, draft, _ = qwen3_pair
+    model, draft, _ = varied_qwen3_pair
     prompt = prompt_ids(9)
     ref = reference(model, prompt, 48)
     oracle = SecondChoiceDraft(draft, prompt + ref, VOCAB)
@@ -116,10 +148,10 @@ def test_a_branch_is_accepted_where_the_path_is_not(qwen3_pair):
     assert [c.num_accepted for c in tree[1:-1]] == [draft.block_size - 1] * (len(tree) - 2)
 
 
-def test_an_oracle_tree_keeps_the_block_and_the_taps_of_its_path(qwen3_pair):
+def test_an_oracle_tree_keeps_the_block_and_the_taps_of_its_path(varied_qwen3_pair):
     """The target's own continuation as the top path: the tree keeps the whole block, and the
     drafter's context grows by exactly the kept positions."""
-    model, draft, _ = qwen3_pair
+    model, draft, _ = varied_qwen3_pair
     prompt = prompt_ids(7)
     ref = reference(model, prompt, 40)
     oracle = ScriptedDraft(draft, prompt + ref, VOCAB)
@@ -131,27 +163,34 @@ def test_an_oracle_tree_keeps_the_block_and_the_taps_of_its_path(qwen3_pair):
 
 
 @pytest.mark.parametrize("kwargs", [dict(lookup_fallback=4, adaptive=False), dict(adaptive=True)])
-def test_trees_with_the_lookup_fallback_and_the_adaptive_policy(qwen3_pair, kwargs):
+def test_trees_with_the_lookup_fallback_and_the_adaptive_policy(varied_qwen3_pair, kwargs):
     """Trees mixed with prompt-lookup paths and paused (plain) cycles: still mlx-lm's greedy tokens."""
-    model, draft, _ = qwen3_pair
+    model, draft, _ = varied_qwen3_pair
     prompt = prompt_ids(9) * 2  # repeated text, for prompt lookup to find
     out, cycles = run(model, draft, prompt, tree_budget=8, max_tokens=30, **kwargs)
     assert out == reference(model, prompt, 30)
 
 
-def test_repetition_penalty_sees_each_nodes_own_path(qwen3_pair):
-    """Logits processors get each node's own preceding tokens: same tokens as the path's."""
+def test_repetition_penalty_sees_each_nodes_own_path(varied_pair):
+    """Logits processors get each node's own preceding tokens: same tokens as plain decoding with the
+    penalty, on targets where the penalty changes the output and with trees whose accepted paths are deep
+    second branches. (Giving each node the cached tokens only, or the first branch's, fails it.)"""
     from mlx_lm.sample_utils import make_logits_processors
 
-    model, draft, _ = qwen3_pair
+    model, draft, _ = varied_pair
     prompt = prompt_ids(9)
-    kwargs = dict(max_tokens=30, adaptive=False, logits_processors=make_logits_processors(repetition_penalty=1.5))
-    plain, _ = run(model, None, prompt, **kwargs)
+    kwargs = dict(max_tokens=40, adaptive=False)
+    penalty = make_logits_processors(repetition_penalty=1.5, repetition_context_size=40)
+    plain, _ = run(model, None, prompt, **kwargs, logits_processors=penalty)
+    assert plain != run(model, None, prompt, **kwargs)[0]  # the penalty changes the text
     oracle = SecondChoiceDraft(draft, prompt + plain, VOCAB)
-    assert run(model, oracle, prompt, tree_budget=16, **kwargs)[0] == plain
+    budget = 2 * (draft.block_size - 1)  # both branches as deep as the block
+    out, cycles = run(model, oracle, prompt, tree_budget=budget, **kwargs, logits_processors=penalty)
+    assert out == plain
+    assert max(c.num_accepted for c in cycles[1:]) >= 4  # deeper nodes than the first are accepted
 
 
-def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(qwen3_pair, monkeypatch):
+def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(varied_qwen3_pair, monkeypatch):
     """tree_budget="auto": greedy output unchanged; a drafter whose right token is its second choice gets
     trees with both branches, a random one that is never right gets trees of a node or few."""
     from dflash_mlx.tuning import widths as verify_width
@@ -166,7 +205,7 @@ def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(qwe
         ),
     )
     monkeypatch.setattr(verify_width.CostStore, "get", lambda self, key: None)  # nothing timed earlier either
-    model, draft, _ = qwen3_pair
+    model, draft, _ = varied_qwen3_pair
     prompt = prompt_ids(9)
     ref = reference(model, prompt, 40)
     oracle = SecondChoiceDraft(draft, prompt + ref, VOCAB)
@@ -186,20 +225,20 @@ def test_auto_budget_grows_where_branches_pay_and_shrinks_where_nothing_does(qwe
         (dict(tree_budget=4, min_confidence=0.5), "leave block_size fixed"),
     ],
 )
-def test_bad_tree_settings_are_one_line(qwen3_pair, kwargs, message):
-    model, draft, _ = qwen3_pair
+def test_bad_tree_settings_are_one_line(varied_qwen3_pair, kwargs, message):
+    model, draft, _ = varied_qwen3_pair
     with pytest.raises(DFlashError, match=message):
         run(model, draft, [1, 2, 3], max_tokens=4, **kwargs)
 
 
 @pytest.mark.parametrize("draft", [None, PromptLookup(4)])
-def test_a_tree_needs_a_dflash_drafter(qwen3_pair, draft):
+def test_a_tree_needs_a_dflash_drafter(varied_qwen3_pair, draft):
     with pytest.raises(DFlashError, match="builds trees from a DFlash drafter"):
-        run(qwen3_pair[0], draft, [1, 2, 3], max_tokens=4, tree_budget=4)
+        run(varied_qwen3_pair[0], draft, [1, 2, 3], max_tokens=4, tree_budget=4)
 
 
-def test_tree_budget_zero_is_the_path(qwen3_pair):
-    model, draft, _ = qwen3_pair
+def test_tree_budget_zero_is_the_path(varied_qwen3_pair):
+    model, draft, _ = varied_qwen3_pair
     prompt = prompt_ids(9)
     path = run(model, draft, prompt, max_tokens=20, adaptive=False)
     zero = run(model, draft, prompt, max_tokens=20, adaptive=False, tree_budget=0)

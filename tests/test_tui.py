@@ -2,6 +2,7 @@ import importlib
 import json
 import os
 import threading
+from pathlib import Path
 
 import pytest
 from helpers.checkpoints import write_draft, write_target
@@ -87,13 +88,48 @@ class SlowDraftStream(FakeStream):
             yield response
 
 
-async def test_stats_panel_says_when_plain_decoding_is_faster():
+async def test_stats_panel_shows_both_measured_rates_without_a_verdict():
+    # "faster" beside the plain rate read as a verdict on the reply, which the reply/plain ratio
+    # contradicts: the panel shows the two measured rates side by side, each under its own name.
     app = ChatApp(SlowDraftStream())
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.press(*"hello", "enter")
         await finish(pilot)
-        assert "tok/s plain   60.0 faster" in panel(app)
+        live = panel(app)
+        assert "tok/s draft   40.0" in live and "tok/s plain   60.0" in live
+        assert "faster" not in live and "slower" not in live and "vs plain" not in live
+
+
+async def test_before_the_first_token_the_state_says_warming_up_then_prefilling():
+    class Engine(FakeStream):
+        def load(self):
+            return {"name": "fake", "has_draft": True, "max_block_size": 16, "chat_template": True}
+
+        def reset(self):
+            pass
+
+        def __call__(self, messages, settings):
+            self.calls.append((messages, settings))
+            if len(self.calls) == 2:
+                self.on_prefill(512, 6000)  # a long prompt, its first chunk done
+            return self._play()
+
+    engine = Engine(pause_after=0)
+    app = ChatApp(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hi")
+        await pilot.pause()
+        assert "warming up" in str(app.query_one("#state").render())  # the first reply, nothing yet
+        engine.gate.set()
+        await finish(pilot)
+        engine.gate.clear()
+        await send(pilot, "a long prompt")
+        await wait_until(pilot, lambda: "prefilling 512/6,000 prompt tokens" in str(app.query_one("#state").render()))
+        engine.gate.set()
+        await finish(pilot)
+        assert "ready" in str(app.query_one("#state").render())
 
 
 async def test_stats_update_while_streaming():
@@ -275,6 +311,60 @@ async def test_bad_commands_say_why_and_change_nothing(line, expected):
         assert app.query_one(PromptInput).text == line
 
 
+@pytest.mark.parametrize(
+    "first, second, expected",
+    [
+        (
+            "/cutoff 0.3",
+            "/tree 4",
+            "/tree 4 cannot go with the current settings: a draft tree verifies the drafter's "
+            "likeliest nodes, not a path cut at a probability. Send /cutoff 0 first, then /tree 4.",
+        ),
+        ("/tree 4", "/cutoff 0.3", "Send /tree 0 first, then /cutoff 0.3."),
+        ("/tree auto", "/block auto", "Send /tree 0 first, then /block auto."),
+        ("/block auto", "/tree 8", "Send /block N first, then /tree 8."),
+        ("/block auto", "/cutoff 0.5", "Send /block N first, then /cutoff 0.5."),
+        ("/cutoff 0.5", "/block auto", "Send /cutoff 0 first, then /block auto."),
+    ],
+)
+async def test_settings_that_clash_are_refused_at_the_command_in_the_apps_words(first, second, expected):
+    # Refused when typed, naming the app's command that clears the clash, not at the next message
+    # in the library's argument names.
+    fake = FakeStream()
+    app = ChatApp(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, first)
+        await pilot.pause()
+        before = app.settings
+        await send(pilot, second)
+        await pilot.pause()
+        assert app.settings == before
+        errors = [str(n.render()) for n in app.query(".note.error")]
+        assert len(errors) == 1 and errors[0].endswith(expected) and "min_confidence" not in errors[0]
+        assert app.query_one(PromptInput).text == second
+        # Cleared as the note says, the command goes through.
+        await send(pilot, expected.split("Send ")[1].split(" first")[0].replace("/block N", "/block 8"))
+        await pilot.pause()
+        await send(pilot, second)
+        await pilot.pause()
+        assert len(app.query(".note.error")) == 1 and app.settings != before
+
+
+async def test_a_message_given_back_after_an_error_keeps_the_cursor_at_its_end():
+    def failing(messages, settings):
+        raise DFlashError("The prompt is too long for this model: start a new conversation with /clear.")
+        yield
+
+    app = ChatApp(failing)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "Name three primary colors.")
+        await finish(pilot)
+        await pilot.press(*" ok")
+        assert app.query_one(PromptInput).text == "Name three primary colors. ok"
+
+
 async def test_help_and_clear():
     fake = FakeStream()
     app = ChatApp(fake)
@@ -336,7 +426,7 @@ async def test_save_names_the_settings_in_use_and_its_hint_repeats_the_typed_pat
         # The header says what the settings bar says: the drafter's block 16, not "auto".
         bar = str(app.query_one("#settings-bar").render())
         header = (tmp_path / "notes" / "chat.md").read_text().splitlines()[2]
-        assert "block 16" in bar and header == f"_{bar.split(' · ', 1)[1]}_"
+        assert "block 16" in bar and header == f"_Settings at save time: {bar.split(' · ', 1)[1]}_"
         assert (
             json.loads(save_transcript("notes/c.json", app.turns, app.settings, max_block_size=16).read_text())[
                 "settings"
@@ -354,6 +444,30 @@ async def test_save_names_the_settings_in_use_and_its_hint_repeats_the_typed_pat
         await pilot.pause()
         assert "## Assistant" in (tmp_path / "notes" / "chat.md").read_text()
         assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
+
+
+async def test_save_names_each_replys_own_settings(tmp_path):
+    # Settings changed between replies: each reply is saved with those it was generated with.
+    app = ChatApp(FakeStream())
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "one")
+        await finish(pilot)
+        await send(pilot, "/temp 0.7")
+        await send(pilot, "/block 4")
+        await send(pilot, "two")
+        await finish(pilot)
+        await send(pilot, "/max 99")
+        await send(pilot, f"/save {tmp_path / 'chat.md'}")
+        await send(pilot, f"/save {tmp_path / 'chat.json'}")
+        await pilot.pause()
+        text = (tmp_path / "chat.md").read_text()
+        used = [line for line in text.splitlines() if line.startswith("_Generated with: ")]
+        assert used == ["_Generated with: DFlash on · block 16 · temp 0 · max 512_",
+                        "_Generated with: DFlash on · block 4 · temp 0.7 · max 512_"]  # fmt: skip
+        assert "_Settings at save time: DFlash on · block 4 · temp 0.7 · max 99_" in text
+        replies = [m for m in json.loads((tmp_path / "chat.json").read_text())["messages"] if m["role"] == "assistant"]
+        assert [(m["settings"]["block_size"], m["settings"]["temp"]) for m in replies] == [(16, 0.0), (4, 0.7)]
 
 
 def test_interrupted_save_leaves_no_file(tmp_path, monkeypatch):
@@ -503,7 +617,8 @@ def test_engine_keeps_what_the_adaptive_policy_learned_across_replies(pair, monk
 
 def test_engine_goes_on_from_the_last_sessions_policy(pair, tmp_path):
     """With a policy store (dflash-chat's), a new session starts from what the last one
-    measured of the pair: here inside a run of plain cycles, so its first reply never drafts."""
+    measured of the pair: here inside a run of plain cycles (cut to one window, after which the drafter
+    is timed again), so its first reply never drafts."""
     from dflash_mlx.tuning.policy import PolicyStore
 
     store = PolicyStore(tmp_path / "policy.json")
@@ -512,24 +627,48 @@ def test_engine_goes_on_from_the_last_sessions_policy(pair, tmp_path):
     list(first([{"role": "user", "content": "t1 t2"}], Settings(max_tokens=10, block_size=4)))
     first.close()
     (key,) = store.read()
-    assert store.get(key).saved() == next(iter(first.policies.values())).saved()
+    live = next(iter(first.policies.values()))
+    # Read back with a pause it carries cut to one window (the drafter is timed again after it).
+    assert store.get(key).saved() == {**live.saved(), "plain_left": min(live.plain_left, live.window)}
     saved = store.get(key)
     saved.plain_time, saved.draft_time, saved.plain_left, saved.run = 0.01, 0.05, 200, 256
     store.put(key, saved)
 
     second = MLXEngine(*pair, policy_store=store)
     second.load()
-    responses = list(second([{"role": "user", "content": "t3"}], Settings(max_tokens=10, block_size=4)))
+    window = saved.window
+    responses = list(second([{"role": "user", "content": "t3"}], Settings(max_tokens=window, block_size=4)))
     second.close()
     cycles = [r for r in responses if r.cycle > 0]
     assert cycles and all(r.num_draft <= 1 for r in cycles)  # a looked-up draft at most, never the drafter's 3
-    assert store.get(key).plain_left == 200 - len(cycles)
+    assert store.get(key).plain_left == window - len(cycles)
     # Without a store (the default), nothing is read or written.
     third = MLXEngine(*pair)
     third.load()
     list(third([{"role": "user", "content": "t3"}], Settings(max_tokens=10, block_size=4)))
     third.close()
-    assert store.get(key).plain_left == 200 - len(cycles)
+    assert store.get(key).plain_left == window - len(cycles)
+
+
+async def test_the_settings_bar_names_the_drafter(pair, tmp_path):
+    app = ChatApp(MLXEngine(*pair), settings=Settings(max_tokens=4))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        drafter = f"{Path(pair[1]).parent.name}/draft"
+        assert str(app.query_one("#settings-bar").render()).startswith(f"target + {drafter} · ")
+    app.engine.close()
+    # Also a drafter nobody named: the one a pair folder holds.
+    folder = tmp_path / "mypair"
+    folder.mkdir()
+    for part in ("target", "draft"):
+        (folder / part).symlink_to(Path(pair[0 if part == "target" else 1]))
+    (folder / "dflash_pair.json").write_text(json.dumps({"format": "dflash-pair", "version": 1, "target": "target",
+                                                         "draft": "draft"}))  # fmt: skip
+    app = ChatApp(MLXEngine(str(folder)), settings=Settings(max_tokens=4))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert str(app.query_one("#settings-bar").render()).startswith("mypair + mypair/draft · ")
+    app.engine.close()
 
 
 async def test_real_pair_dflash_off_gives_the_same_greedy_reply(pair):

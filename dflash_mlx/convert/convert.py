@@ -33,7 +33,7 @@ from ..base.errors import DFlashError
 from ..base.files import install, partial_sibling
 from ..generation import dflash_generate_step
 from ..loading import registry
-from ..loading.casting import cast
+from ..loading.casting import CPU_FLOAT32_MEMORY_SHARE, available_memory, cast
 from ..loading.draft_loader import load_draft
 from ..loading.folders import check_not_drafter, check_tokenizer_files, is_drafter_config, read_config
 from ..loading.gguf import convert_gguf, find_gguf
@@ -48,7 +48,7 @@ from ..models import target as tgt
 from ..models.drafter import DraftModel, save_draft
 from ..text.chat_template import render_chat
 from ..text.responses import AcceptanceStats
-from ..tools.cli.options import add_blas_argument
+from ..tools.cli.options import ArgumentParser, add_blas_argument
 from ..tools.cli.progress import Progress
 from .weights import DRAFT_Q_BITS, Q_GROUP_SIZES, normalized_config, quantize_draft
 
@@ -181,6 +181,20 @@ def _draft_source(
 def _config_dtype(config: dict[str, Any]) -> str | None:
     # transformers >= 5 writes "dtype" where older versions wrote "torch_dtype".
     return config.get("torch_dtype") or config.get("dtype")
+
+
+def _cpu_default_dtype(source: Path, gguf: bool, available: int | None = None) -> str | None:
+    """float32 on MLX's CPU backend when it fits, as dflash-generate computes: bf16 and float16
+    run several times slower there, and dequantizing a GGUF is faster than keeping it."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return None
+    files = [source] if source.is_file() else [*source.glob("*.safetensors"), *source.glob("*.gguf")]
+    # Upper bounds: 4-bit GGUF blocks grow about 8x as float32, 16-bit weights 2x.
+    as_float32 = sum(f.stat().st_size for f in files) * (8 if gguf else 2)
+    available = available_memory() if available is None else available
+    if available is not None and as_float32 > CPU_FLOAT32_MEMORY_SHARE * available:
+        return None
+    return "float32"
 
 
 def _draft_dtype(dtype: str | None, target_config: dict[str, Any], draft_config: dict[str, Any]) -> str | None:
@@ -336,8 +350,10 @@ def convert(
         q_group_size: Target quantization group size (mlx-lm's default: 64).
         q_bits: Target bits per weight (mlx-lm's default: 4).
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` for the unquantized weights of
-          both models; by default the target's ``torch_dtype``. A GGUF target is dequantized
-          to it; without it its Q4_0/Q4_1/Q8_0 layers stay quantized.
+          both models. By default float32 on MLX's CPU backend when it fits in half the free
+          memory (as dflash-generate computes; a GGUF target is then dequantized) unless
+          ``quantize``, else the target's ``torch_dtype``. A GGUF target is dequantized to it;
+          without it its Q4_0/Q4_1/Q8_0 layers stay quantized.
         draft_hf_path: The drafter: local folder or Hugging Face id. None takes the official
           drafter of a known target (see :mod:`dflash_mlx.loading.registry`), or the default
           pair's shipped drafter for SmolLM2-135M-Instruct (its hub id or a GGUF of it).
@@ -375,19 +391,21 @@ def convert(
     progress = Progress(6 if check else 5, enabled=verbose)
     tmp = None
     try:
-        progress.update(0, "resolving the models")
+        progress.begin("resolving the models")
         if gguf_file is None:
             target_src, target_config = _target_source(hf_path, revision)
             if quantize and "quantization" in target_config:
                 raise DFlashError(f"{hf_path} is already quantized; drop -q/--quantize to convert it as it is.")
+        if dtype is None and not quantize:
+            dtype = _cpu_default_dtype(gguf_file or target_src, gguf_file is not None)
         draft_id, draft_src = _draft_source(draft_hf_path, hf_path, revision, gguf_file)
         if gguf_file is not None:
             # The pairing check needs the target folder, so a GGUF target is converted first.
             tmp = partial_sibling(dest)
-            progress.step("converting the target from GGUF")
+            progress.begin("converting the target from GGUF")
             target_src = convert_gguf(gguf_file, tmp / "target", dtype=dtype)
             target_config = read_config(target_src, "target")
-        progress.step("checking the pairing")
+        progress.begin("checking the pairing")
         draft_config = read_config(draft_src, "drafter")
         if draft_q_bits and "quantization" in draft_config:
             raise DFlashError(
@@ -398,7 +416,7 @@ def convert(
 
         if tmp is None:
             tmp = partial_sibling(dest)
-            progress.step("converting the target with mlx-lm")
+            progress.begin("converting the target with mlx-lm")
             # mlx-lm reports on stdout; keep stdout for our own report.
             with contextlib.redirect_stdout(sys.stderr if verbose else io.StringIO()):
                 mlx_lm_convert(
@@ -409,7 +427,7 @@ def convert(
                     q_bits=q_bits,
                     dtype=dtype,
                 )
-        progress.step("converting the drafter")
+        progress.begin("converting the drafter")
         # An already quantized drafter (an earlier conversion) keeps its quantization.
         quantization = draft_config.get("quantization")
         if draft_q_bits:
@@ -436,7 +454,7 @@ def convert(
 
         result = None
         if check:
-            progress.step("checking DFlash against the target")
+            progress.begin("checking DFlash against the target")
             result = check_converted(tmp, prompt=check_prompt, max_tokens=check_tokens)
             manifest["check"] = asdict(result)
             _write_manifest(tmp, manifest)
@@ -448,10 +466,10 @@ def convert(
                 f"token {result.first_mismatch}), so the pair in {dest} was kept. Pass --allow-failed-check "
                 "to replace it anyway (in bf16 or quantized, a near-tie may round differently)."
             )
-        progress.step("moving the pair into place")
+        progress.begin("moving the pair into place")
         with _uninterrupted():
             install(tmp, dest)
-        progress.step(f"done: {dest}")
+        progress.finish(f"done: {dest}")
     except BaseException:
         # Covers Ctrl-C too: nothing half-written may stay next to the destination.
         if tmp is not None:
@@ -504,7 +522,7 @@ def _format_pairs() -> str:
 
 def configure_parser() -> argparse.ArgumentParser:
     """The argument parser of ``dflash-convert``."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="dflash-convert",
         description="Convert a Hugging Face target and its DFlash drafter to one checked MLX pair folder.",
     )
@@ -529,7 +547,8 @@ def configure_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=list(DTYPES),
         default=None,
-        help="dtype of unquantized weights (default: the target's); a GGUF target is dequantized to it.",
+        help="dtype of unquantized weights (default: float32 on a CPU when it fits in memory, as dflash-generate "
+        "computes, else the target's); a GGUF target is dequantized to it.",
     )
     parser.add_argument(
         "--draft-q-bits",
@@ -597,7 +616,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 "dflash-convert: warning: DFlash was slower than the target alone in the check. A short check "
                 "is noisy; dflash-bench measures it properly. On a CPU, quantized or bf16 targets and weak "
-                "drafters often do not pay (docs/generate.md: When DFlash does not pay).",
+                "drafters often do not pay: convert again with --dtype float32 if it fits in memory "
+                "(docs/generate.md: When DFlash does not pay).",
                 file=sys.stderr,
             )
         if not c.tokens_match:

@@ -1,7 +1,7 @@
 """What proposes each cycle's drafts for one generation, from the loop's options: :func:`make_proposer`.
 
 A proposer is built from the inside out: the source of drafts (plain decoding, prompt lookup, the datastore,
-the DFlash drafter, its trees or its DFlash2 selector), then what is wrapped around it (prompt-lookup cycles
+the DFlash drafter, its trees, its DFlash2 selector or a DSpark drafter's Markov steps), then what is wrapped around it (prompt-lookup cycles
 after the drafter's misses; the adaptive policy, which pauses the drafter while it loses and drafts from lookup
 and the datastore meanwhile).
 """
@@ -13,11 +13,12 @@ from ..cpu.speedups import CpuSpeedups
 from ..loop.cache import DFlashCache
 from ..loop.options import FREE_DRAFTS, LoopOptions
 from ..loop.proposal import PlainProposer, Proposer, TextSource
-from ..models import drafter2
+from ..models import drafter2, dspark
 from ..sampling import Sampler, can_sample_proposals
 from ..tuning.policy import PolicyState
 from ..tuning.widths import VerifyWidth
 from .datastore import DatastoreProposer
+from .dspark import DSparkProposer
 from .free import FreeDrafts
 from .lookup import LookupProposer, PromptLookup
 from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, FirstOf, SelectorProposer, TreeProposer
@@ -82,6 +83,9 @@ def _drafter(
         width = VerifyWidth(model, draft, cache, speedups, tree_nodes=nodes if tree_budget else 0)
     if tree_budget:
         return TreeProposer(model, draft, cache, nodes, speedups=speedups, width=width)
+    if isinstance(draft, dspark.DraftModel):
+        return DSparkProposer(model, draft, cache, threshold=o.confidence_threshold, sampler=sample,
+                              min_confidence=o.min_confidence, speedups=speedups, width=width)  # fmt: skip
     return DFlashProposer(
         model, draft, cache, sampler=sample, min_confidence=o.min_confidence, speedups=speedups, width=width
     )

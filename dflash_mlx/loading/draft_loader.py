@@ -9,7 +9,7 @@ import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..base.errors import DFlashError
-from ..models import drafter, drafter2
+from ..models import dflare, drafter, drafter2, dspark
 from ..models import target as tgt
 from ..models.drafter import DraftArgs, DraftModel
 from .folders import read_draft_config, read_weights
@@ -53,7 +53,7 @@ def build_draft(
     if named is None and tokenizer is not None and (mask_token_id := tokenizer_mask_token(tokenizer)) is not None:
         config["mask_token_id"] = mask_token_id
     # The architecture's module: its DraftArgs and DraftModel.
-    family = drafter2 if drafter2.is_dflash2(config) else drafter
+    family = family_module(config)
     try:
         args = family.DraftArgs.from_dict(config)
     except TypeError as e:
@@ -64,6 +64,8 @@ def build_draft(
             "add dflash_config.target_layer_ids to its config.json."
         )
     _check_draft_vocab(path, args, weights)
+    if family is dspark:
+        dspark.adapt_args(args, weights)
     draft = family.DraftModel(args)
     weights = draft.sanitize(weights)
     if (q := config.get("quantization")) is not None:
@@ -87,6 +89,15 @@ def build_draft(
     if shape is not None:
         check_drafter(shape, draft)
     return draft
+
+
+def family_module(config: dict[str, Any]):
+    """The module of the drafter family a config names (its DraftArgs and DraftModel): DFlash2, DSpark,
+    DFlare by their ``architectures``, else DFlash (JetSpec's heads among them)."""
+    for module, matches in ((drafter2, drafter2.is_dflash2), (dspark, dspark.is_dspark), (dflare, dflare.is_dflare)):
+        if matches(config):
+            return module
+    return drafter
 
 
 def _check_draft_vocab(path: Path, args: DraftArgs, weights: dict[str, mx.array]) -> None:
@@ -148,6 +159,11 @@ def check_drafter(shape: tgt.TargetShape, draft: DraftModel) -> None:
     """
     a, fix = draft.args, "Pass the drafter trained for this target with --draft."
     n_layers, hidden, vocab = shape.num_layers, shape.hidden_size, shape.vocab_size
+    if a.target_hidden_size is not None and a.target_hidden_size != hidden:
+        raise DFlashError(
+            f"The drafter was made for a target of hidden_size={a.target_hidden_size}, but this target has "
+            f"hidden_size={hidden}. {fix}"
+        )
     if a.hidden_size != hidden:
         raise DFlashError(
             f"The drafter has hidden_size={a.hidden_size}, but the target has hidden_size={hidden}. {fix}"

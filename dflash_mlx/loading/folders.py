@@ -92,7 +92,8 @@ def parse_config(file: Path, what: str) -> dict[str, Any]:
 
 def is_drafter_config(config: dict[str, Any]) -> bool:
     archs = config.get("architectures") or []
-    return any("DFlash" in a for a in archs) or "dflash_config" in config or "target_layer_ids" in config
+    known = ("DFlash", "DFlare", "DSpark")
+    return any(k in a for a in archs for k in known) or "dflash_config" in config or "target_layer_ids" in config
 
 
 def read_weights(path: Path, what: str) -> dict[str, mx.array]:

@@ -107,6 +107,12 @@ def local_folder(path_or_repo: str | Path, *, what: str, revision: str | None = 
     if path.is_dir():
         return path
     if path.exists():
+        if path.suffix.lower() == ".gguf":
+            # A GGUF file is converted once into a pair folder, which every tool then loads.
+            raise DFlashError(
+                f"The {what} path {path} is a GGUF file; convert it first with dflash-convert --hf-path {path} "
+                "--mlx-path FOLDER (add --draft DRAFTER for a target it does not know), then pass FOLDER."
+            )
         raise DFlashError(f"The {what} path {path} is a file; pass the model's folder.")
     text = str(path_or_repo)
     if embedded and not any(c in text for c in "/\\~") and not text.startswith("."):  # a bare name

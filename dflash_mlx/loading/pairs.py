@@ -64,7 +64,9 @@ def name_pair(model: str | Path | None, draft: str | Path | None) -> PairNames:
 
 
 def _drafter_of(draft: str | Path | None) -> str | Path | None:
-    # A pair folder passed as the drafter gives its drafter.
+    # An embedded pair's name (smollm2, dflash-tiny) or a pair folder passed as the drafter gives its drafter.
+    if draft not in (None, AUTO_DRAFT) and is_embedded_pair(draft):
+        return embedded_pair_path(str(draft)) / "draft"
     folder = Path(draft).expanduser() if draft not in (None, AUTO_DRAFT) else None
     if folder is not None and folder.is_dir() and (manifest := read_pair_manifest(folder)) is not None:
         return folder / manifest["draft"]

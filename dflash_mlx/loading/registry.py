@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..base.errors import DFlashError
-from .pairs import AUTO_DRAFT, PairNames, default_pair_draft
+from .pairs import AUTO_DRAFT, DEFAULT_PAIR, PairNames, default_pair_draft, is_embedded_pair, name_pair
 
 # What the MLX community appends to a converted repository name: "-4bit", "-MLX-8bit",
 # "-bf16", "-4bit-DWQ", "-mxfp4" and the like.
@@ -277,3 +277,17 @@ def draft_for_cli(model: str | Path | None, draft: str | Path | None, no_draft: 
     if draft is None and model is not None and not no_draft and known_draft(model):
         return AUTO_DRAFT
     return draft
+
+
+def loaded_names(model: str | Path | None, draft: str | Path | None) -> tuple[str, str | None]:
+    """What :func:`dflash_mlx.load` loads for these arguments, named for the user: the target as
+    given with the folder it resolves to, and the drafter's folder or id (None: no drafter).
+    Says which files a run used (``--verbose``, the chat's bar) without loading anything."""
+    names = look_up(name_pair(model, draft))
+    given = DEFAULT_PAIR if model is None else str(model)
+    target = given if str(names.target) == given else f"{given} ({names.target})"
+    if names.draft is None:
+        return target, None
+    if is_embedded_pair(model) and draft in (None, AUTO_DRAFT):
+        return target, f"{given}'s drafter ({names.draft})"
+    return target, str(names.draft)

@@ -210,9 +210,9 @@ class LeadVerifier:
     def __init__(self, verifier: Verifier, peers: Peers):
         self.verifier, self.peers = verifier, peers
 
-    def prefill(self, tokens: list[int], step_size: int, drafter: ContextTaker | None = None) -> int:
+    def prefill(self, tokens: list[int], step_size: int, drafter: ContextTaker | None = None, progress=None) -> int:
         self.peers.watch()
-        token = self.verifier.prefill(tokens, step_size, drafter)
+        token = self.verifier.prefill(tokens, step_size, drafter, progress)
         self.peers.decided([token], 0)
         return token
 
@@ -266,9 +266,9 @@ class FollowVerifier:
     def __init__(self, verifier: Verifier, peers: Peers):
         self.verifier, self.peers = verifier, peers
 
-    def prefill(self, tokens: list[int], step_size: int, drafter: ContextTaker | None = None) -> int:
+    def prefill(self, tokens: list[int], step_size: int, drafter: ContextTaker | None = None, progress=None) -> int:
         self.peers.watch()
-        self.verifier.prefill(tokens, step_size, drafter)
+        self.verifier.prefill(tokens, step_size, drafter, progress)
         return self.peers.hear()[0][0]
 
     def verify(self, last: int, proposal: Proposal, plain_next: bool = False) -> Verdict:

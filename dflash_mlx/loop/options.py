@@ -16,7 +16,7 @@ import mlx.nn as nn
 from ..base.errors import DFlashError
 from ..cpu.speedups import CpuSpeedups
 from ..kernels import check_kernels
-from ..models import drafter2
+from ..models import drafter2, dspark
 from ..models.drafter import DraftModel
 from ..models.families import family
 from ..sampling import check_proposal
@@ -70,6 +70,9 @@ class LoopOptions:
           paper. The output is the same either way; a cutoff pays where a verify pass costs
           more the more tokens it checks (CPUs, small targets), at the price of one more
           host synchronisation per cycle.
+        confidence_threshold: A DSpark drafter's confidence head (:mod:`dflash_mlx.models.dspark`):
+          its drafts stop before the first whose predicted chance of acceptance is under this.
+          0 (default, the reference's): the whole block. The output is the same either way.
         lookup_fallback: When the target rejects the drafter's first draft, draft the next
           cycle by prompt lookup instead (no drafter pass: it matches the last few tokens
           against the earlier text); each further such miss doubles the lookup cycles that
@@ -105,6 +108,9 @@ class LoopOptions:
         seed: Seed MLX's random generator first: the same seed gives the same output.
         stop_tokens: Generation ends right after the first of these, even mid-block.
         prefill_step_size: Prompt tokens per prefill chunk.
+        prompt_progress_callback: Called as ``(processed, total)`` prompt tokens after each
+          prefill chunk, as mlx-lm's own option (``total``: the tokens to prefill, those the
+          ``prompt_cache`` reuses left out), so a tool can show a long prompt's prefill.
         cpu_speedups: None (default) uses the CPU speedups where they pay (float32 on MLX's
           CPU backend; :func:`dflash_mlx.cpu.speedups.choose_speedups`); False runs the portable path
           an Apple GPU takes; True or a ``CpuSpeedups`` forces them. Same tokens either way.
@@ -129,6 +135,7 @@ class LoopOptions:
     logits_processors: list[LogitsProcessor] | None = None
     proposal: str = "sample"
     min_confidence: float = 0.0
+    confidence_threshold: float = 0.0
     lookup_fallback: int = 0
     adaptive: bool | None = None
     policy: PolicyState | None = None
@@ -138,6 +145,7 @@ class LoopOptions:
     seed: int | None = None
     stop_tokens: frozenset[int] = frozenset()
     prefill_step_size: int = 512
+    prompt_progress_callback: Callable[[int, int], None] | None = None
     cpu_speedups: CpuSpeedups | bool | None = None
     kernels: str = "auto"
 
@@ -154,6 +162,9 @@ class LoopOptions:
             raise DFlashError(
                 f"tree_budget must be a non-negative integer of nodes (0: a path) or 'auto' (got {budget!r})."
             )
+        threshold = self.confidence_threshold
+        if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+            raise DFlashError(f"confidence_threshold must be a probability from 0 to 1 (got {threshold!r}).")
         if self.block_size == "auto" and self.min_confidence > 0:
             raise DFlashError("block_size='auto' chooses each cycle's drafts itself; leave min_confidence at 0.")
 
@@ -170,7 +181,10 @@ class LoopOptions:
 
     def tree_budget_for(self, model: nn.Module, draft) -> int | str:
         """``tree_budget`` as a number of nodes (0: a path) or ``"auto"``, checked against the pair."""
-        return check_tree_budget(self.tree_budget, model, draft, self.block_size, self.min_confidence)
+        budget = check_tree_budget(self.tree_budget, model, draft, self.block_size, self.min_confidence)
+        if budget and isinstance(draft, dspark.DraftModel):
+            dspark_tree_check(draft, self.confidence_threshold)
+        return budget
 
 
 def check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallback: int, proposal: str) -> None:
@@ -235,3 +249,12 @@ def check_tree_budget(
             "recurrent state cannot do cheaply; pass a fixed tree_budget."
         )
     return tree_budget
+
+
+def dspark_tree_check(draft: "dspark.DraftModel", threshold: float) -> None:
+    """A DSpark drafter builds trees only without its Markov bias and its confidence cut."""
+    if draft.markov_head is not None:
+        # Each slot's distribution depends on the draft before it: no one distribution per depth.
+        raise DFlashError("A DSpark drafter with a Markov head drafts one path: use tree_budget=0.")
+    if threshold > 0:
+        raise DFlashError("A draft tree chooses its own nodes: leave confidence_threshold at 0.")

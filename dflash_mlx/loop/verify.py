@@ -118,8 +118,15 @@ class Verifier:
             return sample_rows(self.probs(logits))
         return self.sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
-    def prefill(self, tokens: list[int], step_size: int, drafter: ContextTaker | None = None) -> int:
+    def prefill(
+        self,
+        tokens: list[int],
+        step_size: int,
+        drafter: ContextTaker | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
         """Feed ``tokens`` in chunks of ``step_size``; returns the target's next token.
+        ``progress(done, total)`` is called after each chunk.
 
         Each chunk's taps go to ``drafter`` (:meth:`~dflash_mlx.loop.proposal.ContextTaker.take_context`)
         as the chunk is done, projected by its ``fold`` as each tapped layer is done.
@@ -140,6 +147,8 @@ class Verifier:
             mx.eval(logits if end == n else [], [c.state for c in self.cache.target], drafter_state)
             if end < n:
                 mx.clear_cache()  # as mlx-lm's prefill: a long prompt's chunk buffers are not kept
+            if progress is not None:
+                progress(end, n)
         return self._sample(self._logits(logits[0, -1:])).item()
 
     def _forward(

@@ -32,6 +32,10 @@ _DFLASH_KEYS = (
     "mask_token_id",
     "num_target_layers",
     "use_target_features",
+    # JetSpec's heads (hao-ai-lab/JetSpec): a block-causal mask in every layer, and the width of
+    # the target's hidden states where a shared linear adapter maps them to the drafter's.
+    "causal_head",
+    "target_hidden_size",
 )
 
 # Fields of newer drafters (DFlash2: a convolution, a token selector, scaled logits and
@@ -59,7 +63,8 @@ def check_layout(config: dict) -> None:
           embedding or DFlash2's fields, each named in the message.
     """
     fix = "Use a DFlash drafter of full_attention or sliding_attention layers."
-    archs = [a for a in config.get("architectures") or [] if a != "DFlashDraftModel" and "DFlash" in a]
+    others = ("DFlash", "DFlare", "DSpark")
+    archs = [a for a in config.get("architectures") or [] if a != "DFlashDraftModel" and any(o in a for o in others)]
     if archs:
         raise DFlashError(f"Unsupported drafter architecture {archs[0]!r}: this drafter is DFlashDraftModel. {fix}")
     check_attention_layout(config, fix)
@@ -148,6 +153,9 @@ class DraftArgs(BaseModelArgs):
     is_causal: bool | None = None
     # False only for the ablation drafter trained without the target's context.
     use_target_features: bool = True
+    # JetSpec: every layer block-causal (as is_causal=True), and the taps' width when not hidden_size.
+    causal_head: bool = False
+    target_hidden_size: int | None = None
     # Drafts only among these many token ids (FR-Spec), held in the weights as ``draft_vocab``.
     draft_vocab_size: int | None = None
     # The target head's softcapping the drafter was trained through (None: not stated).
@@ -176,6 +184,8 @@ class DraftArgs(BaseModelArgs):
             self.rope_theta = rope.get("rope_theta", 1_000_000.0)
         if self.rope_scaling is None and rope.get("rope_type", "default") != "default":
             self.rope_scaling = rope
+        if self.causal_head and self.is_causal is None:
+            self.is_causal = True
         self.target_layer_ids = list(self.target_layer_ids or [])
         if not self.target_layer_ids and self.num_target_layers:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
@@ -342,6 +352,20 @@ class DecoderLayer(nn.Module):
         return self.self_attn.context_key_values(context, offset)
 
 
+class HiddenDimAdapter(nn.Module):
+    """JetSpec's adapter: one linear map (no bias) from the target's hidden width to the drafter's,
+    shared by every tap of the concatenated taps."""
+
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(in_dim, out_dim, bias=False)
+
+    def __call__(self, taps: mx.array) -> mx.array:
+        B, L, width = taps.shape
+        in_dim = self.proj.weight.shape[1]
+        return self.proj(taps.reshape(B, L, width // in_dim, in_dim)).reshape(B, L, -1)
+
+
 class _HeadRows:
     # The target's head rows of the draft vocabulary, kept with what they were read from;
     # a plain object, so that they are no parameter of the drafter.
@@ -372,6 +396,8 @@ class DraftModel(nn.Module):
         self.layers = [self.layer_class(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.fc = nn.Linear(n_taps * args.hidden_size, args.hidden_size, bias=False)
+        if args.target_hidden_size not in (None, args.hidden_size):
+            self.hidden_dim_adapter = HiddenDimAdapter(args.target_hidden_size, args.hidden_size)
         self.hidden_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self._head = _HeadRows()
         size = args.draft_vocab_size
@@ -390,6 +416,11 @@ class DraftModel(nn.Module):
     @property
     def block_size(self) -> int:
         return self.args.block_size
+
+    @property
+    def family(self) -> str:
+        """The drafter family, as shown to users: a causal-head z-lab layout is JetSpec's."""
+        return "JetSpec" if self.args.causal_head else "DFlash"
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -429,7 +460,7 @@ class DraftModel(nn.Module):
             taps = taps[:, :0]
             if mask is not None:
                 mask = mask[..., -noise_embedding.shape[1] :]
-        context = self.hidden_norm(self.fc(taps))  # (B, Lc, H)
+        context = self.hidden_norm(self.fc(self.adapt(taps)))  # (B, Lc, H)
         h = noise_embedding
         if cache is None:
             cache = [None] * len(self.layers)
@@ -485,12 +516,18 @@ class DraftModel(nn.Module):
         fc = self.fc
         if type(fc) is not nn.Linear or "bias" in fc or not ids or not self.args.use_target_features:
             return None
+        if "hidden_dim_adapter" in self:
+            return None  # the taps are adapted before fc
         width = fc.weight.shape[1] // len(ids)
         blocks = {}
         for k, layer in enumerate(ids):
             block = fc.weight[:, k * width : (k + 1) * width]
             blocks[layer] = block if layer not in blocks else blocks[layer] + block
         return blocks
+
+    def adapt(self, taps: mx.array) -> mx.array:
+        """The taps at the drafter's width: through ``hidden_dim_adapter`` where it has one."""
+        return self.hidden_dim_adapter(taps) if "hidden_dim_adapter" in self else taps
 
     def extend_context(
         self, taps: mx.array, cache: list[Any], speedups: CpuSpeedups | None = None, projected: bool = False
@@ -515,7 +552,7 @@ class DraftModel(nn.Module):
         # projections hold beyond the keys and values is one slice's, whatever the chunk.
         for start in range(0, taps.shape[1], CONTEXT_SLICE):
             rows = taps[:, start : start + CONTEXT_SLICE]
-            context = self.hidden_norm(rows if projected else self.fc(rows))  # (1, <= slice, H)
+            context = self.hidden_norm(rows if projected else self.fc(self.adapt(rows)))  # (1, <= slice, H)
             for layer, c in zip(self.layers, cache):
                 c.update_and_fetch(*layer.context_key_values(context, c.offset, speedups))
             if start + CONTEXT_SLICE < taps.shape[1]:
@@ -532,7 +569,7 @@ class DraftModel(nn.Module):
         """The drafter's pass over ``block`` (``(1, B)`` ids), with the arguments of
         :meth:`propose`: ``(1, B, H)`` hidden states of all its positions."""
         if taps is None:
-            width = len(self.target_layer_ids) * self.args.hidden_size
+            width = len(self.target_layer_ids) * (self.args.target_hidden_size or self.args.hidden_size)
             taps = mx.zeros((1, 0, width), dtype=self.norm.weight.dtype)
         return self(self.embed(model, block), taps, cache, speedups=speedups)
 

@@ -256,6 +256,8 @@ class DraftModel(drafter.DraftModel):
     ``draft_vocab``).
     """
 
+    family = "DFlash2"
+
     layer_class: ClassVar[type] = DecoderLayer
 
     def __init__(self, args: DraftArgs):

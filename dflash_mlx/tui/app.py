@@ -7,7 +7,7 @@ plain-Python messages (``messages.py``) that the UI turns into text and numbers.
 
 import argparse
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -28,7 +28,7 @@ from ..tools.cli.options import (
 )
 from .commands import HELP, Settings, parse_command, save_transcript
 from .engine import MLXEngine, RemoteEngine, StreamEngine, StreamFn
-from .messages import ConversationStats, CycleUpdate, LoadFailed, ModelReady, ReplyDone, ReplyStats
+from .messages import ConversationStats, CycleUpdate, LoadFailed, ModelReady, PrefillProgress, ReplyDone, ReplyStats
 from .widgets import ErrorScreen, HelpNote, Note, PromptInput, Reply, StatsPanel, Transcript, UserMessage
 
 WELCOME = "Type a message and press Enter. Ctrl+J adds a new line, Esc stops a reply, /help lists commands."
@@ -52,13 +52,22 @@ class ChatApp(App):
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
-    def __init__(self, engine: MLXEngine | StreamFn, *, settings: Settings | None = None, note: str | None = None):
+    def __init__(
+        self,
+        engine: MLXEngine | StreamFn,
+        *,
+        settings: Settings | None = None,
+        note: str | None = None,
+        pair_sampling: dict | None = None,
+    ):
         super().__init__()
+        # Sampling for a server's model that turns out to be the default pair (None: keep the settings).
+        self.pair_sampling = pair_sampling
         self.engine = engine if hasattr(engine, "load") else StreamEngine(engine)
         self.settings = settings or Settings()
         self.note = note  # shown under the welcome line (why the settings are what they are)
         self.info: ModelReady | None = None
-        self.turns: list[dict[str, str]] = []
+        self.turns: list[dict] = []
         self.conversation = ConversationStats()
         self.reply_stats: ReplyStats | None = None
         self.generating = False
@@ -68,6 +77,11 @@ class ChatApp(App):
         self._reasoning_text = ""
         self._reasoning_stream = None
         self._stop_key = "Esc"
+        self._reply_settings = self.settings
+        self._prefill: tuple[int, int] | None = None  # (done, total) prompt tokens of the reply under way
+        self._replies = 0  # replies started this session: the first one warms the models up
+        # Posted from the model thread; Textual's post_message is thread-safe.
+        self.engine.on_prefill = lambda done, total: self.post_message(PrefillProgress(done, total))
 
     def compose(self) -> ComposeResult:
         yield Static("", id="settings-bar")
@@ -131,12 +145,22 @@ class ChatApp(App):
             return
         if not message.has_draft:
             self.settings = replace(self.settings, dflash=False, block_size=None)
+        if message.default_pair and self.pair_sampling:
+            # As a local chat samples it: the server's model is the default pair.
+            temp, top_p = self.pair_sampling["temp"], self.pair_sampling["top_p"]
+            self.settings = replace(self.settings, temp=temp, top_p=top_p)
+            self._note(_pair_sampling_note(temp, top_p))
         if not message.chat_template:
             self._note("This model has no chat template: it continues your text as a completion pad.")
         self._refresh()
 
     def on_load_failed(self, message: LoadFailed) -> None:
         self.push_screen(ErrorScreen("dflash-chat could not load the models", message.error))
+
+    def on_prefill_progress(self, message: PrefillProgress) -> None:
+        if self.generating:
+            self._prefill = (message.done, message.total)
+            self._refresh()
 
     async def on_cycle_update(self, message: CycleUpdate) -> None:
         d = message.response
@@ -176,13 +200,17 @@ class ChatApp(App):
             user = self.turns.pop()
             prompt = self.query_one(PromptInput)
             if not prompt.text:
+                # The cursor at its end, so that what is typed next extends it rather than lands before it.
                 prompt.load_text(user["content"])
+                prompt.move_cursor(prompt.document.end)
         else:
             # The answer alone goes back to the template (gpt-oss's refuses a reply with its channels).
             turn = {"role": "assistant", "content": self._reply_text}
             if self._reasoning_text:
                 turn["reasoning"] = self._reasoning_text
-            self.turns.append({**turn, "stats": summary})
+            # The settings this reply was generated with: /save names them under it.
+            used = asdict(self._reply_settings.in_use(self._max_block()))
+            self.turns.append({**turn, "stats": summary, "settings": used})
         self.generating, self._reply, self._stream = False, None, None
         self._reasoning_stream = None
         self._refresh()
@@ -224,10 +252,11 @@ class ChatApp(App):
         self._reasoning_text, self._reasoning_stream = "", None
         await transcript.mount_all([UserMessage(text), self._reply])
         self._stream = Markdown.get_stream(self._reply.body)
-        s = self.settings
+        s = self._reply_settings = self.settings
         block = (_block(s.block_size) or self.info.max_block_size) if s.dflash else 1
-        self.reply_stats = ReplyStats(dflash=s.dflash, block_size=block)
-        self.generating = True
+        self.reply_stats = ReplyStats(dflash=s.dflash, block_size=block, peak_memory_known=self.info.peak_memory_known)
+        self.generating, self._prefill = True, None
+        self._replies += 1
         self._refresh()
         transcript.scroll_end(animate=False)
         messages = [{"role": t["role"], "content": t["content"]} for t in self.turns]
@@ -336,10 +365,25 @@ class ChatApp(App):
             state = "loading models…"
         else:
             state = "generating…" if self.generating else "ready"
+            if self.generating and self.reply_stats is not None and not self.reply_stats.cycles:
+                state = self._waiting()
             state += " · DFlash " + ("on" if self.settings.dflash else "off")
         # The scale stays the drafter's block size with DFlash off, so the history keeps its look.
         block = _block(self.settings.block_size) or max_block
         self.query_one(StatsPanel).show(state, self.reply_stats, self.conversation, block)
+
+    def _waiting(self) -> str:
+        # Before a reply's first token: a long prompt's prefill, or the first reply's one-time warm-up.
+        if self._prefill is not None and self._prefill[1] > 1:
+            done, total = self._prefill
+            return f"prefilling {done:,}/{total:,} prompt tokens…"
+        return "warming up (the first reply prepares the models)…" if self._replies == 1 else "prefilling…"
+
+
+def _pair_sampling_note(temp: float, top_p: float) -> str:
+    return (f"Sampling at temp {temp:g}, top-p {top_p:g}, as SmolLM2-135M-Instruct's model card does: greedy "
+            "decoding makes this small model repeat itself. DFlash keeps the target's own distribution. "
+            "/temp 0 decodes greedily.")  # fmt: skip
 
 
 def _block(block_size: int | str | None) -> int | None:
@@ -423,9 +467,7 @@ def make_app(
     note = None
     if temp is None and top_p is None and not base_url and is_default_pair(model):
         temp, top_p = DEFAULT_PAIR_SAMPLING["temp"], DEFAULT_PAIR_SAMPLING["top_p"]
-        note = (f"Sampling at temp {temp:g}, top-p {top_p:g}, as SmolLM2-135M-Instruct's model card does: greedy "
-                "decoding makes this small model repeat itself. DFlash keeps the target's own distribution. "
-                "/temp 0 decodes greedily.")  # fmt: skip
+        note = _pair_sampling_note(temp, top_p)
     settings = Settings(
         block_size=block_size,
         temp=temp or 0.0,
@@ -437,7 +479,10 @@ def make_app(
         tree_budget=tree_budget,
     )
     if base_url:
-        return ChatApp(RemoteEngine(base_url, api_key=api_key, model=model), settings=settings, note=note)
+        # Known once the server names its model: the default pair is sampled as it is locally.
+        pair_sampling = DEFAULT_PAIR_SAMPLING if temp is None and top_p is None else None
+        engine = RemoteEngine(base_url, api_key=api_key, model=model)
+        return ChatApp(engine, settings=settings, note=note, pair_sampling=pair_sampling)
     from ..tuning.policy import PolicyStore
 
     engine = MLXEngine(

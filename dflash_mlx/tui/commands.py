@@ -194,6 +194,9 @@ def parse_command(
         if not has_draft:
             return error("/block needs a drafter, but none is loaded. Restart with --draft.")
         if arg.strip().lower() == "auto":
+            clash = _clash(settings, block_size="auto")
+            if clash:
+                return error(clash)
             return Command("set", replace(settings, block_size="auto"), "Block size auto: each cycle verifies "
                            "the drafts that pay best.")  # fmt: skip
         if n is None or not 1 <= n <= top:
@@ -213,6 +216,9 @@ def parse_command(
         p = _float(arg)
         if p is None or not 0.0 <= p <= 1.0:  # also rejects nan
             return usage_error("a probability from 0 to 1", "/cutoff 0.5")
+        clash = _clash(settings, min_confidence=p)
+        if clash:
+            return error(clash)
         what = f"verifying drafts up to the first below {p:g}" if p > 0 else "verifying whole blocks"
         return Command("set", replace(settings, min_confidence=p), f"Cutoff {p:g}: {what}.")
     if name == "/fallback":
@@ -226,10 +232,16 @@ def parse_command(
         if not has_draft:
             return error("/tree needs a drafter, but none is loaded. Restart with --draft.")
         if arg.strip().lower() == "auto":
+            clash = _clash(settings, tree_budget="auto")
+            if clash:
+                return error(clash)
             return Command("set", replace(settings, tree_budget="auto"), "Tree auto: each cycle verifies the "
                            "draft tree nodes that pay best.")  # fmt: skip
         if n is None or not 0 <= n <= MAX_TREE_BUDGET:
             return usage_error(f"an integer from 0 to {MAX_TREE_BUDGET}, or auto", "/tree 16")
+        clash = _clash(settings, tree_budget=n)
+        if clash:
+            return error(clash)
         what = f"a draft tree of up to {n} nodes a cycle" if n else "the drafter's one path"
         return Command("set", replace(settings, tree_budget=n), f"Tree {n}: {what}.")
     if name == "/dflash":
@@ -243,6 +255,27 @@ def parse_command(
     if name == "/think":
         return _think(arg.lower(), settings, switches, usage_error, error)
     return error(f"Unknown command {name!r}. Type /help for the list of commands.")
+
+
+def _clash(settings: Settings, **change) -> str | None:
+    """Why ``change`` cannot go with the other settings, in the app's own commands (None: it can).
+    The library refuses the same pairs; saying so here keeps the next message from failing."""
+    new = replace(settings, **change)
+    (name, value), command = next(iter(change.items())), None
+    typed = {"block_size": "/block", "min_confidence": "/cutoff", "tree_budget": "/tree"}[name]
+    this = f"{typed} {value:g}" if isinstance(value, float) else f"{typed} {value}"
+    if new.tree_budget and new.min_confidence > 0:
+        command = "/tree 0" if name == "min_confidence" else "/cutoff 0"
+        why = "a draft tree verifies the drafter's likeliest nodes, not a path cut at a probability"
+    elif new.tree_budget and new.block_size == "auto":
+        command = "/tree 0" if name == "block_size" else "/block N"
+        why = "a draft tree needs a fixed block size to grow from"
+    elif new.block_size == "auto" and new.min_confidence > 0:
+        command = "/cutoff 0" if name == "block_size" else "/block N"
+        why = "/block auto chooses each cycle's drafts itself"
+    if command is None:
+        return None
+    return f"{this} cannot go with the current settings: {why}. Send {command} first, then {this}."
 
 
 def _think(arg: str, settings: Settings, switches: frozenset[str] | None, usage_error, error) -> Command:
@@ -269,7 +302,7 @@ def _think(arg: str, settings: Settings, switches: frozenset[str] | None, usage_
 
 def transcript_markdown(turns: list[dict[str, Any]], settings: Settings) -> str:
     """The conversation as Markdown: one section per message, stats under each reply."""
-    lines = ["# dflash-chat transcript", "", f"_{settings.describe()}_", ""]
+    lines = ["# dflash-chat transcript", "", f"_Settings at save time: {settings.describe()}_", ""]
     if settings.system_prompt:
         lines += ["## System", "", settings.system_prompt, ""]
     for turn in turns:
@@ -278,6 +311,8 @@ def transcript_markdown(turns: list[dict[str, Any]], settings: Settings) -> str:
             # Folded, as the app shows it; Markdown viewers render the HTML details element.
             lines += ["<details><summary>Reasoning</summary>", "", turn["reasoning"], "", "</details>", ""]
         lines += [turn["content"], ""]
+        if turn.get("settings"):  # what this reply was generated with, which may differ from the header's
+            lines += [f"_Generated with: {Settings(**turn['settings']).describe()}_", ""]
         if turn.get("stats"):
             lines += [f"_{turn['stats']}_", ""]
     return "\n".join(lines)
@@ -303,7 +338,8 @@ def save_transcript(
 
     Args:
         path: ``.md``/``.markdown``/``.txt`` (Markdown) or ``.json``.
-        turns: The messages, ``{"role", "content"}`` and optionally ``"stats"``.
+        turns: The messages, ``{"role", "content"}`` and optionally ``"stats"`` and ``"settings"``
+          (a reply's own, as :class:`Settings` fields), written under each reply.
         settings: The current settings, written in the header.
         force: Overwrite ``path`` if it exists.
         max_block_size: The drafter's block size, which a ``block_size`` of None means; the

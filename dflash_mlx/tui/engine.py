@@ -92,6 +92,8 @@ class MLXEngine:
         self.cache = None
         self.context_tokens: int | None = None
         self._closing = False
+        # Called as (done, total) after each prefill chunk, on the model thread (the app posts a message).
+        self.on_prefill: Callable[[int, int], None] | None = None
 
     # The pair as loaded; the drafter may be swapped (tests wrap it to time it).
     model = property(lambda self: self.session.model if self.session else None)
@@ -122,7 +124,8 @@ class MLXEngine:
         return self._run(self._load)
 
     def _load(self) -> dict[str, Any]:
-        from ..loading.pairs import AUTO_DRAFT, DEFAULT_PAIR
+        from ..loading.pairs import DEFAULT_PAIR
+        from ..loading.registry import loaded_names
         from ..text.chat_template import template_switches
         from ..tools.session import Session
 
@@ -133,8 +136,12 @@ class MLXEngine:
         name = DEFAULT_PAIR if self.model_path is None else Path(self.model_path).name
         if self.draft is None:
             name += " (no drafter)"
-        elif self.draft_path not in (None, AUTO_DRAFT):
-            name += f" + {Path(self.draft_path).name}"
+        else:
+            # The drafter is named too, also one taken from a pair folder or the registry.
+            _, draft_name = loaded_names(self.model_path, self.session.draft_path)
+            name += f" + {_short_name(draft_name)}" if draft_name else ""
+        if self.draft is not None and getattr(self.draft, "family", "DFlash") != "DFlash":
+            name += f" [{self.draft.family}]"
         return {
             "name": name,
             "has_draft": self.draft is not None,
@@ -182,7 +189,12 @@ class MLXEngine:
             setup={"chat": list(setup)},
             prompt_cache=self.cache,
             parse_reasoning=has_chat_template(self.tokenizer),
+            prompt_progress_callback=self._prefilled,
         )
+
+    def _prefilled(self, done: int, total: int) -> None:
+        if self.on_prefill is not None:
+            self.on_prefill(done, total)
 
     def __call__(self, messages: list[dict[str, str]], settings: Settings) -> Iterator[Any]:
         """Stream a reply to ``messages`` as ``GenerationResponse`` objects, reusing the cache.
@@ -238,12 +250,16 @@ class RemoteEngine:
         self.context_tokens: int | None = None
 
     def load(self) -> dict[str, Any]:
+        from ..loading.pairs import is_default_pair
+
         info = self.client.server_info()
         return {
             "name": info.describe(),
             "has_draft": True,
             "max_block_size": info.block_size or 16,
             "chat_template": True,
+            "peak_memory_known": False,  # no server reports it
+            "default_pair": is_default_pair(info.model),
         }
 
     def reset(self) -> None:
@@ -272,3 +288,13 @@ class RemoteEngine:
         if settings.reasoning_effort is not None:
             params["reasoning_effort"] = settings.reasoning_effort
         return self.client.stream_chat(messages, **params)
+
+
+def _short_name(name: str) -> str:
+    """A drafter's name for the settings bar: a hub id as it is, a folder by its own name (a pair
+    folder's ``draft/`` with its pair's)."""
+    path = name.rsplit(" (", 1)[1][:-1] if name.endswith(")") and " (" in name else name
+    folder = Path(path)
+    if not (folder.is_absolute() or folder.exists()):
+        return path
+    return f"{folder.parent.name}/{folder.name}" if folder.name == "draft" else folder.name

@@ -24,6 +24,8 @@ class ModelReady(Message):
     chat_template: bool
     context_limit: int | None = None  # the target's trained context, in tokens (None: unknown)
     switches: frozenset[str] | None = None  # the thinking switches the chat template reads (None: unknown)
+    peak_memory_known: bool = True  # False for a server's model: its memory is not reported
+    default_pair: bool = False  # the model is the default pair (a server's, whose id says so)
 
 
 @dataclass
@@ -39,6 +41,14 @@ class CycleUpdate(Message):
     carried from the worker thread to the app as it is."""
 
     response: GenerationResponse
+
+
+@dataclass
+class PrefillProgress(Message):
+    """``done`` of a reply's ``total`` prompt tokens prefilled (a long prompt takes minutes on a CPU)."""
+
+    done: int
+    total: int
 
 
 @dataclass
@@ -67,6 +77,7 @@ class ReplyStats:
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)  # the reply's, as the stream counts it
     cycles: int = 0
     peak_memory: float = 0.0
+    peak_memory_known: bool = True  # a server's model: "n/a", not a made-up 0
     finish_reason: str | None = None
     context_tokens: int | None = None
     dflash: bool = True
@@ -125,7 +136,7 @@ class ReplyStats:
         if self.context_tokens is not None:
             parts.append(f"context {self.context_tokens} tok")
         parts.append(f"TTFT {self.ttft:.2f}s")
-        parts.append(f"peak {self.peak_memory:.2f} GB")
+        parts.append(f"peak {self.peak_memory:.2f} GB" if self.peak_memory_known else "peak n/a")
         if self.finish_reason:
             parts.append(self.finish_reason)
         return " · ".join(parts)

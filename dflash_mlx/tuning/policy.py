@@ -23,6 +23,9 @@ from pathlib import Path
 from ..base.errors import DFlashError
 from ..base.store import JsonStore
 
+# Saved timings older than this (seconds) are not trusted: the machine's load has changed since.
+SAVED_MAX_AGE = 6 * 3600.0
+
 
 @dataclass
 class FreeStats:
@@ -168,6 +171,10 @@ class PolicyState:
     warm: bool = field(default=False, init=False)  # the first cycle (graphs compiled) is not timed
     cold_drafter: bool = field(default=False, init=False)  # restored: the next drafting cycle is not timed
     cold_extra: float = field(default=0.0, init=False)  # what that cycle cost beyond a plain step's tokens
+    # Why the drafter is paused (None: it is not), and the plain cycles it was paused for in this
+    # process, so the stats can say so plainly.
+    paused_why: str | None = field(default=None, init=False)
+    paused_cycles: int = field(default=0, init=False)
     window_seconds: float = field(default=0.0, init=False)
     window_tokens: int = field(default=0, init=False)
     window_cycles: int = field(default=0, init=False)
@@ -220,9 +227,13 @@ class PolicyState:
 
     @classmethod
     def restored(cls, saved: dict, **settings) -> "PolicyState":
-        """A state that goes on from :meth:`saved`'s values (unusable ones are left fresh). Its
-        schedule goes on as saved; the first drafting cycle is not timed, since a new process
-        compiles the drafter's graphs then."""
+        """A state that goes on from :meth:`saved`'s values (unusable ones are left fresh).
+
+        Saved timings are re-checked rather than trusted: a pause carried over is cut to one
+        ``window`` of plain cycles, after which the drafter is timed again in this process, so a
+        run timed on a busy machine pauses the drafter of a later one for a few cycles at most.
+        The first drafting cycle is not timed, since a new process compiles the drafter's graphs.
+        """
         state = cls(**settings)
         for name in cls._SAVED:
             value = saved.get(name)
@@ -231,6 +242,13 @@ class PolicyState:
                     setattr(state, name, float(value))
             elif isinstance(value, int) and 0 <= value <= (10**6 if name == "plain_left" else state.max_run):
                 setattr(state, name, value)  # a plain run may outgrow max_run (see _drafting_cycle)
+        # Re-probe soon: this process times the drafter itself after at most one window.
+        state.plain_left = min(state.plain_left, state.window)
+        if state.plain_left and state.draft_time and state.plain_time and state.draft_time > state.plain_time:
+            state.paused_why = (
+                f"an earlier run measured drafting at {state.draft_tps:.1f} tokens-per-sec against "
+                f"{state.plain_tps:.1f} for plain decoding; drafting is timed again after {state.plain_left} cycles"
+            )
         # Measured before: no warm-up cycle that drafts whatever the schedule says.
         state.warm = state.cold_drafter = state.plain_time is not None
         return state
@@ -254,7 +272,11 @@ class PolicyState:
         else:
             before = self.plain_sums
             self.plain_sums = (0.75 * before[0] + 0.25 * seconds, 0.75 * before[1] + 0.25 * tokens)
+        if self.paused_why is not None and self.plain_left > 0:
+            self.paused_cycles += 1
         self.plain_left = max(self.plain_left - 1, 0)
+        if self.plain_left == 0:
+            self.paused_why = None
         self.since_plain = 0
         # A new window; its first cycle takes in the plain cycles' taps, a cost of resuming.
         self.window_seconds, self.window_tokens, self.window_cycles = 0.0, 0, 0
@@ -291,6 +313,10 @@ class PolicyState:
             # Long enough that this window's extra time is at most probe_cost of the run's.
             bound = math.ceil(extra / (self.probe_cost * self.plain_time)) if self.plain_time > 0 else 0
             self.plain_left, self.run = max(self.run, bound), min(2 * self.run, self.max_run)
+            self.paused_why = (
+                f"drafting measured {self.draft_tps:.1f} tokens-per-sec in this run against {self.plain_tps:.1f} "
+                f"for plain decoding; drafting is timed again after {self.plain_left} cycles"
+            )
         else:
             self.run = self.window
 
@@ -306,13 +332,19 @@ class PolicyStore(JsonStore):
     def __init__(self, path: str | Path | None = None):
         super().__init__("policy.json", path)
 
-    def get(self, key: str, **settings) -> PolicyState:
-        """The saved state for ``key``, or a fresh one, with ``settings`` (PolicyState's)."""
+    def get(self, key: str, *, now: float | None = None, **settings) -> PolicyState:
+        """The saved state for ``key``, or a fresh one, with ``settings`` (PolicyState's). A state
+        saved over ``SAVED_MAX_AGE`` ago (``now``: seconds since the epoch, the clock's by default),
+        or with no time, is not trusted: the machine's load has changed since."""
         saved = self.read().get(key)
-        return PolicyState.restored(saved, **settings) if isinstance(saved, dict) else PolicyState(**settings)
+        now = time.time() if now is None else now
+        at = saved.get("saved_at") if isinstance(saved, dict) else None
+        if not isinstance(at, (int, float)) or not 0 <= now - at <= SAVED_MAX_AGE:
+            return PolicyState(**settings)
+        return PolicyState.restored(saved, **settings)
 
     def put(self, key: str, state: PolicyState) -> None:
-        self.write(key, state.saved())
+        self.write(key, {**state.saved(), "saved_at": time.time()})
 
 
 def policy_key(model, draft, setup: dict) -> str:
@@ -323,7 +355,7 @@ def policy_key(model, draft, setup: dict) -> str:
 
     from .widths import machine_key, model_key
 
-    weights = mx.sum(draft.fc.weight.astype(mx.float32)).item()
+    weights = mx.sum((draft.fc if "fc" in draft else draft.norm).weight.astype(mx.float32)).item()
     drafter = json.dumps([vars(draft.args), round(weights, 6)], sort_keys=True, default=str)
     ident = json.dumps([machine_key(), model_key(model), drafter, setup], sort_keys=True)
     return hashlib.sha256(ident.encode()).hexdigest()[:24]

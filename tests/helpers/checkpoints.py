@@ -96,9 +96,19 @@ def write_tokenizer(path: Path) -> None:
 
 
 def write_target(
-    path: Path, kind: str = "qwen3", tied: bool = True, layers: int = 4, seed: int = 0, embed_scale: float = 0.5
+    path: Path,
+    kind: str = "qwen3",
+    tied: bool = True,
+    layers: int = 4,
+    seed: int = 0,
+    embed_scale: float = 0.5,
+    layer_scale: float = 1.0,
 ):
-    """An HF-format target folder (config.json, model.safetensors, tokenizer). Returns the model."""
+    """An HF-format target folder (config.json, model.safetensors, tokenizer). Returns the model.
+
+    ``layer_scale`` multiplies what each layer adds to the residual stream (its attention's and MLP's
+    output projections): above 1 the layers outweigh the token's own embedding, which a tied head
+    otherwise reads back as the next token (greedy text of one token repeated)."""
     config = target_config(kind, tied, layers)
     module = _module_for(config)
     mx.random.seed(seed)
@@ -115,6 +125,9 @@ def write_target(
         else:
             attn.q_proj.weight = attn.q_proj.weight * 6.0
             attn.k_proj.weight = attn.k_proj.weight * 6.0
+        if layer_scale != 1.0:
+            attn.o_proj.weight = attn.o_proj.weight * layer_scale
+            layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * layer_scale
     weights = dict(tree_flatten(model.parameters()))
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})

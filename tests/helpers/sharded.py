@@ -129,6 +129,8 @@ def main() -> None:
     group = mx.distributed.init(strict=True)
     for case in args.cases:
         kind, mode, *seed = case.split(":")
+        oracle = seed == ["oracle"]
+        seed = [] if oracle else seed
         sampler = make_sampler(1.0) if seed else None
         run = dict(sampler=sampler, seed=int(seed[0]) if seed else None, adaptive=False)
         # The unsharded reference first: plain greedy, or DFlash with the same seed when sampling.
@@ -141,7 +143,12 @@ def main() -> None:
         else:
             model.model.pipeline(group)
         started = json.dumps({"case": case, "rank": group.rank(), "started": True})
-        out = tokens(model, build_draft(), args.max_tokens, started=started, **run)
+        draft = build_draft()
+        if oracle:
+            from helpers.oracles import ScriptedDraft
+
+            draft = ScriptedDraft(draft, PROMPT + reference, VOCAB)
+        out = tokens(model, draft, args.max_tokens, started=started, **run)
         print(json.dumps({"case": case, "rank": group.rank(), "reference": reference, "tokens": out}), flush=True)
 
 

@@ -6,6 +6,7 @@ the benchmark checks that too.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -96,6 +97,12 @@ def estimate_seconds(num_prompts: int, num_settings: int, runs: int, max_tokens:
     making all ``max_tokens`` at one plain decoding step each. Rough: drafting methods and early stops
     take less, while warm-ups, prefills and loading take more than it counts."""
     return num_prompts * num_settings * (runs + 1) * max_tokens * step
+
+
+def eta_seconds(elapsed: float, done: int, total: int, tail: float = 0.0) -> float:
+    """Seconds left when ``done`` of ``total`` equal units of work took ``elapsed``, plus ``tail``
+    seconds of work after them."""
+    return elapsed / done * (total - done) + tail if done else tail
 
 
 def _load_ar_draft(path: str | None, target: nn.Module, *, given: bool, dtype: str | None) -> nn.Module:
@@ -308,11 +315,16 @@ def run_benchmark(
         for m, b in plan
     }  # fmt: skip
     results, total, done, start = [], len(plan) * len(rows_in) * runs, 0, time.perf_counter()
+    # The ETA counts the warm-ups as runs too (each prompt's come first) and the component timing
+    # the end repeats: counted from timed runs alone, the first ETA was twice the estimate.
+    units = len(plan) * len(rows_in) * (runs + 1)
+    warmed = 0
     mismatches = []
     for i, row in enumerate(rows_in):
         ids = encode(tokenizer, row)
         for runner in runners.values():
             runner(ids)  # warm-up
+            warmed += 1
         # Round robin: a slow spell of the machine hits one run of every method, not all runs of one.
         samples = {key: [] for key in plan}
         peaks = {key: 0.0 for key in plan}
@@ -323,7 +335,7 @@ def run_benchmark(
                 peaks[key] = max(peaks[key], mx.get_peak_memory() / 1e9)
                 done += 1
                 if progress:
-                    eta = (time.perf_counter() - start) / done * (total - done)
+                    eta = eta_seconds(time.perf_counter() - start, done + warmed, units, timing_seconds)
                     print(
                         f"\r[{done}/{total}] prompt {i + 1}, run {r + 1}: {key[0]} B={key[1]}, ETA {eta:.0f}s   ",
                         end="",
@@ -371,6 +383,7 @@ def run_benchmark(
             "dtype": dtype,
             "model": f"{pair_name} (embedded)" if pair_name else model,
             "draft": draft or (f"{pair_name} drafter (embedded)" if pair_name else None),
+            "draft_family": getattr(drafter, "family", None),
             "ar_draft": (ar_draft if ar_draft is not None else f"{pair_name} ar-draft (embedded)")
             if "mlx-spec" in methods
             else None,
@@ -497,8 +510,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         choices=METHODS,
         default=None,
         metavar="METHOD",
-        help=f"Methods to run, of {', '.join(METHODS)} (default: all; mlx-spec only with an AR "
-        "draft: --ar-draft, or the embedded pair's).",
+        help=f"Methods to run, of {', '.join(METHODS)} (default: all but dflash-tree, which runs when named; "
+        "mlx-spec only with an AR draft: --ar-draft, or the embedded pair's).",
     )
     p.add_argument(
         "--min-confidence",
@@ -602,6 +615,12 @@ def _check_outputs(json_path: str | None, markdown_path: str | None, plots_dir: 
             raise DFlashError(f"{flag} {value}: {where} is a file, not a folder; pass another path.")
         if not os.access(where, os.W_OK | os.X_OK):
             raise DFlashError(f"{flag} {value}: the folder {where} is not writable; pass another path.")
+    if plots_dir is not None and importlib.util.find_spec("matplotlib") is None:
+        # matplotlib comes only with the [bench] extra: say so before the run, not in a traceback after it.
+        raise DFlashError(
+            f"--plots {plots_dir} needs matplotlib, which is not installed; "
+            "run pip install 'mlx-dflash[bench]' or leave out --plots."
+        )
 
 
 def main(argv: list[str] | None = None) -> None:

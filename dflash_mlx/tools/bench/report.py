@@ -53,26 +53,33 @@ def stamp() -> dict:
 
 
 def markdown(rows: list[dict], meta: dict, times: dict) -> str:
+    # The limit's columns only where a row has one (dflash, dflash-cut, dflash-auto): a table of
+    # other methods would show them empty in every row.
+    limits = any("limit" in r for r in rows)
+    limit_head = "| limit | efficiency | loop eff. " if limits else ""
     lines = [
         f"Machine: {meta['machine']} ({meta['device']}); BLAS: {meta['blas']}; mlx {meta['mlx']}, "
         f"mlx-lm {meta['mlx_lm']}; commit {meta['commit']}; {meta['date']}"
-        + (f"; kernels {meta['kernels']}" if "kernels" in meta else ""),
+        + (f"; kernels {meta['kernels']}" if "kernels" in meta else "")
+        + (f"; drafter family {meta['draft_family']}" if meta.get("draft_family") else ""),
         "",
-        "| method | block | gen tok/s | speedup | tau | drafting / plain cycles | verified | prompt tok/s | limit "
-        "| efficiency | loop eff. | peak GB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| method | block | gen tok/s | speedup | tau | drafting / plain cycles | verified | prompt tok/s {limit_head}"
+        "| peak GB |",
+        "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if limits else "") + "---|",
     ]
     for r in rows:
-        limit = f"{r['limit']:.2f}x" if "limit" in r else ""
-        eff = f"{100 * r['efficiency']:.0f}%" if r.get("efficiency") is not None else ""
-        loop = f"{100 * r['loop_efficiency']:.0f}%" if "loop_efficiency" in r else ""
+        # "-": the row has no such number (see the notes under the table), not a blank to wonder about.
+        limit = f"{r['limit']:.2f}x" if "limit" in r else "-"
+        eff = f"{100 * r['efficiency']:.0f}%" if r.get("efficiency") is not None else "-"
+        loop = f"{100 * r['loop_efficiency']:.0f}%" if "loop_efficiency" in r else "-"
         verified = f"{r['verify_size']:.2f}" if "verify_size" in r else ""
         speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else ""
         tau = f"{r['tau']:.2f}" if r["drafting_cycles"] else "-"
+        cells = f"{limit} | {eff} | {loop} | " if limits else ""
         lines.append(
             f"| {r['method']} | {r['block_size']} | {r['generation_tps']:.1f} | {speedup} | {tau} | "
-            f"{r['drafting_cycles']} / {r['plain_cycles']} | {verified} | {r['prompt_tps']:.0f} | {limit} | {eff} | "
-            f"{loop} | {r['peak_memory_gb']:.2f} |"
+            f"{r['drafting_cycles']} / {r['plain_cycles']} | {verified} | {r['prompt_tps']:.0f} | {cells}"
+            f"{r['peak_memory_gb']:.2f} |"
         )
     lines += [
         "",
@@ -133,7 +140,9 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
 def plot_caption(meta: dict) -> str:
     """What a plot measured: the model, the drafter and the prompt set."""
     return (
-        f"target {meta.get('model')} · drafter {meta.get('draft')} · prompts {meta.get('prompt_set')} "
+        f"target {meta.get('model')} · drafter {meta.get('draft')}"
+        + (f" ({meta['draft_family']})" if meta.get("draft_family") else "")
+        + f" · prompts {meta.get('prompt_set')} "
         f"({meta.get('prompts')}) · {meta.get('dtype')}"
     )
 

@@ -19,8 +19,9 @@ INTERRUPTED = 130  # what a shell reports for a process ended by SIGINT (128 + 2
 
 
 def _blas_choice(argv: list[str]) -> str | None:
-    """The ``--blas`` value on the command line (``auto`` when absent); None for ``--help``, which runs no model."""
-    if any(a in ("-h", "--help") for a in argv):
+    """The ``--blas`` value on the command line (``auto`` when absent); None for ``--help`` and
+    ``--version``, which run no model."""
+    if any(a in ("-h", "--help", "--version") for a in argv):
         return None
     choice = "auto"
     for i, arg in enumerate(argv):
@@ -50,9 +51,18 @@ def _entry(prog: str, module: str) -> Callable[[], None]:
     return run
 
 
-generate_main = _entry("dflash-generate", "dflash_mlx.tools.cli.generate")
-chat_main = _entry("dflash-chat", "dflash_mlx.tui.app")
-convert_main = _entry("dflash-convert", "dflash_mlx.convert.convert")
-train_main = _entry("dflash-train", "dflash_mlx.tools.train.cli")
-bench_main = _entry("dflash-bench", "dflash_mlx.tools.bench.benchmark")
-serve_main = _entry("dflash-serve", "dflash_mlx.tools.server.app")
+# Each console script and the module whose main() it runs.
+TOOLS = {
+    "dflash-generate": "dflash_mlx.tools.cli.generate",
+    "dflash-chat": "dflash_mlx.tui.app",
+    "dflash-convert": "dflash_mlx.convert.convert",
+    "dflash-train": "dflash_mlx.tools.train.cli",
+    "dflash-bench": "dflash_mlx.tools.bench.benchmark",
+    "dflash-serve": "dflash_mlx.tools.server.app",
+}
+generate_main = _entry("dflash-generate", TOOLS["dflash-generate"])
+chat_main = _entry("dflash-chat", TOOLS["dflash-chat"])
+convert_main = _entry("dflash-convert", TOOLS["dflash-convert"])
+train_main = _entry("dflash-train", TOOLS["dflash-train"])
+bench_main = _entry("dflash-bench", TOOLS["dflash-bench"])
+serve_main = _entry("dflash-serve", TOOLS["dflash-serve"])

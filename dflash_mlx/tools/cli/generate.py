@@ -24,6 +24,7 @@ from .options import (
     boolean_words,
     str2bool,
 )
+from .progress import prefill_progress
 
 
 def setup_arg_parser() -> ArgumentParser:
@@ -35,6 +36,11 @@ def setup_arg_parser() -> ArgumentParser:
     parser.add_argument("--prompt", "-p", default="Hello", help="The prompt ('-' reads stdin; default: 'Hello').")
     add_decoding_arguments(parser, max_tokens=256)
     add_window_arguments(parser)
+    parser.add_argument(
+        "--confidence-threshold", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
+        help="A DSpark drafter's confidence head: stop its drafts before the first whose predicted chance "
+        "of acceptance is under this (default: 0, the whole block, as the reference).",
+    )  # fmt: skip
     parser.add_argument(
         "--top-p", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
         help="Nucleus sampling threshold (default: 0, off).",
@@ -63,7 +69,7 @@ def setup_arg_parser() -> ArgumentParser:
         help="Pause the drafter while drafting is measured slower than decoding without it, drafting again "
         "later (same distribution; default: true, false with --seed, whose output would depend on timings). What "
         "it measured is kept per pair, setup and machine in ~/.cache/dflash-mlx/policy.json, where the next run "
-        "goes on from it.",
+        "goes on from it, timing the drafter again after at most one window of a pause it carries over.",
     )
     parser.add_argument(
         "--paused-lookup",
@@ -100,6 +106,7 @@ def setup_arg_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from ...loading.registry import loaded_names
     from ..session import Session
 
     parser = setup_arg_parser()
@@ -111,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     except DFlashError as e:
         parser.error(str(e))
     if not prompt:
+        if args.prompt == "-":
+            parser.error("--prompt - read nothing: stdin was empty; pipe or type at least one character.")
         parser.error("--prompt is empty: pass at least one character.")
     try:
         if args.pipeline_split is not None and args.parallel != "pipeline":
@@ -146,9 +155,13 @@ def main(argv: list[str] | None = None) -> None:
         setup = None
         if adaptive and isinstance(draft, DraftModel):
             setup = {k: getattr(args, k) for k in ("block_size", "temp", "top_p", "min_p", "top_k", "proposal",
-                                                   "min_confidence", "lookup_fallback", "draft_window",
-                                                   "paused_lookup", "datastore", "tree_budget")}  # fmt: skip
+                                                   "min_confidence", "confidence_threshold", "lookup_fallback",
+                                                   "draft_window", "paused_lookup", "datastore", "tree_budget")}  # fmt: skip
             session.policy(setup, lookup=args.paused_lookup)  # made (or read) with the paused cycles' lookup
+        if args.verbose and leads:  # once every value is known good: a refused run prints nothing
+            target_name, draft_name = loaded_names(args.model, None if draft is None else session.draft_path)
+            print(f"Target: {target_name}")
+            print(f"Drafter: {draft_name or 'none (plain decoding)'}")
         text = session.generate(
             prompt,
             verbose=args.verbose and leads,
@@ -160,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
             logits_processors=make_logits_processors(repetition_penalty=args.repetition_penalty),
             proposal=args.proposal,
             min_confidence=args.min_confidence,
+            confidence_threshold=args.confidence_threshold,
             lookup_fallback=args.lookup_fallback,
             tree_budget=args.tree_budget,
             adaptive=args.adaptive,
@@ -170,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
             prompt_cache=cache,
             # mlx-lm's prefill step: with a rotating window (--max-kv-size) the chunks shape the output.
             prefill_step_size=2048 if cache is not None else 512,
+            # A long prompt's prefill shows a bar on stderr instead of minutes of silence.
+            prompt_progress_callback=prefill_progress() if args.verbose and leads else None,
             kernels=args.kernels,
         )
         if leads:

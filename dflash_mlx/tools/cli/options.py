@@ -23,9 +23,30 @@ DTYPE_HELP = (
 MAX_TEMP = 10.0
 
 
+def version_line(prog: str) -> str:
+    """What ``--version`` prints: the tool, this package's version and distribution name (pip's
+    ``mlx-dflash``), and the mlx and mlx-lm it runs on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from ... import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"{prog} {__version__} (pip: mlx-dflash; mlx {installed('mlx')}, mlx-lm {installed('mlx-lm')})"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, with errors on one line: what was wrong and the fix, without the usage
-    block above it (``--help`` shows that)."""
+    block above it (``--help`` shows that), and ``--version``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--version", action="version", version=version_line(self.prog),
+                          help="Print the version (and mlx's and mlx-lm's) and exit.")  # fmt: skip
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from ...base.dtypes import DTYPES
 from ...base.errors import DFlashError
+from ...cpu.openblas import blas_in_use
 from ...models.rows import rows_supported
 from ..cli.options import (
     MAX_TEMP,
@@ -403,16 +404,26 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
-    drafter = f"drafter block {draft.block_size}" if draft is not None else "no drafter"
-    line = f"dflash-serve: {name} ({drafter}, {server.batch_note}) at {server.url}/v1"
-    if not _is_loopback(args.host) and not args.api_key:
-        line += " -- listening beyond this machine WITHOUT --api-key: anyone who can reach it can use it"
-    print(line, file=sys.stderr, flush=True)
+    print(banner(name, draft, server.url, exposed=not _is_loopback(args.host) and not args.api_key,
+                 batching=server.batch_note), file=sys.stderr, flush=True)  # fmt: skip
     while not stop.wait(0.5):
         pass
     cut = " (the running request is cut after its cycle)" if server.worker.running is not None else ""
     print(f"dflash-serve: stopping{cut}", file=sys.stderr, flush=True)
     server.close()
+
+
+def banner(name: str, draft, url: str, exposed: bool = False, batching: str = "") -> str:
+    """The line dflash-serve prints once it listens: the model, the drafter, how many requests it decodes
+    together, where, and on a Linux CPU the BLAS every number it serves depends on."""
+    drafter = f"drafter block {draft.block_size}" if draft is not None else "no drafter"
+    drafter += f", {batching}" if batching else ""
+    line = f"dflash-serve: {name} ({drafter}) at {url}/v1"
+    if sys.platform == "linux" and mx.default_device() == mx.cpu:
+        line += f"; BLAS: {blas_in_use()}"
+    if exposed:
+        line += " -- listening beyond this machine WITHOUT --api-key: anyone who can reach it can use it"
+    return line
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ class APIHandler(BaseHTTPRequestHandler):
             self.server.serving(self.connection, False)
 
     def log_message(self, format: str, *args) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
+        # Every request, answered or not, at the default level: a server that logs only failures looks idle.
+        log.info("%s %s", self.address_string(), format % args)
 
     def _send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
         data = json.dumps(body).encode()
