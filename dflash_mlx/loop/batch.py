@@ -30,7 +30,7 @@ against a single one, as a verify pass against a one-token step).
 While one row runs (and others at most prefill), it runs alone on its own cache with the single-stream
 :class:`~dflash_mlx.loop.verify.Verifier`: the compiled CPU steps, a plain step queued ahead, every family. It
 moves into the rows cache when a second row is ready, and out again when it is the last (a copy each way).
-Targets :func:`~dflash_mlx.models.rows.rows_supported` refuses (sliding windows, hybrid recurrent layers,
+Targets :func:`~dflash_mlx.models.rows.rows_supported` refuses (sliding windows, MoE, hybrid recurrent layers,
 Gemma, Kimi, gpt-oss) run with ``max_batch=1`` only (the engine refuses more in one line); draft trees and
 ``block_size="auto"`` are refused per request.
 """

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache
 from . import target as tgt
 
 # Targets whose decoder layers are ``layer(h, mask, cache)`` with full attention only.
-ROW_MODEL_TYPES = ("llama", "qwen3", "qwen2", "qwen3_moe")
+ROW_MODEL_TYPES = ("llama", "qwen3", "qwen2")
 
 
 def rows_supported(model: nn.Module) -> str | None:
