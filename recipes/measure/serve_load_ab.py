@@ -76,7 +76,10 @@ try:
             picked = rows[(r * 8) % len(rows) :][:n]
             for name, client in clients.items():
                 level = run_level(client, picked, n, args.max_tokens)
-                level.update(run_join(client, picked, n, args.join_stream_tokens, join))
+                # A prompt neither server has seen: a cached one would be no join at all.
+                fresh = {"messages": [{"role": "user", "content": f"({name}, round {r}, {n} clients) "
+                                       + join["messages"][0]["content"]}]}  # fmt: skip
+                level.update(run_join(client, picked, n, args.join_stream_tokens, fresh))
                 level.update(server=name, round=r)
                 results.append(level)
                 print(
