@@ -439,7 +439,7 @@ def test_the_policy_key_is_one_per_machine_pair_drafter_and_setup(pair_dirs):
     import copy
 
     from dflash_mlx import load
-    from dflash_mlx.generation import policy_key
+    from dflash_mlx.tuning.policy import policy_key
 
     model, draft, _ = load(pair_dirs["qwen3-tied"], pair_dirs["draft"])
     other_model = load(pair_dirs["llama"])[0]

@@ -720,3 +720,15 @@ def test_the_eta_counts_the_warm_ups_and_the_final_timing():
     done = settings + 1
     assert eta_seconds(float(done), done, units, tail) == pytest.approx(units - done + tail)
     assert estimate_seconds(prompts, settings, runs, 1, 1.0) == units
+
+
+def test_sampled_runs_sample_every_method_alike(pair_dirs, prompts, monkeypatch):
+    from dflash_mlx.tools.bench import timing
+
+    made = []
+    monkeypatch.setattr(timing, "make_sampler", lambda temp, top_p: made.append((temp, top_p)) or None)
+    result = run_benchmark(model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts),
+                           max_tokens=4, block_sizes=(4,), runs=1, methods=("baseline", "dflash-default"),
+                           temp=0.2, top_p=0.9, progress=False)  # fmt: skip
+    assert set(made) == {(0.2, 0.9)} and result["meta"]["temp"] == 0.2 and result["meta"]["top_p"] == 0.9
+    assert not result["mismatches"]  # sampled outputs are not compared

@@ -4,6 +4,7 @@ import pytest
 
 from dflash_mlx.drafts.datastore import Datastore, SuffixIndex
 from dflash_mlx.drafts.free import FreeDrafts
+from dflash_mlx.drafts.text_tree import TextTree
 from dflash_mlx.tuning.policy import FreeStats
 
 
@@ -99,8 +100,9 @@ def test_of_two_offers_the_one_that_gives_more_tokens_a_step_is_verified(datasto
     stats = FreeStats()
     stats.trust["datastore 2"] = list(datastore_trust)  # its drafts right as often as its shares say, or 0.4 of it
     history = [1, 2, 3, 4, 0, 1]  # then 2: lookup finds "3 4 0 1 2" after "1 2", the datastore "7 8 9 5 6"
-    drafts = FreeDrafts(history, store, 4, stats, clock=Clock())
-    offers = {kind.split()[0]: stats.best(chances) for kind, _, chances, _ in drafts._candidates(history + [2], 4)}
+    # One path a cycle (no tree of both): the choice between them.
+    drafts = FreeDrafts(history, store, 4, stats, clock=Clock(), tree_nodes=0)
+    offers = {p.kind.split()[0]: stats.best(p.chances) for p in drafts._sources(history + [2], 4, TextTree())}
     assert set(offers) == {"lookup", "datastore"} and all(k > 0 and rate > 1.0 for k, rate in offers.values())
     proposal = drafts.propose(2, 4)
     assert proposal.source == chosen

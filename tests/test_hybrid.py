@@ -469,3 +469,19 @@ def test_auto_tree_budget_on_a_recurrent_target_is_refused_in_one_line(pairs):
     model, draft, _ = pairs["qwen3_5"]
     with pytest.raises(DFlashError, match="tree_budget='auto' times tree passes"):
         run(model, draft, prompt_ids(5), tree_budget="auto", max_tokens=4)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5"])
+def test_text_trees_are_lossless(pairs, kind, monkeypatch):
+    """Draft-free cycles' trees of the datastore's continuations: each node follows its own path through
+    the recurrent state, and the accepted path's state is the one kept."""
+    from test_text_trees import _branchy_store, _count_tree_passes, _tree_policy
+
+    model, _, _ = pairs[kind]
+    prompts = [prompt_ids(7), prompt_ids(20)]
+    store = _branchy_store(model, prompts)
+    sizes = _count_tree_passes(monkeypatch)
+    for prompt in prompts:
+        out, _ = run(model, None, prompt, block_size=4, max_tokens=60, datastore=store, policy=_tree_policy())
+        assert out == reference(model, prompt, 60)
+    assert sizes and max(sizes) > 1

@@ -19,6 +19,7 @@ session's replies, at most ``session_tokens`` of them (the oldest dropped first)
 
 import gzip
 import hashlib
+import heapq
 import json
 import os
 import sys
@@ -163,6 +164,16 @@ class Draft:
     shares: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Branch:
+    """A node of :meth:`Datastore.branches`' tree: its parent (0: the root, ``i``: the ``i``-th node),
+    its token and its share of the continuations after its parent."""
+
+    parent: int
+    token: int
+    share: float
+
+
 @dataclass
 class Datastore:
     """The target's past text, searchable by suffix: a fixed part (a response cache) and the
@@ -238,6 +249,64 @@ class Datastore:
                     if tokens:
                         return Draft(tokens, order, shares)
         return Draft([], 0)
+
+    def branches(self, text: list[int], nodes: int, depth: int, width: int = 3) -> tuple[int, list[Branch]]:
+        """Up to ``nodes`` continuations of ``text`` as a tree, most frequent first (SuffixDecoding's
+        tree, arXiv 2411.04975): from the suffix that :meth:`draft` matches, each node a next token
+        with its share of the continuations after its parent, at most ``width`` children a node and
+        ``depth`` levels, under the same thresholds as :meth:`draft`'s one path (whose tokens are the
+        tree's first children). Best first: every node comes after its parent.
+
+        Returns:
+            ``(match, branches)``: the length of the suffix matched (0: none) and the nodes.
+        """
+        indexes = self._indexes()
+        if nodes < 1 or depth < 1 or not indexes:
+            return 0, []
+        for order in range(min(self.max_order, len(text)), self.min_order - 1, -1):
+            pattern = [int(t) for t in text[-order:]]
+            for index in indexes:
+                lo, hi = index.find(pattern)
+                if hi > lo:
+                    found = self._grow(index, lo, hi, order, nodes, order + depth, width)
+                    if found:
+                        return order, found
+        return 0, []
+
+    def _children(self, index: SuffixIndex, lo: int, hi: int, depth: int, path: float, width: int):
+        # The next tokens of a range that pass the thresholds: (share, token, count), most frequent first.
+        if depth >= SORTED or hi <= lo:
+            return []
+        values, counts = index.next_counts(lo, hi, depth)
+        out = []
+        for j in np.argsort(-counts, kind="stable")[:width]:
+            token, count = int(values[j]), float(counts[j])
+            share = count / (hi - lo)
+            if token >= self.vocab or count < self.min_count or share < self.min_step or path * share < self.min_path:
+                break
+            out.append((share, token))
+        return out
+
+    def _grow(self, index: SuffixIndex, lo: int, hi: int, depth: int, budget: int, end: int, width: int):
+        found, heap, pushed = [], [], 0
+        # (-path, push order, parent node, token, share, range of the parent, parent depth)
+        for share, token in self._children(index, lo, hi, depth, 1.0, width):
+            heap.append((-share, pushed, 0, token, share, lo, hi, depth))
+            pushed += 1
+        heapq.heapify(heap)
+        while heap and len(found) < budget:
+            neg_path, _, parent, token, share, lo, hi, depth = heapq.heappop(heap)
+            found.append(Branch(parent, token, share))
+            if depth + 1 >= end:
+                continue
+            # Suffixes are sorted, so those that continue with ``token`` are a contiguous run.
+            lo, hi = index.narrow(lo, hi, depth, token)
+            for child_share, child in self._children(index, lo, hi, depth + 1, -neg_path, width):
+                heapq.heappush(
+                    heap, (neg_path * child_share, pushed, len(found), child, child_share, lo, hi, depth + 1)
+                )
+                pushed += 1
+        return found
 
     def _walk(self, index: SuffixIndex, lo: int, hi: int, depth: int, n: int) -> tuple[list[int], list[float]]:
         out, shares, path = [], [], 1.0

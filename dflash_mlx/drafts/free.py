@@ -13,6 +13,11 @@ of the continuation scaled by how often such drafts were right. The costs start 
 2-core CPU measured for the default pair and follow this machine's cycle times. Drafts are
 certain (one-hot): verifying any prefix of them is exact, so the output never depends on the
 choice.
+
+Both sources together also make a draft tree (:mod:`dflash_mlx.drafts.text_tree`): prompt lookup's
+continuation and the datastore's most frequent continuations, best first, verified in one pass when
+that gives more tokens a step than the best single path (a tree pass costs more than a path pass of as
+many drafts, and what it costs is timed as the cycles go).
 """
 
 import time
@@ -24,6 +29,11 @@ from ..loop.proposal import Proposal, Proposer
 from ..tuning.policy import FreeStats
 from .datastore import Datastore
 from .lookup import PromptLookup
+from .text_tree import SourcePath, TextTree, agreed, choose_size, present
+
+# A text tree's most nodes a cycle: a bound on the host's work (a suffix-array range read per node); the
+# size verified is chosen by cost, each further node repaying its share of a tree pass.
+TREE_NODES = 12
 
 
 class FreeDrafts(Proposer):
@@ -32,46 +42,85 @@ class FreeDrafts(Proposer):
     Args:
         history: The committed tokens (the pair cache's ``tokens``, which the loop extends in place).
         store: The datastore, or None for prompt lookup alone.
-        width: The most drafts a cycle.
+        width: The most drafts a cycle (a tree's depth).
         stats: What earlier cycles taught (a fresh one when None).
         clock: Seconds; ``time.perf_counter`` by default (tests inject their own).
+        tree_nodes: The most nodes of a draft tree of both sources' continuations (0: one path a cycle).
     """
 
     tap_ids: list[int] = []
 
     def __init__(
         self, history: list[int], store: Datastore | None, width: int, stats: FreeStats | None = None,
-        clock: Callable[[], float] = time.perf_counter,
+        clock: Callable[[], float] = time.perf_counter, tree_nodes: int = TREE_NODES,
     ):  # fmt: skip
-        self.history, self.store, self.width = history, store, width
+        self.history, self.store, self.width, self.tree_nodes = history, store, width, tree_nodes
         self.stats = stats if stats is not None else FreeStats()
         self.lookup = PromptLookup(width + 1)
         self.clock = clock
-        self.pending = None  # (kind, chances, shares, drafts, start) of the cycle being verified
+        self.pending = None  # what the cycle being verified proposed, and when
 
-    def _candidates(self, text: list[int], n: int):
+    def _sources(self, text: list[int], n: int, tree: TextTree):
+        # Each source's own path (to choose the best single one), its nodes merged into ``tree``.
         tokens, match, evidence = self.lookup.lookup_evidence(text, n)
         if tokens:
             kind = f"lookup {match} {evidence}"
-            yield kind, tokens, self.stats.chances(kind, len(tokens)), None
-        if self.store is not None:
+            path = SourcePath(kind, tokens, self.stats.chances(kind, len(tokens)))
+            tree.add_path(path)
+            yield path
+        if self.store is None:
+            return
+        if self.tree_nodes == 0:
             found = self.store.draft(text[-self.store.max_order :], n)
             if found.tokens:
                 kind = f"datastore {found.match}"
-                yield kind, found.tokens, self.stats.chances(kind, len(found.tokens), found.shares), found.shares
+                chances = self.stats.chances(kind, len(found.tokens), found.shares)
+                yield SourcePath(kind, found.tokens, chances, found.shares)
+            return
+        match, branches = self.store.branches(text[-self.store.max_order :], self.tree_nodes, n)
+        if not branches:
+            return
+        kind = f"datastore {match}"
+        steps = self.stats.chances(kind, len(branches), [b.share for b in branches])
+        tree.add_branches([(b.parent, b.token, c) for b, c in zip(branches, steps)])
+        # Its own path: the first child at each level (the most frequent, popped first).
+        node, tokens, shares = 0, [], []
+        for i, b in enumerate(branches, 1):
+            if b.parent == node:
+                node = i
+                tokens.append(b.token)
+                shares.append(b.share)
+        path = SourcePath(kind, tokens, self.stats.chances(kind, len(tokens), shares), shares)
+        tree.paths.append(path)
+        yield path
 
     def propose(self, last: int, n: int) -> Proposal:
         n = min(n, self.width)
-        best = None, [], [], None, 0, 1.0  # kind, tokens, chances, shares, k, tokens per step
+        best, best_k, best_rate = None, 0, 1.0
+        tree = TextTree()
         if n > 0:
-            for kind, tokens, chances, shares in self._candidates(self.history + [last], n):
-                k, rate = self.stats.best(chances)
-                if k and rate > best[5]:
-                    best = kind, tokens, chances, shares, k, rate
-        kind, tokens, chances, shares, k, _ = best
-        self.pending = kind, chances[:k], shares, k, self.clock()
-        source = "" if kind is None else kind.split()[0]
-        return Proposal(mx.array(tokens[:k], dtype=mx.uint32), None, source)
+            for path in self._sources(self.history + [last], n, tree):
+                k, rate = self.stats.best(path.chances)
+                if k and rate > best_rate:
+                    best, best_k, best_rate = path, k, rate
+        start = len(self.history)
+        if tree.paths and self.tree_nodes:
+            nodes, chances = tree.best_first(self.tree_nodes)
+            m, rate, chain = choose_size(nodes, chances, self.stats)
+            if m and rate > best_rate:
+                nodes = nodes.first(m)
+                self.pending = "tree", tree.paths, nodes, chain, start, self.clock()
+                # Named after the source whose own path it holds the most of (the likelier on a tie).
+                top = max(
+                    tree.paths, key=lambda p: (present(nodes, p.tokens), sum(p.chances[: present(nodes, p.tokens)]))
+                )
+                tokens = mx.array(nodes.tokens, dtype=mx.uint32)
+                return Proposal(tokens, None, top.kind.split()[0], None if chain else nodes)
+        if best is None:
+            self.pending = "path", None, 0, start, self.clock()
+            return Proposal(mx.zeros((0,), dtype=mx.uint32), None, "")
+        self.pending = "path", best, best_k, start, self.clock()
+        return Proposal(mx.array(best.tokens[:best_k], dtype=mx.uint32), None, best.kind.split()[0])
 
     def plain_next(self) -> bool:
         return False  # what the next cycle finds depends on this one's tokens
@@ -79,8 +128,21 @@ class FreeDrafts(Proposer):
     def accept(self, num_accepted: int, taps: mx.array | None) -> None:
         if self.pending is None:
             return
-        kind, chances, shares, k, start = self.pending
-        self.pending = None
-        if k:
-            self.stats.judged(kind, num_accepted, chances, shares)
-        self.stats.timed(self.clock() - start, k)
+        pending, self.pending = self.pending, None
+        if pending[0] == "path":
+            _, path, k, _, started = pending
+            if k:
+                self.stats.judged(path.kind, num_accepted, path.chances[:k], path.shares)
+            self.stats.timed(self.clock() - started, k)
+            return
+        _, paths, nodes, chain, start, started = pending
+        accepted = self.history[start + 1 : start + 1 + num_accepted]
+        for path in paths:
+            held = present(nodes, path.tokens)
+            if held:
+                kept = agreed(path.tokens[:held], accepted)
+                self.stats.judged(path.kind, kept, path.chances[:held], path.shares)
+        if chain:
+            self.stats.timed(self.clock() - started, nodes.size)
+        else:
+            self.stats.timed_tree(self.clock() - started, nodes.size)

@@ -42,6 +42,10 @@ class FreeStats:
     first: float = 0.15
     each: float = 0.06
     prior: float = 4.0
+    # A tree pass's cost beyond a path pass of as many drafts, in plain steps: its nodes run as a batch of
+    # one-token rows under an ancestor mask, not through a path's compiled steps (the default pair, MKL:
+    # 3 to 16 nodes about 0.3-0.6 of a step more than a path of the same length).
+    tree_extra: float = 0.4
     step: float | None = None  # seconds of a plain cycle, a running mean (None: not timed yet)
     # Drafting cycles' costs beyond a plain step against their number of drafts, recent cycles weighing most:
     # sums of 1, x, y, x * x and x * y with x = drafts - 1 and y = the cost in plain steps.
@@ -51,6 +55,8 @@ class FreeStats:
     # 1 to 4 drafts cost about 0.1, 0.2, 0.45 and 0.45 of a step more than a plain one).
     sizes: dict = field(default_factory=dict, repr=False)
     start: tuple = field(default=(), init=False, repr=False)  # (first, each) as given: the fit's prior
+    # Nodes -> (weight, summed cost in plain steps) of each size's tree cycles, as ``sizes`` for paths.
+    tree_sizes: dict = field(default_factory=dict, repr=False)
     # (kind, position) -> [right, judged]: how often a draft there was right, given the ones before.
     hits: dict = field(default_factory=lambda: defaultdict(lambda: [1.0, 2.0]))
     # kind -> [right, expected]: the datastore's drafts right against the sum of their shares.
@@ -73,6 +79,13 @@ class FreeStats:
             return 1.0
         weight, total = self.sizes.get(k, (0.0, 0.0))
         line = self.first + self.each * (k - 1)
+        return 1.0 + (total + self.prior / 2 * line) / (weight + self.prior / 2)
+
+    def tree_cost(self, n: int) -> float:
+        """A tree cycle of ``n`` nodes, in plain steps: what tree cycles of that size cost, held to a path's
+        cost of as many drafts plus ``tree_extra`` with the weight of ``prior`` / 2 cycles."""
+        weight, total = self.tree_sizes.get(n, (0.0, 0.0))
+        line = self.cost(n) - 1.0 + self.tree_extra
         return 1.0 + (total + self.prior / 2 * line) / (weight + self.prior / 2)
 
     def best(self, chances: list[float]) -> tuple[int, float]:
@@ -98,6 +111,13 @@ class FreeStats:
             hit = self.hits[(kind, i)]
             hit[1] += 1
             hit[0] += i < accepted
+
+    def timed_tree(self, seconds: float, nodes: int) -> None:
+        """A tree cycle of ``nodes`` nodes took ``seconds``: a cost of its size (paths' costs are not touched)."""
+        if self.step is None:
+            return
+        weight, total = self.tree_sizes.get(nodes, (0.0, 0.0))
+        self.tree_sizes[nodes] = (0.98 * weight + 1.0, 0.98 * total + seconds / self.step - 1.0)
 
     def timed(self, seconds: float, drafts: int) -> None:
         """A cycle of ``drafts`` drafts took ``seconds``: the plain step's time, or a cost of its size

@@ -7,7 +7,9 @@ positions before the anchor, the block ``[anchor, MASK...]`` at the anchor's pos
 (slot k: the token at anchor + k + 1, its Markov bias from the true token before it); JetSpec's and DFlare's slots
 1.. (z-lab's layout). All three borrow the target's embedding and head. Saved in bf16 with their configs:
 
-    python recipes/rebuild/train_family_drafters.py --out tests/fixtures/families --steps 600
+    python recipes/rebuild/train_family_drafters.py --out tests/fixtures/families --steps 400 --prompts 40 --length 96
+    python recipes/rebuild/train_family_drafters.py --out tests/fixtures/families --steps 1200 --lr 3e-3 \
+        --prompts 40 --length 96 --families jetspec dflare
 
 The measured acceptance is written to ``--out``/README.md's table by hand from this script's last lines.
 """

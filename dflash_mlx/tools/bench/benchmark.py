@@ -194,6 +194,8 @@ def run_benchmark(
     progress: bool = True,
     datastore: str | None = "auto",
     tree_budget: int = DEFAULT_TREE_BUDGET,
+    temp: float = 0.0,
+    top_p: float = 0.0,
 ) -> dict:
     """Run the methods on the prompts and return ``{"meta", "times", "rows", "runs"}``.
 
@@ -207,7 +209,9 @@ def run_benchmark(
     each kernel's dispatcher ran (``kernel_verdicts``). ``datastore`` (``--datastore``): what
     dflash-default drafts from in its paused cycles besides prompt lookup; it learns nothing from
     the runs, so no run drafts from another's answer to the same prompt. ``tree_budget``: dflash-tree's nodes a cycle
-    (its trees are as deep as the drafter's block; it runs only when named in ``methods``).
+    (its trees are as deep as the drafter's block; it runs only when named in ``methods``). ``temp`` above 0
+    samples (with ``top_p``), every method with the same settings; outputs then differ by chance and are not
+    compared.
     """
     from ...loading.pairs import DEFAULT_PAIR, embedded_pair_path, is_embedded_pair
     from ...loop.options import LoopOptions
@@ -311,7 +315,7 @@ def run_benchmark(
     runners = {
         (m, b): make_runner(m, target, drafter, ar, tokenizer, b, num_draft_tokens, max_tokens,
                             min_confidence, lookup_fallback, **window, kernels=kernels, datastore=store,
-                            tree_budget=tree_budget)
+                            tree_budget=tree_budget, temp=temp, top_p=top_p)
         for m, b in plan
     }  # fmt: skip
     results, total, done, start = [], len(plan) * len(rows_in) * runs, 0, time.perf_counter()
@@ -345,7 +349,7 @@ def run_benchmark(
         for method, b in plan:
             out, gen_s, first_s, accept, sizes, sources = median_run(samples[(method, b)])
             # Losslessness check: every method must emit the first method's tokens.
-            if out != samples[plan[0]][0][0]:
+            if temp == 0 and out != samples[plan[0]][0][0]:
                 mismatches.append(f"{method} B={b} prompt {i}")
             results.append(
                 RunResult(
@@ -396,6 +400,8 @@ def run_benchmark(
             if store is None
             else (f"{len(store.fixed):,} tokens" if store.fixed is not None else "empty"),
             "tree_budget": tree_budget if "dflash-tree" in methods else None,
+            "temp": temp,
+            "top_p": top_p,
             "context": [label(n) for n in context] if context else None,
             **window,
             "kernels": kernels,
@@ -548,6 +554,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help=f"dflash-tree: the most draft tree nodes a cycle (default: {DEFAULT_TREE_BUDGET}).",
     )
     p.add_argument(
+        "--temp",
+        type=float,
+        default=0.0,
+        help="Sample at this temperature, every method alike (default: 0, greedy, where every method's "
+        "tokens are checked against the first's).",
+    )
+    p.add_argument("--top-p", type=float, default=0.0, help="Top-p when sampling (default: 0, off).")
+    p.add_argument(
         "--dtype",
         choices=list(DTYPES),
         default=None,
@@ -655,6 +669,8 @@ def main(argv: list[str] | None = None) -> None:
             kernels=args.kernels,
             datastore=args.datastore,
             tree_budget=args.tree_budget,
+            temp=args.temp,
+            top_p=args.top_p,
         )
     except DFlashError as e:
         print(f"dflash-bench: error: {e}", file=sys.stderr)

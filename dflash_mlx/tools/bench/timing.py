@@ -14,6 +14,7 @@ from ...generation import stream_generate
 from ...models import hybrid
 from ...models import target as tgt
 from ...models.caches import trim_to
+from ...sampling import make_sampler
 from ...text.responses import AcceptanceStats
 from ...tuning.policy import PolicyState
 
@@ -106,16 +107,22 @@ def make_runner(
     kernels: str = "auto",
     datastore=None,
     tree_budget: int = DEFAULT_TREE_BUDGET,
+    temp: float = 0.0,
+    top_p: float = 0.0,
 ):
     """A function ``prompt ids -> (ids, gen seconds, prompt seconds, acceptances)`` for one method;
     the DFlash methods' drafter sees ``draft_window`` positions (None: all) and their loop runs
     the Metal kernels as ``kernels`` says (the target's own layers were chosen at load).
     ``datastore`` drafts in dflash-default's paused cycles, as generate's defaults do;
-    dflash-tree's trees have up to ``tree_budget`` nodes."""
+    dflash-tree's trees have up to ``tree_budget`` nodes. ``temp`` above 0 samples, with ``top_p``:
+    mlx-lm's sampler for mlx-lm's methods, ours (the same distribution) for the others."""
     if method in ("baseline", "mlx-spec"):
         from mlx_lm.generate import stream_generate as mlx_lm_stream
+        from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
 
         kwargs = {"draft_model": ar_draft, "num_draft_tokens": num_draft} if method == "mlx-spec" else {}
+        if temp > 0:
+            kwargs["sampler"] = mlx_lm_sampler(temp, top_p)
         # mlx-lm's last response carries the stop token; ours leave it out of the text and tokens.
         return lambda ids: time_stream(
             mlx_lm_stream(model, tokenizer, ids, max_tokens=max_tokens, **kwargs),
@@ -147,6 +154,7 @@ def make_runner(
             draft_window=draft_window if method != "lookup" else None,
             draft_sinks=draft_sinks,
             kernels=kernels,
+            sampler=make_sampler(temp, top_p) if temp > 0 else None,
         ),
         lambda r: r.tokens,
     )
