@@ -19,6 +19,8 @@ _EXPORTS = {
     "dflash_generate_step": "generation",
     "LoopOptions": "loop.options",
     "generate": "generation",
+    "batch_generate": "generation",
+    "BatchResponse": "generation",
     "stream_generate": "generation",
     "check_pair": "loading.draft_loader",
     "load": "loading.loading",

@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -22,16 +23,19 @@ from .cpu.speedups import choose_speedups
 from .drafts.build import make_proposer
 from .drafts.datastore import Datastore
 from .drafts.lookup import PromptLookup
+from .loop.batch import BatchEngine, RowRequest, batch_stream
 from .loop.cache import DFlashCache, make_cache
 from .loop.distributed import on_ranks, sharded_group, target_group
 from .loop.options import LoopOptions, SampleFn
 from .loop.plain_speed import plain_tokens_per_second
+from .loop.proposal import Proposer
 from .loop.verify import Verifier
 from .models import target as tgt
 from .models.drafter import DraftModel
 from .text.inputs import check_text
 from .text.reasoning import join, reasoning_parser
 from .text.responses import AcceptanceStats, GenerationResponse
+from .tuning.policy import PolicyState
 
 # A stream for generation on whichever thread runs the generator (CLI or TUI worker).
 generation_stream = mx.new_thread_local_stream(mx.default_device())
@@ -393,3 +397,125 @@ def generate(
         if sys.platform == "linux" and mx.default_device() == mx.cpu:
             print(f"BLAS: {blas_in_use()}")  # what every CPU number above depends on most
     return text
+
+
+def batch_request(
+    model: nn.Module,
+    draft: DraftModel | PromptLookup | None,
+    ids: list[int],
+    options: LoopOptions = LoopOptions(),  # noqa: B008 (frozen: one shared default is safe)
+    *,
+    prompt_cache: DFlashCache | None = None,
+) -> RowRequest:
+    """One request for the :class:`~dflash_mlx.loop.batch.BatchEngine`, drafting as
+    :func:`dflash_generate_step` would with ``options`` (its proposer is built when the row joins).
+
+    Raises:
+        DFlashError: For what the engine does not batch: draft trees, ``block_size="auto"``.
+    """
+    o = options
+    if o.tree_budget_for(model, draft):
+        raise DFlashError("Draft trees are not batched: leave tree_budget at 0 with several requests at once.")
+    if o.block_size == "auto":
+        raise DFlashError("block_size='auto' is not batched (the engine sizes every row's drafts): pass a number.")
+    block_size = o.block_size_for(draft)
+    sampler = None if is_greedy(o.sampler) else o.sampler
+    speedups = choose_speedups(tgt.compute_dtype(model), o.cpu_speedups)
+
+    def proposer(cache: DFlashCache) -> Proposer:
+        return make_proposer(model, draft, cache, o, sampler=sampler, speedups=speedups)[0]
+
+    return RowRequest(_prompt_ids(ids), proposer, prompt_cache, o.max_tokens, o.stop_tokens, sampler,
+                      o.logits_processors, block_size)  # fmt: skip
+
+
+def batch_engine(model: nn.Module, draft, *, max_batch: int = 8, prefill_step_size: int = 512,
+                 cpu_speedups=None, kernels: str = "auto", costs=None) -> BatchEngine:  # fmt: skip
+    """A :class:`~dflash_mlx.loop.batch.BatchEngine` for the pair (the drafter's taps, the CPU speedups);
+    ``costs``, a :class:`~dflash_mlx.tuning.batch.BatchCosts` to continue (a server's, across engines)."""
+    return BatchEngine(
+        model, tap_ids=draft.target_layer_ids if isinstance(draft, DraftModel) else [], max_batch=max_batch,
+        prefill_step_size=prefill_step_size, speedups=choose_speedups(tgt.compute_dtype(model), cpu_speedups),
+        kernels=kernels, costs=costs,
+    )  # fmt: skip
+
+
+@dataclass
+class BatchResponse:
+    """:func:`batch_generate`'s answer, one entry per prompt in order: the text, its token ids (without
+    the stop token), why it ended, and its drafting cycles' acceptance."""
+
+    texts: list[str]
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    acceptance: list[AcceptanceStats]
+
+
+def batch_generate(
+    model: nn.Module,
+    draft: nn.Module | None,
+    tokenizer: TokenizerWrapper,
+    prompts: list[str | list[int]],
+    *,
+    max_tokens: int | list[int] = 256,
+    max_batch: int = 8,
+    verbose: bool = False,
+    **kwargs,
+) -> BatchResponse:
+    """Generate replies to several prompts at once, drafting and verifying them together (like mlx-lm's
+    ``batch_generate``). Each reply equals the one :func:`generate` gives its prompt alone (greedy: token
+    for token; sampled: in distribution).
+
+    Args:
+        prompts: Texts (encoded as is: apply the chat template first) or token id lists.
+        max_tokens: The most tokens of each reply (one for all, or one per prompt).
+        max_batch: The most prompts decoded at once; the others start as earlier ones finish.
+        verbose: Print each reply's progress count and the totals.
+        kwargs: :class:`~dflash_mlx.loop.options.LoopOptions` for every prompt (``block_size``,
+          ``sampler``, ``datastore``, ...), and ``prefill_step_size``, the prompt tokens a joining
+          prompt prefills per cycle.
+    """
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    if len(limits) != len(prompts):
+        raise DFlashError(f"max_tokens has {len(limits)} entries for {len(prompts)} prompts: give one per prompt.")
+    stop_tokens = frozenset(tokenizer.eos_token_ids)
+    kwargs.setdefault("policy", PolicyState())  # what the adaptive policy learns, shared by the rows
+    engine = batch_engine(model, draft, max_batch=max_batch, prefill_step_size=kwargs.get("prefill_step_size", 512),
+                          cpu_speedups=kwargs.get("cpu_speedups"), kernels=kwargs.get("kernels", "auto"))  # fmt: skip
+    order = {}
+    for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+        if isinstance(prompt, str):
+            if not prompt:
+                raise DFlashError(f"Prompt {i} is empty: pass at least one character.")
+            check_text(prompt)
+            bos = tokenizer.bos_token
+            prompt = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        options = LoopOptions(max_tokens=limit, stop_tokens=stop_tokens, **kwargs)
+        request = batch_request(model, draft, prompt, options)
+        order[engine.add(request, partial(make_cache, model, draft, kernels=options.kernels))] = i
+    n = len(prompts)
+    tokens, finish, acceptance = [[] for _ in range(n)], [""] * n, [AcceptanceStats() for _ in range(n)]
+    datastore = kwargs.get("datastore")
+    with wired_limit(model, [batch_stream]):
+        while not engine.idle:
+            for event in engine.step():
+                i = order[event.id]
+                if event.tokens and not event.prompt_tokens:  # the prefill's token is no cycle
+                    acceptance[i].add(event.num_draft, len(event.tokens), event.source)
+                tokens[i].extend(event.tokens)
+                if event.finish:
+                    finish[i] = event.finish
+                    if datastore is not None:
+                        datastore.add(tokens[i])
+                    if verbose:
+                        print(f"[{i}] {len(tokens[i])} tokens ({event.finish})", flush=True)
+    texts = []
+    for i in range(n):
+        if tokens[i] and tokens[i][-1] in stop_tokens:
+            tokens[i].pop()
+        texts.append(tokenizer.decode(tokens[i]))
+    if verbose:
+        print(f"BLAS: {blas_in_use()}" if sys.platform == "linux" and mx.default_device() == mx.cpu else "")
+    return BatchResponse(texts, tokens, finish, acceptance)

@@ -595,6 +595,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=[1, 4, 8],
         help="With --base-url: clients sending at once, one level after another (default: 1 4 8).",
     )
+    p.add_argument(
+        "--join-tokens",
+        type=int,
+        action=InRange,
+        low=1,
+        default=None,
+        help="With --base-url: per level, also send a chat prompt of about this many tokens once every client "
+        "streams, and report the longest gap it leaves in their streams (e.g. 3000).",
+    )
     p.add_argument("--json", default=None, help="Write the results as JSON here.")
     p.add_argument("--markdown", default=None, help="Write the Markdown table here.")
     p.add_argument("--plots", default=None, help="Write PNG plots into this folder.")
@@ -684,6 +693,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"wrote {path}")
 
 
+def _join_row(tokens: int) -> dict:
+    # The default pair's first long document (the standard library's source), as a chat prompt of that size.
+    from ...loading.pairs import default_pair_path
+    from .server_load import join_row
+
+    document = json.loads((default_pair_path() / "long_context.jsonl").read_text().splitlines()[0])["document"]
+    return join_row(document, tokens)
+
+
 def _remote_main(args) -> None:
     from ...loading.pairs import default_pair_path
     from .server_load import load_markdown, run_load
@@ -702,6 +720,7 @@ def _remote_main(args) -> None:
         model=args.model,
         concurrency=tuple(args.concurrency),
         max_tokens=args.max_tokens,
+        join=_join_row(args.join_tokens) if args.join_tokens else None,
     )
     result["meta"] = stamp()
     table = load_markdown(result)

@@ -22,6 +22,7 @@ import mlx.core as mx
 from ...base.dtypes import DTYPES
 from ...base.errors import DFlashError
 from ...cpu.openblas import blas_in_use
+from ...models.rows import rows_supported
 from ..cli.options import (
     MAX_TEMP,
     ArgumentParser,
@@ -30,6 +31,7 @@ from ..cli.options import (
     add_cycle_arguments,
     add_parallel_arguments,
 )
+from .batch_worker import BatchWorker
 from .handler import APIHandler
 from .metrics import Metrics
 from .protocol import Defaults
@@ -107,6 +109,9 @@ class DFlashServer:
         aliases: Other names accepted for the model.
         datastore: See ``Worker``.
         ranks: On rank 0 of a sharded target, the other ranks (:class:`dflash_mlx.tools.server.ranks.Ranks`).
+        max_batch: Requests decoded together (:class:`~dflash_mlx.tools.server.batch_worker.BatchWorker`); None
+          as many as the memory allows (up to 8); 1 (default) one at a time (``Worker``), as are targets the
+          engine cannot batch and sharded ones whatever is asked (``batch_note`` says why).
     """
 
     def __init__(
@@ -128,21 +133,22 @@ class DFlashServer:
         aliases: tuple[str, ...] = (),
         datastore=None,
         ranks=None,
+        max_batch: int | None = 1,
     ):
         self.metrics = Metrics()
-        self.worker = Worker(
-            model,
-            draft,
-            tokenizer,
-            queue_size=queue_size,
-            prompt_cache_size=prompt_cache_size,
-            max_context=max_context,
-            chat_template_args=chat_template_args,
-            prefill_step_size=prefill_step_size,
-            metrics=self.metrics,
-            datastore=datastore,
-            ranks=ranks,
-        )
+        settings = {
+            "queue_size": queue_size, "prompt_cache_size": prompt_cache_size, "max_context": max_context,
+            "chat_template_args": chat_template_args, "prefill_step_size": prefill_step_size,
+            "metrics": self.metrics, "datastore": datastore, "ranks": ranks,
+        }  # fmt: skip
+        why = "a sharded target" if ranks is not None else rows_supported(model)
+        if max_batch == 1 or why is not None:
+            self.worker = Worker(model, draft, tokenizer, **settings)
+            self.batch_note = "one request at a time" + (f" ({why})" if why and max_batch != 1 else "")
+        else:
+            self.worker = BatchWorker(model, draft, tokenizer, max_batch=max_batch, **settings)
+            self.batch_note = f"up to {self.worker.max_batch} requests together ({self.worker.batch_note})"
+
         httpd = DFlashHTTPServer((host, port), APIHandler)
         httpd.worker, httpd.metrics, httpd.defaults, httpd.api_key = self.worker, self.metrics, defaults, api_key
         httpd.model_name, httpd.model_names = model_name, {model_name, *aliases}
@@ -256,6 +262,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         low=1,
         default=16,
         help="Requests that may wait behind the running one; more get 429 (default: 16).",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        action=InRange,
+        low=1,
+        default=None,
+        help="Requests decoded together, drafting and verifying in shared passes (default: as many as a quarter of "
+        "the memory holds at the full context, up to 8; said at start); 1 serves them one at a time.",
     )
     p.add_argument(
         "--prompt-cache-size",
@@ -381,6 +396,7 @@ def main(argv: list[str] | None = None) -> None:
             aliases=aliases,
             datastore=datastore,
             ranks=Ranks(group) if group.size() > 1 else None,
+            max_batch=args.max_batch,
         )
     except OSError as e:
         _error(f"cannot listen on {args.host}:{args.port} ({e.strerror}); pick another --port or --host.")
@@ -388,8 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     server.start()
-    print(banner(name, draft, server.url, exposed=not _is_loopback(args.host) and not args.api_key),
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(banner(name, draft, server.url, exposed=not _is_loopback(args.host) and not args.api_key,
+                 batching=server.batch_note), file=sys.stderr, flush=True)  # fmt: skip
     while not stop.wait(0.5):
         pass
     cut = " (the running request is cut after its cycle)" if server.worker.running is not None else ""
@@ -397,10 +413,11 @@ def main(argv: list[str] | None = None) -> None:
     server.close()
 
 
-def banner(name: str, draft, url: str, exposed: bool = False) -> str:
-    """The line dflash-serve prints once it listens: the model, the drafter, where, and on a Linux
-    CPU the BLAS every number it serves depends on."""
+def banner(name: str, draft, url: str, exposed: bool = False, batching: str = "") -> str:
+    """The line dflash-serve prints once it listens: the model, the drafter, how many requests it decodes
+    together, where, and on a Linux CPU the BLAS every number it serves depends on."""
     drafter = f"drafter block {draft.block_size}" if draft is not None else "no drafter"
+    drafter += f", {batching}" if batching else ""
     line = f"dflash-serve: {name} ({drafter}) at {url}/v1"
     if sys.platform == "linux" and mx.default_device() == mx.cpu:
         line += f"; BLAS: {blas_in_use()}"

@@ -112,7 +112,7 @@ class APIHandler(BaseHTTPRequestHandler):
     def _send_metrics(self) -> None:
         worker = self.server.worker
         text = self.server.metrics.render(
-            self.server.model_name, running=int(worker.running is not None), waiting=worker.waiting
+            self.server.model_name, running=worker.num_running, waiting=worker.waiting
         ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")

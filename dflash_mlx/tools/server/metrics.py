@@ -21,7 +21,8 @@ COUNTERS = {
 }
 GAUGES = {
     "generation_tokens_per_second": "Generation speed of the last request, tokens per second.",
-    "num_requests_running": "Requests being generated now (0 or 1).",
+    "num_requests_running": "Requests being generated now.",
+    "batch_rows": "Requests decoded together in the last batched cycle (prefilling ones included).",
     "num_requests_waiting": "Requests waiting in the queue.",
 }
 
@@ -33,6 +34,13 @@ class Metrics:
         self._lock = threading.Lock()
         self.values = {name: 0 for name in COUNTERS}
         self.tps = 0.0
+        self.rows = 0
+        self.row_acceptance: dict[int, float] = {}
+
+    def batch(self, rows: int, acceptance: dict[int, float]) -> None:
+        """The batch now: its rows, and each running row's learned chance that a draft is right."""
+        with self._lock:
+            self.rows, self.row_acceptance = rows, dict(acceptance)
 
     def observe(
         self, *, prompt_tokens: int, generation_tokens: int, acceptance: AcceptanceStats, tps: float, finished: bool
@@ -59,7 +67,9 @@ class Metrics:
                 "generation_tokens_per_second": self.tps,
                 "num_requests_running": running,
                 "num_requests_waiting": waiting,
+                "batch_rows": self.rows,
             }
+            rows = dict(self.row_acceptance)
         lines = []
         for kind, names, source in (("counter", COUNTERS, values), ("gauge", GAUGES, gauges)):
             for name, text in names.items():
@@ -68,4 +78,8 @@ class Metrics:
                     f"# TYPE {PREFIX}{name} {kind}",
                     f"{PREFIX}{name}{label} {float(source[name])}",
                 ]
+        name = f"{PREFIX}row_draft_acceptance"
+        lines += [f"# HELP {name} Each running request's chance that a draft is right, as its batch row learned it.",
+                  f"# TYPE {name} gauge"]  # fmt: skip
+        lines += [f'{name}{{model_name="{escaped}",row="{row}"}} {chance}' for row, chance in sorted(rows.items())]
         return "\n".join(lines) + "\n"

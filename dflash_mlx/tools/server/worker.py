@@ -231,6 +231,11 @@ class Worker:
     def waiting(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def num_running(self) -> int:
+        """Requests being decoded now."""
+        return int(self.running is not None)
+
     def close(self) -> None:
         """Refuse new jobs, cut the running one after its cycle, and fail the queued ones."""
         self._closing.set()

@@ -1,0 +1,414 @@
+"""Several conversations at once: one engine that drafts for and verifies many sequences in one target pass.
+
+Design. The engine owns one copy of the pair and a list of rows, one per sequence. A row keeps what a
+single-stream generation keeps: its committed tokens and drafter context (a ``DFlashCache`` whose target part
+is idle while the row runs), its proposer (the drafter, prompt lookup, the datastore, the adaptive policy's
+pauses: whatever the caller's factory builds for it), its sampler and logits processors, its stop tokens and
+token budget. The target's keys and values of every running row live in one :class:`RowsKVCache` per layer,
+each row as long as its own sequence (:mod:`dflash_mlx.models.rows`).
+
+Each :meth:`BatchEngine.step` is one cycle:
+
+1. Requests that joined are prefilled by themselves, in arrival order, ``prefill_step_size`` prompt tokens a
+   cycle in all, so a long prompt does not stop the running rows for long; when its last chunk is done its first token is out and its
+   cache is copied in as a new row.
+2. Every running row proposes up to ``W - 1`` drafts, ``W`` the width :class:`~dflash_mlx.tuning.batch.BatchCosts`
+   finds best for this batch size from timed passes and the rows' acceptance so far (at one row, the
+   proposer's own choice: the single-stream policy). Width 1 is plain batched decoding.
+3. One target pass over ``[last, drafts..., padding]`` of every row, each at its own positions and seeing only
+   its own entries (:func:`~dflash_mlx.models.rows.forward_rows`).
+4. Each row accepts with the single-stream rules (greedy: the drafts the target's argmax agrees with; sampled:
+   one-hot drafts against the target's own sample, drawn drafts by the speculative-sampling test), emits the
+   kept drafts and the bonus token cut to its budget and stop tokens, and rolls back alone: its length in the
+   rows cache drops by what it did not keep. A row that finished, or was cancelled, leaves between cycles;
+   with a conversation cache its entries are copied back there, so its next turn reuses them.
+
+Every row's tokens are the target's own samples given that row's tokens only, so a greedy row equals the same
+request decoded alone token for token, whatever else is in the batch (up to float rounding of a batched pass
+against a single one, as a verify pass against a one-token step).
+
+While one row runs (and others at most prefill), it runs alone on its own cache with the single-stream
+:class:`~dflash_mlx.loop.verify.Verifier`: the compiled CPU steps, a plain step queued ahead, every family. It
+moves into the rows cache when a second row is ready, and out again when it is the last (a copy each way).
+Targets :func:`~dflash_mlx.models.rows.rows_supported` refuses (sliding windows, MoE, hybrid recurrent layers,
+Gemma, Kimi, gpt-oss) run with ``max_batch=1`` only (the engine refuses more in one line); draft trees and
+``block_size="auto"`` are refused per request.
+"""
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from time import perf_counter
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.sample_utils import greedy_sampler
+
+from ..base.errors import DFlashError
+from ..cpu.speedups import CpuSpeedups
+from ..models import rows as rows_model
+from ..sampling import Sampler, accept_one_hot, sample_rows, speculative_accept
+from ..tuning.batch import BatchCosts, RowAcceptance
+from .cache import DFlashCache
+from .proposal import Proposal, Proposer
+from .verify import LogitsProcessor, Verifier
+
+# A stream for the engine on whichever thread runs it (a server's worker).
+batch_stream = mx.new_thread_local_stream(mx.default_device())
+
+
+@dataclass
+class RowRequest:
+    """One sequence for the engine.
+
+    Args:
+        ids: The prompt's token ids (the chat template already applied).
+        cache: The pair's cache to continue (its common prefix with ``ids`` is reused and, when the row leaves,
+          it holds the conversation again), or None for a fresh one.
+        max_tokens: The most tokens to emit.
+        stop_tokens: Tokens that end the reply (emitted, then the row leaves).
+        sampler: ``logprobs -> ids``; None or a greedy one takes the argmax.
+        logits_processors: mlx-lm logits processors, applied at every verified position.
+        block_size: The most tokens a cycle verifies for this row (drafts + 1).
+        proposer: Builds the row's proposer from its cache, once the cache is known.
+    """
+
+    ids: list[int]
+    proposer: Callable[[DFlashCache], Proposer]
+    cache: DFlashCache | None = None
+    max_tokens: int = 256
+    stop_tokens: frozenset[int] = frozenset()
+    sampler: Callable | None = None
+    logits_processors: list[LogitsProcessor] | None = None
+    block_size: int = 16
+
+
+@dataclass
+class RowEvent:
+    """What one row emitted in a cycle: ``tokens`` (ending with a stop token when it stopped), the drafts it
+    verified and kept, and ``finish`` ("stop", "length", "cancelled") on its last event."""
+
+    id: int
+    tokens: list[int]
+    num_draft: int = 0
+    num_accepted: int = 0
+    finish: str | None = None
+    source: str = ""
+    prompt_tokens: int = 0  # prefilled (the first event only)
+    cached: int = 0  # reused from the conversation cache (the first event only)
+
+
+def is_greedy(sampler) -> bool:
+    return sampler is None or sampler is greedy_sampler or getattr(sampler, "greedy", False) is True
+
+
+@dataclass
+class _Row:
+    id: int
+    request: RowRequest
+    cache: DFlashCache
+    proposer: Proposer | None = None
+    verifier: Verifier | None = None  # the prefill's, then a row running alone's
+    in_rows: bool = False  # its target entries are in the rows cache (else in its own cache)
+    prefilled: int = 0  # prompt tokens fed so far (reused ones included)
+    reused: int = 0
+    last: int = 0
+    used: int = 0
+    acceptance: RowAcceptance = field(default_factory=RowAcceptance)
+    cancelled: bool = False
+
+    @property
+    def room(self) -> int:
+        return self.request.max_tokens - self.used
+
+    def emit(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        tokens = tokens[: self.room]
+        finish = None
+        for j, t in enumerate(tokens):
+            if t in self.request.stop_tokens:
+                tokens, finish = tokens[: j + 1], "stop"
+                break
+        self.used += len(tokens)
+        if finish is None and self.used >= self.request.max_tokens:
+            finish = "length"
+        return tokens, finish
+
+
+class BatchEngine:
+    """Continuous batching of DFlash generations on one pair (module docstring).
+
+    Args:
+        model: The target (a family :func:`~dflash_mlx.models.rows.rows_supported` accepts).
+        tap_ids: Target layers whose taps the rows' drafter needs (empty without a drafter).
+        max_batch: The most rows decoded at once; more requests wait.
+        prefill_step_size: Prompt tokens a joining request prefills per cycle.
+        speedups: The CPU speedups for prefills, or None.
+        kernels: The Metal kernels' mode for prefills.
+        costs: What earlier engines timed of the pair's passes (a fresh one when None).
+
+    Raises:
+        DFlashError: For a target the rows cannot run.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        tap_ids: list[int] = (),
+        max_batch: int = 8,
+        prefill_step_size: int = 512,
+        speedups: CpuSpeedups | None = None,
+        kernels: str = "auto",
+        costs: BatchCosts | None = None,
+    ):
+        why = rows_model.rows_supported(model)
+        if why is not None and max_batch > 1:
+            raise DFlashError(f"Several requests at once: {why}; serve them one at a time (--max-batch 1).")
+        if max_batch < 1:
+            raise DFlashError(f"max_batch must be at least 1 (got {max_batch}).")
+        self.model, self.tap_ids, self.max_batch = model, list(tap_ids), max_batch
+        self.prefill_step_size, self.speedups, self.kernels = prefill_step_size, speedups, kernels
+        self.costs = costs if costs is not None else BatchCosts()
+        self.target = rows_model.make_rows_cache(model)
+        self.waiting: deque[_Row] = deque()
+        self.joining: list[_Row] = []  # prefilling, in arrival order
+        self.running: list[_Row] = []  # in the order of the rows cache
+        self._next_id = 0
+        self.last_width = 0
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add(self, request: RowRequest, make_cache: Callable[[], DFlashCache]) -> int:
+        """Queue ``request``; returns its row id. ``make_cache`` makes a fresh pair cache when it brings none."""
+        if not request.ids:
+            raise DFlashError("The prompt is empty: pass at least one token.")
+        row = _Row(self._next_id, request, request.cache if request.cache is not None else make_cache())
+        self._next_id += 1
+        self.waiting.append(row)
+        return row.id
+
+    def cancel(self, row_id: int) -> None:
+        """Stop ``row_id`` at the next cycle (its last event says "cancelled")."""
+        for row in (*self.waiting, *self.joining, *self.running):
+            if row.id == row_id:
+                row.cancelled = True
+
+    @property
+    def active(self) -> int:
+        """Rows joining or running."""
+        return len(self.joining) + len(self.running)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.joining or self.running)
+
+    def acceptance(self) -> dict[int, float]:
+        """Each running row's learned chance that a draft is right."""
+        return {row.id: row.acceptance.chance for row in self.running}
+
+    # ---- one cycle -----------------------------------------------------------------------
+
+    def step(self) -> list[RowEvent]:
+        """One cycle: a prefill chunk of a joining request, then one pass over every running row."""
+        with mx.stream(batch_stream):
+            events = self._leave_cancelled()
+            while self.waiting and self.active < self.max_batch:
+                self._join(self.waiting.popleft())
+            budget = self.prefill_step_size  # prompt tokens this cycle, over the joining requests in order
+            while self.joining and budget > 0:
+                row = self.joining[0]
+                n = min(budget, len(row.request.ids) - row.prefilled)
+                events += self._prefill_chunk(row, n)
+                budget -= n
+            if len(self.running) == 1:
+                events += self._solo_cycle(self.running[0])
+            elif self.running:
+                self._to_rows()
+                events += self._cycle()
+            return events
+
+    def _join(self, row: _Row) -> None:
+        req = row.request
+        row.reused = row.cache.resume(req.ids)
+        row.prefilled = row.reused
+        row.proposer = req.proposer(row.cache)
+        row.verifier = Verifier(
+            self.model, row.cache, sampler=None if is_greedy(req.sampler) else req.sampler,
+            logits_processors=req.logits_processors, tap_ids=row.proposer.tap_ids, speedups=self.speedups,
+            kernels=self.kernels, run_ahead=False,
+        )  # fmt: skip
+        self.joining.append(row)
+
+    def _prefill_chunk(self, row: _Row, n: int) -> list[RowEvent]:
+        ids = row.request.ids
+        chunk = ids[row.prefilled : row.prefilled + n]
+        first = row.verifier.prefill(chunk, len(chunk), row.proposer.drafter)
+        row.prefilled += len(chunk)
+        if row.prefilled < len(ids):
+            return []
+        # The prompt is in: the row's first token is out and its cache joins the rows.
+        self.joining.remove(row)
+        row.verifier.finish()
+        row.verifier = None
+        row.last = first
+        tokens, finish = row.emit([first])
+        event = RowEvent(row.id, tokens, finish=finish, prompt_tokens=len(ids) - row.reused, cached=row.reused)
+        if finish is None:
+            self.running.append(row)
+        return [event]
+
+    def _to_rows(self) -> None:
+        # Rows that ran alone or just joined move into the rows cache, in running order (those already
+        # there come first: a row runs alone only while no other runs, and joiners are appended).
+        for row in self.running:
+            if row.in_rows:
+                continue
+            if row.verifier is not None:
+                row.verifier.finish()  # forgets a plain step queued ahead
+                row.verifier = None
+            for rows, c in zip(self.target, row.cache.target):
+                rows.add(c)
+                c.keys = c.values = None  # held by the rows until the row runs alone or leaves
+                c.offset = 0
+            row.in_rows = True
+
+    def _alone(self, row: _Row) -> None:
+        # The one running row leaves the rows cache for its own, and runs the single-stream verifier on it.
+        if row.in_rows:
+            for rows, c in zip(self.target, row.cache.target):
+                rows.take(0, c)
+            row.in_rows = False
+        if row.verifier is None:
+            req = row.request
+            row.verifier = Verifier(
+                self.model, row.cache, sampler=None if is_greedy(req.sampler) else req.sampler,
+                logits_processors=req.logits_processors, tap_ids=row.proposer.tap_ids, speedups=self.speedups,
+                kernels=self.kernels,
+            )  # fmt: skip
+
+    def _leave(self, index: int) -> None:
+        row = self.running.pop(index)
+        if row.in_rows:
+            for rows, c in zip(self.target, row.cache.target):
+                rows.take(index, c)
+        elif row.verifier is not None:
+            row.verifier.finish()
+
+    def _leave_cancelled(self) -> list[RowEvent]:
+        events = []
+        for queue in (self.waiting, self.joining):
+            for row in [r for r in queue if r.cancelled]:
+                queue.remove(row)
+                if row.verifier is not None:
+                    row.cache.drop_uncommitted()
+                events.append(RowEvent(row.id, [], finish="cancelled"))
+        for i in reversed(range(len(self.running))):
+            if self.running[i].cancelled:
+                events.append(RowEvent(self.running[i].id, [], finish="cancelled"))
+                self._leave(i)
+        return events
+
+    def _width(self) -> int:
+        most = max(r.request.block_size for r in self.running)
+        return self.costs.width([r.acceptance for r in self.running], most)
+
+    def _solo_cycle(self, row: _Row) -> list[RowEvent]:
+        # One row: the single-stream cycle on its own cache (the compiled CPU steps, a plain step queued
+        # ahead), so one request runs as fast as dflash_generate_step runs it.
+        self._alone(row)
+        self.last_width = 0
+        n = min(row.request.block_size, row.room) - 1
+        p = row.proposer.propose(row.last, n) if n > 0 else Proposal(mx.zeros((0,), dtype=mx.uint32))
+        if p.tree is not None:
+            raise DFlashError("Draft trees are not batched: leave tree_budget at 0 with several requests.")
+        num_draft = min(p.size, max(n, 0))
+        verdict = row.verifier.verify(row.last, p, plain_next=row.room > 1 and row.proposer.plain_next())
+        emitted, finish = row.emit(verdict.tokens)
+        row.cache.commit(row.last, emitted, verdict.cached)
+        row.proposer.accept(len(emitted) - 1, verdict.taps)
+        row.acceptance.judged(num_draft, min(verdict.num_accepted, num_draft))
+        row.last = emitted[-1]
+        event = RowEvent(row.id, emitted, num_draft, min(verdict.num_accepted, len(emitted) - 1), finish, p.source)
+        if finish is not None:
+            self._leave(0)
+        return [event]
+
+    def _cycle(self) -> list[RowEvent]:
+        rows, width = self.running, self._width()
+        self.last_width = width
+        proposals = []
+        for row in rows:
+            n = min(width, row.request.block_size, row.room) - 1
+            if n > 0:
+                p = row.proposer.propose(row.last, n)
+                if p.tree is not None:
+                    raise DFlashError("Draft trees are not batched: leave tree_budget at 0 with several requests.")
+                if p.size > n:  # drafts past the budget are never verified
+                    p = Proposal(p.tokens[:n], None if p.q is None else p.q[:n], p.source)
+            else:
+                p = Proposal(mx.zeros((0,), dtype=mx.uint32))
+            proposals.append(p)
+        W = 1 + max(p.size for p in proposals)
+        blocks = []
+        for row, p in zip(rows, proposals):
+            pad = mx.full((W - 1 - p.size,), row.last, dtype=mx.uint32)
+            blocks.append(mx.concatenate([mx.array([row.last], dtype=mx.uint32), p.tokens.astype(mx.uint32), pad]))
+        block = mx.stack(blocks)  # (B, W)
+        tic = perf_counter()
+        logits, taps = rows_model.forward_rows(self.model, block, self.target, self.tap_ids)
+        verdicts = [self._judge(row, p, block[i], logits[i]) for i, (row, p) in enumerate(zip(rows, proposals))]
+        mx.eval(block, verdicts)
+        self.costs.timed(len(rows), W, perf_counter() - tic)
+        host = block.tolist()
+        events, trims, done = [], [], []
+        for i, (row, p, (passed, target_tokens)) in enumerate(zip(rows, proposals, verdicts)):
+            passed, posterior = passed.tolist(), target_tokens.tolist()
+            n = 0
+            while n < p.size and passed[n]:
+                n += 1
+            emitted, finish = row.emit(host[i][1 : n + 1] + [posterior[n]])
+            kept = len(emitted)
+            trims.append(W - kept)
+            row.cache.tokens.append(row.last)
+            row.cache.tokens.extend(emitted[:-1])
+            row.proposer.accept(kept - 1, None if taps is None else taps[i : i + 1])
+            row.acceptance.judged(p.size, n)
+            row.last = emitted[-1]
+            events.append(RowEvent(row.id, emitted, p.size, min(n, kept - 1), finish, p.source))
+            if finish is not None:
+                done.append(i)
+        for c in self.target:
+            c.trim_rows(trims)
+        for i in reversed(done):
+            self._leave(i)
+        return events
+
+    def _judge(self, row: _Row, p: Proposal, block: mx.array, logits: mx.array) -> tuple[mx.array, mx.array]:
+        # (passed (k,), the target's own token at each of the k + 1 positions) for one row's block.
+        req, k = row.request, p.size
+        logits = logits[: k + 1]
+        if req.logits_processors:
+            seen = mx.array(row.cache.tokens, dtype=mx.uint32)
+            out = []
+            for j in range(k + 1):
+                r = logits[j : j + 1]
+                tokens = mx.concatenate([seen, block[: j + 1]])
+                for processor in req.logits_processors:
+                    r = processor(tokens, r)
+                out.append(r)
+            logits = mx.concatenate(out, axis=0)
+        drafts = block[1 : k + 1]
+        sampler = req.sampler
+        if is_greedy(sampler):
+            target_tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            return accept_one_hot(drafts, target_tokens), target_tokens
+        fast_exp = self.speedups is not None and self.speedups.fast_exp
+        if p.q is not None:
+            return speculative_accept(drafts, p.q, partial(sampler.probs, fast_exp=fast_exp)(logits))
+        if isinstance(sampler, Sampler):
+            target_tokens = sample_rows(sampler.probs(logits, fast_exp=fast_exp))
+        else:
+            target_tokens = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        target_tokens = target_tokens.astype(mx.uint32)
+        return accept_one_hot(drafts, target_tokens), target_tokens

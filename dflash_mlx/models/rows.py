@@ -1,0 +1,176 @@
+"""Several sequences in one target pass: a cache whose rows have their own lengths, and the pass over it.
+
+Each row of :class:`RowsKVCache` holds one sequence's keys and values from position 0, as long as that
+sequence is (ragged on the right). A pass feeds every row a block of the same width ``W`` (a row with fewer
+tokens is padded); each row's block is written right after that row's own entries, at its own RoPE positions
+(``offset`` is the rows' lengths), and a mask lets query ``q`` of row ``i`` see keys ``0 .. length_i + q``
+only, so a row never sees another row's padding or its own stale entries. Rolling back is per row: ``trim_rows``
+lowers each row's length, nothing is copied; the stale entries past a row's length are overwritten by its next
+block. A row joins by copying its prefilled cache in and leaves by copying its entries out.
+
+mlx-lm's ``BatchKVCache`` pads rows on the left and trims every row alike, which speculative decoding cannot
+use: each row keeps a different number of its block. Only the attention families whose layers take a mask and
+read ``cache.offset`` for RoPE run here (:data:`ROW_MODEL_TYPES`); the others are served one at a time.
+"""
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from . import target as tgt
+
+# Targets whose decoder layers are ``layer(h, mask, cache)`` with full attention only.
+ROW_MODEL_TYPES = ("llama", "qwen3", "qwen2")
+
+
+def rows_supported(model: nn.Module) -> str | None:
+    """None when ``model`` can run rows of different lengths in one pass, else why not (one line)."""
+    kind = getattr(model, "model_type", None)
+    if kind not in ROW_MODEL_TYPES:
+        return f"batching is implemented for {', '.join(ROW_MODEL_TYPES)} targets, not {kind}"
+    if kind == "llama" and getattr(model.model, "swa_idx", None) is not None:
+        return "batching is implemented for full-attention Llama targets, not sliding-window ones"
+    return None
+
+
+class RowsKVCache:
+    """One layer's keys and values for several sequences, each row as long as its own sequence.
+
+    ``lengths`` are the rows' committed positions (host ints); ``offset`` gives them to RoPE as an array,
+    read by the layer before ``update_and_fetch`` writes the block.
+    """
+
+    step = 256
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.lengths: list[int] = []
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array(self.lengths, dtype=mx.int32)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def _room(self, size: int) -> None:
+        # Grow the buffer (by whole steps) to hold ``size`` positions per row.
+        if self.keys.shape[2] >= size:
+            return
+        pad = -(-size // self.step) * self.step - self.keys.shape[2]
+        self.keys = mx.pad(self.keys, [(0, 0), (0, 0), (0, pad), (0, 0)])
+        self.values = mx.pad(self.values, [(0, 0), (0, 0), (0, pad), (0, 0)])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write each row's block ``(B, H, W, D)`` after that row's entries; every row grows by ``W``."""
+        W = keys.shape[2]
+        if self.keys is None:
+            self.keys = mx.zeros((*keys.shape[:2], 0, keys.shape[3]), dtype=keys.dtype)
+            self.values = mx.zeros((*values.shape[:2], 0, values.shape[3]), dtype=values.dtype)
+        self._room(max(self.lengths) + W)
+        if len(set(self.lengths)) == 1:
+            s = self.lengths[0]
+            self.keys[..., s : s + W, :] = keys
+            self.values[..., s : s + W, :] = values
+        else:
+            for i, s in enumerate(self.lengths):
+                self.keys[i : i + 1, :, s : s + W, :] = keys[i : i + 1]
+                self.values[i : i + 1, :, s : s + W, :] = values[i : i + 1]
+        self.lengths = [s + W for s in self.lengths]
+        used = max(self.lengths)
+        return self.keys[..., :used, :], self.values[..., :used, :]
+
+    def trim_rows(self, counts: list[int]) -> None:
+        """Forget the last ``counts[i]`` positions of row ``i``."""
+        self.lengths = [s - n for s, n in zip(self.lengths, counts)]
+
+    def add(self, cache: KVCache) -> int:
+        """A prefilled single-sequence cache joins as the last row (copied); returns its row."""
+        n = cache.offset
+        k, v = cache.keys[..., :n, :], cache.values[..., :n, :]
+        if self.keys is None or self.rows == 0:
+            size = -(-max(n, 1) // self.step) * self.step
+            self.keys = mx.zeros((1, k.shape[1], size, k.shape[3]), dtype=k.dtype)
+            self.values = mx.zeros((1, v.shape[1], size, v.shape[3]), dtype=v.dtype)
+            self.keys[..., :n, :], self.values[..., :n, :] = k, v
+            self.lengths = [n]
+            return 0
+        size = max(self.keys.shape[2], -(-n // self.step) * self.step)
+        if size > self.keys.shape[2]:
+            pad = size - self.keys.shape[2]
+            self.keys = mx.pad(self.keys, [(0, 0), (0, 0), (0, pad), (0, 0)])
+            self.values = mx.pad(self.values, [(0, 0), (0, 0), (0, pad), (0, 0)])
+        k = mx.pad(k, [(0, 0), (0, 0), (0, size - n), (0, 0)])
+        v = mx.pad(v, [(0, 0), (0, 0), (0, size - n), (0, 0)])
+        self.keys = mx.concatenate([self.keys, k.astype(self.keys.dtype)], axis=0)
+        self.values = mx.concatenate([self.values, v.astype(self.values.dtype)], axis=0)
+        self.lengths.append(n)
+        return self.rows - 1
+
+    def take(self, row: int, into: KVCache) -> None:
+        """Row ``row``'s entries into ``into`` (a single-sequence cache, e.g. a conversation's), leaving here."""
+        n = self.lengths[row]
+        into.keys = mx.array(self.keys[row : row + 1, :, :n, :])
+        into.values = mx.array(self.values[row : row + 1, :, :n, :])
+        into.offset = n
+        self.remove(row)
+
+    def remove(self, row: int) -> None:
+        """Row ``row`` leaves; the rows after it move up one."""
+        keep = [i for i in range(self.rows) if i != row]
+        self.lengths.pop(row)
+        if not keep:
+            self.keys = self.values = None
+            return
+        index = mx.array(keep)
+        used = -(-max(self.lengths) // self.step) * self.step if max(self.lengths) else self.step
+        self.keys, self.values = self.keys[index, :, :used, :], self.values[index, :, :used, :]
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    @property
+    def state(self) -> tuple[mx.array | None, mx.array | None]:
+        return self.keys, self.values
+
+
+def rows_mask(lengths: list[int], width: int) -> mx.array:
+    """``(B, 1, W, S)``: query ``q`` of row ``i`` sees keys ``0 .. lengths[i] + q`` (S = max(lengths) + W)."""
+    S = max(lengths) + width
+    start = mx.array(lengths, dtype=mx.int32)[:, None, None, None]
+    q = mx.arange(width, dtype=mx.int32)[None, None, :, None]
+    return mx.arange(S, dtype=mx.int32)[None, None, None, :] <= start + q
+
+
+def forward_rows(
+    model: nn.Module, tokens: mx.array, caches: list[RowsKVCache], tap_ids: list[int]
+) -> tuple[mx.array, mx.array | None]:
+    """The target over ``tokens`` ``(B, W)``, row ``i`` continuing row ``i`` of ``caches`` (mlx-lm's own layers).
+
+    Returns ``(logits (B, W, vocab), taps (B, W, n_taps * H) or None)``, the taps as
+    :func:`dflash_mlx.models.target.forward_with_taps` gives them (the last layer's after the final norm).
+    """
+    inner = model.model
+    h = inner.embed_tokens(tokens)
+    mask = rows_mask(caches[0].lengths, tokens.shape[1])
+    wanted, captured = set(tap_ids), {}
+    for i, (layer, c) in enumerate(zip(inner.layers, caches)):
+        h = layer(h, mask, c)
+        if i in wanted:
+            captured[i] = h
+    h = inner.norm(h)
+    last = tgt.num_layers(model) - 1
+    if last in wanted:
+        captured[last] = h
+    logits = tgt.lm_head(model, h)
+    if not tap_ids:
+        return logits, None
+    return logits, mx.concatenate([captured[i] for i in tap_ids], axis=-1)
+
+
+def make_rows_cache(model: nn.Module) -> list[Any]:
+    """One :class:`RowsKVCache` per decoder layer, no rows yet."""
+    return [RowsKVCache() for _ in model.model.layers]

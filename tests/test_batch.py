@@ -1,0 +1,290 @@
+"""Several requests at once: every row equals its request decoded alone, whatever else is in the batch."""
+
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers.checkpoints import VOCAB
+from helpers.decoding import greedy, run
+from helpers.oracles import ScriptedDraft
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors
+from test_sampling import CONTROL_RUNS, DEPTH, PROMPT, RUNS, _tv, _tv_bound
+from test_sampling import exact as exact  # noqa: F401 (fixtures)
+from test_sampling import pair as pair  # noqa: F401
+
+from dflash_mlx import DFlashError, LoopOptions, batch_generate, load, make_cache
+from dflash_mlx.drafts.datastore import Datastore
+from dflash_mlx.drafts.lookup import PromptLookup
+from dflash_mlx.generation import batch_engine, batch_request
+from dflash_mlx.loop import batch
+from dflash_mlx.models.rows import RowsKVCache
+from dflash_mlx.sampling import make_sampler, speculative_accept
+from dflash_mlx.tuning.batch import BatchCosts
+
+# Prompts of different lengths, some repetitive (prompt lookup finds drafts there), and reply lengths.
+PROMPTS = [[1, 5, 9, 3] * 2 + [7], [11, 12, 13, 14, 15, 11, 12, 13] * 4, [40, 41] * 30 + [42], [2, 90, 7]]
+LIMITS = [40, 25, 60, 33]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3-untied", "qwen2"])
+def kind_pair(request, pair_dirs):
+    return load(pair_dirs[request.param], pair_dirs["draft"])
+
+
+def _references(model, prompts=PROMPTS, limits=LIMITS):
+    return [greedy(model, p, m) for p, m in zip(prompts, limits)]
+
+
+def _same_as_alone(result, refs, stop_tokens):
+    # Each row is the target's own greedy reply, up to its limit or through its first stop token.
+    for got, ref, finish in zip(result.tokens, refs, result.finish_reasons):
+        if finish == "stop":
+            assert got == ref[: len(got)] and ref[len(got)] in stop_tokens
+        else:
+            assert finish == "length" and got == ref
+
+
+@pytest.mark.parametrize(("drafter", "block_size", "max_batch"), [(True, 16, 4), (True, 4, 2), (False, None, 3)])
+def test_greedy_rows_equal_each_request_alone(kind_pair, drafter, block_size, max_batch):
+    model, draft, tok = kind_pair
+    kwargs = {} if block_size is None else {"block_size": block_size}
+    result = batch_generate(model, draft if drafter else None, tok, PROMPTS, max_tokens=LIMITS, max_batch=max_batch,
+                            prefill_step_size=8, **kwargs)  # fmt: skip
+    _same_as_alone(result, _references(model), frozenset(tok.eos_token_ids))
+
+
+def test_rows_roll_back_alone_with_drafts_that_are_often_right(qwen3_pair):
+    """A datastore holding the replies drafts them: rows keep different numbers of drafts every cycle."""
+    model, draft, tok = qwen3_pair
+    refs = _references(model)
+    store = Datastore(None, VOCAB, min_count=1, learns=True)
+    for ref, prompt in zip(refs, PROMPTS):
+        store.add(prompt + ref[: len(ref) // 2] + [(ref[len(ref) // 2] + 1) % VOCAB] + ref[len(ref) // 2 + 1 :])
+    store.learns = False
+    result = batch_generate(model, None, tok, PROMPTS, max_tokens=LIMITS, max_batch=4, datastore=store,
+                            block_size=8, prefill_step_size=16)  # fmt: skip
+    _same_as_alone(result, refs, frozenset(tok.eos_token_ids))
+    drafted = sum(a.accepted_drafts for a in result.acceptance)
+    assert drafted > 20, "the datastore's drafts were hardly accepted: the test exercises no rollback"
+    lookup = batch_generate(model, PromptLookup(6), tok, PROMPTS, max_tokens=LIMITS, max_batch=3, block_size=6)
+    _same_as_alone(lookup, refs, frozenset(tok.eos_token_ids))
+
+
+def _drain(engine, ids):
+    out = {i: [] for i in ids}
+    finish = {}
+    while not engine.idle:
+        for e in engine.step():
+            out[e.id].extend(e.tokens)
+            if e.finish:
+                finish[e.id] = e.finish
+    return out, finish
+
+
+def test_requests_join_and_leave_mid_reply_and_cancel(qwen3_pair):
+    model, draft, tok = qwen3_pair
+    refs = _references(model)
+    engine = batch_engine(model, draft, max_batch=3, prefill_step_size=4)
+
+    def request(i, **kwargs):
+        options = LoopOptions(max_tokens=LIMITS[i], block_size=5, **kwargs)
+        return engine.add(batch_request(model, draft, PROMPTS[i], options), lambda: make_cache(model, draft))
+
+    first = request(0)
+    out = {first: []}
+    for _ in range(6):
+        for e in engine.step():
+            out[e.id].extend(e.tokens)
+    assert out[first], "the first request produced nothing before the others joined"
+    doomed, second, third = request(1), request(2), request(3)
+    for _ in range(3):
+        for e in engine.step():
+            out.setdefault(e.id, []).extend(e.tokens)
+    engine.cancel(doomed)
+    rest, finish = _drain(engine, [first, doomed, second, third])
+    for i, rid in ((0, first), (2, second), (3, third)):
+        assert out.get(rid, []) + rest[rid] == refs[i][: LIMITS[i]], i
+    assert finish[doomed] == "cancelled"
+    got = out.get(doomed, []) + rest[doomed]
+    assert got == refs[1][: len(got)]
+    assert engine.active == 0 and all(c.rows == 0 for c in engine.target)
+
+
+def test_logits_processors_and_conversation_caches_per_row(qwen3_pair):
+    """Each row applies its own repetition penalty, and a row that leaves gives its conversation cache back."""
+    model, draft, tok = qwen3_pair
+    penalty = make_logits_processors(repetition_penalty=1.3)
+    alone = [run(model, draft, p, max_tokens=m, logits_processors=penalty, block_size=6)[0]
+             for p, m in zip(PROMPTS, LIMITS)]  # fmt: skip
+    engine = batch_engine(model, draft, max_batch=4, prefill_step_size=8)
+    caches = [make_cache(model, draft) for _ in PROMPTS]
+    ids = []
+    for i, (p, m) in enumerate(zip(PROMPTS, LIMITS)):
+        processors = penalty if i % 2 == 0 else None
+        options = LoopOptions(max_tokens=m, block_size=6, logits_processors=processors)
+        ids.append(engine.add(batch_request(model, draft, p, options, prompt_cache=caches[i]), None))
+    out, _ = _drain(engine, ids)
+    refs = _references(model)
+    for i in range(len(PROMPTS)):
+        assert out[ids[i]] == (alone[i] if i % 2 == 0 else refs[i]), i
+        # The cache holds the conversation: the prompt and all but the newest token of the reply.
+        assert caches[i].tokens == PROMPTS[i] + out[ids[i]][:-1] and caches[i].offset == len(caches[i].tokens)
+    # The next turn reuses the cache and still equals the target's own reply.
+    turn = PROMPTS[1] + out[ids[1]] + [3, 4]
+    engine.add(batch_request(model, draft, turn, LoopOptions(max_tokens=12), prompt_cache=caches[1]), None)
+    held = len(caches[1].tokens)
+    events = []
+    while not engine.idle:
+        events += engine.step()
+    assert events[0].cached == held
+    assert [t for e in events for t in e.tokens] == greedy(model, turn, 12)
+
+
+def test_rows_cache_rolls_back_each_row_alone():
+    cache = RowsKVCache()
+    for n in (3, 5):
+        c = make_cache_layer(n)
+        cache.add(c)
+    k = mx.ones((2, 1, 4, 2))
+    keys, _ = cache.update_and_fetch(k, k)
+    assert cache.lengths == [7, 9] and keys.shape[2] == 9
+    cache.trim_rows([3, 1])
+    assert cache.lengths == [4, 8]
+
+
+def make_cache_layer(n):
+    from mlx_lm.models.cache import KVCache
+
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 1, n, 2)), mx.zeros((1, 1, n, 2)))
+    return c
+
+
+def test_refusals_say_what_to_do(qwen3_pair, pair_dirs):
+    model, draft, tok = qwen3_pair
+    with pytest.raises(DFlashError, match="Draft trees are not batched"):
+        batch_generate(model, draft, tok, PROMPTS[:2], tree_budget=4)
+    with pytest.raises(DFlashError, match="block_size='auto' is not batched"):
+        batch_generate(model, draft, tok, PROMPTS[:2], block_size="auto")
+    with pytest.raises(DFlashError, match="max_tokens has 1 entries for 2 prompts"):
+        batch_generate(model, draft, tok, PROMPTS[:2], max_tokens=[3])
+
+
+class Widest(BatchCosts):
+    """Every row verifies all the drafts it may: drafts that never pay on a tiny model are still checked."""
+
+    def width(self, rows, most):
+        return most
+
+
+def _batched_counts(pair, proposal, runs):
+    # ``runs`` sampled rows of PROMPT, decoded eight at a time beside greedy rows of other prompts.
+    model, draft, tok = pair
+    if proposal == "greedy":
+        continuation = [t for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=DEPTH)]
+        draft = ScriptedDraft(draft, PROMPT + continuation, VOCAB)
+    engine = batch_engine(model, draft, max_batch=8, costs=Widest())
+    batched = []
+    step = engine.step
+
+    def counted():
+        events = step()
+        batched.append(sum(e.num_draft > 0 for e in events))
+        return events
+
+    engine.step = counted
+    sampled = []
+    for r in range(runs):
+        options = LoopOptions(max_tokens=DEPTH, block_size=DEPTH, sampler=make_sampler(1.0), proposal=proposal)
+        sampled.append(engine.add(batch_request(model, draft, PROMPT, options), lambda: make_cache(model, draft)))
+        if r % 4 == 0:
+            engine.add(batch_request(model, draft, PROMPTS[r % 3], LoopOptions(max_tokens=5, block_size=3)),
+                       lambda: make_cache(model, draft))  # fmt: skip
+    out, _ = _drain(engine, range(engine._next_id))
+    # Most rows' drafts were verified in passes with other rows' drafts.
+    assert sum(n for n in batched if n > 1) > 0.8 * runs, batched
+    counts = np.zeros((DEPTH, VOCAB))
+    for rid in sampled:
+        for pos, t in enumerate(out[rid]):
+            counts[pos, t] += 1
+    return counts
+
+
+def _excess(counts, exact_marginals, runs):
+    return [_tv(counts[p], exact_marginals[p]) - _tv_bound(exact_marginals[p], runs) for p in range(DEPTH)]
+
+
+@pytest.mark.parametrize("proposal", ["greedy", "sample"])
+def test_sampled_rows_batched_with_others_follow_the_target(pair, exact, proposal):  # noqa: F811
+    excess = _excess(_batched_counts(pair, proposal, RUNS), exact, RUNS)
+    assert max(excess) < 0, excess
+
+
+@pytest.mark.parametrize("proposal", ["greedy", "sample"])
+def test_a_broken_acceptance_rule_fails_the_batched_check(pair, exact, proposal, monkeypatch):  # noqa: F811
+    """Negative control: an always-accept rule in the engine must fail the same check."""
+    monkeypatch.setattr(batch, "accept_one_hot", lambda d, t: mx.ones(d.shape, dtype=mx.bool_))
+    monkeypatch.setattr(
+        batch, "speculative_accept", lambda d, q, p: (mx.ones(d.shape, dtype=mx.bool_), speculative_accept(d, q, p)[1])
+    )
+    excess = _excess(_batched_counts(pair, proposal, CONTROL_RUNS), exact, CONTROL_RUNS)
+    assert max(excess) > 0, excess
+
+
+def test_the_server_decodes_concurrent_requests_together_each_as_alone(qwen3_pair):
+    from test_server import PROMPTS as TEXTS
+    from test_server import _chat_ids, _post, _request, _stream, _stream_text
+
+    from dflash_mlx import generate
+    from dflash_mlx.tools.server.app import DFlashServer
+    from dflash_mlx.tools.server.batch_worker import BatchWorker
+
+    model, draft, tokenizer = qwen3_pair
+    srv = DFlashServer(model, draft, tokenizer, model_name="tiny", port=0, max_batch=4).start()
+    assert isinstance(srv.worker, BatchWorker) and "up to 4 requests together" in srv.batch_note
+    expected = [generate(model, draft, tokenizer, _chat_ids(tokenizer, t), max_tokens=20) for t in TEXTS]
+    results, rows_seen, answered = {}, [], threading.Event()
+
+    def ask(i):
+        body = {"messages": [{"role": "user", "content": TEXTS[i]}], "max_tokens": 20, "temperature": 0}
+        try:
+            if i % 2:
+                results[i] = _stream_text(_stream(srv.url, "/v1/chat/completions", body))
+            else:
+                status, full, _ = _post(srv.url, "/v1/chat/completions", body)
+                results[i] = full["choices"][0]["message"]["content"] if status == 200 else f"HTTP {status}"
+        except Exception as e:  # reported by the comparison below
+            results[i] = repr(e)
+
+    def watch():
+        while not answered.is_set():
+            conn, resp = _request(srv.url, "GET", "/metrics")
+            lines = resp.read().decode().splitlines()
+            conn.close()
+            rows_seen.extend(float(line.split()[-1]) for line in lines if line.startswith("dflash:batch_rows"))
+            time.sleep(0.01)
+
+    try:
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(TEXTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        answered.set()
+        watcher.join()
+        assert [results[i] for i in range(len(TEXTS))] == expected
+        assert max(rows_seen) > 1, "no two requests were ever decoded together"
+        # A stop string ends a batched reply where its text starts.
+        cut = expected[4][4:8]
+        body = {"messages": [{"role": "user", "content": TEXTS[4]}], "max_tokens": 20, "stop": [cut]}
+        status, full, _ = _post(srv.url, "/v1/chat/completions", body)
+        assert full["choices"][0]["message"]["content"] == expected[4][: expected[4].index(cut)]
+        assert full["choices"][0]["finish_reason"] == "stop"
+    finally:
+        answered.set()
+        srv.close()
