@@ -4,6 +4,7 @@ harmony, and the chat templates' thinking switches (gpt-oss's reasoning_effort, 
 enable_thinking with a system prompt)."""
 
 import importlib
+from types import SimpleNamespace
 
 import pytest
 from helpers.chat_formats import (
@@ -168,7 +169,7 @@ def test_gemma_system_prompt_and_enable_thinking_reach_the_template(tokenizers):
     assert prompt(template_args={"enable_thinking": False}) == rest
     # The chat app's /think and --chat-template-config reach it the same way, /think winning.
     engine = MLXEngine(chat_template_config={"enable_thinking": True})
-    engine.tokenizer = tok
+    engine.session = SimpleNamespace(tokenizer=tok)  # a loaded pair's tokenizer, nothing loaded
     assert tok.decode(engine._prompt(TURNS, Settings(system_prompt="t9 t8", thinking=False))) == plain + rest
     assert tok.decode(engine._prompt(TURNS, Settings(system_prompt="t9 t8"))) == thinking + rest
 
@@ -180,7 +181,7 @@ def test_harmony_reasoning_effort_reaches_the_template(tokenizers):
                     "<|start|>user<|message|>t1<|end|><|start|>assistant<|channel|>final<|message|>t2<|end|>"
                     "<|start|>user<|message|>t3<|end|><|start|>assistant")  # fmt: skip
     engine = MLXEngine()
-    engine.tokenizer = tok
+    engine.session = SimpleNamespace(tokenizer=tok)  # a loaded pair's tokenizer, nothing loaded
     assert "Reasoning:low" in tok.decode(engine._prompt(TURNS, Settings(reasoning_effort="low")))
 
 
