@@ -7,6 +7,7 @@ parallel, for a plain, a hybrid and an MLA family), and seeded sampling gives un
 """
 
 import json
+import re
 import shutil
 import signal
 import time
@@ -131,7 +132,7 @@ def test_dflash_serve_on_two_ranks_answers_as_one_process_does(tmp_path):
         while "http://127.0.0.1:" not in (err := (tmp_path / "rank0.err").read_text()):
             assert time.monotonic() < deadline and procs[0].poll() is None, err
             time.sleep(0.2)
-        url = err.split(" at ")[1].split("/v1")[0]
+        url = re.search(r"http://127\.0\.0\.1:\d+", err).group(0)
         assert [_complete(url, r)["choices"][0]["text"] for r in requests] == expected
         procs[0].send_signal(signal.SIGTERM)
         ranks = finish(procs, tmp_path, timeout=30)

@@ -643,6 +643,9 @@ def test_sigterm_mid_request_still_gives_the_client_a_well_formed_answer(pair_di
             "0",
             "--served-model-name",
             "tiny",
+            # The helper fakes the one-at-a-time worker's stream; the batching engine's shutdown is the same server's.
+            "--max-batch",
+            "1",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
