@@ -14,7 +14,6 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import wired_limit
-from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .base.errors import DFlashError
@@ -26,12 +25,13 @@ from .drafts.lookup import PromptLookup
 from .loop.batch import BatchEngine, RowRequest, batch_stream
 from .loop.cache import DFlashCache, make_cache
 from .loop.distributed import on_ranks, sharded_group, target_group
-from .loop.options import LoopOptions, SampleFn
+from .loop.options import Budget, LoopOptions
 from .loop.plain_speed import plain_tokens_per_second
 from .loop.proposal import Proposer
 from .loop.verify import Verifier
 from .models import target as tgt
 from .models.drafter import DraftModel
+from .sampling import is_greedy
 from .text.inputs import check_text
 from .text.reasoning import join, reasoning_parser
 from .text.responses import AcceptanceStats, GenerationResponse
@@ -67,36 +67,6 @@ def _prompt_ids(prompt) -> list[int]:
     if not ids:
         raise DFlashError("The prompt is empty: pass at least one token or character.")
     return ids
-
-
-def is_greedy(sampler: SampleFn | None) -> bool:
-    """True for samplers that take the argmax: None, ours at temperature 0, mlx-lm's own."""
-    return sampler is None or sampler is greedy_sampler or getattr(sampler, "greedy", False) is True
-
-
-@dataclass
-class Budget:
-    """What a generation may still emit: up to ``max_tokens``, nothing after a stop token."""
-
-    max_tokens: int
-    stop_tokens: frozenset[int]
-    used: int = 0
-    open: bool = True
-
-    @property
-    def room(self) -> int:
-        return self.max_tokens - self.used
-
-    def emit(self, tokens: list[int]) -> list[int]:
-        """The leading ``tokens`` that fit, cut after a stop token; counted as emitted."""
-        tokens = tokens[: self.room]
-        for j, t in enumerate(tokens):
-            if t in self.stop_tokens:
-                tokens, self.open = tokens[: j + 1], False
-                break
-        self.used += len(tokens)
-        self.open = self.open and self.used < self.max_tokens
-        return tokens
 
 
 def dflash_generate_step(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 from mlx_lm.sample_utils import make_sampler as _mlx_lm_make_sampler
 
 from .base.errors import DFlashError
@@ -256,3 +256,8 @@ def top_probability(logits: mx.array, fast_exp: bool = False) -> mx.array:
 def check_proposal(proposal: str) -> None:
     if proposal not in PROPOSALS:
         raise DFlashError(f"proposal must be one of {', '.join(PROPOSALS)} (got {proposal!r}).")
+
+
+def is_greedy(sampler: Sampler | None) -> bool:
+    """True for samplers that take the argmax: None, ours at temperature 0, mlx-lm's own."""
+    return sampler is None or sampler is greedy_sampler or getattr(sampler, "greedy", False) is True

@@ -43,14 +43,14 @@ from time import perf_counter
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.sample_utils import greedy_sampler
 
 from ..base.errors import DFlashError
 from ..cpu.speedups import CpuSpeedups
 from ..models import rows as rows_model
-from ..sampling import Sampler, accept_one_hot, sample_rows, speculative_accept
+from ..sampling import Sampler, accept_one_hot, is_greedy, sample_rows, speculative_accept
 from ..tuning.batch import BatchCosts, RowAcceptance
 from .cache import DFlashCache
+from .options import Budget
 from .proposal import Proposal, Proposer
 from .verify import LogitsProcessor, Verifier
 
@@ -99,10 +99,6 @@ class RowEvent:
     cached: int = 0  # reused from the conversation cache (the first event only)
 
 
-def is_greedy(sampler) -> bool:
-    return sampler is None or sampler is greedy_sampler or getattr(sampler, "greedy", False) is True
-
-
 @dataclass
 class _Row:
     id: int
@@ -114,25 +110,20 @@ class _Row:
     prefilled: int = 0  # prompt tokens fed so far (reused ones included)
     reused: int = 0
     last: int = 0
-    used: int = 0
+    budget: Budget = field(init=False)
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)
     cancelled: bool = False
 
+    def __post_init__(self):
+        self.budget = Budget(self.request.max_tokens, frozenset(self.request.stop_tokens))
+
     @property
     def room(self) -> int:
-        return self.request.max_tokens - self.used
+        return self.budget.room
 
     def emit(self, tokens: list[int]) -> tuple[list[int], str | None]:
-        tokens = tokens[: self.room]
-        finish = None
-        for j, t in enumerate(tokens):
-            if t in self.request.stop_tokens:
-                tokens, finish = tokens[: j + 1], "stop"
-                break
-        self.used += len(tokens)
-        if finish is None and self.used >= self.request.max_tokens:
-            finish = "length"
-        return tokens, finish
+        tokens = self.budget.emit(tokens)
+        return tokens, self.budget.finish(tokens)
 
 
 class BatchEngine:

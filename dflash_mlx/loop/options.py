@@ -258,3 +258,34 @@ def dspark_tree_check(draft: "dspark.DraftModel", threshold: float) -> None:
         raise DFlashError("A DSpark drafter with a Markov head drafts one path: use tree_budget=0.")
     if threshold > 0:
         raise DFlashError("A draft tree chooses its own nodes: leave confidence_threshold at 0.")
+
+
+@dataclass
+class Budget:
+    """What a generation may still emit: up to ``max_tokens``, nothing after a stop token."""
+
+    max_tokens: int
+    stop_tokens: frozenset[int]
+    used: int = 0
+    open: bool = True
+
+    @property
+    def room(self) -> int:
+        return self.max_tokens - self.used
+
+    def emit(self, tokens: list[int]) -> list[int]:
+        """The leading ``tokens`` that fit, cut after a stop token; counted as emitted."""
+        tokens = tokens[: self.room]
+        for j, t in enumerate(tokens):
+            if t in self.stop_tokens:
+                tokens, self.open = tokens[: j + 1], False
+                break
+        self.used += len(tokens)
+        self.open = self.open and self.used < self.max_tokens
+        return tokens
+
+    def finish(self, tokens: list[int]) -> str | None:
+        """Why the generation ended with the just emitted ``tokens`` (None: it goes on)."""
+        if self.open:
+            return None
+        return "stop" if tokens and tokens[-1] in self.stop_tokens else "length"
