@@ -56,34 +56,6 @@ def default_max_batch(model, context: int | None) -> tuple[int, str]:
     return rows, why
 
 
-class BusyAwareCaches(PromptCaches):
-    """Conversation caches as :class:`PromptCaches` keeps them, but a cache a running request holds is never
-    handed to another (two conversations sharing a system prompt run at once)."""
-
-    def take(self, ids: list[int], busy: set[int]) -> DFlashCache:
-        best, reuse = None, 0
-        for entry in self.entries:
-            cache, prompt_len = entry
-            if id(cache) in busy:
-                continue
-            n = cache.reusable_prefix(ids)
-            if n >= min(prompt_len, len(ids) - 1) and n >= reuse:
-                best, reuse = entry, n
-        if best is not None:
-            self.entries.remove(best)
-        elif len(self.entries) < self.size:
-            best = [self.session.make_cache(), 0]
-        else:
-            idle = [e for e in self.entries if id(e[0]) not in busy]
-            if not idle:
-                return self.session.make_cache()  # all held: one for this request alone
-            best = idle[0]
-            self.entries.remove(best)
-        best[1] = len(ids)
-        self.entries.append(best)
-        return best[0]
-
-
 @dataclass
 class _Flight:
     """A request in the engine, and what its answer so far needs."""
@@ -124,7 +96,7 @@ class BatchWorker(Worker):
                                    prefill_step_size=kwargs.get("prefill_step_size", 512), costs=self.costs)  # fmt: skip
         self.flights: dict[int, _Flight] = {}
         super().__init__(model, draft, tokenizer, **kwargs)
-        self.caches = BusyAwareCaches(self.session, kwargs.get("prompt_cache_size", 4))
+        self.caches = PromptCaches(self.session, kwargs.get("prompt_cache_size", 4))
 
     @property
     def num_running(self) -> int:

@@ -59,10 +59,14 @@ class PromptCaches:
         self.session, self.size = session, max(1, size)
         self.entries: list[list] = []  # [cache, last prompt length], least recently used first
 
-    def take(self, ids: list[int]) -> DFlashCache:
+    def take(self, ids: list[int], busy: frozenset[int] = frozenset()) -> DFlashCache:
+        """The cache for ``ids``; one whose ``id`` is in ``busy`` (held by a running request: the batching
+        worker runs several at once) is never handed out."""
         best, reuse = None, 0
         for entry in self.entries:
             cache, prompt_len = entry
+            if id(cache) in busy:
+                continue
             n = cache.reusable_prefix(ids)
             # reusable_prefix leaves the last id to prefill, hence the -1 for a retried prompt.
             if n >= min(prompt_len, len(ids) - 1) and n >= reuse:
@@ -72,7 +76,11 @@ class PromptCaches:
         elif len(self.entries) < self.size:
             best = [self.session.make_cache(), 0]
         else:
-            best = self.entries.pop(0)  # the least recently used; stream_generate trims it
+            idle = [e for e in self.entries if id(e[0]) not in busy]
+            if not idle:
+                return self.session.make_cache()  # all held: one for this request alone
+            best = idle[0]  # the least recently used; stream_generate trims it
+            self.entries.remove(best)
         best[1] = len(ids)
         self.entries.append(best)
         return best[0]
