@@ -73,6 +73,34 @@ def test_rows_roll_back_alone_with_drafts_that_are_often_right(qwen3_pair):
     _same_as_alone(lookup, refs, frozenset(tok.eos_token_ids))
 
 
+def test_text_trees_run_alone_whole_and_batched_as_their_likeliest_line(qwen3_pair, monkeypatch):
+    """A datastore with branches makes draft trees (the tools' defaults): a row alone verifies the tree, rows
+    together its first line; either way every reply is the target's own."""
+    from test_text_trees import _branchy_store, _count_tree_passes, _tree_policy
+
+    model, _, _ = qwen3_pair
+    prompts = PROMPTS[:3]
+    refs = _references(model, prompts, [40, 40, 40])
+    store = _branchy_store(model, prompts)
+    trees = _count_tree_passes(monkeypatch)
+    cut = []
+    first_path = batch.DraftTree.first_path
+
+    def counted(self):
+        cut.append(self.size)
+        return first_path(self)
+
+    monkeypatch.setattr(batch.DraftTree, "first_path", counted)
+    for max_batch in (1, 3):
+        engine = batch_engine(model, None, max_batch=max_batch, costs=Widest())
+        options = LoopOptions(max_tokens=40, block_size=8, datastore=store, policy=_tree_policy())
+        ids = [engine.add(batch_request(model, None, p, options), lambda: make_cache(model, None)) for p in prompts]
+        out, _ = _drain(engine, ids)
+        assert [out[i] for i in ids] == refs, max_batch
+    assert trees and max(trees) > 1, "no row running alone verified a tree"
+    assert cut and max(cut) > 1, "no batched row was given a tree"
+
+
 def _drain(engine, ids):
     out = {i: [] for i in ids}
     finish = {}

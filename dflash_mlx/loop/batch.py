@@ -31,8 +31,9 @@ While one row runs (and others at most prefill), it runs alone on its own cache 
 :class:`~dflash_mlx.loop.verify.Verifier`: the compiled CPU steps, a plain step queued ahead, every family. It
 moves into the rows cache when a second row is ready, and out again when it is the last (a copy each way).
 Targets :func:`~dflash_mlx.models.rows.rows_supported` refuses (sliding windows, MoE, hybrid recurrent layers,
-Gemma, Kimi, gpt-oss) run with ``max_batch=1`` only (the engine refuses more in one line); draft trees and
-``block_size="auto"`` are refused per request.
+Gemma, Kimi, gpt-oss) run with ``max_batch=1`` only (the engine refuses more in one line). A row running
+alone verifies a proposer's draft tree whole; in a batched pass a tree is cut to its likeliest line. The
+drafter's own trees (``tree_budget``) and ``block_size="auto"`` are refused per request.
 """
 
 from collections import deque
@@ -47,6 +48,7 @@ import mlx.nn as nn
 from ..base.errors import DFlashError
 from ..cpu.speedups import CpuSpeedups
 from ..models import rows as rows_model
+from ..models.tree import DraftTree
 from ..sampling import Sampler, accept_one_hot, is_greedy, sample_rows, speculative_accept
 from ..tuning.batch import BatchCosts, RowAcceptance
 from .cache import DFlashCache
@@ -311,9 +313,8 @@ class BatchEngine:
         self.last_width = 0
         n = min(row.request.block_size, row.room) - 1
         p = row.proposer.propose(row.last, n) if n > 0 else Proposal(mx.zeros((0,), dtype=mx.uint32))
-        if p.tree is not None:
-            raise DFlashError("Draft trees are not batched: leave tree_budget at 0 with several requests.")
-        num_draft = min(p.size, max(n, 0))
+        # A tree's acceptance is judged along its depth, as a path's is along its drafts.
+        num_draft = min(max(p.tree.depths) if p.tree is not None else p.size, max(n, 0))
         verdict = row.verifier.verify(row.last, p, plain_next=row.room > 1 and row.proposer.plain_next())
         emitted, finish = row.emit(verdict.tokens)
         row.cache.commit(row.last, emitted, verdict.cached)
@@ -334,7 +335,9 @@ class BatchEngine:
             if n > 0:
                 p = row.proposer.propose(row.last, n)
                 if p.tree is not None:
-                    raise DFlashError("Draft trees are not batched: leave tree_budget at 0 with several requests.")
+                    # Rows run at consecutive positions, so a tree is verified as its likeliest line; the
+                    # proposer learns from the tokens the target kept, whatever it proposed.
+                    p = Proposal(mx.array(DraftTree.first_path(p.tree), dtype=mx.uint32), None, p.source)
                 if p.size > n:  # drafts past the budget are never verified
                     p = Proposal(p.tokens[:n], None if p.q is None else p.q[:n], p.source)
             else:

@@ -76,6 +76,15 @@ class DraftTree:
     def path_tokens(self, path: list[int]) -> list[int]:
         return [self.tokens[i - 1] for i in path[1:]]
 
+    def first_path(self) -> list[int]:
+        """The tokens of the likeliest line from the root: at each node its first-chosen child (nodes are in
+        the order they were chosen, best first)."""
+        tokens, i = [], 0
+        while self.children[i]:
+            i = min(self.children[i].values())
+            tokens.append(self.tokens[i - 1])
+        return tokens
+
     def first(self, n: int) -> "DraftTree":
         """The tree of the first ``n`` nodes: a parent comes before its children, so it is whole."""
         return DraftTree(self.tokens[:n], self.parents[: n + 1], self.depths[:n], self.log_probs[:n])
