@@ -9,6 +9,7 @@ time: every reply of a level is compared with that one (``same as alone``; dflas
 one Markdown table per round and the ratio per level.
 
     python recipes/measure/serve_load_ab.py --rounds 2 --levels 1 2 4 8 --max-tokens 128 --join-tokens 3000
+    python recipes/measure/serve_load_ab.py --model dflash-tiny --levels 1 2 4 8    # the toy pair
 
 Both servers run with OpenBLAS preloaded (``--blas``: the library either way), since MLX's CPU speed depends on it
 most. The machine may be shared: the levels take turns so that both servers see the same load.
@@ -23,13 +24,14 @@ import time
 import urllib.request
 
 from dflash_mlx.loading.gguf import prepare_default_target
-from dflash_mlx.loading.pairs import default_pair_path
+from dflash_mlx.loading.pairs import DEFAULT_PAIR, default_pair_path, embedded_pair_path
 from dflash_mlx.tools.bench.server_load import join_row, run_join, run_level
 from dflash_mlx.tools.client import RemoteClient, ServerInfo
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 
 parser = argparse.ArgumentParser()
+parser.add_argument("--model", default=DEFAULT_PAIR, help="An embedded pair: the default one or dflash-tiny.")
 parser.add_argument("--rounds", type=int, default=1)
 parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8])
 parser.add_argument("--max-tokens", type=int, default=128)
@@ -40,9 +42,20 @@ parser.add_argument("--json", default=None)
 args = parser.parse_args()
 
 env = {**os.environ, "LD_PRELOAD": args.blas}
-target = str(prepare_default_target())
+pair = embedded_pair_path(args.model)
+target = str(prepare_default_target() if pair == default_pair_path() else pair / "target")
 servers = {
-    "dflash-serve": [sys.executable, "-m", "dflash_mlx.tools.server.app", "--port", "8731", "--blas", "openblas"],
+    "dflash-serve": [
+        sys.executable,
+        "-m",
+        "dflash_mlx.tools.server.app",
+        "--model",
+        args.model,
+        "--port",
+        "8731",
+        "--blas",
+        "openblas",
+    ],  # fmt: skip
     "mlx_lm.server": [sys.executable, "-m", "mlx_lm", "server", "--model", target, "--port", "8732"],
 }
 urls = {"dflash-serve": "http://127.0.0.1:8731/v1", "mlx_lm.server": "http://127.0.0.1:8732/v1"}
@@ -64,7 +77,7 @@ def wait_up(url: str) -> None:
 try:
     for url in urls.values():
         wait_up(url)
-    rows = [json.loads(line) for line in (default_pair_path() / "prompts.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (pair / "prompts.jsonl").read_text().splitlines()]
     document = json.loads((default_pair_path() / "long_context.jsonl").read_text().splitlines()[0])["document"]
     join = join_row(document, args.join_tokens)
     clients = {name: RemoteClient(url, counter_deltas=False) for name, url in urls.items()}
