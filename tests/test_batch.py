@@ -457,3 +457,22 @@ def test_sliding_window_rows_equal_each_request_alone(tmp_path, kind, monkeypatc
         result = batch_generate(model, drafter, tok, PROMPTS, max_tokens=LIMITS, max_batch=4, block_size=block_size,
                                 prefill_step_size=8)  # fmt: skip
         _same_as_alone(result, refs, frozenset(tok.eos_token_ids))
+
+
+# Not "gemma4" (the large models' layout, with experts): on its tiny random target a router near-tie sends
+# one position to other experts in a batched pass than in a single one (the batched pass agrees with a full
+# forward of the sequence, mlx-lm's one-token steps do not), so its greedy text may part at float rounding.
+@pytest.mark.parametrize("kind", ["gemma4_text", "kimi_k25"])
+def test_gemma_and_kimi_rows_equal_each_request_alone(tmp_path, kind, monkeypatch):
+    """Gemma 4 (sliding layers, per-layer inputs, layers reusing others' keys) and Kimi K2.5 (latent attention)."""
+    pytest.importorskip("torch")
+    from helpers.family import gemma_draft_config, small_sliding_caches, write_targets
+
+    small_sliding_caches(monkeypatch)
+    draft = gemma_draft_config() if kind.startswith("gemma") else None
+    folders = write_targets(tmp_path, [kind], draft=draft)
+    model, drafter, tok = load(folders[kind][0], folders["draft"][0])
+    refs = _references(model)
+    result = batch_generate(model, drafter, tok, PROMPTS, max_tokens=LIMITS, max_batch=4, block_size=4,
+                            prefill_step_size=8)  # fmt: skip
+    _same_as_alone(result, refs, frozenset(tok.eos_token_ids))

@@ -20,14 +20,18 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..cpu.speedups import CpuSpeedups
-from . import families, hybrid, linear_attention
+from . import families, gemma, hybrid, kimi, linear_attention
 from . import target as tgt
 from .sliding import SlidingKVCache
 
 # Targets whose decoder layers are ``layer(h, mask, cache)`` over full or sliding-window attention (Llama's
-# sliding layers, gpt-oss's), and the hybrid ones (Gated DeltaNet layers between full attention ones), whose
-# linear layers keep a state per row.
-ROW_MODEL_TYPES = ("llama", "qwen3", "qwen2", "qwen3_moe", "gpt_oss", *hybrid.HYBRID_MODEL_TYPES)
+# sliding layers, gpt-oss's; Kimi K2.5's latent attention, one latent a position), the hybrid ones (Gated
+# DeltaNet layers between full attention ones), whose linear layers keep a state per row, and Gemma 4, walked
+# its own way with these masks.
+ROW_MODEL_TYPES = (
+    "llama", "qwen3", "qwen2", "qwen3_moe", "gpt_oss", *hybrid.HYBRID_MODEL_TYPES, *gemma.GEMMA_MODEL_TYPES,
+    *kimi.KIMI_MODEL_TYPES,
+)  # fmt: skip
 
 
 def rows_supported(model: nn.Module) -> str | None:
@@ -258,16 +262,20 @@ def forward_rows(
     (the same operations; a batched pass is mostly the rows' weights read once, and their exp), else
     mlx-lm's own layers.
     """
+    lengths = next(c.lengths for c in caches if isinstance(c, RowsKVCache))
+    windows = {c.window for c in caches if isinstance(c, RowsKVCache)}
+    masks = {w: rows_mask(lengths, tokens.shape[1], w) for w in windows}
+    captured = {}
+    if model.model_type in gemma.GEMMA_MODEL_TYPES:
+        # Its own walk (scaled embedding, per-layer inputs, layers reusing others' keys), with these masks.
+        h = gemma.forward_with_taps(model, tokens, caches, tap_ids, captured, masks=[masks[c.window] for c in caches])
+        return tgt.head(model, h, captured, tap_ids)
     inner = model.model
     h = inner.embed_tokens(tokens)
-    lengths = next(c.lengths for c in caches if isinstance(c, RowsKVCache))
-    masks = {
-        w: rows_mask(lengths, tokens.shape[1], w) for w in {c.window for c in caches if isinstance(c, RowsKVCache)}
-    }
     steps = None
     if speedups is not None and h.dtype == mx.float32 and tokens.size >= speedups.min_tokens:
         steps = tgt.cpu_layer_steps(model, speedups)
-    wanted, captured = set(tap_ids), {}
+    wanted = set(tap_ids)
     for i, (layer, c) in enumerate(zip(inner.layers, caches)):
         if isinstance(c, RowsRecurrentCache):
             h = hybrid.recorded_layer(layer, h, c)
@@ -277,14 +285,7 @@ def forward_rows(
             h = tgt.cpu_block(layer, h, c, masks[c.window], speedups, steps[i])
         if i in wanted:
             captured[i] = h
-    h = inner.norm(h)
-    last = tgt.num_layers(model) - 1
-    if last in wanted:
-        captured[last] = h
-    logits = tgt.lm_head(model, h)
-    if not tap_ids:
-        return logits, None
-    return logits, mx.concatenate([captured[i] for i in tap_ids], axis=-1)
+    return tgt.head(model, h, captured, tap_ids)
 
 
 def make_rows_cache(model: nn.Module, kernels: str = "auto") -> list[Any]:
