@@ -328,6 +328,19 @@ def test_blocks_match_the_authors(deepspec, folders, tmp_path, layout):
     assert layout == "plain" or (len(cuts) > 1 and 0 in cuts), cuts
 
 
+def test_saved_fixture_blocks_are_the_authors(deepspec):
+    """The trained fixture's per-block numbers that tests/test_family_fixtures.py checks ours against are
+    what the authors' code gives now (recipes/rebuild/dspark_fixture_blocks.py wrote them)."""
+    import os
+
+    from helpers import dspark_fixture
+
+    fresh, saved = dspark_fixture.authors_blocks(os.environ["DFLASH_DSPARK_SRC"]), np.load(dspark_fixture.SAVED)
+    assert sorted(fresh) == sorted(saved.files)
+    for name, value in fresh.items():
+        np.testing.assert_allclose(value, saved[name], atol=1e-5, err_msg=name)
+
+
 def fit_authors_dspark(draft, target, sequence: list[int], *, steps: int = 80, lr: float = 1e-2, seed: int = 0):
     """The authors' drafter fitted (in place) to ``sequence``, the target's greedy text, as it drafts: the
     context the taps of positions before each anchor ``p``, the block ``[sequence[p], MASK...]`` at ``p``,
