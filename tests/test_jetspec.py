@@ -9,7 +9,7 @@ from helpers import family, sampled
 from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB, write_target
 from helpers.family_drafters import BLOCK, jetspec_config, write_jetspec
 
-from dflash_mlx import DFlashError, load, make_cache
+from dflash_mlx import DFlashError, LoopOptions, load, make_cache
 from dflash_mlx.loading.draft_loader import load_draft
 from dflash_mlx.models.drafter import block_mask
 from dflash_mlx.sampling import make_sampler
@@ -68,6 +68,30 @@ def test_draft_trees(tmp_path, folders):
     family.check_tree_lossless(model, draft)
 
 
+def test_jetspec_trees_are_lossless(tmp_path, folders):
+    """JetSpec's own tree construction (``tree_width``: each expanded node's k likeliest children at once):
+    the target's greedy tokens at every width, the trees as wide as asked."""
+    from helpers.decoding import run
+    from helpers.varied import write_varied_target
+
+    from dflash_mlx.drafts.tree import build_fanout_tree
+
+    write_varied_target(tmp_path / "target")
+    model, draft, _ = load(tmp_path / "target", folders / "draft")
+    for width, budget, prompt_len in ((1, 6, 1), (3, 12, 9), (4, 40, 30)):
+        prompt = family.prompt_ids(prompt_len)
+        out, cycles = run(model, draft, prompt, tree_budget=budget, tree_width=width, max_tokens=24, adaptive=False)
+        assert out == family.reference(model, prompt, 24), (width, budget)
+        # num_draft: the tree's nodes, counted up to the tokens still to come (23 at the first cycle).
+        assert cycles[1].num_draft == min(budget, 22) and all(c.num_draft <= budget for c in cycles)
+    tree = build_fanout_tree([[-0.1, -2.0, -3.0]] * 3, [[5, 6, 7]] * 3, 7)
+    assert (tree.tokens, tree.parents) == ([5, 6, 7, 5, 6, 7, 5], [-1, 0, 0, 0, 1, 1, 1, 4])
+    with pytest.raises(DFlashError, match="tree_width=2 shapes a draft tree of a fixed size"):
+        LoopOptions(tree_width=2)
+    with pytest.raises(DFlashError, match="tree_width must be a positive integer"):
+        LoopOptions(tree_budget=8, tree_width=0)
+
+
 @pytest.fixture(scope="module")
 def sampling_pair(tmp_path_factory, folders):
     """A target with smaller logits, so that sampling has real choices, and its exact marginals."""
@@ -121,9 +145,13 @@ def jetspec():
     torch.set_num_threads(1)
     try:
         from jetspec import draft_head_adapter
+        from jetspec.core import llm
+        from jetspec.core.model_runner import ModelRunner
         from jetspec.models.draft_head import DFlashDraftModel
+        from jetspec.tree.baselines import accum_logp
 
-        yield SimpleNamespace(adapter=draft_head_adapter, Head=DFlashDraftModel)
+        yield SimpleNamespace(adapter=draft_head_adapter, Head=DFlashDraftModel, llm=llm, Runner=ModelRunner,
+                              accum_logp=accum_logp)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
         sys.path.remove(src)
@@ -147,12 +175,7 @@ def authors_head(jetspec, config: dict, seed: int = 0):
     return head.float().eval()
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_blocks_match_the_authors(jetspec, tmp_path, monkeypatch, causal):
-    """Three drafting cycles through the authors' ``_DraftHeadForward`` (their KV-cached head pass, cropped
-    to the context after each block) on the same target: the same draft logits every cycle."""
-    import torch
-    from helpers.hf_checkpoints import write_hf_target
+def _crop_to_length(jetspec, monkeypatch):
     from transformers import DynamicCache
 
     class CropToLength(DynamicCache):
@@ -162,6 +185,16 @@ def test_blocks_match_the_authors(jetspec, tmp_path, monkeypatch, causal):
                 super().crop(length - self.get_seq_length())
 
     monkeypatch.setattr(jetspec.adapter, "DynamicCache", CropToLength)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_blocks_match_the_authors(jetspec, tmp_path, monkeypatch, causal):
+    """Three drafting cycles through the authors' ``_DraftHeadForward`` (their KV-cached head pass, cropped
+    to the context after each block) on the same target: the same draft logits every cycle."""
+    import torch
+    from helpers.hf_checkpoints import write_hf_target
+
+    _crop_to_length(jetspec, monkeypatch)
     target = write_hf_target(tmp_path / "target", "qwen3_moe")
     head = authors_head(jetspec, jetspec_config(causal_head=causal))
     head.save_pretrained(str(tmp_path / "draft"))
@@ -199,3 +232,68 @@ def test_adapter_matches_the_authors(jetspec, tmp_path):
         h = head(position_ids=torch.arange(6 + BLOCK)[None], noise_embedding=torch.tensor(noise),
                  target_hidden=torch.tensor(taps), is_causal=True)  # fmt: skip
     np.testing.assert_allclose(np.array(draft(mx.array(noise), mx.array(taps))), h.numpy(), atol=1e-4)
+
+
+def test_trees_equal_the_authors_builder(jetspec):
+    """JetSpec's tree construction (their ``accum_logp``'s ``_build_from_topk``) and ours on the same
+    top-k per depth: the same node tokens and parents, in the same order (their budget counts the root)."""
+    from dflash_mlx.drafts.tree import build_fanout_tree, top_log_probs
+
+    rng = np.random.default_rng(0)
+    for width, budget, depth in ((1, 8, 6), (3, 12, 6), (4, 40, 15), (7, 128, 15)):
+        logits = mx.array(rng.standard_normal((depth, VOCAB)).astype(np.float32) * 3)
+        log_probs, ids = top_log_probs(logits, width)
+        theirs = jetspec.accum_logp._build_from_topk(0, ids, log_probs, budget + 1, "cpu")
+        ours = build_fanout_tree(log_probs, ids, budget)
+        assert theirs.token_ids[1:].tolist() == ours.tokens and theirs.parent_indices.tolist() == ours.parents
+
+
+@pytest.mark.parametrize("width, budget", [(1, 15), (3, 11), (4, 32)])
+def test_tree_cycles_match_the_authors(jetspec, tmp_path, monkeypatch, width, budget):
+    """The authors' tree decoding loop (``LLM.generate_tree`` of their HuggingFace core, SDPA tree masks, on
+    the CPU) and ours with ``tree_width``, greedy on the same target with their head fitted to agree with it:
+    the same tokens, and per cycle the same tree size and the same tokens kept."""
+    import torch
+    import torch.nn.functional as F
+    from helpers.decoding import greedy, run
+    from helpers.hf_checkpoints import write_hf_target
+    from helpers.torch_oracles import fit_to_sequence
+
+    _crop_to_length(jetspec, monkeypatch)
+    target = write_hf_target(tmp_path / "target", "qwen3_moe")
+    model = load(tmp_path / "target")[0]
+    prompt, max_tokens = family.prompt_ids(11, seed=5), 40
+    sequence = prompt + greedy(model, prompt, max_tokens)
+    head = authors_head(jetspec, jetspec_config())
+    taps_ids = head.target_layer_ids
+    with torch.no_grad():
+        hidden = target(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        taps = torch.cat([hidden[i + 1] for i in taps_ids], dim=-1)
+    embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+
+    def block_logits(p, block):
+        h = head(position_ids=torch.arange(p + BLOCK)[None], noise_embedding=embedding(block),
+                 target_hidden=taps[:, :p], is_causal=True)  # fmt: skip
+        return F.linear(h[0, 1:], lm_head.weight)
+
+    fit_to_sequence(head, block_logits, sequence, steps=80, lr=1e-2, seed=0)
+    head.save_pretrained(str(tmp_path / "draft"))
+    # Their LLM made around our target (its constructor loads one by name, on CUDA).
+    llm = jetspec.llm.LLM.__new__(jetspec.llm.LLM)
+    llm.model, llm.runner, llm.device, llm.dtype = target, jetspec.Runner(target), "cpu", torch.float32
+    llm.eos_token_ids, llm.tokenizer = set(), None
+    drafter = jetspec.adapter.DraftHeadTreeDrafter(head, target, BLOCK, taps_ids)
+    theirs = llm.generate_tree(torch.tensor([prompt]), drafter, block_size=BLOCK, tree_width=width, budget=budget + 1,
+                               target_layer_ids=taps_ids, sampling_params=jetspec.llm.SamplingParams(0.0, max_tokens),
+                               return_stats=True, return_text=False)  # fmt: skip
+    _, draft, _ = load(tmp_path / "target", tmp_path / "draft")
+    out, cycles = run(model, draft, prompt, tree_budget=budget, tree_width=width, max_tokens=max_tokens, adaptive=False)
+    assert out == theirs["token_ids"] == sequence[len(prompt) :]
+    # Per cycle (ours after the prefill's): tokens kept, and nodes with the root. Our last cycle counts only
+    # the tokens within max_tokens, and num_draft the nodes up to the tokens still to come.
+    kept = [len(c.tokens) for c in cycles[1:]]
+    assert len(kept) == len(theirs["accept_lengths"]) and kept[:-1] == theirs["accept_lengths"][:-1], kept
+    room = max_tokens - np.cumsum([len(c.tokens) for c in cycles])[:-1]
+    assert [c.num_draft for c in cycles[1:]] == [min(size - 1, r - 1) for size, r in zip(theirs["tree_sizes"], room)]
+    assert max(theirs["tree_sizes"]) == budget + 1
+    assert max(theirs["accept_lengths"]) >= 5, theirs["accept_lengths"]
