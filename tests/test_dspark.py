@@ -432,3 +432,83 @@ def test_cycles_match_the_authors_loop(deepspec, tmp_path, monkeypatch, threshol
         assert 0 in theirs.proposal_lengths and max(theirs.accepted_draft_lengths) >= 2, pairs
     else:
         assert min(theirs.accepted_draft_lengths[:-1]) >= 4, pairs
+
+
+# ---- The confidence threshold in the chat and the server ----
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_the_server_takes_the_confidence_threshold_per_request_and_as_a_default(pair, max_batch):
+    """A request's ``confidence_threshold`` (or the server's ``--confidence-threshold`` where it gives none)
+    cuts the drafts as ``LoopOptions(confidence_threshold=)`` does, on the one-at-a-time and the batching
+    worker; out of range, a 400."""
+    import urllib.error
+    import urllib.request
+
+    from dflash_mlx.tools.server.app import DFlashServer
+    from dflash_mlx.tools.server.protocol import Defaults
+
+    model, draft, tokenizer = pair
+    prompt = family.prompt_ids(9)
+
+    def drafted(threshold):
+        _, cycles = run(model, draft, prompt, max_tokens=MAX_TOKENS, seed=0, confidence_threshold=threshold,
+                        stop_tokens=set(tokenizer.eos_token_ids))  # fmt: skip
+        return sum(c.num_draft for c in cycles)
+
+    def post(srv, **body):
+        data = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "seed": 0, **body}).encode()
+        request = urllib.request.Request(srv.url + "/v1/completions", data, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    srv = DFlashServer(model, draft, tokenizer, model_name="tiny", port=0, max_batch=max_batch,
+                       defaults=Defaults(confidence_threshold=0.5)).start()  # fmt: skip
+    try:
+        counts, texts = {}, set()
+        for threshold in (None, 0.0, 0.7):
+            status, body = post(srv, **({} if threshold is None else {"confidence_threshold": threshold}))
+            assert status == 200, body
+            counts[threshold] = body["metrics"]["speculative_decoding"]["num_draft_tokens"]
+            texts.add(body["choices"][0]["text"])
+        assert len(texts) == 1  # the same greedy text whatever is drafted
+        if max_batch == 1:
+            assert counts == {None: drafted(0.5), 0.0: drafted(0.0), 0.7: drafted(0.7)}
+        # The batching engine sizes each pass's drafts itself; the threshold still cuts them.
+        assert counts[0.0] > counts[None] > counts[0.7], counts
+        status, body = post(srv, confidence_threshold=1.5)
+        assert status == 400 and "confidence_threshold" in body["error"]["message"]
+    finally:
+        srv.close()
+
+
+def test_the_chat_takes_the_confidence_threshold(folders):
+    """``dflash-chat --confidence-threshold`` reaches its settings, what it shows and the loop's options
+    (a local pair), and a dflash-serve it chats with gets it per request."""
+    from dflash_mlx.tui import app
+    from dflash_mlx.tui.engine import MLXEngine, RemoteEngine
+
+    args = app.setup_arg_parser().parse_args(["--model", str(folders / "qwen3"), "--confidence-threshold", "0.6"])
+    chat = app.make_app(**{k: v for k, v in vars(args).items() if k != "blas"})
+    settings = chat.settings
+    assert settings.confidence_threshold == 0.6 and "threshold 0.6" in settings.describe(8)
+    seen = {}
+
+    class Session:  # the loaded pair, as far as a reply's options go
+        draft, tokenizer = object(), None
+
+        def stream(self, prompt, **options):
+            seen.update(options)
+
+    engine = MLXEngine.__new__(MLXEngine)
+    engine.session, engine.cache = Session(), None
+    engine._prompt = lambda messages, settings: []
+    engine._start([], settings)
+    assert seen["confidence_threshold"] == 0.6
+    remote = RemoteEngine.__new__(RemoteEngine)
+    remote.client = type("Client", (), {"info": type("Info", (), {"kind": "dflash"})(),
+                                         "stream_chat": lambda self, messages, **kw: kw})()  # fmt: skip
+    assert remote([], settings)["confidence_threshold"] == 0.6
