@@ -5,27 +5,25 @@ distribution, and parity with the authors' head (hao-ai-lab/JetSpec)."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import family, sampled
-from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB, write_target
+from helpers import family, family_suite, sampled
+from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB
 from helpers.family_drafters import BLOCK, jetspec_config, write_jetspec
 
 from dflash_mlx import DFlashError, LoopOptions, load, make_cache
 from dflash_mlx.loading.draft_loader import load_draft
 from dflash_mlx.models.drafter import block_mask
-from dflash_mlx.sampling import make_sampler
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("jetspec")
-    write_target(root / "qwen3")
-    write_jetspec(root / "draft")
-    return root
+def folders(tmp_path_factory, pair_dirs):
+    draft = tmp_path_factory.mktemp("jetspec") / "draft"
+    write_jetspec(draft)
+    return {"target": pair_dirs["qwen3-tied"], "draft": draft}
 
 
 @pytest.fixture(scope="module")
 def pair(folders):
-    return load(folders / "qwen3", folders / "draft")
+    return load(folders["target"], folders["draft"])
 
 
 def test_causal_head_makes_every_layer_block_causal(pair):
@@ -48,36 +46,23 @@ def test_greedy_is_lossless(pair, block_size, prompt_len):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "gemma4_text"])  # hybrid and sliding; dense: the qwen3 pair
-def test_greedy_is_lossless_on_the_target_families(tmp_path, folders, kind):
-    from helpers.hf_checkpoints import write_hf_target
-
-    write_hf_target(tmp_path / "target", kind)
-    model, draft, _ = load(tmp_path / "target", folders / "draft")
-    family.check_lossless(model, draft, BLOCK, 9)
-    family.check_every_acceptance_length(model, draft, BLOCK)
-    family.check_stop_mid_block_then_continue(model, draft)
+def test_greedy_is_lossless_on_the_target_families(hf_target_dirs, folders, kind):
+    family_suite.check_target_families(hf_target_dirs[kind], folders["draft"], BLOCK)
 
 
-def test_draft_trees(tmp_path, folders):
-    """The causal head's slots are still one distribution per depth from one pass: DDTree's trees
-    (the authors' accum_logp construction) run on them."""
-    from helpers.varied import write_varied_target
-
-    write_varied_target(tmp_path / "target")  # a target whose text does not repeat: a wrong branch shows
-    model, draft, _ = load(tmp_path / "target", folders / "draft")
-    family.check_tree_lossless(model, draft)
+def test_draft_trees(varied_dirs, folders):
+    """The causal head's slots are still one distribution per depth from one pass: DDTree's trees run on them."""
+    family_suite.check_trees(varied_dirs["qwen3-tied"], folders["draft"])
 
 
-def test_jetspec_trees_are_lossless(tmp_path, folders):
+def test_jetspec_trees_are_lossless(varied_dirs, folders):
     """JetSpec's own tree construction (``tree_width``: each expanded node's k likeliest children at once):
     the target's greedy tokens at every width, the trees as wide as asked."""
     from helpers.decoding import run
-    from helpers.varied import write_varied_target
 
     from dflash_mlx.drafts.tree import build_fanout_tree
 
-    write_varied_target(tmp_path / "target")
-    model, draft, _ = load(tmp_path / "target", folders / "draft")
+    model, draft, _ = load(varied_dirs["qwen3-tied"], folders["draft"])
     for width, budget, prompt_len in ((1, 6, 1), (3, 12, 9), (4, 40, 30)):
         prompt = family.prompt_ids(prompt_len)
         out, cycles = run(model, draft, prompt, tree_budget=budget, tree_width=width, max_tokens=24, adaptive=False)
@@ -93,12 +78,8 @@ def test_jetspec_trees_are_lossless(tmp_path, folders):
 
 
 @pytest.fixture(scope="module")
-def sampling_pair(tmp_path_factory, folders):
-    """A target with smaller logits, so that sampling has real choices, and its exact marginals."""
-    folder = tmp_path_factory.mktemp("sampling") / "target"
-    write_target(folder, embed_scale=0.2)
-    model, draft, _ = load(folder, folders / "draft")
-    return model, draft, sampled.marginals(model, make_sampler(1.0), depth=2)
+def sampling_pair(sampling_target, folders):
+    return family_suite.sampling_pair(sampling_target, folders["draft"])
 
 
 @pytest.mark.parametrize("broken", [None, "accept", "q"])
@@ -120,7 +101,7 @@ def test_hidden_size_adapter(tmp_path, folders):
     )
     assert mx.allclose(draft.adapt(taps), expected, atol=1e-6)
     with pytest.raises(DFlashError, match="made for a target of hidden_size=32, but this target has hidden_size=64"):
-        load(folders / "qwen3", tmp_path / "draft")
+        load(folders["target"], tmp_path / "draft")
 
 
 # ---- Parity with the authors' head (hao-ai-lab/JetSpec, checked at 2c7b3fae75690dfe9a188a37d7fdfd43ee0e032f) ----
@@ -129,21 +110,10 @@ def test_hidden_size_adapter(tmp_path, folders):
 
 @pytest.fixture(scope="module")
 def jetspec():
-    """The authors' head class and drafting helper, or a skip that says where to get them."""
-    import os
-    import sys
+    """The authors' head class, drafting helper, tree builder and HuggingFace decoding loop."""
     from types import SimpleNamespace
 
-    src = os.environ.get("DFLASH_JETSPEC_SRC")
-    if not src:
-        pytest.skip(
-            "the JetSpec parity tests need the authors' code: DFLASH_JETSPEC_SRC=<checkout of hao-ai-lab/JetSpec>"
-        )
-    torch = pytest.importorskip("torch")
-    sys.path.insert(0, src)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with family_suite.authors_code("DFLASH_JETSPEC_SRC", "hao-ai-lab/JetSpec"):
         from jetspec import draft_head_adapter
         from jetspec.core import llm
         from jetspec.core.model_runner import ModelRunner
@@ -152,39 +122,14 @@ def jetspec():
 
         yield SimpleNamespace(adapter=draft_head_adapter, Head=DFlashDraftModel, llm=llm, Runner=ModelRunner,
                               accum_logp=accum_logp)  # fmt: skip
-    finally:
-        torch.set_num_threads(threads)
-        sys.path.remove(src)
 
 
 def authors_head(jetspec, config: dict, seed: int = 0):
-    import torch
-    from transformers import Qwen3Config
-
-    skip = ("model_type", "architectures", "torch_dtype", "auto_map")
-    hf_config = Qwen3Config(**{k: v for k, v in config.items() if k not in skip})
-    hf_config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    head = jetspec.Head(hf_config)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    return head.float().eval()
+    return family_suite.randomize(lambda: jetspec.Head(family_suite.qwen3_config(config)), seed)
 
 
 def _crop_to_length(jetspec, monkeypatch):
-    from transformers import DynamicCache
-
-    class CropToLength(DynamicCache):
-        # JetSpec crops its caches to a length, as transformers 4 did; transformers 5 crops by a count.
-        def crop(self, length):
-            if length < self.get_seq_length():
-                super().crop(length - self.get_seq_length())
-
-    monkeypatch.setattr(jetspec.adapter, "DynamicCache", CropToLength)
+    monkeypatch.setattr(jetspec.adapter, "DynamicCache", family_suite.crop_to_length_cache())
 
 
 @pytest.mark.parametrize("causal", [True, False])
