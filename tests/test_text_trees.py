@@ -204,3 +204,24 @@ def test_sampled_text_trees_keep_the_targets_distribution(sampling_pair, monkeyp
     excess = [_tv(counts[p], exact[p]) - _tv_bound(exact[p], runs) for p in range(DEPTH)]
     assert (max(excess) > 0) == broken, excess
     assert len(sizes) > runs // 2 and max(sizes) > 4  # trees in most runs, two levels deep
+
+
+def test_the_drafters_drafts_join_the_text_tree_in_its_cycles(qwen3_pair, monkeypatch):
+    """Where the drafter drafts and the text also knows continuations: one tree of both, verified in one pass;
+    the output is the target's own, and the drafter's chances are learned with the other sources'."""
+    model, draft, _ = qwen3_pair
+    prompts = [_prompt(7, 3), _prompt(20, 4)]
+    store = _branchy_store(model, prompts)
+    sizes = _count_tree_passes(monkeypatch)
+    merged = []
+    merge = FreeDrafts.merge
+    monkeypatch.setattr(FreeDrafts, "merge", lambda self, *a: merged.append((a[2], merge(self, *a))) or merged[-1][1])
+    policy = _tree_policy()  # every cycle costs the same: drafting never loses, any tree that adds tokens pays
+    for prompt in prompts:
+        out, _ = run(model, draft, prompt, max_tokens=60, datastore=store, policy=policy)
+        assert out == greedy(model, prompt, 60)
+    # Trees holding the drafter's first draft beside another child of the root: both sources in one pass.
+    trees = [(d, p.tree) for d, p in merged if p is not None and p.tree is not None]
+    both = [t for d, t in trees if d[0] in t.children[0] and len(t.children[0]) > 1]
+    assert both, "no cycle merged the drafter's drafts with the text's into a tree"
+    assert sizes and policy.free.hits[("drafter", 0)] != [1.0, 2.0], "the drafter's chances were not learned"

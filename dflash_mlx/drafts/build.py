@@ -2,7 +2,8 @@
 
 A proposer is built from the inside out: the source of drafts (plain decoding, prompt lookup, the datastore,
 the DFlash drafter, its trees, its DFlash2 selector or a DSpark drafter's Markov steps), then what is wrapped around it (prompt-lookup cycles
-after the drafter's misses; the adaptive policy, which pauses the drafter while it loses and drafts from lookup
+after the drafter's misses; with the datastore, prompt lookup's and the datastore's continuations merged with the
+drafter's drafts into one tree; the adaptive policy, which pauses the drafter while it loses and drafts from lookup
 and the datastore meanwhile).
 """
 
@@ -19,7 +20,7 @@ from ..tuning.policy import PolicyState
 from ..tuning.widths import VerifyWidth
 from .datastore import DatastoreProposer
 from .dspark import DSparkProposer
-from .free import FreeDrafts
+from .free import DrafterAndText, FreeDrafts
 from .lookup import LookupProposer, PromptLookup
 from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, FirstOf, SelectorProposer, TreeProposer
 
@@ -62,7 +63,10 @@ def make_proposer(
         drafter = FallbackProposer(drafter, lookup, o.lookup_fallback)
     if not o.adaptive_on:
         return drafter, block_size
-    return AdaptiveProposer(drafter, policy, free_sources(cache, o.datastore, policy.lookup, policy)), block_size
+    free = free_sources(cache, o.datastore, policy.lookup, policy)
+    if isinstance(free, FreeDrafts) and not tree_budget:
+        drafter = DrafterAndText(drafter, free)  # the text's continuations beside the drafter's, one tree
+    return AdaptiveProposer(drafter, policy, free), block_size
 
 
 def _drafter(

@@ -95,6 +95,15 @@ class FreeDrafts(Proposer):
         yield path
 
     def propose(self, last: int, n: int) -> Proposal:
+        return self._propose(last, n, None)
+
+    def merge(self, last: int, n: int, drafter: list[int]) -> Proposal | None:
+        """The drafter's drafts of this cycle as one more source of the text tree (one tree, one verify), their
+        chances learned like the other sources'; None where the text has no continuation or nothing pays (the
+        drafter's own proposal stands). Its cycles are not timed here: the drafter's pass is in them."""
+        return self._propose(last, n, SourcePath("drafter", drafter, self.stats.chances("drafter", len(drafter))))
+
+    def _propose(self, last: int, n: int, drafter: SourcePath | None) -> Proposal | None:
         n = min(n, self.width)
         best, best_k, best_rate = None, 0, 1.0
         tree = TextTree()
@@ -103,13 +112,20 @@ class FreeDrafts(Proposer):
                 k, rate = self.stats.best(path.chances)
                 if k and rate > best_rate:
                     best, best_k, best_rate = path, k, rate
-        start = len(self.history)
+        if drafter is not None:
+            if not tree.paths or not drafter.tokens:
+                return None
+            tree.add_path(drafter)
+            k, rate = self.stats.best(drafter.chances)
+            if k and rate > best_rate:
+                best, best_k, best_rate = drafter, k, rate
+        start, started = len(self.history), None if drafter is not None else self.clock()
         if tree.paths and self.tree_nodes:
             nodes, chances = tree.best_first(self.tree_nodes)
             m, rate, chain = choose_size(nodes, chances, self.stats)
             if m and rate > best_rate:
                 nodes = nodes.first(m)
-                self.pending = "tree", tree.paths, nodes, chain, start, self.clock()
+                self.pending = "tree", tree.paths, nodes, chain, start, started
                 # Named after the source whose own path it holds the most of (the likelier on a tie).
                 top = max(
                     tree.paths, key=lambda p: (present(nodes, p.tokens), sum(p.chances[: present(nodes, p.tokens)]))
@@ -117,9 +133,11 @@ class FreeDrafts(Proposer):
                 tokens = mx.array(nodes.tokens, dtype=mx.uint32)
                 return Proposal(tokens, None, top.kind.split()[0], None if chain else nodes)
         if best is None:
-            self.pending = "path", None, 0, start, self.clock()
+            if drafter is not None:
+                return None
+            self.pending = "path", None, 0, start, started
             return Proposal(mx.zeros((0,), dtype=mx.uint32), None, "")
-        self.pending = "path", best, best_k, start, self.clock()
+        self.pending = "path", best, best_k, start, started
         return Proposal(mx.array(best.tokens[:best_k], dtype=mx.uint32), None, best.kind.split()[0])
 
     def plain_next(self) -> bool:
@@ -133,7 +151,8 @@ class FreeDrafts(Proposer):
             _, path, k, _, started = pending
             if k:
                 self.stats.judged(path.kind, num_accepted, path.chances[:k], path.shares)
-            self.stats.timed(self.clock() - started, k)
+            if started is not None:
+                self.stats.timed(self.clock() - started, k)
             return
         _, paths, nodes, chain, start, started = pending
         accepted = self.history[start + 1 : start + 1 + num_accepted]
@@ -142,7 +161,45 @@ class FreeDrafts(Proposer):
             if held:
                 kept = agreed(path.tokens[:held], accepted)
                 self.stats.judged(path.kind, kept, path.chances[:held], path.shares)
+        if started is None:
+            return
         if chain:
             self.stats.timed(self.clock() - started, nodes.size)
         else:
             self.stats.timed_tree(self.clock() - started, nodes.size)
+
+
+class DrafterAndText(Proposer):
+    """The drafter's drafts and the text's continuations in one tree a cycle (:meth:`FreeDrafts.merge`).
+
+    Each cycle the drafter runs as it would alone; where prompt lookup or the datastore also know what may
+    follow, its drafts join their tree as one more source and the tree (or the best single path, the drafter's
+    included) is verified in the one pass; elsewhere its own proposal is. Drawn drafts (a sampled ``q``) and the
+    drafter's own trees are verified as they are. Every token is the target's own either way.
+
+    Args:
+        drafter: The drafter's proposer (greedy drafts).
+        text: The cycles' text sources, whose statistics learn the drafter's chances too.
+    """
+
+    def __init__(self, drafter: Proposer, text: FreeDrafts):
+        self.inner, self.text = drafter, text
+        self.tap_ids, self.drafter = drafter.tap_ids, drafter.drafter
+        self.merged = False
+
+    def propose(self, last: int, n: int) -> Proposal:
+        p = self.inner.propose(last, n)
+        merged = None
+        if p.q is None and p.tree is None and p.size:
+            merged = self.text.merge(last, n, p.tokens.tolist())
+        self.merged = merged is not None
+        return p if merged is None else merged
+
+    def plain_next(self) -> bool:
+        return self.inner.plain_next()
+
+    def accept(self, num_accepted: int, taps: mx.array | None) -> None:
+        self.inner.accept(num_accepted, taps)
+        if self.merged:
+            self.text.accept(num_accepted, taps)
+        self.merged = False
