@@ -599,3 +599,12 @@ def test_a_paused_drafter_lets_lookup_drafts_through_losslessly(qwen3_pair):
     after = responses[judged + 1 :]
     assert all(r.num_draft <= 1 for r in after) and len(passes) == before
     assert any(r.num_draft == 1 and r.acceptance_length == 2 for r in after)
+
+
+def test_drafting_cycles_before_any_plain_one_settle_nothing():
+    """A state that has only drafted (a server's rows drafting from their first cycle) has no plain time to
+    compare with: slow drafting cycles are timed, not judged a loss (and nothing fails)."""
+    state = PolicyState()
+    for _ in range(2 * state.window):
+        state.record(5.0, 1, drafted=True)
+    assert state.plain_time is None and state.draft_time == 5.0 and state.paused_why is None

@@ -320,7 +320,8 @@ class PolicyState:
         # a chat's first reply, where 8 losing cycles cost the default pair a third of it).
         lost_before = self.run > self.window
         factor = 2 if lost_before else 3
-        clear_loss = self.window_cycles >= 3 and per_token > factor * self.plain_time
+        # (Nothing is settled before a plain cycle was timed: a state that only ever drafted has nothing to beat.)
+        clear_loss = self.plain_time is not None and self.window_cycles >= 3 and per_token > factor * self.plain_time
         if self.window_cycles < self.window and not clear_loss:
             return
         extra = self.window_seconds - self.window_tokens * (self.plain_time or 0.0) + self.cold_extra
