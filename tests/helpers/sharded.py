@@ -14,6 +14,7 @@ from mlx.utils import tree_map_with_path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_mlx.generation import dflash_generate_step  # noqa: E402
+from dflash_mlx.loading.sharding import pipeline  # noqa: E402
 from dflash_mlx.loop.options import LoopOptions  # noqa: E402
 from dflash_mlx.models.drafter import DraftArgs, DraftModel  # noqa: E402
 from dflash_mlx.sampling import make_sampler  # noqa: E402
@@ -39,12 +40,23 @@ CONFIGS = {
         "linear_num_key_heads": 2, "linear_num_value_heads": 4,
         "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                             "mrope_section": [1, 1, 0]}}},
+    # Alternating sliding window (of fewer positions than the prompt) and full attention layers.
+    "llama": {**COMMON, "model_type": "llama", "tie_word_embeddings": False, "sliding_window": 3,
+              "layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2)},
+    "gpt_oss": {**COMMON, "model_type": "gpt_oss", "intermediate_size": 96, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "sliding_window": 3,
+                "layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2)},
+    # Per-layer inputs; with kv, the last layer reuses layer 1's keys and values (rank 0 runs layers 1..3).
+    "gemma4": {**COMMON, "model_type": "gemma4_text", "global_head_dim": 32, "sliding_window": 3,
+               "layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2), "num_kv_shared_layers": 0,
+               "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8, "final_logit_softcapping": 5.0},
     "kimi_k25": {"model_type": "kimi_k25", "text_config": {
         **COMMON, "model_type": "deepseek_v3", "num_key_value_heads": 4, "moe_intermediate_size": 32,
         "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
         "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
         "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}},
 }  # fmt: skip
+CONFIGS["gemma4_kv"] = {**CONFIGS["gemma4"], "num_kv_shared_layers": 1}
 TAP_IDS = (0, 2, 3)  # on every stage of a 2- or 3-rank pipeline, and the last layer
 PROMPT = [5, 17, 42, 9, 88, 3, 61, 27]
 
@@ -58,10 +70,20 @@ def build_target(kind: str, seed: int = 0):
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     inner = model.model
-    inner.embed_tokens.weight = mx.random.normal(inner.embed_tokens.weight.shape) * 0.5
+    gemma = kind.startswith("gemma")
+    # Gemma scales its embedding up by sqrt(hidden) and norms each block's output: a smaller
+    # embedding and larger block outputs, or the blocks would be drowned by the token's own.
+    inner.embed_tokens.weight = mx.random.normal(inner.embed_tokens.weight.shape) * (0.15 if gemma else 0.5)
+    post = 4.0 if gemma else 1.0
+
     # Layers that change the residual stream more than mlx-lm's init does, so that the tokens
     # depend on the whole context (a tied head would otherwise echo the last token).
-    layers = tree_map_with_path(lambda k, w: w * 3.0 if k.endswith("weight") and w.ndim >= 2 else w, inner.layers)
+    def scaled(k: str, w: mx.array) -> mx.array:
+        if k.endswith("weight") and w.ndim >= 2:
+            return w * 3.0
+        return w * post if k.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")) else w
+
+    layers = tree_map_with_path(scaled, inner.layers)
     inner.update({"layers": layers})
     mx.eval(model.parameters())
     return model
@@ -141,7 +163,7 @@ def main() -> None:
         if mode == "tensor":
             model.shard(group)
         else:
-            model.model.pipeline(group)
+            pipeline(model, group)
         started = json.dumps({"case": case, "rank": group.rank(), "started": True})
         draft = build_draft()
         if oracle:
