@@ -3,7 +3,8 @@ process (helpers/ranks.py), tiny fp32 targets built alike on every rank (helpers
 
 On every rank, DFlash on the sharded target gives the unsharded target's plain greedy tokens
 (tensor parallel on 2 and 3 ranks, including Qwen3.5's vocabulary-sharded head, and pipeline
-parallel, for a plain, a hybrid and an MLA family), and seeded sampling gives unsharded DFlash's tokens.
+parallel: mlx-lm's for a hybrid and an MLA family, ours for Qwen3, Llama and gpt-oss with sliding
+window layers and Gemma 4), and seeded sampling gives unsharded DFlash's tokens.
 """
 
 import json
@@ -34,9 +35,13 @@ def _check(ranks, cases: list[str]) -> None:
 
 # ":oracle": rank 0 drafts the target's own text, so every rank must verify exactly rank 0's drafts (a random
 # drafter's are rejected at once, whatever the other ranks verified).
+# The families mlx-lm does not pipeline (our own split of their layers), greedy and seeded; on 2 ranks Gemma 4's
+# last layer reuses layer 1's keys and values (rank 0 then runs layers 1..3).
+OWN_PIPELINES = ["qwen3", "llama", "gpt_oss", "gemma4"]
 GREEDY_ON_TWO = ["qwen3:tensor", "qwen3_5:tensor", "qwen3_5:pipeline", "kimi_k25:tensor", "kimi_k25:pipeline",
-                 "qwen3:tensor:oracle", "qwen3_5:pipeline:oracle"]  # fmt: skip
-SAMPLED_ON_TWO = ["qwen3_5:pipeline:7"]
+                 "qwen3:tensor:oracle", "qwen3_5:pipeline:oracle", "qwen3:pipeline", "llama:pipeline",
+                 "gpt_oss:pipeline", "gemma4_kv:pipeline", "gpt_oss:pipeline:oracle"]  # fmt: skip
+SAMPLED_ON_TWO = ["qwen3_5:pipeline:7"] + [f"{kind}:pipeline:7" for kind in OWN_PIPELINES]
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +54,11 @@ def test_greedy_on_two_ranks_equals_plain_greedy(two_ranks):
     _check(two_ranks, GREEDY_ON_TWO)
 
 
-def test_greedy_on_three_ranks_equals_plain_greedy(tmp_path):
-    # Rank 2 holds one linear attention layer alone; rank 1 a dense layer of the MoE model.
+def test_greedy_and_seeded_on_three_ranks_equal_one_process(tmp_path):
+    # Rank 2 holds one linear attention layer alone; rank 1 a dense layer of the MoE model; of our own
+    # splits, rank 2 a sliding window layer alone and rank 1 a full attention layer alone.
     cases = ["qwen3_6h:tensor", "qwen3_5:pipeline", "kimi_k25:pipeline"]
+    cases += [f"{kind}:pipeline" for kind in OWN_PIPELINES] + [f"{kind}:pipeline:3" for kind in OWN_PIPELINES]
     _check(launch(3, python(SHARDED, *cases), tmp_path, TIMEOUT), cases)
 
 
@@ -101,6 +108,21 @@ def test_dflash_generate_on_several_ranks_prints_the_single_process_text(n, kind
         weights = {f for f in downloads["someone/tiny"] if f.endswith(".safetensors")}
         assert weights == {files[0], *(files[1 + i] for i in kept)}, f"rank {r.rank}"
         assert "model.safetensors" in downloads["someone/tiny-draft"]
+
+
+def test_dflash_generate_runs_the_toy_pair_on_two_ranks_as_one_process(tmp_path, capsys):
+    # The toy pair's Qwen3 target: tensor parallel by mlx-lm, and as a pipeline of our own split of its layers.
+    from dflash_mlx.tools.cli.generate import main
+
+    argv = ["--model", "dflash-tiny", "--temp", "0", "--prompt", "Once upon a time", "--max-tokens", "32",
+            "--verbose", "F"]  # fmt: skip
+    main(argv)
+    alone = capsys.readouterr().out
+    assert len(alone) > 40
+    for flag in ("--pipeline", "--tensor-parallel"):
+        ranks = launch(2, python("-m", "dflash_mlx.tools.cli.generate", *argv, flag), tmp_path, TIMEOUT)
+        assert [r.returncode for r in ranks] == [0, 0], "\n".join(r.describe() for r in ranks)
+        assert (ranks[0].stdout, ranks[1].stdout) == (alone, ""), flag
 
 
 def _complete(url: str, body: dict) -> dict:
@@ -157,8 +179,17 @@ def test_an_idle_dflash_serve_exits_when_a_rank_dies(tmp_path):
     assert ranks[0].returncode > 0, ranks[0].describe()  # exited by itself with an error, not ended by us
 
 
+def _gone(rank) -> bool:
+    # Exited by itself (not ended by us) with the one line that names the rank that went away.
+    lines = rank.stderr.strip().splitlines()
+    return rank.returncode > 0 and lines[-1:] == [
+        "Rank 1 of this sharded job went away (its connection was lost): exiting."
+    ]
+
+
 def test_a_killed_rank_ends_the_job(tmp_path):
-    procs = start(2, python(SHARDED, "qwen3:tensor", "--max-tokens", "1000000", "--no-reference"), tmp_path)
+    # Rank 1 of 3, mid-generation: rank 0 finds it, and tells rank 2, which holds a connection to rank 0 only.
+    procs = start(3, python(SHARDED, "qwen3:pipeline", "--max-tokens", "1000000", "--no-reference"), tmp_path)
     try:
         deadline = time.monotonic() + TIMEOUT
         while "started" not in (tmp_path / "rank0.out").read_text():
@@ -168,8 +199,19 @@ def test_a_killed_rank_ends_the_job(tmp_path):
         ranks = finish(procs, tmp_path, timeout=30)
     finally:
         stop(procs)
-    assert ranks[0].returncode > 0, ranks[0].describe()  # exited by itself with an error, not ended by us
-    assert "went away" in ranks[0].stderr, ranks[0].describe()  # the watch beside the ring found it
+    assert _gone(ranks[0]) and _gone(ranks[2]), "\n".join(r.describe() for r in ranks)
+
+
+def test_a_rank_that_fails_its_sharded_load_ends_the_job(tmp_path):
+    # Rank 1 lacks the file of its layer 0 and stops; rank 0, which has its own layers, would wait for it for
+    # good in the load's last collective.
+    target, draft = write_pair(tmp_path / "pair", "qwen3")
+    files = split_weights(target)
+    (target / files[1]).unlink()
+    argv = ["--model", str(target), "--draft", str(draft), "--prompt", "t5 t17", "--max-tokens", "4", "--pipeline"]
+    ranks = launch(2, python("-m", "dflash_mlx.tools.cli.generate", *argv), tmp_path, TIMEOUT)
+    assert ranks[1].returncode > 0 and files[1] in ranks[1].stderr, ranks[1].describe()
+    assert _gone(ranks[0]), ranks[0].describe()
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ chosen (``models.quantized``). Nothing shipped inside a checkpoint is ever execu
 from functools import partial
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -28,6 +29,7 @@ from .registry import look_up
 from .sharding import check_sharding_options, world_size
 from .target_checks import check_target, vet_hub_target
 from .target_loader import build_target, select_files
+from .watch import watch_load
 
 
 def load(
@@ -78,6 +80,10 @@ def load(
     """
     check_load_options(dtype=dtype, kernels=kernels)
     check_sharding_options(parallel, pipeline_split)
+    if world_size() > 1:
+        # From here on a rank that dies (or fails: a file it lacks) ends the others, which would otherwise
+        # wait for it for good in the load's last collective.
+        watch_load(mx.distributed.init())
     names = look_up(name_pair(model, draft))
     # Several ranks: a hub target's files downloaded as each rank's shard needs them.
     select = partial(select_files, parallel=parallel, pipeline_split=pipeline_split) if world_size() > 1 else None

@@ -21,6 +21,7 @@ from mlx_lm.models.pipeline import PipelineMixin
 from ..base.errors import DFlashError
 from ..models import gemma, stages
 from ..models import target as tgt
+from .watch import end_load_watch
 
 PARALLEL = ("tensor", "pipeline")
 # A checkpoint tensor's layer number, matched as mlx-lm's sharded_load does (sanitize may rename the rest).
@@ -58,7 +59,7 @@ def shard_target(model: nn.Module, parallel: str | None, pipeline_split: list[in
     """Split ``model`` (loaded lazily) over the world group; returns how, or None when alone.
 
     ``parallel`` None picks tensor parallelism where mlx-lm has it for the family, else the
-    pipeline. The weights a rank keeps are read here, then the ranks wait for each other.
+    pipeline. The weights a rank keeps are read by :func:`read_shards`.
 
     Raises:
         DFlashError: If ``parallel`` is given on one rank, or the family cannot be split that way.
@@ -76,10 +77,19 @@ def shard_target(model: nn.Module, parallel: str | None, pipeline_split: list[in
             pipeline(model, group, pipeline_split)
     except (AssertionError, ValueError) as e:
         raise DFlashError(f"Could not split the {model.model_type} target over {group.size()} ranks ({e}).") from e
-    mx.eval(model.parameters())
-    # Every rank has its weights before any of them starts (as mlx-lm's sharded_load).
-    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return parallel
+
+
+def read_shards(model: nn.Module) -> None:
+    """Read the weights this rank keeps of a split ``model``, then wait for the other ranks."""
+    group = mx.distributed.init()
+    try:
+        mx.eval(model.parameters())
+        # Every rank has its weights before any of them starts (as mlx-lm's sharded_load).
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    except RuntimeError:
+        end_load_watch(done=False)  # a rank that left the load is named, if it is gone
+        raise
 
 
 def kept_layers(model: nn.Module) -> range | None:
