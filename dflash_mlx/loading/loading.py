@@ -65,7 +65,8 @@ def load(
           (``"on"``). Elsewhere the target is mlx-lm's, unchanged; ``"on"`` there is an error.
         parallel: Under ``mlx.launch`` with several ranks, how the target is split over them
           (:mod:`dflash_mlx.loading.sharding`): ``"tensor"`` (mlx-lm's ``model.shard``) or
-          ``"pipeline"`` (``model.model.pipeline``; rank 0 runs the last layers). None (default):
+          ``"pipeline"`` (rank 0 runs the last layers: ``model.model.pipeline`` where mlx-lm has it, else
+          :func:`dflash_mlx.models.stages.split_decoder`, in the same layout). None (default):
           tensor parallel where mlx-lm has it for the family, else the pipeline; on one rank, whole.
           The drafter is whole on every rank.
         pipeline_split: Layers per rank for the pipeline, rank 0's first (default: even).

@@ -127,7 +127,7 @@ def pipeline(model: nn.Module, group: mx.distributed.Group, split: list[int] | N
         ValueError: On a ``split`` that does not fit the layers; DFlashError: on one that parts a
           Gemma 4 layer from the layer whose keys and values it reuses.
     """
-    inner = tgt._text(model).model
+    inner = tgt.decoder(model)
     if isinstance(inner, PipelineMixin):
         inner.pipeline(group, split=split)
         return

@@ -76,9 +76,9 @@ def pipeline_split(model: nn.Module, size: int, split: list[int] | None) -> list
     together = n - min(inner.previous_kvs[first:])  # rank 0's layers at least
     if split is not None and split[0] < together:
         raise DFlashError(
-            f"This Gemma 4 target's last {n - first} layers reuse the keys and values of layer "
-            f"{n - together} on: rank 0 must run its last {together} layers (got --pipeline-split "
-            f"{','.join(map(str, split))})."
+            f"This Gemma 4 target's last {n - first} layers reuse the keys and values of layers from layer "
+            f"{n - together} on, so rank 0 must run its last {together} layers (got --pipeline-split "
+            f"{','.join(map(str, split))}): give rank 0 at least {together}, or leave --pipeline-split out."
         )
     if split is not None:
         return split

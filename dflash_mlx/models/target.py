@@ -86,6 +86,11 @@ def text_args(model: nn.Module) -> Any:
     return _text(model).args
 
 
+def decoder(model: nn.Module) -> nn.Module:
+    """The text decoder (mlx-lm's ``model.model``; a vision-language target's text model's)."""
+    return _text(model).model
+
+
 def num_layers(model: nn.Module) -> int:
     """The target's decoder layers, all of them (a pipeline stage holds only some)."""
     return _text(model).args.num_hidden_layers

@@ -1,7 +1,7 @@
 """Tiny fp32 targets built the same on every rank, and the program each rank of a multi-rank test
 runs: ``python sharded.py KIND:MODE[:SEED] ...`` prints, for each case, one JSON line with this
-rank's DFlash tokens on the sharded target and an unsharded run's: plain greedy, or with a SEED
-DFlash sampling at temperature 1 from that seed."""
+rank's DFlash tokens on the sharded target and (rank 0's) an unsharded run's: plain greedy, or with
+a SEED DFlash sampling at temperature 1 from that seed."""
 
 import argparse
 import json
@@ -155,9 +155,10 @@ def main() -> None:
         seed = [] if oracle else seed
         sampler = make_sampler(1.0) if seed else None
         run = dict(sampler=sampler, seed=int(seed[0]) if seed else None, adaptive=False)
-        # The unsharded reference first: plain greedy, or DFlash with the same seed when sampling.
+        # The unsharded reference first: plain greedy, or DFlash with the same seed when sampling. Rank 0's
+        # alone (the others' tokens are checked against it), but for an oracle, which every rank drafts from.
         reference = None
-        if not args.no_reference:
+        if not args.no_reference and (group.rank() == 0 or oracle):
             reference = tokens(build_target(kind), build_draft() if sampler else None, args.max_tokens, **run)
         model = build_target(kind)
         if mode == "tensor":
