@@ -4,7 +4,9 @@ process (helpers/ranks.py), tiny fp32 targets built alike on every rank (helpers
 On every rank, DFlash on the sharded target gives the unsharded target's plain greedy tokens
 (tensor parallel on 2 and 3 ranks, including Qwen3.5's vocabulary-sharded head, and pipeline
 parallel: mlx-lm's for a hybrid and an MLA family, ours for Qwen3, Llama and gpt-oss with sliding
-window layers and Gemma 4), and seeded sampling gives unsharded DFlash's tokens.
+window layers and Gemma 4), and seeded sampling gives unsharded DFlash's tokens; a draft tree's
+target pass on our split gives one process's. A rank that leaves, mid-generation or during the load,
+ends the job with one line that names it.
 """
 
 import json
@@ -14,6 +16,7 @@ import signal
 import time
 import urllib.request
 
+import mlx.core as mx
 import pytest
 from helpers.ranks import finish, launch, python, start, stop
 from helpers.sharded import split_weights, write_pair
@@ -44,12 +47,15 @@ GREEDY_ON_TWO = ["qwen3:tensor", "qwen3_5:tensor", "qwen3_5:pipeline", "kimi_k25
                  "qwen3:tensor:oracle", "qwen3_5:pipeline:oracle", "qwen3:pipeline", "llama:pipeline",
                  "gpt_oss:pipeline", "gemma4_kv:pipeline", "gpt_oss:pipeline:oracle"]  # fmt: skip
 SAMPLED_ON_TWO = ["qwen3_5:pipeline:7"] + [f"{kind}:pipeline:7" for kind in OWN_PIPELINES]
+# A draft tree's pass on our split (the loop itself refuses trees on a sharded target for now).
+TREES_ON_TWO = ["qwen3:tree", "gemma4_kv:tree"]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     # One launch for every 2-rank case: most of a launch is starting Python and MLX on each rank.
-    return launch(2, python(SHARDED, *GREEDY_ON_TWO, *SAMPLED_ON_TWO), tmp_path_factory.mktemp("two"), TIMEOUT)
+    cases = [*GREEDY_ON_TWO, *SAMPLED_ON_TWO, *TREES_ON_TWO]
+    return launch(2, python(SHARDED, *cases), tmp_path_factory.mktemp("two"), TIMEOUT)
 
 
 def test_greedy_on_two_ranks_equals_plain_greedy(two_ranks):
@@ -61,11 +67,16 @@ def test_greedy_and_seeded_on_three_ranks_equal_one_process(tmp_path):
     # splits, rank 2 a sliding window layer alone and rank 1 a full attention layer alone.
     cases = ["qwen3_6h:tensor", "qwen3_5:pipeline", "kimi_k25:pipeline"]
     cases += [f"{kind}:pipeline" for kind in OWN_PIPELINES] + [f"{kind}:pipeline:3" for kind in OWN_PIPELINES]
+    cases += ["llama:tree", "gpt_oss:tree", "gemma4:tree"]  # a draft tree's pass on our split
     _check(launch(3, python(SHARDED, *cases), tmp_path, TIMEOUT), cases)
 
 
 def test_seeded_sampling_equals_unsharded_dflash(two_ranks):
     _check(two_ranks, SAMPLED_ON_TWO)
+
+
+def test_a_draft_trees_pass_on_our_pipeline_equals_one_process(two_ranks):
+    _check(two_ranks, TREES_ON_TWO)
 
 
 @pytest.mark.parametrize(
@@ -312,3 +323,19 @@ def test_max_kv_size_is_refused_on_a_target_we_split():
     split_decoder(model.model, _Group(0, 2))
     with pytest.raises(DFlashError, match="leave --max-kv-size out"):
         Session(model, None, None).make_cache(max_kv_size=64)
+
+
+def test_the_compiled_cpu_steps_run_the_layers_of_a_stage_of_our_split():
+    from helpers.sharded import build_target
+
+    from dflash_mlx.cpu.speedups import CPU_SPEEDUPS
+    from dflash_mlx.models import target as tgt
+    from dflash_mlx.models.families import make_target_cache
+    from dflash_mlx.models.stages import Stage, split_decoder
+
+    model = build_target("qwen3")
+    split_decoder(model.model, _Group(1, 2))  # layers 0 and 1 of 4
+    stage, cache = Stage(model.model, 4), make_target_cache(model)
+    h = model.model.embed_tokens(mx.array([[5, 6, 7, 8]]))
+    steps = tgt._cpu_steps(model, h, cache, tgt._layer_masks(model, h, cache, stage), CPU_SPEEDUPS, stage)
+    assert len(cache) == 2 and steps is not None and len(steps) == 2

@@ -172,7 +172,7 @@ def forward_with_taps(
         kinds = text_model(model).args.layer_types
         masks = stage_masks(h, cache, kinds, inner.window_size, stage)
     else:
-        masks = [masks[inner.previous_kvs[i]] for i, _ in stage.layers]
+        masks = [masks[inner.previous_kvs[i] - stage.start] for i, _ in stage.layers]  # the stage's own caches
     h = stage.receive(h, captured)
     shared = {}  # each layer's (keys, values) and RoPE offset, for the layers reusing them
     wanted = set(tap_ids)

@@ -387,15 +387,17 @@ def _forward_tree(
     if model.model_type in hybrid.HYBRID_MODEL_TYPES:
         h = hybrid.forward_tree(model, rows, views, masks, tap_ids, captured, tree.parents)
     elif model.model_type in gemma.GEMMA_MODEL_TYPES:
-        h = gemma.forward_with_taps(model, rows, views, tap_ids, captured, masks=masks)
+        h = gemma.forward_with_taps(model, rows, views, tap_ids, captured, masks=masks, stage_layers=num_layers(model))
     else:
         inner = model.model
-        h = inner.embed_tokens(rows)
+        stage = Stage(inner, num_layers(model))
+        h = stage.receive(inner.embed_tokens(rows), captured)
         wanted = set(tap_ids)
-        for i, (layer, c, mask) in enumerate(zip(inner.layers, views, masks)):
+        for (i, layer), c, mask in zip(stage.layers, views, masks):
             h = layer(h, mask, c)
             if i in wanted:
                 captured[i] = h
+        h = stage.finish(h, captured, tap_ids)
     logits, taps = _head(model, h, captured, tap_ids)
     # (n + 1, 1, ...) -> (1, n + 1, ...), a block's layout
     return logits.swapaxes(0, 1), None if taps is None else taps.swapaxes(0, 1)

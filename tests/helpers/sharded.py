@@ -1,7 +1,8 @@
 """Tiny fp32 targets built the same on every rank, and the program each rank of a multi-rank test
 runs: ``python sharded.py KIND:MODE[:SEED] ...`` prints, for each case, one JSON line with this
 rank's DFlash tokens on the sharded target and (rank 0's) an unsharded run's: plain greedy, or with
-a SEED DFlash sampling at temperature 1 from that seed."""
+a SEED DFlash sampling at temperature 1 from that seed. ``KIND:tree`` runs a draft tree's target pass
+on a pipeline instead (:func:`tree_pass`)."""
 
 import argparse
 import json
@@ -142,9 +143,25 @@ def tokens(model, draft, max_tokens: int, started: str | None = None, **kwargs) 
     return out
 
 
+def tree_pass(model) -> list[int]:
+    """A draft tree's pass after the prompt (the model's side of a tree cycle): each node's greedy
+    token, then the largest entry of each node's taps."""
+    from dflash_mlx.models.families import make_target_cache
+    from dflash_mlx.models.target import forward_with_taps
+    from dflash_mlx.models.tree import DraftTree
+
+    cache = make_target_cache(model)
+    # Evaluated whole, as the loop does: a pipeline's hand-offs are in the graph of what the pass returns.
+    mx.eval(forward_with_taps(model, mx.array([PROMPT[:-1]]), cache, list(TAP_IDS)))
+    tree = DraftTree(tokens=[7, 9, 11, 13, 15], parents=[-1, 0, 0, 1, 1, 3], depths=[1, 1, 2, 2, 3])
+    logits, taps = forward_with_taps(model, mx.array([PROMPT[-1:] + tree.tokens]), cache, list(TAP_IDS), tree=tree)
+    return mx.argmax(logits[0], axis=-1).tolist() + mx.argmax(taps[0], axis=-1).tolist()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("cases", nargs="+", help="KIND:MODE[:SEED], e.g. qwen3_5:tensor or qwen3_5:pipeline:7")
+    parser.add_argument("cases", nargs="+", help="KIND:MODE[:SEED], e.g. qwen3_5:tensor, qwen3_5:pipeline:7 or "
+                        "llama:tree (a draft tree's pass on a pipeline)")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--no-reference", action="store_true", help="skip the unsharded run")
     args = parser.parse_args()
@@ -159,12 +176,18 @@ def main() -> None:
         # alone (the others' tokens are checked against it), but for an oracle, which every rank drafts from.
         reference = None
         if not args.no_reference and (group.rank() == 0 or oracle):
-            reference = tokens(build_target(kind), build_draft() if sampler else None, args.max_tokens, **run)
+            if mode == "tree":
+                reference = tree_pass(build_target(kind))
+            else:
+                reference = tokens(build_target(kind), build_draft() if sampler else None, args.max_tokens, **run)
         model = build_target(kind)
         if mode == "tensor":
             model.shard(group)
         else:
             pipeline(model, group)
+        if mode == "tree":  # a pipeline's
+            print(json.dumps({"case": case, "rank": group.rank(), "reference": reference, "tokens": tree_pass(model)}))
+            continue
         started = json.dumps({"case": case, "rank": group.rank(), "started": True})
         draft = build_draft()
         if oracle:
