@@ -9,7 +9,7 @@ connection to rank 0 only. Rank 0's address comes from ``mlx.launch`` (ring host
 without one, nothing is watched.
 
 :func:`watch_load` starts the span of a sharded load, kept until the first generation's own watch is up
-(:func:`end_load_watch`), so that no moment from the load on is left unwatched.
+(:func:`hand_over`; a server keeps it until it stops), so that no moment from the load on is left unwatched.
 """
 
 import json
@@ -110,6 +110,7 @@ class RankWatch:
 
 
 _LOAD: list[RankWatch] = []  # the watch of a sharded load, until a generation's watch is up
+_KEPT: list[bool] = []  # kept until end_load_watch, across generations (a server's ranks)
 
 
 def watch_load(group: mx.distributed.Group) -> None:
@@ -120,6 +121,18 @@ def watch_load(group: mx.distributed.Group) -> None:
     watch = RankWatch(group)
     watch.start()
     _LOAD.append(watch)
+
+
+def keep_load_watch() -> None:
+    """Keep the load's watch across generations, until :func:`end_load_watch` (a server's ranks, which wait
+    for requests between them: a rank that dies then is named too)."""
+    _KEPT.append(True)
+
+
+def hand_over() -> None:
+    """A generation's own watch is up: the load's ends, unless it is kept (:func:`keep_load_watch`)."""
+    if not _KEPT:
+        end_load_watch()
 
 
 def end_load_watch(done: bool = True) -> None:

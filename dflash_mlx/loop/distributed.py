@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..base.errors import DFlashError
-from ..loading.watch import RankWatch, end_load_watch
+from ..loading.watch import RankWatch, end_load_watch, hand_over
 from ..models import drafter2
 from ..models import target as tgt
 from .options import LoopOptions
@@ -108,7 +108,7 @@ class Peers:
         except RuntimeError:
             end_load_watch(done=False)  # a rank left before this generation: named, if it is gone
             raise
-        end_load_watch()
+        hand_over()
 
     def close(self) -> None:
         """End the watch: the peers are told goodbye when the last message went round, else they exit."""

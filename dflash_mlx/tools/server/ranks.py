@@ -43,6 +43,7 @@ class Ranks:
         try:
             _send(self.group, b"")
         except RuntimeError:
+            end_load_watch(done=False)  # a rank that is gone is named (and this process ends)
             self.abort()
 
     def shut_down(self) -> None:
