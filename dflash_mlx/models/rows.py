@@ -17,13 +17,15 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..cpu.speedups import CpuSpeedups
+from . import hybrid, linear_attention
 from . import target as tgt
 
-# Targets whose decoder layers are ``layer(h, mask, cache)`` with full attention only.
-ROW_MODEL_TYPES = ("llama", "qwen3", "qwen2", "qwen3_moe")
+# Targets whose decoder layers are ``layer(h, mask, cache)`` with full attention only, and the hybrid ones
+# (Gated DeltaNet layers between full attention ones), whose linear layers keep a state per row.
+ROW_MODEL_TYPES = ("llama", "qwen3", "qwen2", "qwen3_moe", *hybrid.HYBRID_MODEL_TYPES)
 
 
 def rows_supported(model: nn.Module) -> str | None:
@@ -33,6 +35,10 @@ def rows_supported(model: nn.Module) -> str | None:
         return f"batching is implemented for {', '.join(ROW_MODEL_TYPES)} targets, not {kind}"
     if kind == "llama" and getattr(model.model, "swa_idx", None) is not None:
         return "batching is implemented for full-attention Llama targets, not sliding-window ones"
+    if kind in hybrid.HYBRID_MODEL_TYPES:
+        linear = [layer.linear_attn for layer in model.model.layers if layer.is_linear]
+        if any(not isinstance(a, linear_attention.LAYERS) or getattr(a, "sharding_group", None) for a in linear):
+            return "batching a hybrid target needs Gated DeltaNet layers this library walks itself, unsharded"
     return None
 
 
@@ -138,6 +144,81 @@ class RowsKVCache:
         return self.keys, self.values
 
 
+class RowsRecurrentCache(ArraysCache):
+    """One Gated DeltaNet layer's ``[conv_state, recurrent_state]`` for several sequences, a row each.
+
+    A pass runs every row ``W`` tokens on (the linear attention is a recurrence: a row's length does not
+    matter to it) and keeps each position's state (:func:`~dflash_mlx.models.hybrid.recorded_layer`), so
+    that ``trim_rows`` takes each row back to its own kept length by selecting, not replaying. mlx-lm's
+    ``ArraysCache`` joins (``extend``) and splits (``extract``, ``filter``) the rows.
+    """
+
+    def __init__(self, kernels: str = "auto"):
+        super().__init__(size=2)
+        self.kernels = kernels
+        self.offsets: list[int] = []  # the rows' lengths (``lengths`` is mlx-lm's padding, unused here)
+        self._steps: tuple[mx.array, list[mx.array]] | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.offsets)
+
+    def advance(self, n: int) -> None:
+        self.offsets = [o + n for o in self.offsets]
+
+    def record(self, conv_input: mx.array, states: list[mx.array]) -> None:
+        self._steps = (conv_input, states)
+
+    def trim_rows(self, counts: list[int]) -> None:
+        """Forget the last ``counts[i]`` tokens of row ``i``'s last pass: its state after the ones kept."""
+        conv_input, states = self._steps
+        self._steps = None
+        if not any(counts):
+            return
+        width = conv_input.shape[1] - len(states)  # K - 1
+        convs, finals = [], []
+        for i, n in enumerate(counts):
+            keep = len(states) - n
+            convs.append(conv_input[i : i + 1, keep : keep + width])
+            finals.append(states[keep - 1][i : i + 1])
+        self.cache = [mx.concatenate(convs), mx.concatenate(finals)]
+        self.offsets = [o - n for o, n in zip(self.offsets, counts)]
+
+    def add(self, cache: hybrid.RecurrentCache) -> int:
+        """A prefilled single-sequence state joins as the last row (copied); returns its row."""
+        if self.rows == 0:
+            self.cache = list(cache.cache)
+        else:
+            self.extend(cache)
+        self.offsets.append(cache.offset)
+        return self.rows - 1
+
+    def take(self, row: int, into: hybrid.RecurrentCache) -> None:
+        """Row ``row``'s state into ``into`` (a conversation's), leaving here."""
+        into.cache = [None if c is None else mx.array(c[row : row + 1]) for c in self.cache]
+        into.offset = self.offsets[row]
+        into.settled()
+        self.remove(row)
+
+    def remove(self, row: int) -> None:
+        keep = [i for i in range(self.rows) if i != row]
+        self.offsets.pop(row)
+        if keep:
+            self.filter(mx.array(keep))
+        else:
+            self.cache = [None, None]
+
+
+def release(cache: Any) -> None:
+    """Free a single-sequence cache whose entries the rows now hold (they come back with ``take``)."""
+    if isinstance(cache, hybrid.RecurrentCache):
+        cache.cache = [None, None]  # its checkpoints stay: they are its prompt's, still right
+        cache.settled()
+    else:
+        cache.keys = cache.values = None
+        cache.offset = 0
+
+
 def rows_mask(lengths: list[int], width: int) -> mx.array:
     """``(B, 1, W, S)``: query ``q`` of row ``i`` sees keys ``0 .. lengths[i] + q`` (S = max(lengths) + W)."""
     S = max(lengths) + width
@@ -163,13 +244,18 @@ def forward_rows(
     """
     inner = model.model
     h = inner.embed_tokens(tokens)
-    mask = rows_mask(caches[0].lengths, tokens.shape[1])
+    mask = rows_mask(next(c.lengths for c in caches if isinstance(c, RowsKVCache)), tokens.shape[1])
     steps = None
     if speedups is not None and h.dtype == mx.float32 and tokens.size >= speedups.min_tokens:
         steps = tgt.cpu_layer_steps(model, speedups)
     wanted, captured = set(tap_ids), {}
     for i, (layer, c) in enumerate(zip(inner.layers, caches)):
-        h = layer(h, mask, c) if steps is None else tgt.cpu_block(layer, h, c, mask, speedups, steps[i])
+        if isinstance(c, RowsRecurrentCache):
+            h = hybrid.recorded_layer(layer, h, c)
+        elif steps is None:
+            h = layer(h, mask, c)
+        else:
+            h = tgt.cpu_block(layer, h, c, mask, speedups, steps[i])
         if i in wanted:
             captured[i] = h
     h = inner.norm(h)
@@ -182,6 +268,10 @@ def forward_rows(
     return logits, mx.concatenate([captured[i] for i in tap_ids], axis=-1)
 
 
-def make_rows_cache(model: nn.Module) -> list[Any]:
-    """One :class:`RowsKVCache` per decoder layer, no rows yet."""
-    return [RowsKVCache() for _ in model.model.layers]
+def make_rows_cache(model: nn.Module, kernels: str = "auto") -> list[Any]:
+    """A rows cache per decoder layer, no rows yet: :class:`RowsRecurrentCache` for a hybrid target's linear
+    attention layers (``kernels``: their recurrence's Metal kernels' mode), else :class:`RowsKVCache`."""
+    return [
+        RowsRecurrentCache(kernels) if getattr(layer, "is_linear", False) else RowsKVCache()
+        for layer in model.model.layers
+    ]
