@@ -72,6 +72,35 @@ def varied_qwen3_pair(varied_dirs):
     return load(varied_dirs["qwen3-tied"], varied_dirs["draft"])
 
 
+class _HFTargetDirs(dict):
+    """HF-layout target folders by kind (helpers/hf_checkpoints.py, seed 0), each written the first time a
+    test asks for it."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, kind):
+        from helpers.hf_checkpoints import write_hf_target
+
+        write_hf_target(self.root / kind, kind)
+        self[kind] = self.root / kind
+        return self[kind]
+
+
+@pytest.fixture(scope="session")
+def hf_target_dirs(tmp_path_factory):
+    return _HFTargetDirs(tmp_path_factory.mktemp("hf-targets"))
+
+
+@pytest.fixture(scope="session")
+def sampling_target(tmp_path_factory):
+    """A tiny target with smaller logits than the shared ones, so that sampling has real choices."""
+    folder = tmp_path_factory.mktemp("sampling") / "target"
+    write_target(folder, embed_scale=0.2)
+    return folder
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _default_pair_cache(tmp_path_factory):
     """The default pair's target is converted (at most once per session) into a temporary

@@ -5,36 +5,34 @@ distribution, and parity with the authors' ``qwen_dflare.py``."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import family, sampled
-from helpers.checkpoints import HIDDEN, MASK_ID, write_target
+from helpers import family, family_suite, sampled
+from helpers.checkpoints import HIDDEN, MASK_ID
 from helpers.family_drafters import BLOCK, TAPS, dflare_config, write_dflare
 
 from dflash_mlx import load, make_cache
 from dflash_mlx.models import dflare
-from dflash_mlx.sampling import make_sampler
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dflare")
-    write_target(root / "qwen3")
-    write_dflare(root / "draft")
-    return root
+def folders(tmp_path_factory, pair_dirs):
+    draft = tmp_path_factory.mktemp("dflare") / "draft"
+    write_dflare(draft)
+    return {"target": pair_dirs["qwen3-tied"], "draft": draft}
 
 
 @pytest.fixture(scope="module")
 def pair(folders):
-    return load(folders / "qwen3", folders / "draft")
+    return load(folders["target"], folders["draft"])
 
 
 def test_published_layout_loads_unchanged(folders, pair):
-    before = (folders / "draft" / "config.json").read_text()
+    before = (folders["draft"] / "config.json").read_text()
     _, draft, _ = pair
     assert isinstance(draft, dflare.DraftModel) and "fc" not in draft
     assert draft.layer_fusion_weights.shape == (3, len(TAPS)) and draft.tap_blocks() is None
     assert draft.layers[0].self_attn.k_proj_target.weight.shape == (32, HIDDEN)
     assert (draft.block_size, draft.mask_token_id, draft.target_layer_ids) == (BLOCK, MASK_ID, TAPS)
-    assert (folders / "draft" / "config.json").read_text() == before
+    assert (folders["draft"] / "config.json").read_text() == before
 
 
 def test_each_layer_sees_its_own_fusion_of_the_taps(pair):
@@ -57,29 +55,24 @@ def test_greedy_is_lossless(pair, block_size, prompt_len):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "gemma4_text"])  # hybrid and sliding; dense: the qwen3 pair
-def test_greedy_is_lossless_on_the_target_families(tmp_path, folders, kind):
-    from helpers.hf_checkpoints import write_hf_target
-
-    write_hf_target(tmp_path / "target", kind)
-    model, draft, _ = load(tmp_path / "target", folders / "draft")
-    family.check_lossless(model, draft, BLOCK, 9)
-    family.check_every_acceptance_length(model, draft, BLOCK)
-    family.check_stop_mid_block_then_continue(model, draft)
+def test_greedy_is_lossless_on_the_target_families(hf_target_dirs, folders, kind):
+    family_suite.check_target_families(hf_target_dirs[kind], folders["draft"], BLOCK)
 
 
-def test_draft_trees(tmp_path, folders):
-    from helpers.varied import write_varied_target
-
-    write_varied_target(tmp_path / "target")  # a target whose text does not repeat: a wrong branch shows
-    model, draft, _ = load(tmp_path / "target", folders / "draft")
-    family.check_tree_lossless(model, draft)
+def test_draft_trees(varied_dirs, folders):
+    family_suite.check_trees(varied_dirs["qwen3-tied"], folders["draft"])
 
 
-def test_sampled_drafts_keep_the_targets_distribution(tmp_path, folders):
-    write_target(tmp_path / "target", embed_scale=0.2)
-    model, draft, _ = load(tmp_path / "target", folders / "draft")
-    excess = sampled.excess(model, draft, sampled.marginals(model, make_sampler(1.0), depth=2), 1.0)
-    assert max(excess) < 0, excess
+@pytest.fixture(scope="module")
+def sampling_pair(sampling_target, folders):
+    return family_suite.sampling_pair(sampling_target, folders["draft"])
+
+
+@pytest.mark.parametrize("broken", [None, "accept", "q"])
+def test_sampled_drafts_keep_the_targets_distribution(sampling_pair, monkeypatch, broken):
+    """The DFlare drafter's sampled drafts keep the target's distribution; negative controls: every
+    draft accepted, or each draft's q stated from the slot before its own."""
+    sampled.check_with_controls(*sampling_pair, 1.0, broken, monkeypatch)
 
 
 # ---- Parity with the authors' qwen_dflare.py (Tencent/AngelSlim, checked at 67394ce55f6b6cfae702575fbc3c7a05c13fdd74) ----
@@ -91,56 +84,27 @@ def test_sampled_drafts_keep_the_targets_distribution(tmp_path, folders):
 def angelslim():
     """The authors' ``qwen_dflare`` module and a cache that crops as theirs expects, or a skip."""
     import importlib
-    import os
     import sys
     import types
     from pathlib import Path
 
-    src = os.environ.get("DFLASH_DFLARE_SRC")
-    if not src:
-        pytest.skip("the DFlare parity tests need the authors' code: DFLASH_DFLARE_SRC=<checkout of Tencent/AngelSlim>")
-    torch = pytest.importorskip("torch")
-    from transformers import DynamicCache
-
-    package = types.ModuleType("angelslim_drafts")
-    package.__path__ = [str(Path(src) / "angelslim/compressor/speculative/train/models/draft")]
-    sys.modules["angelslim_drafts"] = package
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-
-    class CropToLength(DynamicCache):
-        # qwen_dflare.py crops its caches to a length, as transformers 4 did; transformers 5 crops by a count.
-        def crop(self, length):
-            if length < self.get_seq_length():
-                super().crop(length - self.get_seq_length())
-
-    try:
-        module = importlib.import_module("angelslim_drafts.qwen_dflare")
-        yield types.SimpleNamespace(module=module, Cache=CropToLength)
-    finally:
-        torch.set_num_threads(threads)
-        for name in [n for n in sys.modules if n.startswith("angelslim_drafts")]:
-            del sys.modules[name]
+    with family_suite.authors_code("DFLASH_DFLARE_SRC", "Tencent/AngelSlim") as src:
+        package = types.ModuleType("angelslim_drafts")
+        package.__path__ = [str(Path(src) / "angelslim/compressor/speculative/train/models/draft")]
+        sys.modules["angelslim_drafts"] = package
+        try:
+            module = importlib.import_module("angelslim_drafts.qwen_dflare")
+            yield types.SimpleNamespace(module=module, Cache=family_suite.crop_to_length_cache())
+        finally:
+            for name in [n for n in sys.modules if n.startswith("angelslim_drafts")]:
+                del sys.modules[name]
 
 
 def authors_dflare(angelslim, config: dict, seed: int = 0):
-    import torch
-    from transformers import Qwen3Config
+    def build():
+        return angelslim.module.QwenDFlareDraftModel(family_suite.qwen3_config(config))
 
-    skip = ("model_type", "architectures", "torch_dtype")
-    hf_config = Qwen3Config(**{k: v for k, v in config.items() if k not in skip})
-    hf_config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    draft = angelslim.module.QwenDFlareDraftModel(hf_config)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if name == "layer_fusion_weights":
-                p.normal_(0.0, 1.5)
-            elif p.ndim == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    return draft.float().eval()
+    return family_suite.randomize(build, seed, {"layer_fusion_weights": lambda p: p.normal_(0.0, 1.5)})
 
 
 def test_blocks_match_the_authors(angelslim, folders, tmp_path):
@@ -150,7 +114,7 @@ def test_blocks_match_the_authors(angelslim, folders, tmp_path):
 
     draft_torch = authors_dflare(angelslim, dflare_config())
     draft_torch.save_pretrained(str(tmp_path / "draft"))
-    model, draft, _ = load(folders / "qwen3", tmp_path / "draft")
+    model, draft, _ = load(folders["target"], tmp_path / "draft")
     cache, their_cache = make_cache(model, draft), angelslim.Cache()
     rng = np.random.default_rng(0)
     start, taps = 10, rng.standard_normal((1, 10, len(TAPS) * HIDDEN)).astype(np.float32)

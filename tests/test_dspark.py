@@ -6,7 +6,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import family, sampled
+from helpers import family, family_suite, sampled
 from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB, write_target
 from helpers.decoding import run
 from helpers.dspark_checkpoints import BLOCK, dspark_config, write_dspark_draft
@@ -20,9 +20,9 @@ MAX_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
+def folders(tmp_path_factory, pair_dirs):
     root = tmp_path_factory.mktemp("dspark")
-    write_target(root / "qwen3")
+    (root / "qwen3").symlink_to(pair_dirs["qwen3-tied"], target_is_directory=True)
     write_dspark_draft(root / "draft")
     write_dspark_draft(root / "plain", dspark_config(markov_rank=0, enable_confidence_head=False), seed=2)
     write_dspark_draft(root / "community", head=False, seed=3)
@@ -75,11 +75,8 @@ def test_greedy_is_lossless(folders, pair, block_size, prompt_len):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "gemma4_text"])  # hybrid and sliding; dense: the qwen3 pair
-def test_greedy_is_lossless_on_the_target_families(tmp_path, folders, kind):
-    from helpers.hf_checkpoints import write_hf_target
-
-    write_hf_target(tmp_path / "target", kind)
-    model, draft, _ = load(tmp_path / "target", folders / "community")
+def test_greedy_is_lossless_on_the_target_families(hf_target_dirs, folders, kind):
+    model, draft, _ = load(hf_target_dirs[kind], folders / "community")
     family.check_lossless(model, draft, BLOCK + 1, 9)
     _check_stop_then_continue(model, draft)
 
@@ -130,13 +127,10 @@ def test_confidence_cut(pair):
         LoopOptions(confidence_threshold=1.5)
 
 
-def test_trees(folders, pair, tmp_path):
+def test_trees(folders, pair, varied_dirs):
     """Without a Markov head DSpark's slots are DFlash's per-position distributions: trees run (on a target whose
     text does not repeat, so that a wrong branch shows); with one, a refusal."""
-    from helpers.varied import write_varied_target
-
-    write_varied_target(tmp_path / "target")
-    model, plain, _ = load(tmp_path / "target", folders / "plain")
+    model, plain, _ = load(varied_dirs["qwen3-tied"], folders / "plain")
     for budget, prompt_len in ((1, 1), (4, 9), (16, 30)):
         prompt = family.prompt_ids(prompt_len)
         cache = make_cache(model, plain)
@@ -192,11 +186,12 @@ def untied_pair(tmp_path_factory, folders):
 def test_a_q_that_ignores_the_markov_chain_fails_the_same_check(untied_pair, broken):
     """Sampled drafts keep the target's distribution, and a q not conditioned on the draft drawn at
     k - 1 fails the same check (negative control). The setting has teeth: the first draft is
-    accepted often and the second one's distribution depends on it."""
+    accepted often and the second one's distribution depends on it. (The control is off by 0.5 of TV beyond
+    the bound at 100 runs: it needs no more.)"""
     model, draft, exact = untied_pair
     assert all(p.max() < 0.6 for p in exact)  # no near-certain token: the check has teeth
     drafter = (_Unconditioned if broken else _FirstRight)(draft, sampled.PROMPT)
-    excess = sampled.excess(model, drafter, exact, 0.1)
+    excess = sampled.excess(model, drafter, exact, 0.1, runs=sampled.CONTROL_RUNS if broken else sampled.RUNS)
     assert (max(excess) > 0) == broken, excess
 
 
@@ -208,58 +203,28 @@ def test_a_q_that_ignores_the_markov_chain_fails_the_same_check(untied_pair, bro
 def deepspec():
     """The authors' drafting ops (``deepspec.eval.dspark.draft_ops``) and a cache that crops as theirs
     expects, or a skip that says where to get them."""
-    import os
-    import sys
     from types import SimpleNamespace
 
-    src = os.environ.get("DFLASH_DSPARK_SRC")
-    if not src:
-        pytest.skip(
-            "the DSpark parity tests need the authors' code: DFLASH_DSPARK_SRC=<checkout of deepseek-ai/DeepSpec>"
-        )
-    torch = pytest.importorskip("torch")
-    sys.path.insert(0, src)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: more threads only contend
-    try:
+    with family_suite.authors_code("DFLASH_DSPARK_SRC", "deepseek-ai/DeepSpec"):
         from deepspec.eval.dspark import draft_ops
-        from transformers import DynamicCache
 
-        class CropToLength(DynamicCache):
-            # DeepSpec crops its caches to a length, as transformers 4 did; transformers 5 crops by a count.
-            def crop(self, length):
-                if length < self.get_seq_length():
-                    super().crop(length - self.get_seq_length())
-
-        yield SimpleNamespace(ops=draft_ops, Cache=CropToLength)
-    finally:
-        torch.set_num_threads(threads)
-        sys.path.remove(src)
+        yield SimpleNamespace(ops=draft_ops, Cache=family_suite.crop_to_length_cache())
 
 
 def authors_dspark(config: dict, seed: int = 0):
     """The authors' ``Qwen3DSparkModel`` for ``config`` (fp32, eval), each weight drawn at a scale where
     it counts: the Markov bias large enough to change drafts, the confidence scores spread around 0."""
-    import torch
     from deepspec.modeling.dspark.qwen3 import Qwen3DSparkModel
-    from transformers import Qwen3Config
 
-    skip = ("model_type", "architectures", "torch_dtype")
-    hf_config = Qwen3Config(**{k: v for k, v in config.items() if k not in skip})
-    hf_config._attn_implementation = "sdpa"  # as their evaluator loads it
-    torch.manual_seed(seed)
-    model = Qwen3DSparkModel(hf_config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.startswith("confidence_head"):
-                p.normal_(0.0, 0.5 if p.ndim == 1 else 3.0 * p.shape[-1] ** -0.5)
-            elif p.ndim == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.startswith("markov_head"):
-                p.normal_(0.0, 2.0 if "w1" in name else 1.0)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    return model.float().eval()
+    def confidence(p):
+        p.normal_(0.0, 0.5 if p.ndim == 1 else 3.0 * p.shape[-1] ** -0.5)
+
+    scales = {
+        "confidence_head": confidence,
+        "markov_head.markov_w1": lambda p: p.normal_(0.0, 2.0),
+        "markov_head.markov_w2": lambda p: p.normal_(0.0, 1.0),
+    }
+    return family_suite.randomize(lambda: Qwen3DSparkModel(family_suite.qwen3_config(config)), seed, scales)
 
 
 LAYOUTS = {
@@ -326,6 +291,19 @@ def test_blocks_match_the_authors(deepspec, folders, tmp_path, layout):
         start, taps = start + kept, rng.standard_normal((1, kept, 2 * HIDDEN)).astype(np.float32)
     assert changed > 0 or not markov, "the Markov bias never changed a draft: it went untested"
     assert layout == "plain" or (len(cuts) > 1 and 0 in cuts), cuts
+
+
+def test_saved_fixture_blocks_are_the_authors(deepspec):
+    """The trained fixture's per-block numbers that tests/test_family_fixtures.py checks ours against are
+    what the authors' code gives now (recipes/rebuild/dspark_fixture_blocks.py wrote them)."""
+    import os
+
+    from helpers import dspark_fixture
+
+    fresh, saved = dspark_fixture.authors_blocks(os.environ["DFLASH_DSPARK_SRC"]), np.load(dspark_fixture.SAVED)
+    assert sorted(fresh) == sorted(saved.files)
+    for name, value in fresh.items():
+        np.testing.assert_allclose(value, saved[name], atol=1e-5, err_msg=name)
 
 
 def fit_authors_dspark(draft, target, sequence: list[int], *, steps: int = 80, lr: float = 1e-2, seed: int = 0):
@@ -419,3 +397,83 @@ def test_cycles_match_the_authors_loop(deepspec, tmp_path, monkeypatch, threshol
         assert 0 in theirs.proposal_lengths and max(theirs.accepted_draft_lengths) >= 2, pairs
     else:
         assert min(theirs.accepted_draft_lengths[:-1]) >= 4, pairs
+
+
+# ---- The confidence threshold in the chat and the server ----
+
+
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_the_server_takes_the_confidence_threshold_per_request_and_as_a_default(pair, max_batch):
+    """A request's ``confidence_threshold`` (or the server's ``--confidence-threshold`` where it gives none)
+    cuts the drafts as ``LoopOptions(confidence_threshold=)`` does, on the one-at-a-time and the batching
+    worker; out of range, a 400."""
+    import urllib.error
+    import urllib.request
+
+    from dflash_mlx.tools.server.app import DFlashServer
+    from dflash_mlx.tools.server.protocol import Defaults
+
+    model, draft, tokenizer = pair
+    prompt = family.prompt_ids(9)
+
+    def drafted(threshold):
+        _, cycles = run(model, draft, prompt, max_tokens=MAX_TOKENS, seed=0, confidence_threshold=threshold,
+                        stop_tokens=set(tokenizer.eos_token_ids))  # fmt: skip
+        return sum(c.num_draft for c in cycles)
+
+    def post(srv, **body):
+        data = json.dumps({"prompt": prompt, "max_tokens": MAX_TOKENS, "seed": 0, **body}).encode()
+        request = urllib.request.Request(srv.url + "/v1/completions", data, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    srv = DFlashServer(model, draft, tokenizer, model_name="tiny", port=0, max_batch=max_batch,
+                       defaults=Defaults(confidence_threshold=0.5)).start()  # fmt: skip
+    try:
+        counts, texts = {}, set()
+        for threshold in (None, 0.0, 0.7):
+            status, body = post(srv, **({} if threshold is None else {"confidence_threshold": threshold}))
+            assert status == 200, body
+            counts[threshold] = body["metrics"]["speculative_decoding"]["num_draft_tokens"]
+            texts.add(body["choices"][0]["text"])
+        assert len(texts) == 1  # the same greedy text whatever is drafted
+        if max_batch == 1:
+            assert counts == {None: drafted(0.5), 0.0: drafted(0.0), 0.7: drafted(0.7)}
+        # The batching engine sizes each pass's drafts itself; the threshold still cuts them.
+        assert counts[0.0] > counts[None] > counts[0.7], counts
+        status, body = post(srv, confidence_threshold=1.5)
+        assert status == 400 and "confidence_threshold" in body["error"]["message"]
+    finally:
+        srv.close()
+
+
+def test_the_chat_takes_the_confidence_threshold(folders):
+    """``dflash-chat --confidence-threshold`` reaches its settings, what it shows and the loop's options
+    (a local pair), and a dflash-serve it chats with gets it per request."""
+    from dflash_mlx.tui import app
+    from dflash_mlx.tui.engine import MLXEngine, RemoteEngine
+
+    args = app.setup_arg_parser().parse_args(["--model", str(folders / "qwen3"), "--confidence-threshold", "0.6"])
+    chat = app.make_app(**{k: v for k, v in vars(args).items() if k != "blas"})
+    settings = chat.settings
+    assert settings.confidence_threshold == 0.6 and "threshold 0.6" in settings.describe(8)
+    seen = {}
+
+    class Session:  # the loaded pair, as far as a reply's options go
+        draft, tokenizer = object(), None
+
+        def stream(self, prompt, **options):
+            seen.update(options)
+
+    engine = MLXEngine.__new__(MLXEngine)
+    engine.session, engine.cache = Session(), None
+    engine._prompt = lambda messages, settings: []
+    engine._start([], settings)
+    assert seen["confidence_threshold"] == 0.6
+    remote = RemoteEngine.__new__(RemoteEngine)
+    remote.client = type("Client", (), {"info": type("Info", (), {"kind": "dflash"})(),
+                                         "stream_chat": lambda self, messages, **kw: kw})()  # fmt: skip
+    assert remote([], settings)["confidence_threshold"] == 0.6

@@ -5,27 +5,25 @@ distribution, and parity with the authors' head (hao-ai-lab/JetSpec)."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import family, sampled
-from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB, write_target
+from helpers import family, family_suite, sampled
+from helpers.checkpoints import HIDDEN, MASK_ID, VOCAB
 from helpers.family_drafters import BLOCK, jetspec_config, write_jetspec
 
-from dflash_mlx import DFlashError, load, make_cache
+from dflash_mlx import DFlashError, LoopOptions, load, make_cache
 from dflash_mlx.loading.draft_loader import load_draft
 from dflash_mlx.models.drafter import block_mask
-from dflash_mlx.sampling import make_sampler
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("jetspec")
-    write_target(root / "qwen3")
-    write_jetspec(root / "draft")
-    return root
+def folders(tmp_path_factory, pair_dirs):
+    draft = tmp_path_factory.mktemp("jetspec") / "draft"
+    write_jetspec(draft)
+    return {"target": pair_dirs["qwen3-tied"], "draft": draft}
 
 
 @pytest.fixture(scope="module")
 def pair(folders):
-    return load(folders / "qwen3", folders / "draft")
+    return load(folders["target"], folders["draft"])
 
 
 def test_causal_head_makes_every_layer_block_causal(pair):
@@ -48,31 +46,47 @@ def test_greedy_is_lossless(pair, block_size, prompt_len):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "gemma4_text"])  # hybrid and sliding; dense: the qwen3 pair
-def test_greedy_is_lossless_on_the_target_families(tmp_path, folders, kind):
-    from helpers.hf_checkpoints import write_hf_target
-
-    write_hf_target(tmp_path / "target", kind)
-    model, draft, _ = load(tmp_path / "target", folders / "draft")
-    family.check_lossless(model, draft, BLOCK, 9)
-    family.check_every_acceptance_length(model, draft, BLOCK)
-    family.check_stop_mid_block_then_continue(model, draft)
+def test_greedy_is_lossless_on_the_target_families(hf_target_dirs, folders, kind):
+    family_suite.check_target_families(hf_target_dirs[kind], folders["draft"], BLOCK)
 
 
-def test_draft_trees(tmp_path, folders):
-    """The causal head's slots are still one distribution per depth from one pass: DDTree's trees
-    (the authors' accum_logp construction) run on them."""
-    from helpers.varied import write_varied_target
-
-    write_varied_target(tmp_path / "target")  # a target whose text does not repeat: a wrong branch shows
-    model, draft, _ = load(tmp_path / "target", folders / "draft")
-    family.check_tree_lossless(model, draft)
+def test_draft_trees(varied_dirs, folders):
+    """The causal head's slots are still one distribution per depth from one pass: DDTree's trees run on them."""
+    family_suite.check_trees(varied_dirs["qwen3-tied"], folders["draft"])
 
 
-def test_sampled_drafts_keep_the_targets_distribution(tmp_path, folders):
-    write_target(tmp_path / "target", embed_scale=0.2)
-    model, draft, _ = load(tmp_path / "target", folders / "draft")
-    excess = sampled.excess(model, draft, sampled.marginals(model, make_sampler(1.0), depth=2), 1.0)
-    assert max(excess) < 0, excess
+def test_jetspec_trees_are_lossless(varied_dirs, folders):
+    """JetSpec's own tree construction (``tree_width``: each expanded node's k likeliest children at once):
+    the target's greedy tokens at every width, the trees as wide as asked."""
+    from helpers.decoding import run
+
+    from dflash_mlx.drafts.tree import build_fanout_tree
+
+    model, draft, _ = load(varied_dirs["qwen3-tied"], folders["draft"])
+    for width, budget, prompt_len in ((1, 6, 1), (3, 12, 9), (4, 40, 30)):
+        prompt = family.prompt_ids(prompt_len)
+        out, cycles = run(model, draft, prompt, tree_budget=budget, tree_width=width, max_tokens=24, adaptive=False)
+        assert out == family.reference(model, prompt, 24), (width, budget)
+        # num_draft: the tree's nodes, counted up to the tokens still to come (23 at the first cycle).
+        assert cycles[1].num_draft == min(budget, 22) and all(c.num_draft <= budget for c in cycles)
+    tree = build_fanout_tree([[-0.1, -2.0, -3.0]] * 3, [[5, 6, 7]] * 3, 7)
+    assert (tree.tokens, tree.parents) == ([5, 6, 7, 5, 6, 7, 5], [-1, 0, 0, 0, 1, 1, 1, 4])
+    with pytest.raises(DFlashError, match="tree_width=2 shapes a draft tree of a fixed size"):
+        LoopOptions(tree_width=2)
+    with pytest.raises(DFlashError, match="tree_width must be a positive integer"):
+        LoopOptions(tree_budget=8, tree_width=0)
+
+
+@pytest.fixture(scope="module")
+def sampling_pair(sampling_target, folders):
+    return family_suite.sampling_pair(sampling_target, folders["draft"])
+
+
+@pytest.mark.parametrize("broken", [None, "accept", "q"])
+def test_sampled_drafts_keep_the_targets_distribution(sampling_pair, monkeypatch, broken):
+    """The JetSpec drafter's sampled drafts keep the target's distribution; negative controls: every
+    draft accepted, or each draft's q stated from the slot before its own."""
+    sampled.check_with_controls(*sampling_pair, 1.0, broken, monkeypatch)
 
 
 def test_hidden_size_adapter(tmp_path, folders):
@@ -87,7 +101,7 @@ def test_hidden_size_adapter(tmp_path, folders):
     )
     assert mx.allclose(draft.adapt(taps), expected, atol=1e-6)
     with pytest.raises(DFlashError, match="made for a target of hidden_size=32, but this target has hidden_size=64"):
-        load(folders / "qwen3", tmp_path / "draft")
+        load(folders["target"], tmp_path / "draft")
 
 
 # ---- Parity with the authors' head (hao-ai-lab/JetSpec, checked at 2c7b3fae75690dfe9a188a37d7fdfd43ee0e032f) ----
@@ -96,46 +110,26 @@ def test_hidden_size_adapter(tmp_path, folders):
 
 @pytest.fixture(scope="module")
 def jetspec():
-    """The authors' head class and drafting helper, or a skip that says where to get them."""
-    import os
-    import sys
+    """The authors' head class, drafting helper, tree builder and HuggingFace decoding loop."""
     from types import SimpleNamespace
 
-    src = os.environ.get("DFLASH_JETSPEC_SRC")
-    if not src:
-        pytest.skip(
-            "the JetSpec parity tests need the authors' code: DFLASH_JETSPEC_SRC=<checkout of hao-ai-lab/JetSpec>"
-        )
-    torch = pytest.importorskip("torch")
-    sys.path.insert(0, src)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with family_suite.authors_code("DFLASH_JETSPEC_SRC", "hao-ai-lab/JetSpec"):
         from jetspec import draft_head_adapter
+        from jetspec.core import llm
+        from jetspec.core.model_runner import ModelRunner
         from jetspec.models.draft_head import DFlashDraftModel
+        from jetspec.tree.baselines import accum_logp
 
-        yield SimpleNamespace(adapter=draft_head_adapter, Head=DFlashDraftModel)
-    finally:
-        torch.set_num_threads(threads)
-        sys.path.remove(src)
+        yield SimpleNamespace(adapter=draft_head_adapter, Head=DFlashDraftModel, llm=llm, Runner=ModelRunner,
+                              accum_logp=accum_logp)  # fmt: skip
 
 
 def authors_head(jetspec, config: dict, seed: int = 0):
-    import torch
-    from transformers import Qwen3Config
+    return family_suite.randomize(lambda: jetspec.Head(family_suite.qwen3_config(config)), seed)
 
-    skip = ("model_type", "architectures", "torch_dtype", "auto_map")
-    hf_config = Qwen3Config(**{k: v for k, v in config.items() if k not in skip})
-    hf_config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    head = jetspec.Head(hf_config)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
-    return head.float().eval()
+
+def _crop_to_length(jetspec, monkeypatch):
+    monkeypatch.setattr(jetspec.adapter, "DynamicCache", family_suite.crop_to_length_cache())
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -144,15 +138,8 @@ def test_blocks_match_the_authors(jetspec, tmp_path, monkeypatch, causal):
     to the context after each block) on the same target: the same draft logits every cycle."""
     import torch
     from helpers.hf_checkpoints import write_hf_target
-    from transformers import DynamicCache
 
-    class CropToLength(DynamicCache):
-        # JetSpec crops its caches to a length, as transformers 4 did; transformers 5 crops by a count.
-        def crop(self, length):
-            if length < self.get_seq_length():
-                super().crop(length - self.get_seq_length())
-
-    monkeypatch.setattr(jetspec.adapter, "DynamicCache", CropToLength)
+    _crop_to_length(jetspec, monkeypatch)
     target = write_hf_target(tmp_path / "target", "qwen3_moe")
     head = authors_head(jetspec, jetspec_config(causal_head=causal))
     head.save_pretrained(str(tmp_path / "draft"))
@@ -190,3 +177,68 @@ def test_adapter_matches_the_authors(jetspec, tmp_path):
         h = head(position_ids=torch.arange(6 + BLOCK)[None], noise_embedding=torch.tensor(noise),
                  target_hidden=torch.tensor(taps), is_causal=True)  # fmt: skip
     np.testing.assert_allclose(np.array(draft(mx.array(noise), mx.array(taps))), h.numpy(), atol=1e-4)
+
+
+def test_trees_equal_the_authors_builder(jetspec):
+    """JetSpec's tree construction (their ``accum_logp``'s ``_build_from_topk``) and ours on the same
+    top-k per depth: the same node tokens and parents, in the same order (their budget counts the root)."""
+    from dflash_mlx.drafts.tree import build_fanout_tree, top_log_probs
+
+    rng = np.random.default_rng(0)
+    for width, budget, depth in ((1, 8, 6), (3, 12, 6), (4, 40, 15), (7, 128, 15)):
+        logits = mx.array(rng.standard_normal((depth, VOCAB)).astype(np.float32) * 3)
+        log_probs, ids = top_log_probs(logits, width)
+        theirs = jetspec.accum_logp._build_from_topk(0, ids, log_probs, budget + 1, "cpu")
+        ours = build_fanout_tree(log_probs, ids, budget)
+        assert theirs.token_ids[1:].tolist() == ours.tokens and theirs.parent_indices.tolist() == ours.parents
+
+
+@pytest.mark.parametrize("width, budget", [(1, 15), (3, 11), (4, 32)])
+def test_tree_cycles_match_the_authors(jetspec, tmp_path, monkeypatch, width, budget):
+    """The authors' tree decoding loop (``LLM.generate_tree`` of their HuggingFace core, SDPA tree masks, on
+    the CPU) and ours with ``tree_width``, greedy on the same target with their head fitted to agree with it:
+    the same tokens, and per cycle the same tree size and the same tokens kept."""
+    import torch
+    import torch.nn.functional as F
+    from helpers.decoding import greedy, run
+    from helpers.hf_checkpoints import write_hf_target
+    from helpers.torch_oracles import fit_to_sequence
+
+    _crop_to_length(jetspec, monkeypatch)
+    target = write_hf_target(tmp_path / "target", "qwen3_moe")
+    model = load(tmp_path / "target")[0]
+    prompt, max_tokens = family.prompt_ids(11, seed=5), 40
+    sequence = prompt + greedy(model, prompt, max_tokens)
+    head = authors_head(jetspec, jetspec_config())
+    taps_ids = head.target_layer_ids
+    with torch.no_grad():
+        hidden = target(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+        taps = torch.cat([hidden[i + 1] for i in taps_ids], dim=-1)
+    embedding, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+
+    def block_logits(p, block):
+        h = head(position_ids=torch.arange(p + BLOCK)[None], noise_embedding=embedding(block),
+                 target_hidden=taps[:, :p], is_causal=True)  # fmt: skip
+        return F.linear(h[0, 1:], lm_head.weight)
+
+    fit_to_sequence(head, block_logits, sequence, steps=80, lr=1e-2, seed=0)
+    head.save_pretrained(str(tmp_path / "draft"))
+    # Their LLM made around our target (its constructor loads one by name, on CUDA).
+    llm = jetspec.llm.LLM.__new__(jetspec.llm.LLM)
+    llm.model, llm.runner, llm.device, llm.dtype = target, jetspec.Runner(target), "cpu", torch.float32
+    llm.eos_token_ids, llm.tokenizer = set(), None
+    drafter = jetspec.adapter.DraftHeadTreeDrafter(head, target, BLOCK, taps_ids)
+    theirs = llm.generate_tree(torch.tensor([prompt]), drafter, block_size=BLOCK, tree_width=width, budget=budget + 1,
+                               target_layer_ids=taps_ids, sampling_params=jetspec.llm.SamplingParams(0.0, max_tokens),
+                               return_stats=True, return_text=False)  # fmt: skip
+    _, draft, _ = load(tmp_path / "target", tmp_path / "draft")
+    out, cycles = run(model, draft, prompt, tree_budget=budget, tree_width=width, max_tokens=max_tokens, adaptive=False)
+    assert out == theirs["token_ids"] == sequence[len(prompt) :]
+    # Per cycle (ours after the prefill's): tokens kept, and nodes with the root. Our last cycle counts only
+    # the tokens within max_tokens, and num_draft the nodes up to the tokens still to come.
+    kept = [len(c.tokens) for c in cycles[1:]]
+    assert len(kept) == len(theirs["accept_lengths"]) and kept[:-1] == theirs["accept_lengths"][:-1], kept
+    room = max_tokens - np.cumsum([len(c.tokens) for c in cycles])[:-1]
+    assert [c.num_draft for c in cycles[1:]] == [min(size - 1, r - 1) for size, r in zip(theirs["tree_sizes"], room)]
+    assert max(theirs["tree_sizes"]) == budget + 1
+    assert max(theirs["accept_lengths"]) >= 5, theirs["accept_lengths"]

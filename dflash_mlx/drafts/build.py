@@ -82,7 +82,7 @@ def _drafter(
     if choose_width or tree_budget == "auto":
         width = VerifyWidth(model, draft, cache, speedups, tree_nodes=nodes if tree_budget else 0)
     if tree_budget:
-        return TreeProposer(model, draft, cache, nodes, speedups=speedups, width=width)
+        return TreeProposer(model, draft, cache, nodes, fanout=o.tree_width, speedups=speedups, width=width)
     if isinstance(draft, dspark.DraftModel):
         return DSparkProposer(model, draft, cache, threshold=o.confidence_threshold, sampler=sample,
                               min_confidence=o.min_confidence, speedups=speedups, width=width)  # fmt: skip

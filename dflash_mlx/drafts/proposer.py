@@ -22,7 +22,7 @@ from ..models import target as tgt
 from ..models.tree import DraftTree
 from ..sampling import Sampler, sample_rows, top_probability
 from ..tuning.policy import PolicyState
-from .tree import build_tree, top_log_probs
+from .tree import build_fanout_tree, build_tree, top_log_probs
 
 
 class DFlashProposer(Proposer):
@@ -153,11 +153,14 @@ class TreeProposer(DFlashProposer):
     sample at each node picks the child to follow, so every emitted token is a target sample.
     With ``width`` (``tree_budget="auto"``), each cycle verifies the first of the ``budget``
     nodes that give the most tokens per second (:class:`dflash_mlx.tuning.widths.VerifyWidth`).
+    With ``fanout``, the tree is JetSpec's instead: each node expanded gets its ``fanout`` likeliest
+    children at once (:func:`dflash_mlx.drafts.tree.build_fanout_tree`).
     """
 
-    def __init__(self, model: nn.Module, draft: nn.Module, cache: DFlashCache, budget: int, **kwargs):
+    def __init__(self, model: nn.Module, draft: nn.Module, cache: DFlashCache, budget: int, *,
+                 fanout: int | None = None, **kwargs):  # fmt: skip
         super().__init__(model, draft, cache, **kwargs)
-        self.budget = budget
+        self.budget, self.fanout = budget, fanout
 
     def propose(self, last: int, n: int) -> Proposal:
         block = mx.array([[last] + [self.draft.mask_token_id] * (self.draft.block_size - 1)], dtype=mx.uint32)
@@ -165,9 +168,13 @@ class TreeProposer(DFlashProposer):
         if self.width is not None:
             self.width.costs()  # measured before this pass's taps leave pending, if the bucket is new
         logits = self.draft.propose(self.model, block, taps, self.cache.draft, self.speedups, num_drafts=n)[0, :n]
-        # The heap runs on the host: each position's top `budget` ids are all it can use.
-        log_probs, ids = top_log_probs(logits, min(self.budget, logits.shape[-1]))
-        tree = build_tree(log_probs, ids, self.budget)
+        # The heap runs on the host: each position's top `budget` (or `fanout`) ids are all it can use.
+        log_probs, ids = top_log_probs(logits, min(self.fanout or self.budget, logits.shape[-1]))
+        tree = (
+            build_tree(log_probs, ids, self.budget)
+            if self.fanout is None
+            else build_fanout_tree(log_probs, ids, self.budget)
+        )
         if self.width is not None and tree.size > 1:
             tree = tree.first(self.width.choose_nodes([math.exp(lp) for lp in tree.log_probs]))
         tokens = mx.array(tree.tokens, dtype=mx.uint32)

@@ -72,3 +72,38 @@ def build_tree(log_probs: list[list[float]], ids: list[list[int]], budget: int) 
             child = logw + log_probs[depth][0]
             heapq.heappush(heap, (-child, ranks + (0,), index, depth + 1, 0, child))
     return DraftTree(tokens, parents, depths, path_log_probs)
+
+
+def build_fanout_tree(log_probs: list[list[float]], ids: list[list[int]], budget: int) -> DraftTree:
+    """JetSpec's tree under a block's per-position distributions (hao-ai-lab/JetSpec, its default
+    ``accum_logp``): nodes are expanded best first by path log-probability, and each expanded node gets
+    all of its ``k`` children at once, the ``k`` most likely ids of the next position (the same ids
+    whatever the parent). Unlike :func:`build_tree`, a node's less likely children come in with its
+    likeliest, so the tree is wider near the root for the same budget. Ties go to the node made first,
+    as theirs.
+
+    Args:
+        log_probs: ``[depth][k]`` log-probabilities of each position's top ``k`` ids, descending
+          (``k``: their ``tree_width``).
+        ids: ``[depth][k]`` those ids.
+        budget: The most nodes, not counting the root (their ``budget`` counts it: theirs less one).
+
+    Returns:
+        The tree, nodes in the order they were made.
+    """
+    depth_limit = len(ids)
+    tokens, parents, depths, path_log_probs = [], [-1], [], []
+    heap, made = [(0.0, 0, 0, 0)], 0  # (-log w, order made, node index, depth); the root is node 0
+    while heap and len(tokens) < budget:
+        neg_logw, _, index, depth = heapq.heappop(heap)
+        if depth >= depth_limit:
+            continue
+        for rank in range(min(len(ids[depth]), budget - len(tokens))):
+            logw = -neg_logw + log_probs[depth][rank]
+            tokens.append(ids[depth][rank])
+            parents.append(index)
+            depths.append(depth + 1)
+            path_log_probs.append(logw)
+            made += 1
+            heapq.heappush(heap, (-logw, made, len(tokens), depth + 1))
+    return DraftTree(tokens, parents, depths, path_log_probs)

@@ -32,8 +32,9 @@ While one row runs (and others at most prefill), it runs alone on its own cache 
 moves into the rows cache when a second row is ready, and out again when it is the last (a copy each way).
 A hybrid target's Gated DeltaNet layers keep a state per row and each row's state after every position of
 the pass, so a row rolls back alone by selecting (:class:`~dflash_mlx.models.rows.RowsRecurrentCache`).
-Targets :func:`~dflash_mlx.models.rows.rows_supported` refuses (sliding windows, MoE other than Qwen3's,
-Gemma, Kimi, gpt-oss) run with ``max_batch=1`` only (the engine refuses more in one line). A row running
+A sliding-window layer's rows keep their positions where they are and a mask shows each query its window.
+Targets :func:`~dflash_mlx.models.rows.rows_supported` refuses (a family it does not know, Gated DeltaNet layers
+it does not walk itself) run with ``max_batch=1`` only (the engine refuses more in one line). A row running
 alone verifies a proposer's draft tree whole; in a batched pass a tree is cut to its likeliest line. The
 drafter's own trees (``tree_budget``) and ``block_size="auto"`` are refused per request.
 """

@@ -56,6 +56,10 @@ class LoopOptions:
           On hybrid targets each node's recurrent state continues its parent's (forked at
           branches); ``"auto"`` is not for them. Not with DFlash2 drafters, ``block_size="auto"``
           or ``min_confidence``.
+        tree_width: Build each tree as JetSpec's engine does (its ``accum_logp``,
+          :func:`dflash_mlx.drafts.tree.build_fanout_tree`): nodes expanded best first, each getting
+          its ``tree_width`` likeliest children at once; ``tree_budget`` nodes in all. None
+          (default): DDTree's ``tree_budget`` most likely continuations. Needs a fixed ``tree_budget``.
         max_tokens: The most tokens to generate.
         sampler: ``logprobs -> token ids``: :func:`dflash_mlx.sampling.make_sampler` or any
           mlx-lm sampler. Greedy when None.
@@ -131,6 +135,7 @@ class LoopOptions:
     max_tokens: int = 256
     block_size: int | str | None = None
     tree_budget: int | str | None = None
+    tree_width: int | None = None
     sampler: SampleFn | None = None
     logits_processors: list[LogitsProcessor] | None = None
     proposal: str = "sample"
@@ -162,6 +167,7 @@ class LoopOptions:
             raise DFlashError(
                 f"tree_budget must be a non-negative integer of nodes (0: a path) or 'auto' (got {budget!r})."
             )
+        check_tree_width(self.tree_width, budget)
         threshold = self.confidence_threshold
         if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
             raise DFlashError(f"confidence_threshold must be a probability from 0 to 1 (got {threshold!r}).")
@@ -185,6 +191,18 @@ class LoopOptions:
         if budget and isinstance(draft, dspark.DraftModel):
             dspark_tree_check(draft, self.confidence_threshold)
         return budget
+
+
+def check_tree_width(tree_width: int | None, tree_budget: int | str | None) -> None:
+    """``tree_width`` (JetSpec's trees), as ``LoopOptions`` checks it when it is made."""
+    if tree_width is None:
+        return
+    if not isinstance(tree_width, int) or isinstance(tree_width, bool) or tree_width < 1:
+        raise DFlashError(f"tree_width must be a positive integer of children per node (got {tree_width!r}).")
+    if not tree_budget or tree_budget == "auto":
+        raise DFlashError(
+            f"tree_width={tree_width} shapes a draft tree of a fixed size: pass a tree_budget of nodes too."
+        )
 
 
 def check_cycle_settings(max_tokens: int, min_confidence: float, lookup_fallback: int, proposal: str) -> None:

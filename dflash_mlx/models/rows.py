@@ -20,12 +20,18 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..cpu.speedups import CpuSpeedups
-from . import hybrid, linear_attention
+from . import families, gemma, hybrid, kimi, linear_attention
 from . import target as tgt
+from .sliding import SlidingKVCache
 
-# Targets whose decoder layers are ``layer(h, mask, cache)`` with full attention only, and the hybrid ones
-# (Gated DeltaNet layers between full attention ones), whose linear layers keep a state per row.
-ROW_MODEL_TYPES = ("llama", "qwen3", "qwen2", "qwen3_moe", *hybrid.HYBRID_MODEL_TYPES)
+# Targets whose decoder layers are ``layer(h, mask, cache)`` over full or sliding-window attention (Llama's
+# sliding layers, gpt-oss's; Kimi K2.5's latent attention, one latent a position), the hybrid ones (Gated
+# DeltaNet layers between full attention ones), whose linear layers keep a state per row, and Gemma 4, walked
+# its own way with these masks.
+ROW_MODEL_TYPES = (
+    "llama", "qwen3", "qwen2", "qwen3_moe", "gpt_oss", *hybrid.HYBRID_MODEL_TYPES, *gemma.GEMMA_MODEL_TYPES,
+    *kimi.KIMI_MODEL_TYPES,
+)  # fmt: skip
 
 
 def rows_supported(model: nn.Module) -> str | None:
@@ -33,8 +39,6 @@ def rows_supported(model: nn.Module) -> str | None:
     kind = getattr(model, "model_type", None)
     if kind not in ROW_MODEL_TYPES:
         return f"batching is implemented for {', '.join(ROW_MODEL_TYPES)} targets, not {kind}"
-    if kind == "llama" and getattr(model.model, "swa_idx", None) is not None:
-        return "batching is implemented for full-attention Llama targets, not sliding-window ones"
     if kind in hybrid.HYBRID_MODEL_TYPES:
         linear = [layer.linear_attn for layer in model.model.layers if layer.is_linear]
         if any(not isinstance(a, linear_attention.LAYERS) or getattr(a, "sharding_group", None) for a in linear):
@@ -51,9 +55,10 @@ class RowsKVCache:
 
     step = 256
 
-    def __init__(self):
+    def __init__(self, window: int | None = None):
         self.keys = self.values = None
         self.lengths: list[int] = []
+        self.window = window  # a sliding-window layer's: its queries see that many positions, their own included
 
     @property
     def offset(self) -> mx.array:
@@ -94,10 +99,16 @@ class RowsKVCache:
         """Forget the last ``counts[i]`` positions of row ``i``."""
         self.lengths = [s - n for s, n in zip(self.lengths, counts)]
 
-    def add(self, cache: KVCache) -> int:
-        """A prefilled single-sequence cache joins as the last row (copied); returns its row."""
+    def add(self, cache: KVCache | SlidingKVCache) -> int:
+        """A prefilled single-sequence cache joins as the last row (copied); returns its row. A sliding
+        window's row holds its positions where they are: the ones it dropped are zeros no query sees."""
         n = cache.offset
-        k, v = cache.keys[..., :n, :], cache.values[..., :n, :]
+        if isinstance(cache, SlidingKVCache):
+            k, v = cache.keys_and_values()
+            gap = [(0, 0), (0, 0), (cache.start, 0), (0, 0)]
+            k, v = mx.pad(k, gap), mx.pad(v, gap)
+        else:
+            k, v = cache.keys[..., :n, :], cache.values[..., :n, :]
         if self.keys is None or self.rows == 0:
             size = -(-max(n, 1) // self.step) * self.step
             self.keys = mx.zeros((1, k.shape[1], size, k.shape[3]), dtype=k.dtype)
@@ -117,12 +128,15 @@ class RowsKVCache:
         self.lengths.append(n)
         return self.rows - 1
 
-    def take(self, row: int, into: KVCache) -> None:
+    def take(self, row: int, into: KVCache | SlidingKVCache) -> None:
         """Row ``row``'s entries into ``into`` (a single-sequence cache, e.g. a conversation's), leaving here."""
         n = self.lengths[row]
-        into.keys = mx.array(self.keys[row : row + 1, :, :n, :])
-        into.values = mx.array(self.values[row : row + 1, :, :n, :])
+        start = max(0, n - into.window + 1 - into.slack) if isinstance(into, SlidingKVCache) else 0
+        into.keys = mx.array(self.keys[row : row + 1, :, start:n, :])
+        into.values = mx.array(self.values[row : row + 1, :, start:n, :])
         into.offset = n
+        if isinstance(into, SlidingKVCache):
+            into.start, into._passed = start, False
         self.remove(row)
 
     def remove(self, row: int) -> None:
@@ -210,21 +224,27 @@ class RowsRecurrentCache(ArraysCache):
 
 
 def release(cache: Any) -> None:
-    """Free a single-sequence cache whose entries the rows now hold (they come back with ``take``)."""
+    """Free a single-sequence cache whose entries the rows now hold (they come back with ``take``); its
+    checkpoints stay: they are its prompt's, still right."""
     if isinstance(cache, hybrid.RecurrentCache):
-        cache.cache = [None, None]  # its checkpoints stay: they are its prompt's, still right
+        cache.cache = [None, None]
         cache.settled()
     else:
         cache.keys = cache.values = None
         cache.offset = 0
+        if isinstance(cache, SlidingKVCache):
+            cache.start = 0
 
 
-def rows_mask(lengths: list[int], width: int) -> mx.array:
-    """``(B, 1, W, S)``: query ``q`` of row ``i`` sees keys ``0 .. lengths[i] + q`` (S = max(lengths) + W)."""
+def rows_mask(lengths: list[int], width: int, window: int | None = None) -> mx.array:
+    """``(B, 1, W, S)``: query ``q`` of row ``i`` sees keys ``0 .. lengths[i] + q`` (S = max(lengths) + W),
+    with a ``window`` only the last ``window`` of them."""
     S = max(lengths) + width
     start = mx.array(lengths, dtype=mx.int32)[:, None, None, None]
     q = mx.arange(width, dtype=mx.int32)[None, None, :, None]
-    return mx.arange(S, dtype=mx.int32)[None, None, None, :] <= start + q
+    keys = mx.arange(S, dtype=mx.int32)[None, None, None, :]
+    visible = keys <= start + q
+    return visible if window is None else visible & (keys > start + q - window)
 
 
 def forward_rows(
@@ -242,36 +262,40 @@ def forward_rows(
     (the same operations; a batched pass is mostly the rows' weights read once, and their exp), else
     mlx-lm's own layers.
     """
+    lengths = next(c.lengths for c in caches if isinstance(c, RowsKVCache))
+    windows = {c.window for c in caches if isinstance(c, RowsKVCache)}
+    masks = {w: rows_mask(lengths, tokens.shape[1], w) for w in windows}
+    captured = {}
+    if model.model_type in gemma.GEMMA_MODEL_TYPES:
+        # Its own walk (scaled embedding, per-layer inputs, layers reusing others' keys), with these masks.
+        h = gemma.forward_with_taps(model, tokens, caches, tap_ids, captured, masks=[masks[c.window] for c in caches])
+        return tgt.head(model, h, captured, tap_ids)
     inner = model.model
     h = inner.embed_tokens(tokens)
-    mask = rows_mask(next(c.lengths for c in caches if isinstance(c, RowsKVCache)), tokens.shape[1])
     steps = None
     if speedups is not None and h.dtype == mx.float32 and tokens.size >= speedups.min_tokens:
         steps = tgt.cpu_layer_steps(model, speedups)
-    wanted, captured = set(tap_ids), {}
+    wanted = set(tap_ids)
     for i, (layer, c) in enumerate(zip(inner.layers, caches)):
         if isinstance(c, RowsRecurrentCache):
             h = hybrid.recorded_layer(layer, h, c)
         elif steps is None:
-            h = layer(h, mask, c)
+            h = layer(h, masks[c.window], c)
         else:
-            h = tgt.cpu_block(layer, h, c, mask, speedups, steps[i])
+            h = tgt.cpu_block(layer, h, c, masks[c.window], speedups, steps[i])
         if i in wanted:
             captured[i] = h
-    h = inner.norm(h)
-    last = tgt.num_layers(model) - 1
-    if last in wanted:
-        captured[last] = h
-    logits = tgt.lm_head(model, h)
-    if not tap_ids:
-        return logits, None
-    return logits, mx.concatenate([captured[i] for i in tap_ids], axis=-1)
+    return tgt.head(model, h, captured, tap_ids)
 
 
 def make_rows_cache(model: nn.Module, kernels: str = "auto") -> list[Any]:
-    """A rows cache per decoder layer, no rows yet: :class:`RowsRecurrentCache` for a hybrid target's linear
-    attention layers (``kernels``: their recurrence's Metal kernels' mode), else :class:`RowsKVCache`."""
-    return [
-        RowsRecurrentCache(kernels) if getattr(layer, "is_linear", False) else RowsKVCache()
-        for layer in model.model.layers
-    ]
+    """A rows cache per decoder layer, no rows yet, of the kind of the layer's single-sequence cache: a
+    :class:`RowsRecurrentCache` for a hybrid target's linear attention layers (``kernels``: their
+    recurrence's Metal kernels' mode), a :class:`RowsKVCache` for the others (with the layer's window)."""
+    out = []
+    for c in families.make_target_cache(model, kernels):
+        if isinstance(c, hybrid.RecurrentCache):
+            out.append(RowsRecurrentCache(kernels))
+        else:
+            out.append(RowsKVCache(c.window if isinstance(c, SlidingKVCache) else None))
+    return out

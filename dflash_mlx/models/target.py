@@ -364,12 +364,12 @@ def forward_with_taps(
     captured = {} if fold is None else FoldedTaps(fold, num_layers(model) - 1)
     if model.model_type in hybrid.HYBRID_MODEL_TYPES:
         h = hybrid.forward_with_taps(model, tokens, cache, tap_ids, captured, start_every, num_layers(model))
-        return _head(model, h, captured, tap_ids, last_logits)
+        return head(model, h, captured, tap_ids, last_logits)
     if model.model_type in gemma.GEMMA_MODEL_TYPES:
         h = gemma.forward_with_taps(
             model, tokens, cache, tap_ids, captured, start_every, stage_layers=num_layers(model)
         )
-        return _head(model, h, captured, tap_ids, last_logits)
+        return head(model, h, captured, tap_ids, last_logits)
     inner = model.model
     stage = Stage(inner, num_layers(model))
     h = inner.embed_tokens(tokens)
@@ -385,7 +385,7 @@ def forward_with_taps(
         if start_every and (i + 1) % start_every == 0 and i + 1 < stage.end:
             mx.async_eval(h)
     h = stage.finish(h, captured, tap_ids)
-    return _head(model, h, captured, tap_ids, last_logits)
+    return head(model, h, captured, tap_ids, last_logits)
 
 
 def _forward_tree(
@@ -409,14 +409,16 @@ def _forward_tree(
             if i in wanted:
                 captured[i] = h
         h = stage.finish(h, captured, tap_ids)
-    logits, taps = _head(model, h, captured, tap_ids)
+    logits, taps = head(model, h, captured, tap_ids)
     # (n + 1, 1, ...) -> (1, n + 1, ...), a block's layout
     return logits.swapaxes(0, 1), None if taps is None else taps.swapaxes(0, 1)
 
 
-def _head(
+def head(
     model: nn.Module, h: mx.array, captured: "dict | FoldedTaps", tap_ids: list[int], last_logits: bool = False
 ) -> tuple[mx.array, mx.array | None]:
+    """The final norm and the LM head over the last layer's output ``h``, and the taps of a pass: each layer of
+    ``tap_ids`` as ``captured`` holds it, the last one's taken after the norm."""
     inner = _text(model).model
     h = inner.norm(h)
     wanted = set(tap_ids)

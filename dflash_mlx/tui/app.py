@@ -425,6 +425,7 @@ def make_app(
     max_tokens: int = 512,
     system_prompt: str | None = None,
     min_confidence: float = 0.0,
+    confidence_threshold: float = 0.0,
     lookup_fallback: int = 0,
     tree_budget: int = 0,
     dtype: str | None = None,
@@ -447,6 +448,8 @@ def make_app(
         max_tokens: The most tokens per reply.
         system_prompt: System message for the chat template.
         min_confidence: Verify only the drafter's confident leading drafts (0: the whole block).
+        confidence_threshold: A DSpark drafter's confidence head: stop its drafts before the first
+          whose predicted chance of acceptance is under this (0: the whole block).
         lookup_fallback: Draft up to this many cycles by prompt lookup after the drafter
           misses its first draft (0: never).
         tree_budget: Verify a draft tree of up to this many nodes a cycle (0: the drafter's path).
@@ -475,6 +478,7 @@ def make_app(
         max_tokens=max_tokens,
         system_prompt=system_prompt,
         min_confidence=min_confidence,
+        confidence_threshold=confidence_threshold,
         lookup_fallback=lookup_fallback,
         tree_budget=tree_budget,
     )

@@ -57,6 +57,8 @@ class Settings:
         max_tokens: The most tokens per reply.
         dflash: Draft with the drafter (True) or decode one token per target pass (False).
         min_confidence: Verify only the drafter's confident leading drafts (0: the whole block).
+        confidence_threshold: A DSpark drafter's confidence head: stop its drafts before the first
+          whose predicted chance of acceptance is under this (0: the whole block).
         lookup_fallback: Draft up to this many cycles by prompt lookup after the drafter misses
           its first draft (0: never).
         tree_budget: Verify a draft tree of up to this many nodes a cycle (0: the drafter's path).
@@ -73,6 +75,7 @@ class Settings:
     dflash: bool = True
     system_prompt: str | None = None
     min_confidence: float = 0.0
+    confidence_threshold: float = 0.0
     lookup_fallback: int = 0
     tree_budget: int | str = 0
     thinking: bool | None = None
@@ -96,6 +99,8 @@ class Settings:
         mode = f"DFlash on · block {block if block else 'auto'}" if self.dflash else "DFlash off"
         if self.dflash and self.min_confidence > 0:
             mode += f" · cutoff {self.min_confidence:g}"
+        if self.dflash and self.confidence_threshold > 0:
+            mode += f" · threshold {self.confidence_threshold:g}"
         if self.dflash and self.lookup_fallback > 0:
             mode += f" · fallback {self.lookup_fallback}"
         if self.dflash and self.tree_budget:

@@ -177,13 +177,15 @@ class MLXEngine:
             block_size = settings.block_size if settings.dflash else 1
         else:
             block_size = None
-        setup = (block_size, settings.temp > 0, settings.min_confidence, settings.lookup_fallback, settings.tree_budget)
+        setup = (block_size, settings.temp > 0, settings.min_confidence, settings.lookup_fallback, settings.tree_budget,
+                 settings.confidence_threshold)  # fmt: skip
         return self.session.stream(
             self._prompt(messages, settings),
             max_tokens=settings.max_tokens,
             block_size=block_size,
             sampler=make_sampler(settings.temp, settings.top_p),
             min_confidence=settings.min_confidence,
+            confidence_threshold=settings.confidence_threshold,
             lookup_fallback=settings.lookup_fallback,
             tree_budget=settings.tree_budget if settings.dflash else 0,
             setup={"chat": list(setup)},
@@ -278,6 +280,8 @@ class RemoteEngine:
             # Our own knobs only for our own server: another may refuse unknown fields.
             block_size = settings.block_size if settings.dflash else 1
             params.update(min_confidence=settings.min_confidence, lookup_fallback=settings.lookup_fallback)
+            if settings.confidence_threshold > 0 and settings.dflash:
+                params["confidence_threshold"] = settings.confidence_threshold
             if settings.tree_budget and settings.dflash:
                 params["tree_budget"] = settings.tree_budget
             if block_size is not None:

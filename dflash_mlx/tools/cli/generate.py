@@ -37,11 +37,6 @@ def setup_arg_parser() -> ArgumentParser:
     add_decoding_arguments(parser, max_tokens=256)
     add_window_arguments(parser)
     parser.add_argument(
-        "--confidence-threshold", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
-        help="A DSpark drafter's confidence head: stop its drafts before the first whose predicted chance "
-        "of acceptance is under this (default: 0, the whole block, as the reference).",
-    )  # fmt: skip
-    parser.add_argument(
         "--top-p", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
         help="Nucleus sampling threshold (default: 0, off).",
     )  # fmt: skip

@@ -268,6 +268,11 @@ def add_cycle_arguments(parser: argparse.ArgumentParser) -> None:
         help="Verify only the drafts the drafter gives at least this probability (default: 0, the whole block).",
     )  # fmt: skip
     parser.add_argument(
+        "--confidence-threshold", type=float, action=InRange, low=0.0, high=1.0, default=0.0,
+        help="A DSpark drafter's confidence head: stop its drafts before the first whose predicted chance "
+        "of acceptance is under this (default: 0, the whole block, as the reference).",
+    )  # fmt: skip
+    parser.add_argument(
         "--lookup-fallback", type=int, action=InRange, low=0, default=0,
         help="After the drafter misses its first draft, draft up to this many cycles by prompt lookup "
         "(default: 0, never).",

@@ -378,6 +378,7 @@ def main(argv: list[str] | None = None) -> None:
         min_p=args.min_p,
         max_tokens=args.max_tokens,
         min_confidence=args.min_confidence,
+        confidence_threshold=args.confidence_threshold,
         lookup_fallback=args.lookup_fallback,
         tree_budget=args.tree_budget,
     )

@@ -142,15 +142,16 @@ class BatchWorker(Worker):
         req, ids = job.request, job.ids
         block_size = req.block_size if self.draft is not None else None
         num_spec_tokens = (block_size if isinstance(block_size, int) else self.max_block_size) - 1
-        setup = (block_size, req.temperature > 0, req.min_confidence, req.lookup_fallback, req.tree_budget)
+        setup = (block_size, req.temperature > 0, req.min_confidence, req.lookup_fallback, req.tree_budget,
+                 req.confidence_threshold)  # fmt: skip
         processors = make_logits_processors(repetition_penalty=req.repetition_penalty) if req.repetition_penalty else None  # fmt: skip
         busy = {id(f.cache) for f in self.flights.values()}
         try:
             options = LoopOptions(
                 max_tokens=req.max_tokens, block_size=block_size, tree_budget=req.tree_budget if self.draft else 0,
                 sampler=make_sampler(req.temperature, req.top_p, req.min_p, req.top_k), logits_processors=processors,
-                min_confidence=req.min_confidence, lookup_fallback=req.lookup_fallback,
-                policy=self.session.policy({"serve": list(setup)}), datastore=self.datastore,
+                min_confidence=req.min_confidence, confidence_threshold=req.confidence_threshold,
+                lookup_fallback=req.lookup_fallback, policy=self.session.policy({"serve": list(setup)}), datastore=self.datastore,
                 stop_tokens=frozenset(self.tokenizer.eos_token_ids), prefill_step_size=self.prefill_step_size,
             )  # fmt: skip
             cache = self.caches.take(ids, busy)

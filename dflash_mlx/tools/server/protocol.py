@@ -3,7 +3,8 @@
 Pure functions and plain dataclasses, no HTTP and no MLX, so every rule is testable alone.
 Parameter names and defaults follow ``mlx_lm.server`` (``max_tokens``/``max_completion_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``stop``, ``seed``);
-``block_size``, ``min_confidence``, ``lookup_fallback`` and ``tree_budget`` are ours. A chat request's
+``block_size``, ``min_confidence``, ``confidence_threshold`` (a DSpark drafter's), ``lookup_fallback`` and
+``tree_budget`` are ours. A chat request's
 ``chat_template_kwargs`` (as vLLM and SGLang take it, e.g. ``{"enable_thinking": false}``) and
 ``reasoning_effort`` (which gpt-oss's template reads) reach the chat template; a reasoning
 model's reasoning comes back apart from its answer, as ``reasoning_content`` (as vLLM sends it).
@@ -61,6 +62,7 @@ class Defaults:
     min_p: float = 0.0
     max_tokens: int = 512
     min_confidence: float = 0.0
+    confidence_threshold: float = 0.0
     lookup_fallback: int = 0
     tree_budget: int | str = 0
 
@@ -85,6 +87,7 @@ class CompletionRequest:
     seed: int | None = None
     block_size: int | str | None = None  # or "auto"
     min_confidence: float = 0.0
+    confidence_threshold: float = 0.0  # a DSpark drafter's confidence head cuts its drafts under it
     lookup_fallback: int = 0
     tree_budget: int | str = 0  # draft tree nodes a cycle (0: the drafter's path), or "auto"
     template_args: dict[str, Any] = field(default_factory=dict)  # for the chat template
@@ -199,6 +202,7 @@ def parse_request(body: Any, kind: str, defaults: Defaults = Defaults()) -> Comp
     else:
         req.block_size = _number(body, "block_size", None, lo=1, integer=True, optional=True)
     req.min_confidence = float(_number(body, "min_confidence", defaults.min_confidence, lo=0, hi=1))
+    req.confidence_threshold = float(_number(body, "confidence_threshold", defaults.confidence_threshold, lo=0, hi=1))
     req.lookup_fallback = _number(body, "lookup_fallback", defaults.lookup_fallback, lo=0, hi=1024, integer=True)
     if body.get("tree_budget") == "auto":
         req.tree_budget = "auto"

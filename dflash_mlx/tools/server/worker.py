@@ -100,6 +100,7 @@ def generate_for(session: Session, generation: dict, *, prompt_cache: DFlashCach
         sampler=make_sampler(g["temperature"], g["top_p"], g["min_p"], g["top_k"]),
         logits_processors=processors,
         min_confidence=g["min_confidence"],
+        confidence_threshold=g.get("confidence_threshold", 0.0),
         lookup_fallback=g["lookup_fallback"],
         tree_budget=g.get("tree_budget", 0),
         seed=g["seed"],
@@ -302,12 +303,14 @@ class Worker:
         # "auto" verifies up to the drafter's block size.
         num_spec_tokens = (block_size if isinstance(block_size, int) else self.max_block_size) - 1
         acceptance = AcceptanceStats()
-        setup = (block_size, req.temperature > 0, req.min_confidence, req.lookup_fallback, req.tree_budget)
+        setup = (block_size, req.temperature > 0, req.min_confidence, req.lookup_fallback, req.tree_budget,
+                 req.confidence_threshold)  # fmt: skip
         stop = StopMatcher(req.stop)
         generation = {
             "ids": ids, "max_tokens": req.max_tokens, "block_size": block_size, "temperature": req.temperature,
             "top_p": req.top_p, "min_p": req.min_p, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty,
-            "min_confidence": req.min_confidence, "lookup_fallback": req.lookup_fallback, "seed": req.seed,
+            "min_confidence": req.min_confidence, "confidence_threshold": req.confidence_threshold,
+            "lookup_fallback": req.lookup_fallback, "seed": req.seed,
             "tree_budget": req.tree_budget if self.draft is not None else 0,
             "parse_reasoning": req.kind == CHAT and has_chat_template(self.tokenizer),
         }  # fmt: skip
