@@ -3,7 +3,10 @@ process (helpers/ranks.py), tiny fp32 targets built alike on every rank (helpers
 
 On every rank, DFlash on the sharded target gives the unsharded target's plain greedy tokens
 (tensor parallel on 2 and 3 ranks, including Qwen3.5's vocabulary-sharded head, and pipeline
-parallel, for a plain, a hybrid and an MLA family), and seeded sampling gives unsharded DFlash's tokens.
+parallel: mlx-lm's for a hybrid and an MLA family, ours for Qwen3, Llama and gpt-oss with sliding
+window layers and Gemma 4), and seeded sampling gives unsharded DFlash's tokens; a draft tree's
+target pass on our split gives one process's. A rank that leaves, mid-generation or during the load,
+ends the job with one line that names it.
 """
 
 import json
@@ -13,6 +16,7 @@ import signal
 import time
 import urllib.request
 
+import mlx.core as mx
 import pytest
 from helpers.ranks import finish, launch, python, start, stop
 from helpers.sharded import split_weights, write_pair
@@ -25,38 +29,54 @@ TIMEOUT = 240  # seconds for a whole launch, on two busy cores
 def _check(ranks, cases: list[str]) -> None:
     for r in ranks:
         assert r.returncode == 0, r.describe()
-    for r in ranks:
-        runs = {x["case"]: x for x in r.results() if "tokens" in x}
-        assert set(cases) <= set(runs), r.describe()
+    runs = [{x["case"]: x for x in r.results() if "tokens" in x} for r in ranks]
+    for r, mine in zip(ranks, runs):
+        assert set(cases) <= set(mine), r.describe()
         for case in cases:
-            assert runs[case]["tokens"] == runs[case]["reference"], f"{case} on rank {r.rank}"
+            # One process's tokens, run by rank 0 (a run on every rank would only cost time).
+            expected = runs[0][case]["reference"]
+            assert expected and mine[case]["tokens"] == expected, f"{case} on rank {r.rank}"
 
 
 # ":oracle": rank 0 drafts the target's own text, so every rank must verify exactly rank 0's drafts (a random
 # drafter's are rejected at once, whatever the other ranks verified).
+# The families mlx-lm does not pipeline (our own split of their layers), greedy and seeded; on 2 ranks Gemma 4's
+# last layer reuses layer 1's keys and values (rank 0 then runs layers 1..3).
+OWN_PIPELINES = ["qwen3", "llama", "gpt_oss", "gemma4"]
 GREEDY_ON_TWO = ["qwen3:tensor", "qwen3_5:tensor", "qwen3_5:pipeline", "kimi_k25:tensor", "kimi_k25:pipeline",
-                 "qwen3:tensor:oracle", "qwen3_5:pipeline:oracle"]  # fmt: skip
-SAMPLED_ON_TWO = ["qwen3_5:pipeline:7"]
+                 "qwen3:tensor:oracle", "qwen3_5:pipeline:oracle", "qwen3:pipeline", "llama:pipeline",
+                 "gpt_oss:pipeline", "gemma4_kv:pipeline", "gpt_oss:pipeline:oracle"]  # fmt: skip
+SAMPLED_ON_TWO = ["qwen3_5:pipeline:7"] + [f"{kind}:pipeline:7" for kind in OWN_PIPELINES]
+# A draft tree's pass on our split (the loop itself refuses trees on a sharded target for now).
+TREES_ON_TWO = ["qwen3:tree", "gemma4_kv:tree"]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     # One launch for every 2-rank case: most of a launch is starting Python and MLX on each rank.
-    return launch(2, python(SHARDED, *GREEDY_ON_TWO, *SAMPLED_ON_TWO), tmp_path_factory.mktemp("two"), TIMEOUT)
+    cases = [*GREEDY_ON_TWO, *SAMPLED_ON_TWO, *TREES_ON_TWO]
+    return launch(2, python(SHARDED, *cases), tmp_path_factory.mktemp("two"), TIMEOUT)
 
 
 def test_greedy_on_two_ranks_equals_plain_greedy(two_ranks):
     _check(two_ranks, GREEDY_ON_TWO)
 
 
-def test_greedy_on_three_ranks_equals_plain_greedy(tmp_path):
-    # Rank 2 holds one linear attention layer alone; rank 1 a dense layer of the MoE model.
+def test_greedy_and_seeded_on_three_ranks_equal_one_process(tmp_path):
+    # Rank 2 holds one linear attention layer alone; rank 1 a dense layer of the MoE model; of our own
+    # splits, rank 2 a sliding window layer alone and rank 1 a full attention layer alone.
     cases = ["qwen3_6h:tensor", "qwen3_5:pipeline", "kimi_k25:pipeline"]
+    cases += [f"{kind}:pipeline" for kind in OWN_PIPELINES] + [f"{kind}:pipeline:3" for kind in OWN_PIPELINES]
+    cases += ["llama:tree", "gpt_oss:tree", "gemma4:tree"]  # a draft tree's pass on our split
     _check(launch(3, python(SHARDED, *cases), tmp_path, TIMEOUT), cases)
 
 
 def test_seeded_sampling_equals_unsharded_dflash(two_ranks):
     _check(two_ranks, SAMPLED_ON_TWO)
+
+
+def test_a_draft_trees_pass_on_our_pipeline_equals_one_process(two_ranks):
+    _check(two_ranks, TREES_ON_TWO)
 
 
 @pytest.mark.parametrize(
@@ -103,6 +123,23 @@ def test_dflash_generate_on_several_ranks_prints_the_single_process_text(n, kind
         assert "model.safetensors" in downloads["someone/tiny-draft"]
 
 
+def test_dflash_generate_runs_the_toy_pair_on_two_ranks_as_one_process(tmp_path, capsys):
+    # The toy pair's Qwen3 target: tensor parallel by mlx-lm, and as a pipeline of our own split of its layers.
+    from dflash_mlx.tools.cli.generate import main
+
+    argv = ["--model", "dflash-tiny", "--temp", "0", "--prompt", "Once upon a time", "--max-tokens", "32",
+            "--verbose", "F"]  # fmt: skip
+    main(argv)
+    alone = capsys.readouterr().out
+    assert len(alone) > 40
+    for flag in ("--pipeline", "--tensor-parallel"):
+        # HOME: what the ranks measure and keep is kept in the test's folder, not the user's.
+        ranks = launch(2, python("-m", "dflash_mlx.tools.cli.generate", *argv, flag), tmp_path, TIMEOUT,
+                       env={"HOME": str(tmp_path)})  # fmt: skip
+        assert [r.returncode for r in ranks] == [0, 0], "\n".join(r.describe() for r in ranks)
+        assert (ranks[0].stdout, ranks[1].stdout) == (alone, ""), flag
+
+
 def _complete(url: str, body: dict) -> dict:
     request = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})  # fmt: skip
@@ -142,23 +179,36 @@ def test_dflash_serve_on_two_ranks_answers_as_one_process_does(tmp_path):
 
 
 def test_an_idle_dflash_serve_exits_when_a_rank_dies(tmp_path):
-    target, draft = write_pair(tmp_path / "pair", "qwen3_moe")
+    target, draft = write_pair(tmp_path / "pair", "qwen3")
     procs = start(2, python("-m", "dflash_mlx.tools.server.app", "--model", str(target), "--draft", str(draft), "--port", "0",
-                            "--pipeline"), tmp_path)  # fmt: skip
+                            "--pipeline"), tmp_path, env={"HOME": str(tmp_path)})  # fmt: skip
     try:
         deadline = time.monotonic() + TIMEOUT
         while "http://127.0.0.1:" not in (err := (tmp_path / "rank0.err").read_text()):
             assert time.monotonic() < deadline and procs[0].poll() is None, err
             time.sleep(0.2)
+        # After a request, idle: the watch kept from the load finds it at once (the heartbeat within seconds).
+        url = re.search(r"http://127\.0\.0\.1:\d+", err).group(0)
+        _complete(url, {"prompt": "t5 t17", "max_tokens": 4, "temperature": 0})
         procs[1].kill()
-        ranks = finish(procs, tmp_path, timeout=30)  # rank 0's heartbeat finds it within seconds
+        ranks = finish(procs, tmp_path, timeout=30)
     finally:
         stop(procs)
-    assert ranks[0].returncode > 0, ranks[0].describe()  # exited by itself with an error, not ended by us
+    assert _gone(ranks[0]), ranks[0].describe()
+
+
+def _gone(rank) -> bool:
+    # Exited by itself (not ended by us) with the one line that names the rank that went away (last: MLX's
+    # ring may print lines of its own before it; a server's log line starts with the time).
+    last = (rank.stderr.strip().splitlines() or [""])[-1]
+    return rank.returncode > 0 and last.endswith(
+        "Rank 1 of this sharded job went away (its connection was lost): exiting."
+    )
 
 
 def test_a_killed_rank_ends_the_job(tmp_path):
-    procs = start(2, python(SHARDED, "qwen3:tensor", "--max-tokens", "1000000", "--no-reference"), tmp_path)
+    # Rank 1 of 3, mid-generation: rank 0 finds it, and tells rank 2, which holds a connection to rank 0 only.
+    procs = start(3, python(SHARDED, "qwen3:pipeline", "--max-tokens", "1000000", "--no-reference"), tmp_path)
     try:
         deadline = time.monotonic() + TIMEOUT
         while "started" not in (tmp_path / "rank0.out").read_text():
@@ -168,8 +218,21 @@ def test_a_killed_rank_ends_the_job(tmp_path):
         ranks = finish(procs, tmp_path, timeout=30)
     finally:
         stop(procs)
-    assert ranks[0].returncode > 0, ranks[0].describe()  # exited by itself with an error, not ended by us
-    assert "went away" in ranks[0].stderr, ranks[0].describe()  # the watch beside the ring found it
+    assert _gone(ranks[0]) and _gone(ranks[2]), "\n".join(r.describe() for r in ranks)
+
+
+def test_a_rank_that_fails_its_sharded_load_ends_the_job(tmp_path):
+    # Rank 1 lacks the file of its layer 0 and stops; rank 0, which has its own layers, would wait for it for
+    # good in the load's last collective.
+    target, draft = write_pair(tmp_path / "pair", "qwen3")
+    files = split_weights(target)
+    (target / files[1]).unlink()
+    argv = ["--model", str(target), "--draft", str(draft), "--prompt", "t5 t17", "--max-tokens", "4", "--pipeline"]
+    ranks = launch(
+        2, python("-m", "dflash_mlx.tools.cli.generate", *argv), tmp_path, TIMEOUT, env={"HOME": str(tmp_path)}
+    )
+    assert ranks[1].returncode > 0 and files[1] in ranks[1].stderr, ranks[1].describe()
+    assert _gone(ranks[0]), ranks[0].describe()
 
 
 @pytest.mark.parametrize(
@@ -200,3 +263,83 @@ def test_a_sharded_target_refuses_block_size_auto():
 
     with pytest.raises(DFlashError, match="pass a fixed block size"):
         check_sharded(None, None, choose_width=True)
+
+
+class _Group:
+    # A rank of a world, for the layout alone (nothing is sent).
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("size, split", [(2, None), (3, None), (3, [1, 2, 3])])
+def test_our_split_keeps_the_layers_mlx_lm_pipeline_keeps(size, split):
+    # The same run of layers on each rank as mlx-lm's PipelineMixin (qwen2 has one), the same global indices.
+    from helpers.sharded import COMMON
+    from mlx_lm.models import qwen2, qwen3
+
+    from dflash_mlx.models.stages import Stage, split_decoder
+
+    layers = {**COMMON, "num_hidden_layers": 6, "tie_word_embeddings": True}
+    for rank in range(size):
+        theirs = qwen2.Model(qwen2.ModelArgs.from_dict({**layers, "model_type": "qwen2"})).model
+        theirs.pipeline(_Group(rank, size), split=split)
+        ours = qwen3.Model(qwen3.ModelArgs.from_dict({**layers, "model_type": "qwen3"})).model
+        kept = ours.layers[:]
+        split_decoder(ours, _Group(rank, size), split)
+        assert [x is None for x in ours.layers] == [x is None for x in theirs.layers]
+        assert (ours.start_idx, ours.end_idx) == (theirs.start_idx, theirs.end_idx)
+        assert [(i, id(x)) for i, x in Stage(ours, 6).layers] == [
+            (i, id(kept[i])) for i in range(ours.start_idx, ours.end_idx)
+        ]
+
+
+def test_a_gemma_4_pipeline_keeps_the_layers_that_reuse_keys_with_the_layer_they_reuse():
+    from helpers.sharded import build_target
+
+    from dflash_mlx.base.errors import DFlashError
+    from dflash_mlx.models import gemma
+
+    model = build_target("gemma4_kv")  # layer 3 reuses layer 1's keys and values
+    assert gemma.pipeline_split(model, 2, None) == [3, 1]
+    assert gemma.pipeline_split(model, 2, [3, 1]) == [3, 1]
+    assert gemma.pipeline_split(build_target("gemma4"), 2, None) is None  # mlx-lm's even split
+    with pytest.raises(DFlashError, match="rank 0 must run its last 3 layers"):
+        gemma.pipeline_split(model, 2, [2, 2])
+    with pytest.raises(DFlashError, match="use fewer ranks"):
+        gemma.pipeline_split(model, 3, None)
+
+
+def test_max_kv_size_is_refused_on_a_target_we_split():
+    # mlx-lm's own pass (that a rotating window is fed by) cannot run the layers of our split.
+    from helpers.sharded import build_target
+
+    from dflash_mlx.base.errors import DFlashError
+    from dflash_mlx.models.stages import split_decoder
+    from dflash_mlx.tools.session import Session
+
+    model = build_target("llama")
+    split_decoder(model.model, _Group(0, 2))
+    with pytest.raises(DFlashError, match="leave --max-kv-size out"):
+        Session(model, None, None).make_cache(max_kv_size=64)
+
+
+def test_the_compiled_cpu_steps_run_the_layers_of_a_stage_of_our_split():
+    from helpers.sharded import build_target
+
+    from dflash_mlx.cpu.speedups import CPU_SPEEDUPS
+    from dflash_mlx.models import target as tgt
+    from dflash_mlx.models.families import make_target_cache
+    from dflash_mlx.models.stages import Stage, split_decoder
+
+    model = build_target("qwen3")
+    split_decoder(model.model, _Group(1, 2))  # layers 0 and 1 of 4
+    stage, cache = Stage(model.model, 4), make_target_cache(model)
+    h = model.model.embed_tokens(mx.array([[5, 6, 7, 8]]))
+    steps = tgt._cpu_steps(model, h, cache, tgt._layer_masks(model, h, cache, stage), CPU_SPEEDUPS, stage)
+    assert len(cache) == 2 and steps is not None and len(steps) == 2

@@ -12,6 +12,7 @@ chosen (``models.quantized``). Nothing shipped inside a checkpoint is ever execu
 from functools import partial
 from pathlib import Path
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -28,6 +29,7 @@ from .registry import look_up
 from .sharding import check_sharding_options, world_size
 from .target_checks import check_target, vet_hub_target
 from .target_loader import build_target, select_files
+from .watch import watch_load
 
 
 def load(
@@ -63,7 +65,8 @@ def load(
           (``"on"``). Elsewhere the target is mlx-lm's, unchanged; ``"on"`` there is an error.
         parallel: Under ``mlx.launch`` with several ranks, how the target is split over them
           (:mod:`dflash_mlx.loading.sharding`): ``"tensor"`` (mlx-lm's ``model.shard``) or
-          ``"pipeline"`` (``model.model.pipeline``; rank 0 runs the last layers). None (default):
+          ``"pipeline"`` (rank 0 runs the last layers: ``model.model.pipeline`` where mlx-lm has it, else
+          :func:`dflash_mlx.models.stages.split_decoder`, in the same layout). None (default):
           tensor parallel where mlx-lm has it for the family, else the pipeline; on one rank, whole.
           The drafter is whole on every rank.
         pipeline_split: Layers per rank for the pipeline, rank 0's first (default: even).
@@ -78,6 +81,10 @@ def load(
     """
     check_load_options(dtype=dtype, kernels=kernels)
     check_sharding_options(parallel, pipeline_split)
+    if world_size() > 1:
+        # From here on a rank that dies (or fails: a file it lacks) ends the others, which would otherwise
+        # wait for it for good in the load's last collective.
+        watch_load(mx.distributed.init())
     names = look_up(name_pair(model, draft))
     # Several ranks: a hub target's files downloaded as each rank's shard needs them.
     select = partial(select_files, parallel=parallel, pipeline_split=pipeline_split) if world_size() > 1 else None

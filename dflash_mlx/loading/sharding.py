@@ -3,7 +3,8 @@
 Under ``mlx.launch`` every rank loads the same pair: the target lazily, then split by mlx-lm's
 ``model.shard(group)`` (tensor parallel: each rank a slice of every layer) or
 ``model.model.pipeline(group)`` (pipeline parallel: each rank a run of layers, rank 0 the last
-ones), and only then read, so that a rank reads only the weights it keeps. The drafter is
+ones; for the families mlx-lm does not pipeline, the same layout by
+:func:`dflash_mlx.models.stages.split_decoder`), and only then read, so that a rank reads only the weights it keeps. The drafter is
 whole on every rank. How generation then runs on all of them: :mod:`dflash_mlx.loop.distributed`.
 
 From the hub, a pipeline rank downloads only the files of a sharded checkpoint that hold its
@@ -15,15 +16,19 @@ import re
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.pipeline import PipelineMixin
 
 from ..base.errors import DFlashError
-from ..models import hybrid, kimi
+from ..models import gemma, stages
+from ..models import target as tgt
+from .watch import end_load_watch
 
 PARALLEL = ("tensor", "pipeline")
 # A checkpoint tensor's layer number, matched as mlx-lm's sharded_load does (sanitize may rename the rest).
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-# The families whose mlx-lm decoder pipelines (PipelineMixin) and whose taps we walk.
-PIPELINE_MODEL_TYPES = ("qwen2", "qwen3_moe") + hybrid.HYBRID_MODEL_TYPES + kimi.KIMI_MODEL_TYPES
+# The families whose taps we walk, each pipelined by mlx-lm (PipelineMixin) or split by
+# stages.split_decoder into the same layout.
+PIPELINE_MODEL_TYPES = tgt.SUPPORTED_MODEL_TYPES
 _ALONE = (
     "parallel={parallel!r} splits the target over several ranks, but this process is alone. "
     "Start it with mlx.launch (e.g. mlx.launch -n 2 -- dflash-generate ...)."
@@ -54,7 +59,7 @@ def shard_target(model: nn.Module, parallel: str | None, pipeline_split: list[in
     """Split ``model`` (loaded lazily) over the world group; returns how, or None when alone.
 
     ``parallel`` None picks tensor parallelism where mlx-lm has it for the family, else the
-    pipeline. The weights a rank keeps are read here, then the ranks wait for each other.
+    pipeline. The weights a rank keeps are read by :func:`read_shards`.
 
     Raises:
         DFlashError: If ``parallel`` is given on one rank, or the family cannot be split that way.
@@ -69,18 +74,27 @@ def shard_target(model: nn.Module, parallel: str | None, pipeline_split: list[in
         if parallel == "tensor":
             model.shard(group)
         else:
-            model.model.pipeline(group, split=pipeline_split)
+            pipeline(model, group, pipeline_split)
     except (AssertionError, ValueError) as e:
         raise DFlashError(f"Could not split the {model.model_type} target over {group.size()} ranks ({e}).") from e
-    mx.eval(model.parameters())
-    # Every rank has its weights before any of them starts (as mlx-lm's sharded_load).
-    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return parallel
+
+
+def read_shards(model: nn.Module) -> None:
+    """Read the weights this rank keeps of a split ``model``, then wait for the other ranks."""
+    group = mx.distributed.init()
+    try:
+        mx.eval(model.parameters())
+        # Every rank has its weights before any of them starts (as mlx-lm's sharded_load).
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    except RuntimeError:
+        end_load_watch(done=False)  # a rank that left the load is named, if it is gone
+        raise
 
 
 def kept_layers(model: nn.Module) -> range | None:
     """The layers a pipeline rank runs, or None when it holds a part of every layer (or all of them)."""
-    inner = getattr(model, "model", None)
+    inner = getattr(tgt._text(model), "model", None)
     if getattr(inner, "pipeline_size", 1) == 1:
         return None
     return range(inner.start_idx, inner.end_idx)
@@ -99,10 +113,27 @@ def rank_files(model: nn.Module, weight_map: dict[str, str], parallel: str | Non
     if world_size() == 1 or _choose(model, parallel) != "pipeline":
         return set(weight_map.values())
     try:
-        model.model.pipeline(mx.distributed.init(), split=pipeline_split)
+        pipeline(model, mx.distributed.init(), pipeline_split)
     except ValueError as e:
         raise DFlashError(f"Could not split the {model.model_type} target over {world_size()} ranks ({e}).") from e
     return layer_files(weight_map, kept_layers(model))
+
+
+def pipeline(model: nn.Module, group: mx.distributed.Group, split: list[int] | None = None) -> None:
+    """Split ``model``'s decoder over ``group`` as a pipeline: by mlx-lm's own ``pipeline`` where the
+    family has one, else into the same layout (:func:`dflash_mlx.models.stages.split_decoder`).
+
+    Raises:
+        ValueError: On a ``split`` that does not fit the layers; DFlashError: on one that parts a
+          Gemma 4 layer from the layer whose keys and values it reuses.
+    """
+    inner = tgt.decoder(model)
+    if isinstance(inner, PipelineMixin):
+        inner.pipeline(group, split=split)
+        return
+    if model.model_type in gemma.GEMMA_MODEL_TYPES:
+        split = gemma.pipeline_split(model, group.size(), split)
+    stages.split_decoder(inner, group, split)
 
 
 def layer_files(weight_map: dict[str, str], layers: range | None) -> set[str]:
@@ -119,7 +150,7 @@ def _choose(model: nn.Module, parallel: str | None) -> str:
     # None picks tensor parallelism where mlx-lm has it for the family, else the pipeline.
     model_type = model.model_type
     can_tensor = hasattr(model, "shard")
-    can_pipeline = hasattr(model.model, "pipeline") and model_type in PIPELINE_MODEL_TYPES
+    can_pipeline = model_type in PIPELINE_MODEL_TYPES
     parallel = parallel or ("tensor" if can_tensor else "pipeline" if can_pipeline else None)
     if parallel is None or (parallel == "tensor" and not can_tensor):
         raise DFlashError(

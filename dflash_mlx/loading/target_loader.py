@@ -12,7 +12,7 @@ from mlx_lm.utils import load_model, load_tokenizer
 from ..base.errors import DFlashError
 from .folders import PairSource, parse_config, read_config, read_pair
 from .hub import PairFolders
-from .sharding import kept_layers, layer_files, rank_files, shard_target, world_size
+from .sharding import kept_layers, layer_files, rank_files, read_shards, shard_target, world_size
 from .target_checks import check_target
 
 INDEX = "model.safetensors.index.json"
@@ -48,6 +48,8 @@ def build_target(
             f"The target folder {path} lacks {', '.join(lacking)}, which {whose} needs. Download the whole "
             "checkpoint, or pass the target's hub id: each rank then downloads the files it needs."
         )
+    if several:
+        read_shards(model)
     try:
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:

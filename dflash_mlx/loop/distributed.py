@@ -9,32 +9,23 @@ were accepted, and the next cycle's drafts, or that generation stops. The others
 same drafts (their share of the pass) and keep what rank 0 kept (cut to the same budget),
 never their own verdict, so they cannot drift apart even where machines' timings or rounding
 differ. A rank that dies mid-generation ends the others through a TCP connection beside the
-collectives (:meth:`Peers.watch`).
+collectives (:meth:`Peers.watch`), naming it.
 
 The loop knows none of this: :func:`on_ranks` wraps its proposer and verifier, on rank 0 in
 :class:`LeadProposer` and :class:`LeadVerifier`, which tell the others, and on the others in
 :class:`FollowProposer` and :class:`FollowVerifier`, which take what rank 0 told.
 """
 
-import json
-import logging
-import os
-import socket
-import threading
-
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..base.errors import DFlashError
+from ..loading.watch import RankWatch, end_load_watch, hand_over
 from ..models import drafter2
 from ..models import target as tgt
 from .options import LoopOptions
 from .proposal import ContextTaker, Proposal, Proposer
 from .verify import Verdict, Verifier
-
-log = logging.getLogger("dflash_mlx")
-_BYE = b"\x01"  # a rank's last collective of the generation is done: its connection may close
-_CONNECT_S = 30.0
 
 _SHARDED = (
     nn.AllToShardedLinear,
@@ -103,55 +94,27 @@ class Peers:
         self.verdict: tuple[list[int], int] | None = None  # rank 0's latest, not yet told
         self.sent: tuple[int, Proposal] | None = None  # rank 0's drafts the others verify next (after last)
         self.drafts: Proposal | None = None  # the drafts rank 0 sent last (None: it stopped)
-        self.links: list[socket.socket] = []
-        self.closing = False
+        self.ranks: RankWatch | None = None  # the generation's watch on the other ranks
 
     def watch(self) -> None:
         """Beside MLX's collectives, a TCP connection between rank 0 and each other rank for the
-        generation: a rank whose peer goes away before the last message exits (1) at once, as
-        MLX's ring ``all_sum`` can block for good when a peer dies instead of failing. Rank 0's
-        address comes from ``mlx.launch`` (ring hostfile or JACCL coordinator); without one, no watch."""
+        generation (:class:`~dflash_mlx.loading.watch.RankWatch`): a rank whose peer goes away before
+        the last message exits (1) at once, naming that rank. It takes over from the load's watch."""
         if self.group is None:
             return
-        host, server, port = _leader_host(), None, 0
-        if self.leads and host is not None:
-            server = socket.create_server((host, 0))
-            server.settimeout(_CONNECT_S)
-            port = server.getsockname()[1]
-        port = mx.distributed.all_sum(mx.array([port], dtype=mx.int32), group=self.group, stream=mx.cpu).item()
+        self.ranks = RankWatch(self.group)
         try:
-            if server is not None:
-                self.links = [server.accept()[0] for _ in range(self.group.size() - 1)]
-                server.close()
-            elif port and host is not None:
-                self.links = [socket.create_connection((host, port), timeout=_CONNECT_S)]
-        except OSError as e:
-            log.warning("No watch on the other ranks for this generation (%s).", e)
-        for link in self.links:
-            link.settimeout(None)
-            threading.Thread(target=self._watch, args=(link,), daemon=True).start()
-
-    def _watch(self, link: socket.socket) -> None:
-        try:
-            said = link.recv(1)
-        except OSError:
-            said = b""
-        if said != _BYE and not self.closing:
-            log.error("A rank of this sharded generation went away (its connection was lost): exiting.")
-            logging.shutdown()
-            os._exit(1)
+            self.ranks.start()
+        except RuntimeError:
+            end_load_watch(done=False)  # a rank left before this generation: named, if it is gone
+            raise
+        hand_over()
 
     def close(self) -> None:
         """End the watch: the peers are told goodbye when the last message went round, else they exit."""
-        self.closing = True
-        for link in self.links:
-            try:
-                if self.done:
-                    link.sendall(_BYE)
-                link.close()
-            except OSError:
-                pass
-        self.links = []
+        if self.ranks is not None:
+            self.ranks.close(done=self.done)
+            self.ranks = None
 
     def settle(
         self, kept: list[int], num_accepted: int, drafts: Proposal | None
@@ -188,19 +151,6 @@ class Peers:
         """The others: rank 0's verdict (no tokens: it left); its drafts after it wait in ``drafts``."""
         tokens, num_accepted, self.drafts = self.settle([], 0, None)
         return tokens, num_accepted
-
-
-def _leader_host() -> str | None:
-    # Rank 0's address as mlx.launch gave it: the ring's hostfile, or JACCL's coordinator.
-    try:
-        if path := os.environ.get("MLX_HOSTFILE"):
-            with open(path) as f:
-                return json.load(f)[0][0].rpartition(":")[0] or None
-        if coordinator := os.environ.get("MLX_JACCL_COORDINATOR"):
-            return coordinator.rpartition(":")[0] or None
-    except (OSError, ValueError, IndexError, TypeError, AttributeError):
-        pass
-    return None
 
 
 class LeadVerifier:

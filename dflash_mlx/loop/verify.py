@@ -12,11 +12,13 @@ from functools import cached_property, partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..base.errors import DFlashError
 from ..cpu.speedups import CpuSpeedups
 from ..kernels import greedy_accept
 from ..models import target as tgt
 from ..models.caches import fed_as_mlx_lm, keep_path
 from ..models.families import family
+from ..models.stages import own_split
 from ..models.tree import DraftTree
 from ..sampling import Sampler, accept_one_hot, sample_rows, speculative_accept
 from .cache import DFlashCache
@@ -157,6 +159,11 @@ class Verifier:
         if self.rotating:
             # A rotating window (plain decoding only, so no taps): mlx-lm's own pass, as
             # mlx_lm generate runs it, since the window's state depends on how it is fed.
+            if own_split(tgt.decoder(self.model)):
+                raise DFlashError(
+                    "A rotating window cache (--max-kv-size) is fed by mlx-lm's own pass, which cannot run a "
+                    f"{self.model.model_type} target split as a pipeline by DFlash: leave --max-kv-size out."
+                )
             return self.model(tokens, cache=self.cache.target), None
         return tgt.forward_with_taps(
             self.model, tokens, self.cache.target, self.tap_ids, self.speedups, last_logits, fold

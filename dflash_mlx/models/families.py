@@ -10,13 +10,18 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from . import gemma, hybrid
+from . import gemma, hybrid, target
 from .sliding import SlidingKVCache
+from .stages import Stage, own_split, stage_caches
 
 
 def _mlx_lm_cache(model: nn.Module, kernels: str) -> list[Any]:
     # mlx-lm's own caches, except that a rotating window (which cannot drop a rejected draft once it has
     # wrapped around) becomes a sliding cache of the same window.
+    if own_split(model.model):
+        # mlx-lm's make_cache would walk the layers this stage dropped: its own layers' alone, by kind.
+        stage = Stage(model.model, target.num_layers(model))
+        return stage_caches(target.layer_kinds(model), target.sliding_window(model), stage)
     caches = make_prompt_cache(model)
     return [SlidingKVCache(c.max_size) if type(c) is RotatingKVCache and c.keep == 0 else c for c in caches]
 

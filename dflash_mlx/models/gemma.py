@@ -24,6 +24,7 @@ from mlx_lm.models.gemma4_text import logit_softcap
 
 from ..base.errors import DFlashError
 from .sliding import SlidingKVCache
+from .stages import Stage, even_split, stage_caches, stage_masks
 
 GEMMA_MODEL_TYPES = ("gemma4_text", "gemma4", "gemma4_unified")
 
@@ -43,10 +44,53 @@ def make_cache(model: nn.Module) -> list[Any]:
     """The caches of the layers that keep keys and values (not the layers that reuse an earlier
     layer's): a :class:`SlidingKVCache` for a sliding-window layer, a ``KVCache`` for the others."""
     args = text_model(model).args
+    stage = Stage(text_model(model).model, args.num_hidden_layers)
+    if stage.size > 1:
+        return stage_caches(args.layer_types, args.sliding_window, stage)[: max(0, _first_shared(args) - stage.start)]
     return [
         SlidingKVCache(args.sliding_window) if kind == "sliding_attention" else KVCache()
-        for kind in args.layer_types[: args.num_hidden_layers - args.num_kv_shared_layers]
+        for kind in args.layer_types[: _first_shared(args)]
     ]
+
+
+def _first_shared(args: Any) -> int:
+    # The first layer that reuses an earlier layer's keys and values (the number of layers: none).
+    return args.num_hidden_layers - args.num_kv_shared_layers
+
+
+def pipeline_split(model: nn.Module, size: int, split: list[int] | None) -> list[int] | None:
+    """The layers per rank (rank 0's first) of a pipeline over ``size`` ranks: ``split``, or
+    None for mlx-lm's even split, unless layers that reuse an earlier layer's keys and values
+    would be on another rank than that layer: rank 0, which runs the last layers, then runs
+    all of them from the first layer they reuse.
+
+    Raises:
+        DFlashError: If ``split`` puts such a layer apart from the one it reuses, or the ranks
+          are too many for the layers left to the others.
+    """
+    inner = text_model(model).model
+    args = text_model(model).args
+    n, first = args.num_hidden_layers, _first_shared(args)
+    if first == n:
+        return split
+    together = n - min(inner.previous_kvs[first:])  # rank 0's layers at least
+    if split is not None and split[0] < together:
+        raise DFlashError(
+            f"This Gemma 4 target's last {n - first} layers reuse the keys and values of layers from layer "
+            f"{n - together} on, so rank 0 must run its last {together} layers (got --pipeline-split "
+            f"{','.join(map(str, split))}): give rank 0 at least {together}, or leave --pipeline-split out."
+        )
+    if split is not None:
+        return split
+    even = even_split(n, size)
+    if even[0] >= together:
+        return None
+    if n - together < size - 1:
+        raise DFlashError(
+            f"This Gemma 4 target's last {together} layers reuse keys and values among themselves and must "
+            f"run on one rank, which leaves {n - together} layers for the other {size - 1} ranks: use fewer ranks."
+        )
+    return [together] + even_split(n - together, size - 1)
 
 
 def softcap(model: nn.Module, logits: mx.array) -> mx.array:
@@ -106,35 +150,38 @@ def forward_with_taps(
     captured: Any,
     start_every: int = 0,
     masks: list[mx.array] | None = None,
+    stage_layers: int | None = None,
 ) -> mx.array:
     """The Gemma 4 decoder walked layer by layer, as mlx-lm's ``Gemma4TextModel.__call__``: the
     last layer's output before the final norm; each layer in ``tap_ids`` has its output set in
     ``captured`` (a dict, or ``target.FoldedTaps``). ``masks``: one per cached layer (a draft
-    tree's), instead of the model's own; a layer that reuses another's keys takes its mask."""
+    tree's), instead of the model's own; a layer that reuses another's keys takes its mask.
+    A pipelined target runs its stage's layers (``stage_layers``: the target's number of layers;
+    :class:`~dflash_mlx.models.stages.Stage`), whose ``cache`` is its own layers'."""
     inner = text_model(model).model
+    stage = Stage(inner, len(inner.layers) if stage_layers is None else stage_layers)
     embedding = inner.embed_tokens(tokens)
     h = embedding * inner.embed_scale
-    n = len(inner.layers)
-    per_layer = [None] * n
+    per_layer = {}
     if inner.hidden_size_per_layer_input:
         inputs = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(tokens, embedding))
-        per_layer = [inputs[:, :, i, :] for i in range(n)]  # (B, L, hidden_size_per_layer_input) each
+        per_layer = {i: inputs[:, :, i, :] for i, _ in stage.layers}  # (B, L, hidden_size_per_layer_input) each
     # Layers that reuse an earlier layer's keys and values keep no cache of their own.
-    cache = list(cache) + [None] * (n - len(cache))
+    cache = list(cache) + [None] * (len(stage.layers) - len(cache))
     if masks is None:
-        masks = inner._make_masks(h, cache)
+        kinds = text_model(model).args.layer_types
+        masks = stage_masks(h, cache, kinds, inner.window_size, stage)
     else:
-        masks = [masks[source] for source in inner.previous_kvs]
-    shared = [(None, None)] * n  # each layer's (keys, values) and RoPE offset, for the layers reusing them
+        masks = [masks[inner.previous_kvs[i] - stage.start] for i, _ in stage.layers]  # the stage's own caches
+    h = stage.receive(h, captured)
+    shared = {}  # each layer's (keys, values) and RoPE offset, for the layers reusing them
     wanted = set(tap_ids)
-    for i, (layer, c, mask, source, layer_input) in enumerate(
-        zip(inner.layers, cache, masks, inner.previous_kvs, per_layer)
-    ):
-        kvs, offset = shared[source]
-        h, kvs, offset = layer(h, mask, c, per_layer_input=layer_input, shared_kv=kvs, offset=offset)
+    for (i, layer), c, mask in zip(stage.layers, cache, masks):
+        kvs, offset = shared.get(inner.previous_kvs[i], (None, None))
+        h, kvs, offset = layer(h, mask, c, per_layer_input=per_layer.get(i), shared_kv=kvs, offset=offset)
         shared[i] = (kvs, offset)
         if i in wanted:
             captured[i] = h
-        if start_every and (i + 1) % start_every == 0 and i + 1 < n:
+        if start_every and (i + 1) % start_every == 0 and i + 1 < stage.end:
             mx.async_eval(h)
-    return h
+    return stage.finish(h, captured, tap_ids)

@@ -15,12 +15,78 @@ rank 0's final state to every rank. The tap walkers do the same, and carry the t
   it has exactly one rank that is not zero, so the sum is exact.
 
 A target that is not pipelined is one stage of all its layers, and nothing is sent.
+
+For the families mlx-lm does not pipeline (Qwen3, Llama, gpt-oss, Gemma 4), :func:`split_decoder`
+gives their decoder the same layout and the attributes the stage reads; it leaves the model's
+own ``__call__`` unable to run it, so only the walkers here run it, and the caches of a stage
+(:func:`stage_caches`) are those of its own layers, as mlx-lm's pipelined models make them.
 """
 
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.pipeline import PipelineMixin
+
+from .sliding import SlidingKVCache
+
+
+def even_split(num_layers: int, size: int) -> list[int]:
+    """Layers per rank, rank 0's first, as mlx-lm's ``PipelineMixin`` splits by default (the low
+    ranks get the extra layers)."""
+    base, extra = divmod(num_layers, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def split_decoder(inner: nn.Module, group: mx.distributed.Group, split: list[int] | None = None) -> None:
+    """Keep on this rank the run of ``inner``'s layers that mlx-lm's ``PipelineMixin.pipeline``
+    would keep (the last ones on rank 0, the first on the highest rank; layers before the run are
+    None, those after it dropped, so that the weights keep their layer numbers), and set the
+    attributes :class:`Stage` reads. For a decoder mlx-lm does not pipeline.
+
+    Raises:
+        ValueError: If ``split`` does not give every rank at least one layer of the decoder's.
+    """
+    n = len(inner.layers)
+    split = even_split(n, group.size()) if split is None else list(split)
+    if len(split) != group.size():
+        raise ValueError(f"split has {len(split)} entries for group size {group.size()}")
+    if any(s <= 0 for s in split) or sum(split) != n:
+        raise ValueError(f"split {split} must be positive and sum to {n} layers")
+    inner.pipeline_rank, inner.pipeline_size = group.rank(), group.size()
+    inner.start_idx = sum(split[group.rank() + 1 :])
+    inner.end_idx = inner.start_idx + split[group.rank()]
+    inner.layers = [None] * inner.start_idx + inner.layers[inner.start_idx : inner.end_idx]
+
+
+def own_split(inner: nn.Module) -> bool:
+    """Whether ``inner`` was split by :func:`split_decoder` (not by mlx-lm's own pipeline)."""
+    return getattr(inner, "pipeline_size", 1) > 1 and not isinstance(inner, PipelineMixin)
+
+
+def stage_caches(kinds: list[str] | None, window: int | None, stage: "Stage") -> list[Any]:
+    """The caches of ``stage``'s layers, by each one's kind in the whole decoder's ``kinds``
+    (``layer_types``; None: all full attention): a sliding window layer's :class:`SlidingKVCache`,
+    else a ``KVCache``."""
+    sliding = [kinds is not None and kinds[i] == "sliding_attention" for i, _ in stage.layers]
+    return [SlidingKVCache(window) if s else KVCache() for s in sliding]
+
+
+def stage_masks(h: mx.array, cache: list[Any], kinds: list[str] | None, window: int | None, stage: "Stage") -> list:
+    """One attention mask per layer of ``stage`` (paired with ``cache``, its own layers'), by each
+    layer's kind in the whole decoder (``kinds``: ``layer_types``, None for all full attention),
+    each kind's made from the first of the stage's caches of that kind (they all hold as much)."""
+    made: dict[str, Any] = {}
+    masks = []
+    for (i, _), c in zip(stage.layers, cache):
+        kind = "full_attention" if kinds is None else kinds[i]
+        if kind not in made:
+            sliding = kind == "sliding_attention"
+            made[kind] = create_attention_mask(h, c, window_size=window if sliding else None)
+        masks.append(made[kind])
+    return masks
 
 
 class Stage:

@@ -12,13 +12,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen3
-from mlx_lm.models.base import create_attention_mask, gather_last_axis
+from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import KVCache
 
 from ..cpu import compiled_layers, fast_math
 from ..cpu.speedups import CpuSpeedups
 from . import gemma, hybrid, kimi
-from .stages import Stage
+from .stages import Stage, stage_masks
 from .tree import DraftTree, tree_caches
 
 # mlx-lm model families whose decoder we know how to walk layer by layer.
@@ -35,27 +35,32 @@ def _text(model: nn.Module) -> nn.Module:
     return getattr(model, "language_model", model)
 
 
-def _gpt_oss_masks(inner: nn.Module, h: mx.array, cache: list[Any]) -> list:
-    # gpt-oss alternates sliding-window and full attention layers (its layer_types), as
-    # mlx-lm's GptOssMoeModel builds them: one mask of each kind, from a layer of that kind.
-    full = create_attention_mask(h, cache[inner.ga_idx])
-    swa = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.window_size)
-    return [full if kind == "full_attention" else swa for kind in inner.layer_types]
+def layer_kinds(model: nn.Module) -> list[str] | None:
+    """Each decoder layer's kind (``layer_types``: sliding or full attention) by its index in the
+    whole target, or None where every layer attends to all positions."""
+    if model.model_type in gemma.GEMMA_MODEL_TYPES:
+        return _text(model).args.layer_types
+    if model.model_type in ("llama", "gpt_oss"):
+        return model.model.layer_types
+    return None
 
 
-def _layer_masks(model: nn.Module, h: mx.array, cache: list[Any]) -> list:
-    inner = model.model
+def sliding_window(model: nn.Module) -> int | None:
+    """The window of the target's sliding window layers (None: it has none)."""
     if model.model_type == "gpt_oss":
-        return _gpt_oss_masks(inner, h, cache)
+        return model.model.window_size
+    if model.model_type in ("llama",) + gemma.GEMMA_MODEL_TYPES:
+        return _text(model).args.sliding_window
+    return None
+
+
+def _layer_masks(model: nn.Module, h: mx.array, cache: list[Any], stage: Stage | None = None) -> list:
+    # One mask per layer of the stage, by each layer's kind at its index in the whole target:
+    # gpt-oss and some Llamas alternate sliding window and full attention layers.
     if model.model_type in kimi.KIMI_MODEL_TYPES:
-        return kimi.layer_masks(inner, h, cache)
-    if model.model_type == "llama":
-        fa = create_attention_mask(h, cache[inner.fa_idx])
-        if inner.swa_idx is None:
-            return [fa] * len(inner.layers)
-        swa = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.sliding_window)
-        return [swa if layer.use_sliding else fa for layer in inner.layers]
-    return [create_attention_mask(h, cache[0])] * len(inner.layers)
+        return kimi.layer_masks(model.model, h, cache)
+    stage = Stage(model.model, num_layers(model)) if stage is None else stage
+    return stage_masks(h, cache, layer_kinds(model), sliding_window(model), stage)
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,11 @@ def target_shape(model: nn.Module) -> TargetShape:
 def text_args(model: nn.Module) -> Any:
     """The text model's ``ModelArgs`` (a vision-language checkpoint's, not its wrapper's)."""
     return _text(model).args
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The text decoder (mlx-lm's ``model.model``; a vision-language target's text model's)."""
+    return _text(model).model
 
 
 def num_layers(model: nn.Module) -> int:
@@ -207,9 +217,10 @@ def cpu_block(
 _CPU_STEPS: dict[tuple[int, CpuSpeedups], tuple[tuple[int, ...], list | None]] = {}
 
 
-def _plain_layers(model: nn.Module, speedups: CpuSpeedups) -> list[compiled_layers.LayerSteps] | None:
+def _plain_layers(
+    model: nn.Module, layers: list[nn.Module], speedups: CpuSpeedups
+) -> list[compiled_layers.LayerSteps] | None:
     block = CPU_BLOCKS.get(model.model_type)
-    layers = model.model.layers
     plain = block is not None and all(
         type(layer) is block
         and not getattr(layer, "use_sliding", False)
@@ -224,9 +235,14 @@ def _plain_layers(model: nn.Module, speedups: CpuSpeedups) -> list[compiled_laye
 
 
 def _cpu_steps(
-    model: nn.Module, h: mx.array, cache: list[Any], masks: list, speedups: CpuSpeedups | None
+    model: nn.Module,
+    h: mx.array,
+    cache: list[Any],
+    masks: list,
+    speedups: CpuSpeedups | None,
+    stage: Stage | None = None,
 ) -> list[compiled_layers.LayerSteps] | None:
-    # The compiled steps of every layer, or None to run mlx-lm's own: only layers the steps
+    # The compiled steps of the stage's layers, or None to run mlx-lm's own: only layers the steps
     # reproduce exactly, with plain caches and causal masks; a pass shorter than min_tokens
     # (plain decoding's step) stays mlx-lm's own.
     if not (
@@ -238,17 +254,21 @@ def _cpu_steps(
         and all(isinstance(m, str) and m == "causal" for m in masks)
     ):
         return None
-    return cpu_layer_steps(model, speedups)
+    return cpu_layer_steps(model, speedups, stage)
 
 
-def cpu_layer_steps(model: nn.Module, speedups: CpuSpeedups) -> list[compiled_layers.LayerSteps] | None:
-    """The compiled CPU steps of every layer of ``model`` (found once per model), or None where its layers
-    are not ones they reproduce exactly; the caller checks its caches, masks and dtype."""
+def cpu_layer_steps(
+    model: nn.Module, speedups: CpuSpeedups, stage: Stage | None = None
+) -> list[compiled_layers.LayerSteps] | None:
+    """The compiled CPU steps of every layer of ``model`` (of ``stage``'s: a pipeline stage's; found once per
+    model), or None where its layers are not ones they reproduce exactly; the caller checks its caches, masks
+    and dtype."""
     if model.model_type not in CPU_BLOCKS:
         return None
     # nn.quantize swaps the projections in place, and a list of layers can be cut or replaced:
     # any of those seen here means look again.
-    layers = model.model.layers
+    stage = Stage(model.model, num_layers(model)) if stage is None else stage
+    layers = [layer for _, layer in stage.layers]
     first = layers[0]
     found = (len(layers), id(first), id(first.self_attn.q_proj), id(first.mlp.down_proj))
     key = (id(model), speedups)
@@ -256,7 +276,7 @@ def cpu_layer_steps(model: nn.Module, speedups: CpuSpeedups) -> list[compiled_la
     if entry is None or entry[0] != found:
         if entry is None:
             weakref.finalize(model, _CPU_STEPS.pop, key, None)
-        entry = _CPU_STEPS[key] = (found, _plain_layers(model, speedups))
+        entry = _CPU_STEPS[key] = (found, _plain_layers(model, layers, speedups))
     return entry[1]
 
 
@@ -346,19 +366,20 @@ def forward_with_taps(
         h = hybrid.forward_with_taps(model, tokens, cache, tap_ids, captured, start_every, num_layers(model))
         return head(model, h, captured, tap_ids, last_logits)
     if model.model_type in gemma.GEMMA_MODEL_TYPES:
-        h = gemma.forward_with_taps(model, tokens, cache, tap_ids, captured, start_every)
+        h = gemma.forward_with_taps(
+            model, tokens, cache, tap_ids, captured, start_every, stage_layers=num_layers(model)
+        )
         return head(model, h, captured, tap_ids, last_logits)
     inner = model.model
     stage = Stage(inner, num_layers(model))
     h = inner.embed_tokens(tokens)
-    masks = _layer_masks(model, h, cache)
+    masks = _layer_masks(model, h, cache, stage)
     wanted = set(tap_ids)
-    steps = _cpu_steps(model, h, cache, masks, speedups) if stage.size == 1 else None
+    steps = _cpu_steps(model, h, cache, masks, speedups, stage)
     visible = None if steps is None else fast_math.causal_mask(cache[0].offset, h.shape[1])
-    # A pipeline stage's masks are the first layers' (these families use one mask for all).
     h = stage.receive(h, captured)
-    for (i, layer), c, mask in zip(stage.layers, cache, masks):
-        h = layer(h, mask, c) if steps is None else cpu_block(layer, h, c, visible, speedups, steps[i])
+    for k, ((i, layer), c, mask) in enumerate(zip(stage.layers, cache, masks)):
+        h = layer(h, mask, c) if steps is None else cpu_block(layer, h, c, visible, speedups, steps[k])
         if i in wanted:
             captured[i] = h
         if start_every and (i + 1) % start_every == 0 and i + 1 < stage.end:
@@ -377,15 +398,17 @@ def _forward_tree(
     if model.model_type in hybrid.HYBRID_MODEL_TYPES:
         h = hybrid.forward_tree(model, rows, views, masks, tap_ids, captured, tree.parents)
     elif model.model_type in gemma.GEMMA_MODEL_TYPES:
-        h = gemma.forward_with_taps(model, rows, views, tap_ids, captured, masks=masks)
+        h = gemma.forward_with_taps(model, rows, views, tap_ids, captured, masks=masks, stage_layers=num_layers(model))
     else:
         inner = model.model
-        h = inner.embed_tokens(rows)
+        stage = Stage(inner, num_layers(model))
+        h = stage.receive(inner.embed_tokens(rows), captured)
         wanted = set(tap_ids)
-        for i, (layer, c, mask) in enumerate(zip(inner.layers, views, masks)):
+        for (i, layer), c, mask in zip(stage.layers, views, masks):
             h = layer(h, mask, c)
             if i in wanted:
                 captured[i] = h
+        h = stage.finish(h, captured, tap_ids)
     logits, taps = head(model, h, captured, tap_ids)
     # (n + 1, 1, ...) -> (1, n + 1, ...), a block's layout
     return logits.swapaxes(0, 1), None if taps is None else taps.swapaxes(0, 1)

@@ -176,6 +176,14 @@ class Session:
         if max_kv_size is not None:
             from mlx_lm.models.cache import make_prompt_cache
 
+            from ..models.stages import own_split
+            from ..models.target import decoder
+
+            if own_split(decoder(self.model)):
+                raise DFlashError(
+                    "--max-kv-size runs mlx-lm's own pass, which cannot run a target split as a pipeline by "
+                    "DFlash: leave --max-kv-size out, or pass --tensor-parallel."
+                )
             return DFlashCache(make_prompt_cache(self.model, max_kv_size=max_kv_size))
         return make_cache(self.model, self.draft, **window)
 

@@ -1,7 +1,8 @@
 """Tiny fp32 targets built the same on every rank, and the program each rank of a multi-rank test
 runs: ``python sharded.py KIND:MODE[:SEED] ...`` prints, for each case, one JSON line with this
-rank's DFlash tokens on the sharded target and an unsharded run's: plain greedy, or with a SEED
-DFlash sampling at temperature 1 from that seed."""
+rank's DFlash tokens on the sharded target and (rank 0's) an unsharded run's: plain greedy, or with
+a SEED DFlash sampling at temperature 1 from that seed. ``KIND:tree`` runs a draft tree's target pass
+on a pipeline instead (:func:`tree_pass`)."""
 
 import argparse
 import json
@@ -14,6 +15,7 @@ from mlx.utils import tree_map_with_path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_mlx.generation import dflash_generate_step  # noqa: E402
+from dflash_mlx.loading.sharding import pipeline  # noqa: E402
 from dflash_mlx.loop.options import LoopOptions  # noqa: E402
 from dflash_mlx.models.drafter import DraftArgs, DraftModel  # noqa: E402
 from dflash_mlx.sampling import make_sampler  # noqa: E402
@@ -39,12 +41,23 @@ CONFIGS = {
         "linear_num_key_heads": 2, "linear_num_value_heads": 4,
         "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                             "mrope_section": [1, 1, 0]}}},
+    # Alternating sliding window (of fewer positions than the prompt) and full attention layers.
+    "llama": {**COMMON, "model_type": "llama", "tie_word_embeddings": False, "sliding_window": 3,
+              "layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2)},
+    "gpt_oss": {**COMMON, "model_type": "gpt_oss", "intermediate_size": 96, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "sliding_window": 3,
+                "layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2)},
+    # Per-layer inputs; with kv, the last layer reuses layer 1's keys and values (rank 0 runs layers 1..3).
+    "gemma4": {**COMMON, "model_type": "gemma4_text", "global_head_dim": 32, "sliding_window": 3,
+               "layer_types": ["sliding_attention", "full_attention"] * (LAYERS // 2), "num_kv_shared_layers": 0,
+               "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8, "final_logit_softcapping": 5.0},
     "kimi_k25": {"model_type": "kimi_k25", "text_config": {
         **COMMON, "model_type": "deepseek_v3", "num_key_value_heads": 4, "moe_intermediate_size": 32,
         "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
         "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
         "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}},
 }  # fmt: skip
+CONFIGS["gemma4_kv"] = {**CONFIGS["gemma4"], "num_kv_shared_layers": 1}
 TAP_IDS = (0, 2, 3)  # on every stage of a 2- or 3-rank pipeline, and the last layer
 PROMPT = [5, 17, 42, 9, 88, 3, 61, 27]
 
@@ -58,10 +71,20 @@ def build_target(kind: str, seed: int = 0):
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     inner = model.model
-    inner.embed_tokens.weight = mx.random.normal(inner.embed_tokens.weight.shape) * 0.5
+    gemma = kind.startswith("gemma")
+    # Gemma scales its embedding up by sqrt(hidden) and norms each block's output: a smaller
+    # embedding and larger block outputs, or the blocks would be drowned by the token's own.
+    inner.embed_tokens.weight = mx.random.normal(inner.embed_tokens.weight.shape) * (0.15 if gemma else 0.5)
+    post = 4.0 if gemma else 1.0
+
     # Layers that change the residual stream more than mlx-lm's init does, so that the tokens
     # depend on the whole context (a tied head would otherwise echo the last token).
-    layers = tree_map_with_path(lambda k, w: w * 3.0 if k.endswith("weight") and w.ndim >= 2 else w, inner.layers)
+    def scaled(k: str, w: mx.array) -> mx.array:
+        if k.endswith("weight") and w.ndim >= 2:
+            return w * 3.0
+        return w * post if k.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")) else w
+
+    layers = tree_map_with_path(scaled, inner.layers)
     inner.update({"layers": layers})
     mx.eval(model.parameters())
     return model
@@ -120,9 +143,25 @@ def tokens(model, draft, max_tokens: int, started: str | None = None, **kwargs) 
     return out
 
 
+def tree_pass(model) -> list[int]:
+    """A draft tree's pass after the prompt (the model's side of a tree cycle): each node's greedy
+    token, then the largest entry of each node's taps."""
+    from dflash_mlx.models.families import make_target_cache
+    from dflash_mlx.models.target import forward_with_taps
+    from dflash_mlx.models.tree import DraftTree
+
+    cache = make_target_cache(model)
+    # Evaluated whole, as the loop does: a pipeline's hand-offs are in the graph of what the pass returns.
+    mx.eval(forward_with_taps(model, mx.array([PROMPT[:-1]]), cache, list(TAP_IDS)))
+    tree = DraftTree(tokens=[7, 9, 11, 13, 15], parents=[-1, 0, 0, 1, 1, 3], depths=[1, 1, 2, 2, 3])
+    logits, taps = forward_with_taps(model, mx.array([PROMPT[-1:] + tree.tokens]), cache, list(TAP_IDS), tree=tree)
+    return mx.argmax(logits[0], axis=-1).tolist() + mx.argmax(taps[0], axis=-1).tolist()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("cases", nargs="+", help="KIND:MODE[:SEED], e.g. qwen3_5:tensor or qwen3_5:pipeline:7")
+    parser.add_argument("cases", nargs="+", help="KIND:MODE[:SEED], e.g. qwen3_5:tensor, qwen3_5:pipeline:7 or "
+                        "llama:tree (a draft tree's pass on a pipeline)")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--no-reference", action="store_true", help="skip the unsharded run")
     args = parser.parse_args()
@@ -133,15 +172,22 @@ def main() -> None:
         seed = [] if oracle else seed
         sampler = make_sampler(1.0) if seed else None
         run = dict(sampler=sampler, seed=int(seed[0]) if seed else None, adaptive=False)
-        # The unsharded reference first: plain greedy, or DFlash with the same seed when sampling.
+        # The unsharded reference first: plain greedy, or DFlash with the same seed when sampling. Rank 0's
+        # alone (the others' tokens are checked against it), but for an oracle, which every rank drafts from.
         reference = None
-        if not args.no_reference:
-            reference = tokens(build_target(kind), build_draft() if sampler else None, args.max_tokens, **run)
+        if not args.no_reference and (group.rank() == 0 or oracle):
+            if mode == "tree":
+                reference = tree_pass(build_target(kind))
+            else:
+                reference = tokens(build_target(kind), build_draft() if sampler else None, args.max_tokens, **run)
         model = build_target(kind)
         if mode == "tensor":
             model.shard(group)
         else:
-            model.model.pipeline(group)
+            pipeline(model, group)
+        if mode == "tree":  # a pipeline's
+            print(json.dumps({"case": case, "rank": group.rank(), "reference": reference, "tokens": tree_pass(model)}))
+            continue
         started = json.dumps({"case": case, "rank": group.rank(), "started": True})
         draft = build_draft()
         if oracle:

@@ -116,12 +116,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.prompt == "-":
             parser.error("--prompt - read nothing: stdin was empty; pipe or type at least one character.")
         parser.error("--prompt is empty: pass at least one character.")
+    loaded = False
     try:
         if args.pipeline_split is not None and args.parallel != "pipeline":
             parser.error("--pipeline-split needs --pipeline.")
         session = Session.open(args.model, args.draft, no_draft=args.no_draft, dtype=args.dtype, kernels=args.kernels,
                                parallel=args.parallel, pipeline_split=args.pipeline_split,
                                extra_eos_token=args.extra_eos_token, policy_store=PolicyStore())  # fmt: skip
+        loaded = True
         draft, tokenizer = session.draft, session.tokenizer
         # Under mlx.launch every rank generates (its share of each target pass); rank 0 prints.
         leads = mx.distributed.init().rank() == 0
@@ -188,6 +190,10 @@ def main(argv: list[str] | None = None) -> None:
         if not args.verbose and leads:
             print(text)  # the text alone, as mlx_lm.generate does
     except DFlashError as e:
+        if loaded:
+            from ...loading.watch import end_load_watch
+
+            end_load_watch()  # after the load every rank refuses alike: they stop together, none went away
         print(f"dflash-generate: error: {e}", file=sys.stderr)
         sys.exit(1)
 

@@ -22,6 +22,7 @@ import mlx.core as mx
 from ...base.dtypes import DTYPES
 from ...base.errors import DFlashError
 from ...cpu.openblas import blas_in_use
+from ...loading.watch import keep_load_watch
 from ...models.rows import rows_supported
 from ..cli.options import (
     MAX_TEMP,
@@ -357,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     model, draft, tokenizer = session.model, session.draft, session.tokenizer
     # Under mlx.launch: rank 0 serves, the others run what it announces.
     group = mx.distributed.init()
+    if group.size() > 1:
+        keep_load_watch()  # between requests too, until the ranks stop together
     if group.size() > 1 and group.rank() > 0:
         follow(
             model, draft, tokenizer, prompt_cache_size=args.prompt_cache_size, prefill_step_size=args.prefill_step_size

@@ -17,6 +17,7 @@ import os
 import mlx.core as mx
 
 from ...base.errors import DFlashError
+from ...loading.watch import end_load_watch
 from ...tuning.policy import PolicyState
 from ..session import Session
 from .worker import PromptCaches, generate_for
@@ -42,9 +43,11 @@ class Ranks:
         try:
             _send(self.group, b"")
         except RuntimeError:
+            end_load_watch(done=False)  # a rank that is gone is named (and this process ends)
             self.abort()
 
     def shut_down(self) -> None:
+        end_load_watch()  # the ranks stop together, though no request came
         _send(self.group, None)
 
     def abort(self) -> None:
@@ -70,6 +73,7 @@ def follow(model, draft, tokenizer, *, prompt_cache_size: int = 4, prefill_step_
                 pass
         except DFlashError as e:  # refused as on rank 0, before any pass: the next request
             log.info("request refused: %s", e)
+    end_load_watch()
 
 
 def _send(group: mx.distributed.Group, payload: bytes | None) -> None:
