@@ -229,7 +229,7 @@ def test_the_python_apis_default_datastore_is_the_default_pairs_answers_for_its_
     # the default pair's (the tiny drafter stands in for it here), nothing for any other pair.
     import json
 
-    from dflash_mlx import generate, load
+    from dflash_mlx import batch_generate, generate, load
     from dflash_mlx.drafts import datastore as ds
 
     model, draft, tokenizer = load(str(pair_dirs["qwen3-tied"]), str(pair_dirs["draft"]))
@@ -253,6 +253,8 @@ def test_the_python_apis_default_datastore_is_the_default_pairs_answers_for_its_
     assert store.fixed is not None and store.session_length == len(alone)  # the answers, and the reply joined
     generate(model, draft, tokenizer, prompt, max_tokens=24)
     assert list(ds._PAIR_STORES.values()) == [store] and store.session_length == 2 * len(alone)  # opened once
+    assert batch_generate(model, draft, tokenizer, [prompt], max_tokens=24).tokens == [alone]
+    assert list(ds._PAIR_STORES.values()) == [store] and store.session_length == 3 * len(alone)
     assert ds.pair_datastore(None, VOCAB) is None  # plain decoding stays plain
     with pytest.raises(DFlashError, match="datastore must be 'auto', None or a Datastore"):
         tokens(datastore="none")
