@@ -56,6 +56,18 @@ def test_greedy_rows_equal_each_request_alone(kind_pair, drafter, block_size, ma
     _same_as_alone(result, _references(model), frozenset(tok.eos_token_ids))
 
 
+def test_a_moe_targets_rows_equal_each_request_alone(tmp_path):
+    """Qwen3-MoE (its experts routed per token, whatever row the token is in), written by transformers."""
+    pytest.importorskip("torch")
+    from helpers.family import write_pair_folders
+
+    target, _, drafter = write_pair_folders(tmp_path, "qwen3_moe")
+    model, draft, tok = load(target, drafter)
+    result = batch_generate(model, draft, tok, PROMPTS, max_tokens=LIMITS, max_batch=4, block_size=4,
+                            prefill_step_size=8)  # fmt: skip
+    _same_as_alone(result, _references(model), frozenset(tok.eos_token_ids))
+
+
 def test_rows_roll_back_alone_with_drafts_that_are_often_right(qwen3_pair):
     """A datastore holding the replies drafts them: rows keep different numbers of drafts every cycle."""
     model, draft, tok = qwen3_pair
@@ -181,6 +193,34 @@ def test_rows_cache_rolls_back_each_row_alone():
     assert cache.lengths == [7, 9] and keys.shape[2] == 9
     cache.trim_rows([3, 1])
     assert cache.lengths == [4, 8]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-untied"])
+def test_a_rows_pass_runs_the_compiled_cpu_steps_and_matches_each_row_alone(pair_dirs, kind, monkeypatch):
+    """Rows of different lengths in one compiled pass give each row's own logits (one pass of that row)."""
+    from mlx_lm.models.cache import KVCache
+
+    from dflash_mlx.cpu.speedups import CpuSpeedups
+    from dflash_mlx.models import rows, target
+
+    model, _, _ = load(pair_dirs[kind])
+    prompts = [PROMPTS[0], PROMPTS[1][:13]]
+    block = mx.array([[5, 6, 7], [8, 9, 10]])
+    alone = []
+    caches = rows.make_rows_cache(model)
+    for p, b in zip(prompts, block.tolist()):
+        single = [KVCache() for _ in model.model.layers]
+        model(mx.array([p]), cache=single)
+        for r, c in zip(caches, single):
+            r.add(c)
+        alone.append(model(mx.array([b]), cache=single)[0])
+    used = []
+    cpu_block = target.cpu_block
+    monkeypatch.setattr(target, "cpu_block", lambda *a: used.append(1) or cpu_block(*a))
+    logits, _ = rows.forward_rows(model, block, caches, [], CpuSpeedups())
+    assert len(used) == len(model.model.layers), "the rows pass did not run the compiled steps"
+    for i in range(2):
+        assert mx.allclose(logits[i], alone[i], atol=1e-4).item(), i
 
 
 def make_cache_layer(n):

@@ -12,6 +12,7 @@ from dflash_mlx.kernels.dispatch import on_metal
 from dflash_mlx.loading.pairs import EMBEDDED_PAIRS
 from dflash_mlx.tools.bench import benchmark
 from dflash_mlx.tools.bench.benchmark import load_prompts, main, run_benchmark
+from dflash_mlx.tools.bench.report import markdown
 from dflash_mlx.tools.bench.stats import efficiency, loop_efficiency, physical_limit, summarize
 from dflash_mlx.tools.bench.timing import RunResult, fastest_times
 
@@ -41,6 +42,11 @@ def test_summary_speedup_and_limit():
     # The baseline's own step (10 ms at 100 tok/s) equals the AR pass here, so the two agree.
     assert rows["dflash"]["loop_efficiency"] == pytest.approx(250.0 * 0.02 / 5.0)
     assert rows["dflash"]["histogram"] == {4: 1, 6: 1}
+    # Two cycles of 15 drafts, keeping 3 and 5: both reach depth 3, one depth 4 and 5, none 6.
+    assert rows["dflash"]["depths"] == {d: 1.0 if d <= 3 else 0.5 if d <= 5 else 0.0 for d in range(1, 16)}
+    meta = {"machine": "m", "device": "d", "blas": "b", "mlx": "1", "mlx_lm": "1", "commit": "c", "date": "t"}
+    table = markdown(summarize(results, times), meta, times)
+    assert "- dflash B=16: 1: 100%, 2: 100%, 3: 100%, 4: 50%, 5: 50%, 6: 0%" in table
 
 
 def test_efficiency_is_speedup_over_limit_when_the_baseline_beats_a_lone_ar_pass():

@@ -124,6 +124,20 @@ def test_greedy_is_lossless(pair, block_size, prompt_len):
         assert out == ref[:max_tokens], (block_size, prompt_len, max_tokens)
 
 
+def test_rows_batched_with_a_dflash2_drafter_equal_each_request_alone(folders):
+    """Several requests at once on the Qwen3-MoE target: each row's DFlash2 drafter context and drafts are its own."""
+    from dflash_mlx import batch_generate
+
+    model, draft, tok = load(folders["qwen3_moe"], folders["draft"])
+    prompts, limits = [_prompt(9, 1), _prompt(30, 2), _prompt(1, 3)], [40, 25, 33]
+    result = batch_generate(model, draft, tok, prompts, max_tokens=limits, max_batch=3, block_size=BLOCK,
+                            prefill_step_size=8)  # fmt: skip
+    for got, prompt, limit in zip(result.tokens, prompts, limits):
+        ref = _reference(model, prompt, limit)
+        assert got == ref[: len(got)] and (len(got) == limit or ref[len(got)] in tok.eos_token_ids)
+    assert sum(a.drafting_cycles for a in result.acceptance) > 0
+
+
 class _AcceptExactly(drafter2.DraftModel):
     """Right for exactly ``schedule[i % len(schedule)]`` drafts in its i-th pass, then wrong,
     after a real drafter pass (so that its context cache stays real)."""

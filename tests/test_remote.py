@@ -346,6 +346,9 @@ def test_bench_base_url_measures_each_concurrency_level(qwen3_pair, tmp_path, ca
         assert 4 <= level["tokens"] <= 4 * 8 and level["tok_s"] > 0 and level["requests_per_min"] > 0
         assert level["tau"] >= 1 and level["tau_counters"] == pytest.approx(level["tau"])  # one definition
         assert level["drafting_cycles"] > 0
+    # Three at once, batched, each reply is the one the prompt got alone (greedy).
+    alone, together = (level["texts"] for level in result["levels"])
+    assert None not in alone and together == alone
 
 
 def test_bench_base_url_unreachable_is_one_line(capsys):

@@ -131,6 +131,23 @@ def test_greedy_text_trees_equal_plain_decoding(tiny_pair, block_size, monkeypat
     assert sizes and max(sizes) > 1
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_moe"])
+def test_greedy_text_trees_on_hybrid_and_moe_targets(tmp_path, kind, monkeypatch):
+    """A hybrid target's recurrent layers follow each node's path and keep the accepted one; MoE routes per node."""
+    pytest.importorskip("torch")
+    from helpers.hf_checkpoints import write_hf_target
+
+    write_hf_target(tmp_path, kind)
+    model, _, _ = load(tmp_path)
+    prompts = [_prompt(7, 3), _prompt(20, 4)]
+    store = _branchy_store(model, prompts)
+    sizes = _count_tree_passes(monkeypatch)
+    for prompt in prompts:
+        out, _ = run(model, None, prompt, block_size=8, max_tokens=40, datastore=store, policy=_tree_policy())
+        assert out == greedy(model, prompt, 40), (kind, len(prompt))
+    assert sizes and max(sizes) > 1
+
+
 def test_text_trees_in_the_drafters_paused_cycles(qwen3_pair, monkeypatch):
     """The tools' defaults: the drafter paced by the adaptive policy, its paused cycles verifying trees."""
     model, draft, _ = qwen3_pair

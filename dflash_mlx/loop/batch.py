@@ -30,8 +30,8 @@ against a single one, as a verify pass against a one-token step).
 While one row runs (and others at most prefill), it runs alone on its own cache with the single-stream
 :class:`~dflash_mlx.loop.verify.Verifier`: the compiled CPU steps, a plain step queued ahead, every family. It
 moves into the rows cache when a second row is ready, and out again when it is the last (a copy each way).
-Targets :func:`~dflash_mlx.models.rows.rows_supported` refuses (sliding windows, MoE, hybrid recurrent layers,
-Gemma, Kimi, gpt-oss) run with ``max_batch=1`` only (the engine refuses more in one line). A row running
+Targets :func:`~dflash_mlx.models.rows.rows_supported` refuses (sliding windows, MoE other than Qwen3's,
+hybrid recurrent layers, Gemma, Kimi, gpt-oss) run with ``max_batch=1`` only (the engine refuses more in one line). A row running
 alone verifies a proposer's draft tree whole; in a batched pass a tree is cut to its likeliest line. The
 drafter's own trees (``tree_budget``) and ``block_size="auto"`` are refused per request.
 """
@@ -350,7 +350,7 @@ class BatchEngine:
             blocks.append(mx.concatenate([mx.array([row.last], dtype=mx.uint32), p.tokens.astype(mx.uint32), pad]))
         block = mx.stack(blocks)  # (B, W)
         tic = perf_counter()
-        logits, taps = rows_model.forward_rows(self.model, block, self.target, self.tap_ids)
+        logits, taps = rows_model.forward_rows(self.model, block, self.target, self.tap_ids, self.speedups)
         verdicts = [self._judge(row, p, block[i], logits[i]) for i, (row, p) in enumerate(zip(rows, proposals))]
         mx.eval(block, verdicts)
         self.costs.timed(len(rows), W, perf_counter() - tic)

@@ -19,10 +19,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from ..cpu.speedups import CpuSpeedups
 from . import target as tgt
 
 # Targets whose decoder layers are ``layer(h, mask, cache)`` with full attention only.
-ROW_MODEL_TYPES = ("llama", "qwen3", "qwen2")
+ROW_MODEL_TYPES = ("llama", "qwen3", "qwen2", "qwen3_moe")
 
 
 def rows_supported(model: nn.Module) -> str | None:
@@ -146,19 +147,29 @@ def rows_mask(lengths: list[int], width: int) -> mx.array:
 
 
 def forward_rows(
-    model: nn.Module, tokens: mx.array, caches: list[RowsKVCache], tap_ids: list[int]
+    model: nn.Module,
+    tokens: mx.array,
+    caches: list[RowsKVCache],
+    tap_ids: list[int],
+    speedups: CpuSpeedups | None = None,
 ) -> tuple[mx.array, mx.array | None]:
-    """The target over ``tokens`` ``(B, W)``, row ``i`` continuing row ``i`` of ``caches`` (mlx-lm's own layers).
+    """The target over ``tokens`` ``(B, W)``, row ``i`` continuing row ``i`` of ``caches``.
 
     Returns ``(logits (B, W, vocab), taps (B, W, n_taps * H) or None)``, the taps as
     :func:`dflash_mlx.models.target.forward_with_taps` gives them (the last layer's after the final norm).
+    With ``speedups``, float32 Qwen3 and Llama layers run as the single-stream passes' compiled CPU steps
+    (the same operations; a batched pass is mostly the rows' weights read once, and their exp), else
+    mlx-lm's own layers.
     """
     inner = model.model
     h = inner.embed_tokens(tokens)
     mask = rows_mask(caches[0].lengths, tokens.shape[1])
+    steps = None
+    if speedups is not None and h.dtype == mx.float32 and tokens.size >= speedups.min_tokens:
+        steps = tgt.cpu_layer_steps(model, speedups)
     wanted, captured = set(tap_ids), {}
     for i, (layer, c) in enumerate(zip(inner.layers, caches)):
-        h = layer(h, mask, c)
+        h = layer(h, mask, c) if steps is None else tgt.cpu_block(layer, h, c, mask, speedups, steps[i])
         if i in wanted:
             captured[i] = h
     h = inner.norm(h)

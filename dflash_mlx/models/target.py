@@ -187,7 +187,7 @@ def _rows(layer: nn.Module, ids: mx.array) -> mx.array:
 CPU_BLOCKS = {"qwen3": qwen3.TransformerBlock, "llama": llama.TransformerBlock}
 
 
-def _cpu_block(
+def cpu_block(
     block: nn.Module, x: mx.array, cache: KVCache, visible: mx.array, speedups: CpuSpeedups,
     steps: compiled_layers.LayerSteps,
 ) -> mx.array:  # fmt: skip
@@ -237,6 +237,14 @@ def _cpu_steps(
         and all(type(c) is KVCache for c in cache)
         and all(isinstance(m, str) and m == "causal" for m in masks)
     ):
+        return None
+    return cpu_layer_steps(model, speedups)
+
+
+def cpu_layer_steps(model: nn.Module, speedups: CpuSpeedups) -> list[compiled_layers.LayerSteps] | None:
+    """The compiled CPU steps of every layer of ``model`` (found once per model), or None where its layers
+    are not ones they reproduce exactly; the caller checks its caches, masks and dtype."""
+    if model.model_type not in CPU_BLOCKS:
         return None
     # nn.quantize swaps the projections in place, and a list of layers can be cut or replaced:
     # any of those seen here means look again.
@@ -350,7 +358,7 @@ def forward_with_taps(
     # A pipeline stage's masks are the first layers' (these families use one mask for all).
     h = stage.receive(h, captured)
     for (i, layer), c, mask in zip(stage.layers, cache, masks):
-        h = layer(h, mask, c) if steps is None else _cpu_block(layer, h, c, visible, speedups, steps[i])
+        h = layer(h, mask, c) if steps is None else cpu_block(layer, h, c, visible, speedups, steps[i])
         if i in wanted:
             captured[i] = h
         if start_every and (i + 1) % start_every == 0 and i + 1 < stage.end:

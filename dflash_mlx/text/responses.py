@@ -100,6 +100,18 @@ class AcceptanceStats:
         return rows
 
     @property
+    def depths(self) -> dict[int, float]:
+        """Per depth ``d``: of the drafting cycles that verified ``d`` drafts or more, the share that kept ``d``
+        or more (of a draft tree: whose accepted path reached depth ``d``), shallowest first."""
+        reached: Counter = Counter()
+        verified: Counter = Counter()
+        for (num_draft, length), n in self.histogram.items():
+            for d in range(1, num_draft + 1):
+                verified[d] += n
+                reached[d] += n if length - 1 >= d else 0
+        return {d: reached[d] / verified[d] for d in sorted(verified)}
+
+    @property
     def shares(self) -> dict[str, float]:
         """Each source's share of the accepted drafts (empty before any was accepted)."""
         total = sum(self.by_source.values())

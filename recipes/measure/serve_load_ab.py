@@ -4,9 +4,12 @@ Starts both servers (the default pair; mlx_lm.server on the converted target alo
 for each round and each level N: N clients send N prompts with dflash-serve, then the same with
 mlx_lm.server (aggregate tok/s, p50/p95 latency), then N clients stream while a long chat prompt (``--join-tokens``)
 joins, with each server in turn (the running streams' longest gap while it is prefilled). Greedy, the default
-pair's held-out English chat prompts. Prints one Markdown table per round and the ratio per level.
+pair's held-out English chat prompts. Before the levels each server answers every prompt alone, one request at a
+time: every reply of a level is compared with that one (``same as alone``; dflash-serve's must all be). Prints
+one Markdown table per round and the ratio per level.
 
     python recipes/measure/serve_load_ab.py --rounds 2 --levels 1 2 4 8 --max-tokens 128 --join-tokens 3000
+    python recipes/measure/serve_load_ab.py --model dflash-tiny --levels 1 2 4 8    # the toy pair
 
 Both servers run with OpenBLAS preloaded (``--blas``: the library either way), since MLX's CPU speed depends on it
 most. The machine may be shared: the levels take turns so that both servers see the same load.
@@ -21,13 +24,14 @@ import time
 import urllib.request
 
 from dflash_mlx.loading.gguf import prepare_default_target
-from dflash_mlx.loading.pairs import default_pair_path
+from dflash_mlx.loading.pairs import DEFAULT_PAIR, default_pair_path, embedded_pair_path
 from dflash_mlx.tools.bench.server_load import join_row, run_join, run_level
 from dflash_mlx.tools.client import RemoteClient, ServerInfo
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 
 parser = argparse.ArgumentParser()
+parser.add_argument("--model", default=DEFAULT_PAIR, help="An embedded pair: the default one or dflash-tiny.")
 parser.add_argument("--rounds", type=int, default=1)
 parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8])
 parser.add_argument("--max-tokens", type=int, default=128)
@@ -38,9 +42,20 @@ parser.add_argument("--json", default=None)
 args = parser.parse_args()
 
 env = {**os.environ, "LD_PRELOAD": args.blas}
-target = str(prepare_default_target())
+pair = embedded_pair_path(args.model)
+target = str(prepare_default_target() if pair == default_pair_path() else pair / "target")
 servers = {
-    "dflash-serve": [sys.executable, "-m", "dflash_mlx.tools.server.app", "--port", "8731", "--blas", "openblas"],
+    "dflash-serve": [
+        sys.executable,
+        "-m",
+        "dflash_mlx.tools.server.app",
+        "--model",
+        args.model,
+        "--port",
+        "8731",
+        "--blas",
+        "openblas",
+    ],  # fmt: skip
     "mlx_lm.server": [sys.executable, "-m", "mlx_lm", "server", "--model", target, "--port", "8732"],
 }
 urls = {"dflash-serve": "http://127.0.0.1:8731/v1", "mlx_lm.server": "http://127.0.0.1:8732/v1"}
@@ -62,7 +77,7 @@ def wait_up(url: str) -> None:
 try:
     for url in urls.values():
         wait_up(url)
-    rows = [json.loads(line) for line in (default_pair_path() / "prompts.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (pair / "prompts.jsonl").read_text().splitlines()]
     document = json.loads((default_pair_path() / "long_context.jsonl").read_text().splitlines()[0])["document"]
     join = join_row(document, args.join_tokens)
     clients = {name: RemoteClient(url, counter_deltas=False) for name, url in urls.items()}
@@ -70,12 +85,18 @@ try:
     clients["mlx_lm.server"].info = ServerInfo(urls["mlx_lm.server"], "default_model", "openai", has_metrics=False)
     for client in clients.values():  # a warm-up request each (compiles, loads the datastore)
         run_level(client, rows[:1], 1, 8)
+    # Each prompt served alone, one request at a time: what every reply of a level must equal.
+    wanted = sorted({(r * 8) % len(rows) + i for r in range(args.rounds) for i in range(max(args.levels))})
+    alone = {name: {i: run_level(client, [rows[i]], 1, args.max_tokens)["texts"][0] for i in wanted}
+             for name, client in clients.items()}  # fmt: skip
     results = []
     for r in range(args.rounds):
         for n in args.levels:
-            picked = rows[(r * 8) % len(rows) :][:n]
+            first = (r * 8) % len(rows)
+            picked = rows[first:][:n]
             for name, client in clients.items():
                 level = run_level(client, picked, n, args.max_tokens)
+                level["same_as_alone"] = sum(t == alone[name][first + i] for i, t in enumerate(level["texts"]))
                 # A prompt neither server has seen: a cached one would be no join at all.
                 fresh = {"messages": [{"role": "user", "content": f"({name}, round {r}, {n} clients) "
                                        + join["messages"][0]["content"]}]}  # fmt: skip
@@ -85,19 +106,20 @@ try:
                 print(
                     f"round {r} clients {n} {name}: {level['tok_s']:.1f} tok/s, latency p50 {level['latency_p50_s']:.1f}"
                     f" p95 {level['latency_p95_s']:.1f} s, gap while joining {level['join_gap_s']:.2f} s "
-                    f"(join TTFT {level['join_ttft_s']:.1f} s), {level['tokens']} tokens, errors {len(level['errors'])}",
+                    f"(join TTFT {level['join_ttft_s']:.1f} s), {level['tokens']} tokens, errors {len(level['errors'])}, "
+                    f"same as alone {level['same_as_alone']}/{len(picked)}",
                     flush=True,
                 )
     print("\n| round | clients | mlx_lm.server tok/s | dflash-serve tok/s | ratio | p50 / p95 s (mlx_lm) "
-          "| p50 / p95 s (dflash) | longest gap s while 3k joins (mlx_lm) | (dflash) |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---|---|---:|---:|")
+          "| p50 / p95 s (dflash) | longest gap s while 3k joins (mlx_lm) | (dflash) | dflash replies as alone |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---|---|---:|---:|---:|")
     for r in range(args.rounds):
         for n in args.levels:
             d, m = (next(x for x in results if x["round"] == r and x["concurrency"] == n and x["server"] == s)
                     for s in ("dflash-serve", "mlx_lm.server"))  # fmt: skip
             print(f"| {r + 1} | {n} | {m['tok_s']:.1f} | {d['tok_s']:.1f} | {d['tok_s'] / m['tok_s']:.2f}x "
                   f"| {m['latency_p50_s']:.1f} / {m['latency_p95_s']:.1f} | {d['latency_p50_s']:.1f} / "
-                  f"{d['latency_p95_s']:.1f} | {m['join_gap_s']:.2f} | {d['join_gap_s']:.2f} |")  # fmt: skip
+                  f"{d['latency_p95_s']:.1f} | {m['join_gap_s']:.2f} | {d['join_gap_s']:.2f} | {d['same_as_alone']}/{n} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

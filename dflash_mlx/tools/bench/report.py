@@ -111,6 +111,17 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
             f"- {r['method']} B={r['block_size']}: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["shares"].items())
             for r in shared
         ]
+    deep = [r for r in rows if r.get("depths")]
+    if deep:
+        lines += [
+            "",
+            "Drafts kept by depth (of the drafting cycles that verified d drafts or more, the share that kept d or "
+            "more; of a tree, whose accepted path reached depth d):",
+        ]
+        lines += [
+            f"- {r['method']} B={r['block_size']}: " + ", ".join(f"{d}: {100 * v:.0f}%" for d, v in r["depths"].items())
+            for r in deep
+        ]
     if meta.get("kernel_verdicts"):
         lines += ["", "Metal kernels (what each dispatcher ran at each shape class):"]
         lines += [f"- {v['kernel']} {v['shape']}: {'kernel' if v['enabled'] else 'twin'}, {v['reason']}"

@@ -28,12 +28,13 @@ class RequestResult:
     ttft: float
     acceptance: AcceptanceStats  # as the responses counted it (no cycles: the server gave no tau)
     times: list[float] = field(default_factory=list)  # when each chunk with text arrived
+    text: str = ""
 
 
 def _one(client: RemoteClient, row: dict, max_tokens: int, temperature: float,
          started: threading.Event | None = None) -> RequestResult:  # fmt: skip
     tic = time.perf_counter()
-    first, tokens, acceptance, times = None, 0, AcceptanceStats(), []
+    first, tokens, acceptance, times, text = None, 0, AcceptanceStats(), [], []
     params = {"max_tokens": max_tokens, "temperature": temperature}
     if row.get("raw") and "prompt" in row:
         responses = client.stream_completion(row["prompt"], **params)
@@ -41,6 +42,7 @@ def _one(client: RemoteClient, row: dict, max_tokens: int, temperature: float,
         responses = client.stream_chat(row.get("messages") or [{"role": "user", "content": row["prompt"]}], **params)
     for r in responses:
         if r.text:
+            text.append(r.text)
             times.append(time.perf_counter())
             if first is None:
                 first = times[-1]
@@ -50,7 +52,7 @@ def _one(client: RemoteClient, row: dict, max_tokens: int, temperature: float,
         if r.cycle > 0:
             acceptance = AcceptanceStats.from_totals(r.mean_acceptance_length, r.drafting_cycles, r.plain_cycles)
     end = time.perf_counter()
-    return RequestResult(tokens, end - tic, (first or end) - tic, acceptance, times)
+    return RequestResult(tokens, end - tic, (first or end) - tic, acceptance, times, "".join(text))
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -116,6 +118,7 @@ def run_level(
     """Send every row once with ``concurrency`` clients; the numbers of that level."""
     pending = list(enumerate(rows))
     results: list[RequestResult] = []
+    texts: list[str | None] = [None] * len(rows)
     errors: list[str] = []
     lock = threading.Lock()
 
@@ -124,7 +127,7 @@ def run_level(
             with lock:
                 if not pending:
                     return
-                _, row = pending.pop(0)
+                i, row = pending.pop(0)
             try:
                 result = _one(client, row, max_tokens, temperature)
             except Exception as e:  # a failed request is reported, not fatal to the level
@@ -133,6 +136,7 @@ def run_level(
                 continue
             with lock:
                 results.append(result)
+                texts[i] = result.text
 
     before = _counters(client)
     tic = time.perf_counter()
@@ -167,6 +171,7 @@ def run_level(
         "drafting_cycles": pooled.drafting_cycles,
         "plain_cycles": pooled.plain_cycles,
         "tau_counters": counter_tau,
+        "texts": texts,  # each row's reply (None: it failed), in the order of ``rows``
     }
 
 

@@ -82,6 +82,7 @@ def summarize(results: list[RunResult], times: dict, baseline: str = "baseline")
             "plain_cycles": acceptance.plain_cycles,
             "histogram": acceptance.lengths,
             "shares": acceptance.shares,
+            "depths": acceptance.depths,
             "peak_memory_gb": max(r.peak_memory_gb for r in group),
         }
         sizes = [k for r in group for k in r.verify_sizes]
