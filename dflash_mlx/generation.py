@@ -167,7 +167,7 @@ def _datastore(choice, model: nn.Module, draft: nn.Module | None):
         return choice
     if choice != AUTO:
         raise DFlashError(f"datastore must be 'auto', None or a Datastore (got {choice!r}).")
-    return pair_datastore(draft, tgt.vocab_size(model))
+    return pair_datastore(model, draft)
 
 
 def _kept_in(datastore: Datastore, steps: Generator[StepOutput, None, None]) -> Generator[StepOutput, None, None]:

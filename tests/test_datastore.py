@@ -255,6 +255,6 @@ def test_the_python_apis_default_datastore_is_the_default_pairs_answers_for_its_
     assert list(ds._PAIR_STORES.values()) == [store] and store.session_length == 2 * len(alone)  # opened once
     assert batch_generate(model, draft, tokenizer, [prompt], max_tokens=24).tokens == [alone]
     assert list(ds._PAIR_STORES.values()) == [store] and store.session_length == 3 * len(alone)
-    assert ds.pair_datastore(None, VOCAB) is None  # plain decoding stays plain
+    assert ds.pair_datastore(model, None) is None  # plain decoding stays plain
     with pytest.raises(DFlashError, match="datastore must be 'auto', None or a Datastore"):
         tokens(datastore="none")

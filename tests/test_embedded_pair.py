@@ -169,7 +169,7 @@ def test_the_readmes_python_snippet_runs_with_the_tools_defaults(default_pair, c
     assert code.count("max_tokens=256") == 2 and "datastore" not in code
     scope = {}
     exec(compile(code.replace("max_tokens=256", "max_tokens=6"), "README.md", "exec"), scope)
-    store = pair_datastore(scope["draft"], scope["model"].args.vocab_size)
+    store = pair_datastore(scope["model"], scope["draft"])
     assert store is not None and store.fixed is not None  # the default pair's shipped answers
     assert store.session_length >= 2  # the snippet's replies joined the store it drafted from
     out = capsys.readouterr().out

@@ -33,6 +33,7 @@ import numpy as np
 from ..base.errors import DFlashError
 from ..loading.pairs import default_pair_answers, default_pair_draft
 from ..loop.proposal import Proposal, Proposer
+from ..models.target import vocab_size
 
 # Suffixes are sorted by their first SORTED tokens only (five doubling rounds): a draft never
 # reads deeper than its match plus its drafts.
@@ -374,12 +375,12 @@ def load_datastore(responses: str | Path, vocab: int, cache_dir: str | Path | No
 _PAIR_STORES: dict[tuple[Path, int], Datastore] = {}
 
 
-def pair_datastore(draft: nn.Module | None, vocab: int) -> Datastore | None:
+def pair_datastore(model: nn.Module, draft: nn.Module | None) -> Datastore | None:
     """What the Python API's ``datastore="auto"`` drafts from, as the tools' ``--datastore auto``.
 
     Args:
+        model: The target.
         draft: The drafter; :func:`dflash_mlx.load` records the folder it read it from.
-        vocab: The target's vocabulary size.
 
     Returns:
         The default pair's shipped answers (a file of the package: nothing is downloaded) when
@@ -391,6 +392,7 @@ def pair_datastore(draft: nn.Module | None, vocab: int) -> Datastore | None:
     answers = default_pair_answers()
     if folder is None or Path(folder).resolve() != default_pair_draft().resolve() or not answers.is_file():
         return None
+    vocab = vocab_size(model)
     if (answers, vocab) not in _PAIR_STORES:
         _PAIR_STORES[answers, vocab] = load_datastore(answers, vocab)
     return _PAIR_STORES[answers, vocab]
