@@ -20,7 +20,7 @@ from dflash_mlx.drafts.datastore import Datastore
 from dflash_mlx.drafts.lookup import PromptLookup
 from dflash_mlx.generation import batch_engine, batch_request
 from dflash_mlx.loop import batch
-from dflash_mlx.models.rows import RowsKVCache
+from dflash_mlx.models.rows import RowsKVCache, RowsRecurrentCache
 from dflash_mlx.sampling import make_sampler, speculative_accept
 from dflash_mlx.tuning.batch import BatchCosts
 
@@ -356,3 +356,104 @@ def test_the_server_decodes_concurrent_requests_together_each_as_alone(qwen3_pai
     finally:
         answered.set()
         srv.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_a_hybrid_targets_rows_roll_back_each_alone(tmp_path, kind, monkeypatch):
+    """Gated DeltaNet layers keep a state per row; each row goes back to its own kept length every cycle."""
+    pytest.importorskip("torch")
+    from helpers.family import write_pair_folders
+
+    target, _, drafter = write_pair_folders(tmp_path, kind)
+    model, draft, tok = load(target, drafter)
+    refs = _references(model)
+    store = Datastore(None, VOCAB, min_count=1, learns=True)
+    for ref, prompt in zip(refs, PROMPTS):  # right for the first half of each reply, then wrong once
+        store.add(prompt + ref[: len(ref) // 2] + [(ref[len(ref) // 2] + 1) % VOCAB] + ref[len(ref) // 2 + 1 :])
+    store.learns = False
+    rollbacks = []
+    trim_rows = RowsRecurrentCache.trim_rows
+    monkeypatch.setattr(
+        RowsRecurrentCache, "trim_rows", lambda self, counts: rollbacks.append(counts) or trim_rows(self, counts)
+    )
+    accepted = []
+    for drafting in ({"datastore": store, "block_size": 8}, {"block_size": 4}):
+        result = batch_generate(model, None if "datastore" in drafting else draft, tok, PROMPTS, max_tokens=LIMITS,
+                                max_batch=4, prefill_step_size=8, **drafting)  # fmt: skip
+        _same_as_alone(result, refs, frozenset(tok.eos_token_ids))
+        accepted.append(sum(a.accepted_drafts for a in result.acceptance))
+    assert accepted[0] > 20, "the datastore's drafts were hardly accepted: no row kept part of a block"
+    # Rows of one pass went back by different numbers of tokens.
+    assert any(len(set(c)) > 1 for c in rollbacks), rollbacks[:5]
+
+
+def test_hybrid_rows_keep_each_rows_own_state_after_a_rollback(tmp_path):
+    """After one batched pass and a different rollback per row, each row's states are those of its kept
+    tokens decoded alone (greedy outputs alone could miss a wrong state on a tiny random target)."""
+    pytest.importorskip("torch")
+    from helpers.hf_checkpoints import write_hf_target
+
+    from dflash_mlx.models import hybrid, rows
+
+    write_hf_target(tmp_path, "qwen3_5")
+    model, _, _ = load(tmp_path)
+    prompts, blocks, drops = (
+        [PROMPTS[0], PROMPTS[1][:13], PROMPTS[3]],
+        [[5, 6, 7, 8], [9, 10, 11, 12], [13] * 4],
+        [3, 0, 1],
+    )
+    caches = rows.make_rows_cache(model)
+    for p in prompts:
+        single = hybrid.make_cache(model)
+        model(mx.array([p]), cache=single)
+        for r, c in zip(caches, single):
+            r.add(c)
+    rows.forward_rows(model, mx.array(blocks), caches, [])
+    for c in caches:
+        c.trim_rows(drops)
+    for i, (p, b, n) in enumerate(zip(prompts, blocks, drops)):
+        alone = hybrid.make_cache(model)
+        model(mx.array([p + b[: len(b) - n]]), cache=alone)
+        for r, c in zip(caches, alone):
+            if isinstance(r, RowsRecurrentCache):
+                assert r.offsets[i] == c.offset
+                for ours, theirs in zip(r.cache, c.cache):
+                    assert mx.allclose(ours[i], theirs[0], atol=1e-4).item(), (i, n)
+            else:
+                assert r.lengths[i] == c.offset
+
+
+def _llama_with_sliding_layers(path):
+    import json
+
+    from helpers.checkpoints import write_target
+
+    write_target(path, kind="llama", layers=4)
+    config = json.loads((path / "config.json").read_text())
+    config.update(layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=6)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss", "llama-sliding"])
+def test_sliding_window_rows_equal_each_request_alone(tmp_path, kind, monkeypatch):
+    """Sliding-window layers (a window of 6, caches that drop old positions within these runs): each row sees
+    its own last positions only, and goes back to a single-sequence window cache when it runs alone."""
+    from helpers.checkpoints import write_draft
+    from helpers.family import small_sliding_caches
+
+    small_sliding_caches(monkeypatch)
+    if kind == "gpt_oss":
+        pytest.importorskip("torch")
+        from helpers.hf_checkpoints import write_hf_target
+
+        write_hf_target(tmp_path / "target", kind)
+    else:
+        _llama_with_sliding_layers(tmp_path / "target")
+    write_draft(tmp_path / "draft")
+    model, draft, tok = load(tmp_path / "target", tmp_path / "draft")
+    assert any(getattr(c, "window", None) for c in batch.rows_model.make_rows_cache(model))
+    refs = _references(model)
+    for drafter, block_size in ((draft, 4), (PromptLookup(6), 6)):
+        result = batch_generate(model, drafter, tok, PROMPTS, max_tokens=LIMITS, max_batch=4, block_size=block_size,
+                                prefill_step_size=8)  # fmt: skip
+        _same_as_alone(result, refs, frozenset(tok.eos_token_ids))

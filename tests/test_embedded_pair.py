@@ -58,9 +58,10 @@ def test_tiny_pair_dflash_equals_its_own_greedy_output(tiny, index):
     out, steps = _dflash(tiny, ids, 96)
     assert out == _greedy(tiny[0], ids, 96, tiny[2].eos_token_ids)
     if row["category"] == "chat":
-        # On the chat turns it was trained for, the drafter is accepted well beyond one token per cycle.
-        cycles = steps[1:]
-        assert sum(s.num_accepted + 1 for s in cycles) / len(cycles) > 2
+        # On the chat turns it was trained for, the drafter is accepted well beyond one token per cycle: measured
+        # with the drafter in every cycle, since the defaults pause it by this machine's timings (a busy one's).
+        _, steps = _dflash(tiny, ids, 96, adaptive=False)
+        assert _mean_acceptance(steps[1:]) > 2
 
 
 # ---- the default pair --------------------------------------------------------------------------

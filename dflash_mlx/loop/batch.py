@@ -30,8 +30,10 @@ against a single one, as a verify pass against a one-token step).
 While one row runs (and others at most prefill), it runs alone on its own cache with the single-stream
 :class:`~dflash_mlx.loop.verify.Verifier`: the compiled CPU steps, a plain step queued ahead, every family. It
 moves into the rows cache when a second row is ready, and out again when it is the last (a copy each way).
-Targets :func:`~dflash_mlx.models.rows.rows_supported` refuses (sliding windows, MoE other than Qwen3's,
-hybrid recurrent layers, Gemma, Kimi, gpt-oss) run with ``max_batch=1`` only (the engine refuses more in one line). A row running
+A hybrid target's Gated DeltaNet layers keep a state per row and each row's state after every position of
+the pass, so a row rolls back alone by selecting (:class:`~dflash_mlx.models.rows.RowsRecurrentCache`).
+A sliding-window layer's rows keep their positions where they are and a mask shows each query its window.
+Targets :func:`~dflash_mlx.models.rows.rows_supported` refuses (Gemma, Kimi) run with ``max_batch=1`` only (the engine refuses more in one line). A row running
 alone verifies a proposer's draft tree whole; in a batched pass a tree is cut to its likeliest line. The
 drafter's own trees (``tree_budget``) and ``block_size="auto"`` are refused per request.
 """
@@ -163,7 +165,7 @@ class BatchEngine:
         self.model, self.tap_ids, self.max_batch = model, list(tap_ids), max_batch
         self.prefill_step_size, self.speedups, self.kernels = prefill_step_size, speedups, kernels
         self.costs = costs if costs is not None else BatchCosts()
-        self.target = rows_model.make_rows_cache(model)
+        self.target = rows_model.make_rows_cache(model, kernels)
         self.waiting: deque[_Row] = deque()
         self.joining: list[_Row] = []  # prefilling, in arrival order
         self.running: list[_Row] = []  # in the order of the rows cache
@@ -262,8 +264,7 @@ class BatchEngine:
                 row.verifier = None
             for rows, c in zip(self.target, row.cache.target):
                 rows.add(c)
-                c.keys = c.values = None  # held by the rows until the row runs alone or leaves
-                c.offset = 0
+                rows_model.release(c)  # held by the rows until the row runs alone or leaves
             row.in_rows = True
 
     def _alone(self, row: _Row) -> None:

@@ -113,6 +113,10 @@ class RecurrentCache(ArraysCache, Restoring):
         self.offset += len(path)
         self._tree = None
 
+    def settled(self) -> None:
+        """Its state was set from outside (a batch's row): no pass of its own to undo."""
+        self._layer = self._inputs = self._before = self._steps = self._tree = None
+
     def checkpoint(self) -> None:
         """Keep the current state for :meth:`restore` (the newest ``MAX_CHECKPOINTS``)."""
         if self.offset > 0:
@@ -255,7 +259,7 @@ def forward_with_taps(
 
     Each linear attention layer's cache is told the layer's input first (see
     ``RecurrentCache.begin``). A pass of at most ``RECORD_POSITIONS`` tokens runs those layers
-    through :func:`_recorded_layer` (the same output, and what a rollback selects from); the
+    through :func:`recorded_layer` (the same output, and what a rollback selects from); the
     other layers, and longer passes, run unchanged. A pipelined target runs its stage's layers
     (``stage_layers``: the target's number of layers; :class:`~dflash_mlx.models.stages.Stage`).
     """
@@ -276,7 +280,7 @@ def forward_with_taps(
             and h.shape[1] <= RECORD_POSITIONS
             and linear_attention.supports(layer.linear_attn, mask, c)
         ):
-            h = _recorded_layer(layer, h, c)
+            h = recorded_layer(layer, h, c)
         else:
             h = layer(h, mask, c)
         if i in wanted:
@@ -321,7 +325,8 @@ def forward_tree(
     return h
 
 
-def _recorded_layer(layer: nn.Module, x: mx.array, cache: RecurrentCache) -> mx.array:
+def recorded_layer(layer: nn.Module, x: mx.array, cache: Any) -> mx.array:
+    """A Gated DeltaNet decoder layer over ``x`` whose ``cache`` keeps every position's state (``record``)."""
     # The decoder layer's own three lines (Qwen3.5's and Qwen3-Next's alike), its linear
     # attention through linear_attention so that the cache keeps every position's state.
     r, conv_input, states = linear_attention.linear_attention(layer.linear_attn, layer.input_layernorm(x), cache)

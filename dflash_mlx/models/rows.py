@@ -17,13 +17,17 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..cpu.speedups import CpuSpeedups
+from . import families, hybrid, linear_attention
 from . import target as tgt
+from .sliding import SlidingKVCache
 
-# Targets whose decoder layers are ``layer(h, mask, cache)`` with full attention only.
-ROW_MODEL_TYPES = ("llama", "qwen3", "qwen2", "qwen3_moe")
+# Targets whose decoder layers are ``layer(h, mask, cache)`` over full or sliding-window attention (Llama's
+# sliding layers, gpt-oss's), and the hybrid ones (Gated DeltaNet layers between full attention ones), whose
+# linear layers keep a state per row.
+ROW_MODEL_TYPES = ("llama", "qwen3", "qwen2", "qwen3_moe", "gpt_oss", *hybrid.HYBRID_MODEL_TYPES)
 
 
 def rows_supported(model: nn.Module) -> str | None:
@@ -31,8 +35,10 @@ def rows_supported(model: nn.Module) -> str | None:
     kind = getattr(model, "model_type", None)
     if kind not in ROW_MODEL_TYPES:
         return f"batching is implemented for {', '.join(ROW_MODEL_TYPES)} targets, not {kind}"
-    if kind == "llama" and getattr(model.model, "swa_idx", None) is not None:
-        return "batching is implemented for full-attention Llama targets, not sliding-window ones"
+    if kind in hybrid.HYBRID_MODEL_TYPES:
+        linear = [layer.linear_attn for layer in model.model.layers if layer.is_linear]
+        if any(not isinstance(a, linear_attention.LAYERS) or getattr(a, "sharding_group", None) for a in linear):
+            return "batching a hybrid target needs Gated DeltaNet layers this library walks itself, unsharded"
     return None
 
 
@@ -45,9 +51,10 @@ class RowsKVCache:
 
     step = 256
 
-    def __init__(self):
+    def __init__(self, window: int | None = None):
         self.keys = self.values = None
         self.lengths: list[int] = []
+        self.window = window  # a sliding-window layer's: its queries see that many positions, their own included
 
     @property
     def offset(self) -> mx.array:
@@ -88,10 +95,16 @@ class RowsKVCache:
         """Forget the last ``counts[i]`` positions of row ``i``."""
         self.lengths = [s - n for s, n in zip(self.lengths, counts)]
 
-    def add(self, cache: KVCache) -> int:
-        """A prefilled single-sequence cache joins as the last row (copied); returns its row."""
+    def add(self, cache: KVCache | SlidingKVCache) -> int:
+        """A prefilled single-sequence cache joins as the last row (copied); returns its row. A sliding
+        window's row holds its positions where they are: the ones it dropped are zeros no query sees."""
         n = cache.offset
-        k, v = cache.keys[..., :n, :], cache.values[..., :n, :]
+        if isinstance(cache, SlidingKVCache):
+            k, v = cache.keys_and_values()
+            gap = [(0, 0), (0, 0), (cache.start, 0), (0, 0)]
+            k, v = mx.pad(k, gap), mx.pad(v, gap)
+        else:
+            k, v = cache.keys[..., :n, :], cache.values[..., :n, :]
         if self.keys is None or self.rows == 0:
             size = -(-max(n, 1) // self.step) * self.step
             self.keys = mx.zeros((1, k.shape[1], size, k.shape[3]), dtype=k.dtype)
@@ -111,12 +124,15 @@ class RowsKVCache:
         self.lengths.append(n)
         return self.rows - 1
 
-    def take(self, row: int, into: KVCache) -> None:
+    def take(self, row: int, into: KVCache | SlidingKVCache) -> None:
         """Row ``row``'s entries into ``into`` (a single-sequence cache, e.g. a conversation's), leaving here."""
         n = self.lengths[row]
-        into.keys = mx.array(self.keys[row : row + 1, :, :n, :])
-        into.values = mx.array(self.values[row : row + 1, :, :n, :])
+        start = max(0, n - into.window + 1 - into.slack) if isinstance(into, SlidingKVCache) else 0
+        into.keys = mx.array(self.keys[row : row + 1, :, start:n, :])
+        into.values = mx.array(self.values[row : row + 1, :, start:n, :])
         into.offset = n
+        if isinstance(into, SlidingKVCache):
+            into.start, into._passed = start, False
         self.remove(row)
 
     def remove(self, row: int) -> None:
@@ -138,12 +154,93 @@ class RowsKVCache:
         return self.keys, self.values
 
 
-def rows_mask(lengths: list[int], width: int) -> mx.array:
-    """``(B, 1, W, S)``: query ``q`` of row ``i`` sees keys ``0 .. lengths[i] + q`` (S = max(lengths) + W)."""
+class RowsRecurrentCache(ArraysCache):
+    """One Gated DeltaNet layer's ``[conv_state, recurrent_state]`` for several sequences, a row each.
+
+    A pass runs every row ``W`` tokens on (the linear attention is a recurrence: a row's length does not
+    matter to it) and keeps each position's state (:func:`~dflash_mlx.models.hybrid.recorded_layer`), so
+    that ``trim_rows`` takes each row back to its own kept length by selecting, not replaying. mlx-lm's
+    ``ArraysCache`` joins (``extend``) and splits (``extract``, ``filter``) the rows.
+    """
+
+    def __init__(self, kernels: str = "auto"):
+        super().__init__(size=2)
+        self.kernels = kernels
+        self.offsets: list[int] = []  # the rows' lengths (``lengths`` is mlx-lm's padding, unused here)
+        self._steps: tuple[mx.array, list[mx.array]] | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.offsets)
+
+    def advance(self, n: int) -> None:
+        self.offsets = [o + n for o in self.offsets]
+
+    def record(self, conv_input: mx.array, states: list[mx.array]) -> None:
+        self._steps = (conv_input, states)
+
+    def trim_rows(self, counts: list[int]) -> None:
+        """Forget the last ``counts[i]`` tokens of row ``i``'s last pass: its state after the ones kept."""
+        conv_input, states = self._steps
+        self._steps = None
+        if not any(counts):
+            return
+        width = conv_input.shape[1] - len(states)  # K - 1
+        convs, finals = [], []
+        for i, n in enumerate(counts):
+            keep = len(states) - n
+            convs.append(conv_input[i : i + 1, keep : keep + width])
+            finals.append(states[keep - 1][i : i + 1])
+        self.cache = [mx.concatenate(convs), mx.concatenate(finals)]
+        self.offsets = [o - n for o, n in zip(self.offsets, counts)]
+
+    def add(self, cache: hybrid.RecurrentCache) -> int:
+        """A prefilled single-sequence state joins as the last row (copied); returns its row."""
+        if self.rows == 0:
+            self.cache = list(cache.cache)
+        else:
+            self.extend(cache)
+        self.offsets.append(cache.offset)
+        return self.rows - 1
+
+    def take(self, row: int, into: hybrid.RecurrentCache) -> None:
+        """Row ``row``'s state into ``into`` (a conversation's), leaving here."""
+        into.cache = [None if c is None else mx.array(c[row : row + 1]) for c in self.cache]
+        into.offset = self.offsets[row]
+        into.settled()
+        self.remove(row)
+
+    def remove(self, row: int) -> None:
+        keep = [i for i in range(self.rows) if i != row]
+        self.offsets.pop(row)
+        if keep:
+            self.filter(mx.array(keep))
+        else:
+            self.cache = [None, None]
+
+
+def release(cache: Any) -> None:
+    """Free a single-sequence cache whose entries the rows now hold (they come back with ``take``); its
+    checkpoints stay: they are its prompt's, still right."""
+    if isinstance(cache, hybrid.RecurrentCache):
+        cache.cache = [None, None]
+        cache.settled()
+    else:
+        cache.keys = cache.values = None
+        cache.offset = 0
+        if isinstance(cache, SlidingKVCache):
+            cache.start = 0
+
+
+def rows_mask(lengths: list[int], width: int, window: int | None = None) -> mx.array:
+    """``(B, 1, W, S)``: query ``q`` of row ``i`` sees keys ``0 .. lengths[i] + q`` (S = max(lengths) + W),
+    with a ``window`` only the last ``window`` of them."""
     S = max(lengths) + width
     start = mx.array(lengths, dtype=mx.int32)[:, None, None, None]
     q = mx.arange(width, dtype=mx.int32)[None, None, :, None]
-    return mx.arange(S, dtype=mx.int32)[None, None, None, :] <= start + q
+    keys = mx.arange(S, dtype=mx.int32)[None, None, None, :]
+    visible = keys <= start + q
+    return visible if window is None else visible & (keys > start + q - window)
 
 
 def forward_rows(
@@ -163,13 +260,21 @@ def forward_rows(
     """
     inner = model.model
     h = inner.embed_tokens(tokens)
-    mask = rows_mask(caches[0].lengths, tokens.shape[1])
+    lengths = next(c.lengths for c in caches if isinstance(c, RowsKVCache))
+    masks = {
+        w: rows_mask(lengths, tokens.shape[1], w) for w in {c.window for c in caches if isinstance(c, RowsKVCache)}
+    }
     steps = None
     if speedups is not None and h.dtype == mx.float32 and tokens.size >= speedups.min_tokens:
         steps = tgt.cpu_layer_steps(model, speedups)
     wanted, captured = set(tap_ids), {}
     for i, (layer, c) in enumerate(zip(inner.layers, caches)):
-        h = layer(h, mask, c) if steps is None else tgt.cpu_block(layer, h, c, mask, speedups, steps[i])
+        if isinstance(c, RowsRecurrentCache):
+            h = hybrid.recorded_layer(layer, h, c)
+        elif steps is None:
+            h = layer(h, masks[c.window], c)
+        else:
+            h = tgt.cpu_block(layer, h, c, masks[c.window], speedups, steps[i])
         if i in wanted:
             captured[i] = h
     h = inner.norm(h)
@@ -182,6 +287,14 @@ def forward_rows(
     return logits, mx.concatenate([captured[i] for i in tap_ids], axis=-1)
 
 
-def make_rows_cache(model: nn.Module) -> list[Any]:
-    """One :class:`RowsKVCache` per decoder layer, no rows yet."""
-    return [RowsKVCache() for _ in model.model.layers]
+def make_rows_cache(model: nn.Module, kernels: str = "auto") -> list[Any]:
+    """A rows cache per decoder layer, no rows yet, of the kind of the layer's single-sequence cache: a
+    :class:`RowsRecurrentCache` for a hybrid target's linear attention layers (``kernels``: their
+    recurrence's Metal kernels' mode), a :class:`RowsKVCache` for the others (with the layer's window)."""
+    out = []
+    for c in families.make_target_cache(model, kernels):
+        if isinstance(c, hybrid.RecurrentCache):
+            out.append(RowsRecurrentCache(kernels))
+        else:
+            out.append(RowsKVCache(c.window if isinstance(c, SlidingKVCache) else None))
+    return out
