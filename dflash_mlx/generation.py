@@ -20,7 +20,7 @@ from .base.errors import DFlashError
 from .cpu.openblas import blas_in_use
 from .cpu.speedups import choose_speedups
 from .drafts.build import make_proposer
-from .drafts.datastore import Datastore
+from .drafts.datastore import Datastore, pair_datastore
 from .drafts.lookup import PromptLookup
 from .loop.batch import BatchEngine, RowRequest, batch_stream
 from .loop.cache import DFlashCache, make_cache
@@ -39,6 +39,8 @@ from .tuning.policy import PolicyState
 
 # A stream for generation on whichever thread runs the generator (CLI or TUI worker).
 generation_stream = mx.new_thread_local_stream(mx.default_device())
+# The public calls' default datastore: the tools' default (drafts.datastore.pair_datastore).
+AUTO = "auto"
 
 
 class StepOutput(NamedTuple):
@@ -159,6 +161,15 @@ def dflash_generate_step(
             verifier.finish()
 
 
+def _datastore(choice, model: nn.Module, draft: nn.Module | None):
+    # "auto", the public calls' default: what the tools draft from by default (pair_datastore).
+    if not isinstance(choice, str):
+        return choice
+    if choice != AUTO:
+        raise DFlashError(f"datastore must be 'auto', None or a Datastore (got {choice!r}).")
+    return pair_datastore(model, draft)
+
+
 def _kept_in(datastore: Datastore, steps: Generator[StepOutput, None, None]) -> Generator[StepOutput, None, None]:
     # What the target wrote drafts what follows: the reply goes into the datastore when it ends,
     # however it ends (a stop, the budget, a caller that stops reading).
@@ -196,7 +207,9 @@ def stream_generate(
         kwargs: The remaining options (``block_size``, ``sampler``, ...) make the loop's
           :class:`~dflash_mlx.loop.options.LoopOptions`; see it for what each does. ``prompt_cache``
           and ``stream`` go to :func:`dflash_generate_step` as they are. Generation stops at the
-          tokenizer's end-of-sequence tokens.
+          tokenizer's end-of-sequence tokens. ``datastore`` defaults to ``"auto"``, what the tools
+          draft from by default: the default pair's shipped answers for its drafter, nothing for
+          other pairs (:func:`dflash_mlx.drafts.datastore.pair_datastore`); None: prompt lookup alone.
 
     Yields:
         GenerationResponse: One per cycle; the last one has ``finish_reason`` set.
@@ -212,7 +225,8 @@ def stream_generate(
     ids = _prompt_ids(prompt)
     prompt_cache, stream = kwargs.pop("prompt_cache", None), kwargs.pop("stream", generation_stream)
     stop_tokens = frozenset(tokenizer.eos_token_ids)
-    options = LoopOptions(max_tokens=max_tokens, stop_tokens=stop_tokens, **kwargs)
+    datastore = _datastore(kwargs.pop("datastore", AUTO), model, draft)
+    options = LoopOptions(max_tokens=max_tokens, stop_tokens=stop_tokens, datastore=datastore, **kwargs)
     reused = prompt_cache.reusable_prefix(ids) if prompt_cache is not None else 0
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -452,6 +466,7 @@ def batch_generate(
         raise DFlashError(f"max_tokens has {len(limits)} entries for {len(prompts)} prompts: give one per prompt.")
     stop_tokens = frozenset(tokenizer.eos_token_ids)
     kwargs.setdefault("policy", PolicyState())  # what the adaptive policy learns, shared by the rows
+    kwargs["datastore"] = _datastore(kwargs.get("datastore", AUTO), model, draft)
     engine = batch_engine(model, draft, max_batch=max_batch, prefill_step_size=kwargs.get("prefill_step_size", 512),
                           cpu_speedups=kwargs.get("cpu_speedups"), kernels=kwargs.get("kernels", "auto"))  # fmt: skip
     order = {}

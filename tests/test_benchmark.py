@@ -217,6 +217,18 @@ def test_smoke_run_writes_json_markdown_and_plots(pair_dirs, prompts, tmp_path, 
         assert len({tuple(r["output_ids"]) for r in result["runs"] if r["prompt"] == i}) == 1
     table = (tmp_path / "r.md").read_text()
     assert "| dflash | 8 |" in table and "BLAS" in table
+    # The limit, efficiency and loop eff. cells: numbers in the rows that have a limit, "-" in the others.
+    head = next(line for line in table.splitlines() if line.startswith("| method"))
+    columns = [c.strip() for c in head.strip("|").split("|")]
+    at = columns.index("limit")
+    for line in table.split("\n\n", 2)[1].splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        limit, eff, loop = cells[at : at + 3]
+        if cells[0] in ("dflash", "dflash-cut", "dflash-auto"):
+            assert limit.endswith("x") and eff.endswith("%") and loop.endswith("%"), line
+            assert float(limit[:-1]) > 0 and float(eff[:-1]) > 0 and float(loop[:-1]) > 0, line
+        else:
+            assert (limit, eff, loop) == ("-", "-", "-"), line
     # Component times are taken at the mean context of the generated tokens.
     assert result["times"]["context"] > 12 / 2 and f"at a {result['times']['context']}-token context" in table
     assert (out / "speedup.png").read_bytes()[:4] == b"\x89PNG"
@@ -726,6 +738,22 @@ def test_the_eta_counts_the_warm_ups_and_the_final_timing():
     done = settings + 1
     assert eta_seconds(float(done), done, units, tail) == pytest.approx(units - done + tail)
     assert estimate_seconds(prompts, settings, runs, 1, 1.0) == units
+
+
+def test_the_runs_first_eta_counts_what_the_estimate_counts(pair_dirs, prompts, monkeypatch, capsys):
+    # On a real run: each ETA is taken over the warm-ups and timed runs done of all of them, so the
+    # first one (after the first prompt's warm-ups and one timed run) is the estimate less that work.
+    calls = []
+    real = benchmark.eta_seconds
+    monkeypatch.setattr(benchmark, "eta_seconds", lambda *a: calls.append(a) or real(*a))
+    run_benchmark(model=str(pair_dirs["qwen3-tied"]), draft=str(pair_dirs["draft"]), prompts=str(prompts),
+                  max_tokens=4, block_sizes=(4,), runs=2, methods=("baseline", "dflash"))  # fmt: skip
+    settings, prompts_n, runs = 2, 2, 2
+    units = settings * prompts_n * (runs + 1)
+    assert [(done, total) for _, done, total, _ in calls][:2] == [(settings + 1, units), (settings + 2, units)]
+    assert calls[-1][1] == units and calls[-1][3] > 0  # the last counts all, and the final timing is left
+    err = capsys.readouterr().err
+    assert f"x ({runs} runs + a warm-up) x up to 4 tokens" in err and ", ETA " in err
 
 
 def test_sampled_runs_sample_every_method_alike(pair_dirs, prompts, monkeypatch):

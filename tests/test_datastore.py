@@ -226,3 +226,41 @@ def test_open_datastore_as_the_tools_ask(tmp_path, monkeypatch):
     given = tmp_path / "mine.jsonl"
     given.write_text("")
     assert open_datastore(str(given), "dflash-tiny", 10) == "store" and built[-1] == given
+
+
+def test_the_python_apis_default_datastore_is_the_default_pairs_answers_for_its_drafter_alone(
+    pair_dirs, tmp_path, monkeypatch
+):
+    # stream_generate's datastore="auto" (its default): the tools' default store when the drafter is
+    # the default pair's (the tiny drafter stands in for it here), nothing for any other pair.
+    import json
+
+    from dflash_mlx import batch_generate, generate, load
+    from dflash_mlx.drafts import datastore as ds
+
+    model, draft, tokenizer = load(str(pair_dirs["qwen3-tied"]), str(pair_dirs["draft"]))
+    assert draft.folder == pair_dirs["draft"]
+    monkeypatch.setattr(ds, "_PAIR_STORES", {})
+    prompt = _prompt(7, 3)
+
+    def tokens(**kwargs):
+        return [t for r in stream_generate(model, draft, tokenizer, prompt, max_tokens=24, **kwargs) for t in r.tokens]
+
+    alone = tokens(datastore=None)
+    assert alone == reference(model, prompt, 24)[: len(alone)]
+    # Not the default pair's drafter: as before, no datastore opened (the tests' tiny pairs).
+    assert tokens() == alone and ds._PAIR_STORES == {}
+    answers = tmp_path / "responses.jsonl"
+    answers.write_text("\n".join(json.dumps({"response_ids": alone}) for _ in range(2)))
+    monkeypatch.setattr(ds, "default_pair_draft", lambda: pair_dirs["draft"])
+    monkeypatch.setattr(ds, "default_pair_answers", lambda: answers)
+    assert tokens() == alone  # lossless
+    (store,) = ds._PAIR_STORES.values()
+    assert store.fixed is not None and store.session_length == len(alone)  # the answers, and the reply joined
+    generate(model, draft, tokenizer, prompt, max_tokens=24)
+    assert list(ds._PAIR_STORES.values()) == [store] and store.session_length == 2 * len(alone)  # opened once
+    assert batch_generate(model, draft, tokenizer, [prompt], max_tokens=24).tokens == [alone]
+    assert list(ds._PAIR_STORES.values()) == [store] and store.session_length == 3 * len(alone)
+    assert ds.pair_datastore(model, None) is None  # plain decoding stays plain
+    with pytest.raises(DFlashError, match="datastore must be 'auto', None or a Datastore"):
+        tokens(datastore="none")

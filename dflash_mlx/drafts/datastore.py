@@ -27,10 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from ..base.errors import DFlashError
+from ..loading.pairs import default_pair_answers, default_pair_draft
 from ..loop.proposal import Proposal, Proposer
+from ..models.target import vocab_size
 
 # Suffixes are sorted by their first SORTED tokens only (five doubling rounds): a draft never
 # reads deeper than its match plus its drafts.
@@ -365,6 +368,34 @@ def load_datastore(responses: str | Path, vocab: int, cache_dir: str | Path | No
         index = SuffixIndex.build(documents, vocab)
         index.save(path)
     return Datastore(index, vocab, **settings)
+
+
+# What pair_datastore opened, by answers file and vocabulary: one store a process, as a tool keeps
+# one a session, so each reply joins the store the next call drafts from.
+_PAIR_STORES: dict[tuple[Path, int], Datastore] = {}
+
+
+def pair_datastore(model: nn.Module, draft: nn.Module | None) -> Datastore | None:
+    """What the Python API's ``datastore="auto"`` drafts from, as the tools' ``--datastore auto``.
+
+    Args:
+        model: The target.
+        draft: The drafter; :func:`dflash_mlx.load` records the folder it read it from.
+
+    Returns:
+        The default pair's shipped answers (a file of the package: nothing is downloaded) when
+        ``draft`` is the default pair's drafter, opened once a process, this process's replies
+        joining it; None for any other drafter, whose pair ships no answers, and for plain
+        decoding (prompt lookup alone, as before).
+    """
+    folder = getattr(draft, "folder", None)
+    answers = default_pair_answers()
+    if folder is None or Path(folder).resolve() != default_pair_draft().resolve() or not answers.is_file():
+        return None
+    vocab = vocab_size(model)
+    if (answers, vocab) not in _PAIR_STORES:
+        _PAIR_STORES[answers, vocab] = load_datastore(answers, vocab)
+    return _PAIR_STORES[answers, vocab]
 
 
 class DatastoreProposer(Proposer):

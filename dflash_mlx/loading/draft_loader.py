@@ -86,6 +86,8 @@ def build_draft(
         ) from e
     mx.eval(draft.parameters())
     draft.eval()
+    # Where it came from: the Python API's datastore="auto" knows the default pair's drafter by it.
+    draft.folder = Path(path)
     if shape is not None:
         check_drafter(shape, draft)
     return draft

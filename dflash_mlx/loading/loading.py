@@ -72,7 +72,9 @@ def load(
         pipeline_split: Layers per rank for the pipeline, rank 0's first (default: even).
 
     Returns:
-        ``(model, draft, tokenizer)``; ``draft`` is None when none was given.
+        ``(model, draft, tokenizer)``; ``draft`` is None when none was given. ``draft.folder`` is the
+        folder it was read from, by which :func:`dflash_mlx.stream_generate`'s default datastore knows
+        the default pair's drafter (:func:`dflash_mlx.drafts.datastore.pair_datastore`).
 
     Raises:
         DFlashError: On missing or corrupt files, a non-DFlash drafter, an unsupported

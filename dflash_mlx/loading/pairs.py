@@ -104,6 +104,11 @@ def default_pair_draft() -> Path:
     return default_pair_path() / "draft"
 
 
+def default_pair_answers() -> Path:
+    """The default pair's shipped answers: the response cache its drafter was trained on."""
+    return default_pair_path() / "data" / "responses.jsonl.gz"
+
+
 def embedded_pair(name: str = DEFAULT_PAIR) -> tuple[Path, Path]:
     """``(target folder, drafter folder)`` of an embedded pair.
 

@@ -108,7 +108,9 @@ class LoopOptions:
           run no drafter pass (the adaptive policy's paused cycles, or every cycle without a
           drafter or with prompt lookup) verify its continuation of the text where prompt
           lookup finds no match of two tokens or more. None (default): prompt lookup alone.
-          The output is the same either way.
+          The output is the same either way. :func:`dflash_mlx.stream_generate`, ``generate`` and
+          ``batch_generate`` default to ``"auto"``: the tools' default
+          (:func:`dflash_mlx.drafts.datastore.pair_datastore`).
         seed: Seed MLX's random generator first: the same seed gives the same output.
         stop_tokens: Generation ends right after the first of these, even mid-block.
         prefill_step_size: Prompt tokens per prefill chunk.

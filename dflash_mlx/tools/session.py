@@ -14,17 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..base.errors import DFlashError
+from ..loading.pairs import default_pair_answers
 from ..tuning.policy import PolicyState, PolicyStore
 
 if TYPE_CHECKING:
     from ..drafts.datastore import Datastore
-
-
-def default_pair_answers() -> Path:
-    """The default pair's shipped answers: the response cache its drafter was trained on."""
-    from ..loading.pairs import DEFAULT_PAIR, embedded_pair_path
-
-    return embedded_pair_path(DEFAULT_PAIR) / "data" / "responses.jsonl.gz"
 
 
 def open_datastore(choice: str | None, model: str | Path | None, vocab: int, **settings) -> "Datastore | None":
