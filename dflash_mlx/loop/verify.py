@@ -162,7 +162,7 @@ class Verifier:
             if own_split(tgt.decoder(self.model)):
                 raise DFlashError(
                     "A rotating window cache (--max-kv-size) is fed by mlx-lm's own pass, which cannot run a "
-                    f"{self.model.model_type} target split as a pipeline by DFlash: leave --max-kv-size out."
+                    "target split as a pipeline by DFlash (not mlx-lm): leave --max-kv-size out."
                 )
             return self.model(tokens, cache=self.cache.target), None
         return tgt.forward_with_taps(

@@ -100,28 +100,14 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         "dflash-tree: a draft tree (DDTree) of up to --tree-budget nodes a cycle, as deep as the drafter's block; "
         "verified counts its nodes and root; no limit.",
     ]
-    shared = [r for r in rows if len(r.get("shares") or {}) > 1]
-    if shared:
-        lines += [
-            "",
-            "Accepted drafts by what proposed them (drafter: the DFlash drafter; lookup: prompt lookup; "
-            "datastore: the target's past text):",
-        ]
-        lines += [
-            f"- {r['method']} B={r['block_size']}: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["shares"].items())
-            for r in shared
-        ]
-    deep = [r for r in rows if r.get("depths")]
-    if deep:
-        lines += [
-            "",
-            "Drafts kept by depth (of the drafting cycles that verified d drafts or more, the share that kept d or "
-            "more; of a tree, whose accepted path reached depth d):",
-        ]
-        lines += [
-            f"- {r['method']} B={r['block_size']}: " + ", ".join(f"{d}: {100 * v:.0f}%" for d, v in r["depths"].items())
-            for r in deep
-        ]
+    lines += _per_row(
+        rows, "shares", "Accepted drafts by what proposed them (drafter: the DFlash drafter; lookup: prompt lookup; "
+        "datastore: the target's past text):", lambda k, v: f"{k} {100 * v:.0f}%", least=2,
+    )  # fmt: skip
+    lines += _per_row(
+        rows, "depths", "Drafts kept by depth (of the drafting cycles that verified d drafts or more, the share that "
+        "kept d or more; of a tree, whose accepted path reached depth d):", lambda d, v: f"{d}: {100 * v:.0f}%",
+    )  # fmt: skip
     if meta.get("kernel_verdicts"):
         lines += ["", "Metal kernels (what each dispatcher ran at each shape class):"]
         lines += [f"- {v['kernel']} {v['shape']}: {'kernel' if v['enabled'] else 'twin'}, {v['reason']}"
@@ -146,6 +132,16 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
                 "target). The limit and loop eff. add each cycle's rollback, at the k it had, to t_draft + t_verify.",
             ]
     return "\n".join(lines) + "\n"
+
+
+def _per_row(rows: list[dict], key: str, heading: str, show, least: int = 1) -> list[str]:
+    # A line per method and block size whose ``key`` holds at least ``least`` entries, under ``heading``.
+    listed = [r for r in rows if len(r.get(key) or {}) >= least]
+    if not listed:
+        return []
+    return ["", heading] + [
+        f"- {r['method']} B={r['block_size']}: " + ", ".join(show(k, v) for k, v in r[key].items()) for r in listed
+    ]
 
 
 def plot_caption(meta: dict) -> str:
