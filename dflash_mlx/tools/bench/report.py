@@ -94,9 +94,10 @@ def markdown(rows: list[dict], meta: dict, times: dict) -> str:
         "by the baseline's real step against a lone AR pass (below). "
         "dflash-fallback has no limit: its prompt-lookup cycles run no drafter pass. dflash-default: generate's "
         "defaults (the adaptive policy, one state across the method's runs, warm-up first, as a chat or server "
-        "keeps it; while it pauses the drafter, each cycle verifies the prefix of prompt lookup's or the datastore's "
-        "drafts (up to 7) that its learned chances and this machine's measured verify costs say gives the most "
-        "tokens a step, or steps plainly); no limit. "
+        "keeps it; while it pauses the drafter, each cycle verifies the tree of prompt lookup's and the datastore's "
+        "continuations (up to 12 nodes, 7 deep), or the one path, that its learned chances and this machine's "
+        "measured verify costs say gives the most tokens a step, or steps plainly; where the drafter drafts, its "
+        "drafts join that tree); no limit. "
         "dflash-tree: a draft tree (DDTree) of up to --tree-budget nodes a cycle, as deep as the drafter's block; "
         "verified counts its nodes and root; no limit.",
     ]
