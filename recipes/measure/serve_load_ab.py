@@ -111,7 +111,8 @@ try:
                     flush=True,
                 )
     print("\n| round | clients | mlx_lm.server tok/s | dflash-serve tok/s | ratio | p50 / p95 s (mlx_lm) "
-          "| p50 / p95 s (dflash) | longest gap s while 3k joins (mlx_lm) | (dflash) | dflash replies as alone |")  # fmt: skip
+          f"| p50 / p95 s (dflash) | longest gap s while {args.join_tokens} tokens join (mlx_lm) | (dflash) "
+          "| dflash replies as alone |")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---|---|---:|---:|---:|")
     for r in range(args.rounds):
         for n in args.levels:
