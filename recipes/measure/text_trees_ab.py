@@ -6,6 +6,7 @@ cumulative tokens per second and its ratio to mlx-lm's, and checks every arm's t
 when greedy. ``--temp``/``--top-p`` sample, on both sides alike.
 
     python -m dflash_mlx.cpu.openblas python recipes/measure/text_trees_ab.py --prompts 8 --max-tokens 256
+    python -m dflash_mlx.cpu.openblas python recipes/measure/text_trees_ab.py --nodes 6 12 24   # a sweep of sizes
 """
 
 import argparse
@@ -31,7 +32,7 @@ parser.add_argument("--max-tokens", type=int, default=128)
 parser.add_argument("--rounds", type=int, default=2)
 parser.add_argument("--temp", type=float, default=0.0)
 parser.add_argument("--top-p", type=float, default=0.0)
-parser.add_argument("--nodes", type=int, default=TREE_NODES)
+parser.add_argument("--nodes", type=int, nargs="+", default=[TREE_NODES], help="Tree sizes, one arm each.")
 args = parser.parse_args()
 
 model, draft, tok = load()
@@ -39,7 +40,7 @@ store = open_datastore("auto", DEFAULT_PAIR, 49152, learns=False)
 rows = [json.loads(line) for line in open(embedded_pair_path() / "prompts.jsonl")][: args.prompts]
 prompts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True) for r in rows]
 made = g.free_sources
-nodes = {"paths": 0, "trees": args.nodes}
+nodes = {"paths": 0, **{f"trees {n}": n for n in args.nodes}}
 arm = {"name": "paths"}
 
 
