@@ -7,6 +7,7 @@ when greedy. ``--temp``/``--top-p`` sample, on both sides alike.
 
     python -m dflash_mlx.cpu.openblas python recipes/measure/text_trees_ab.py --prompts 8 --max-tokens 256
     python -m dflash_mlx.cpu.openblas python recipes/measure/text_trees_ab.py --nodes 6 12 24   # a sweep of sizes
+    python -m dflash_mlx.cpu.openblas python recipes/measure/text_trees_ab.py --tree-extra 0 0.4 0.8
 """
 
 import argparse
@@ -33,6 +34,13 @@ parser.add_argument("--rounds", type=int, default=2)
 parser.add_argument("--temp", type=float, default=0.0)
 parser.add_argument("--top-p", type=float, default=0.0)
 parser.add_argument("--nodes", type=int, nargs="+", default=[TREE_NODES], help="Tree sizes, one arm each.")
+parser.add_argument(
+    "--tree-extra",
+    type=float,
+    nargs="+",
+    default=[],
+    help="Instead: trees of the first --nodes, one arm per tree_extra.",
+)
 args = parser.parse_args()
 
 model, draft, tok = load()
@@ -41,6 +49,10 @@ rows = [json.loads(line) for line in open(embedded_pair_path() / "prompts.jsonl"
 prompts = [tok.apply_chat_template(r["messages"], add_generation_prompt=True) for r in rows]
 made = g.free_sources
 nodes = {"paths": 0, **{f"trees {n}": n for n in args.nodes}}
+extras = {}  # arm -> the policy's tree_extra (the cost it adds to a tree pass over a path pass of as many drafts)
+if args.tree_extra:
+    nodes = {"paths": 0, **{f"extra {x:g}": args.nodes[0] for x in args.tree_extra}}
+    extras = {f"extra {x:g}": x for x in args.tree_extra}
 arm = {"name": "paths"}
 
 
@@ -53,6 +65,8 @@ def free_sources(*a, **k):
 
 g.free_sources = free_sources
 policies = {name: PolicyState() for name in nodes}
+for name, x in extras.items():
+    policies[name].free.tree_extra = x
 sampled = args.temp > 0
 
 
