@@ -3,7 +3,6 @@ the tokens mlx-lm's sort keeps, and the target's distribution when sampling."""
 
 import mlx.core as mx
 import pytest
-from helpers.checkpoints import write_target
 from mlx_lm.sample_utils import apply_top_p
 
 from dflash_mlx import load, sampling
@@ -41,11 +40,9 @@ TOP = 4  # of the 128 tokens: some rows' nucleus fits, most do not (a nucleus cu
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, pair_dirs):
-    """test_sampling's target, whose samples have real choices."""
-    folder = tmp_path_factory.mktemp("nucleus") / "target"
-    write_target(folder, embed_scale=0.2)
-    return load(folder, pair_dirs["draft"])
+def pair(sampling_target, pair_dirs):
+    """The shared sampling target (as test_sampling's), whose samples have real choices."""
+    return load(sampling_target, pair_dirs["draft"])
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import copy
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers.checkpoints import VOCAB, write_target
+from helpers.checkpoints import VOCAB
 from helpers.oracles import ScriptedDraft
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
@@ -59,11 +59,9 @@ def _tv_bound(probs: np.ndarray, n: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, pair_dirs):
+def pair(sampling_target, pair_dirs):
     """A target with smaller logits than the shared one, so that sampling has real choices."""
-    folder = tmp_path_factory.mktemp("sampling") / "target"
-    write_target(folder, embed_scale=0.2)
-    return load(folder, pair_dirs["draft"])
+    return load(sampling_target, pair_dirs["draft"])
 
 
 @pytest.fixture(scope="module")
