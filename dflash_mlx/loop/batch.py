@@ -229,12 +229,17 @@ class BatchEngine:
         row.reused = row.cache.resume(req.ids)
         row.prefilled = row.reused
         row.proposer = req.proposer(row.cache)
-        row.verifier = Verifier(
+        row.verifier = self._verifier(row, run_ahead=False)
+        self.joining.append(row)
+
+    def _verifier(self, row: _Row, run_ahead: bool) -> Verifier:
+        # The single-stream verifier on the row's own cache: its prefill, or its cycles while it runs alone.
+        req = row.request
+        return Verifier(
             self.model, row.cache, sampler=None if is_greedy(req.sampler) else req.sampler,
             logits_processors=req.logits_processors, tap_ids=row.proposer.tap_ids, speedups=self.speedups,
-            kernels=self.kernels, run_ahead=False,
+            kernels=self.kernels, run_ahead=run_ahead,
         )  # fmt: skip
-        self.joining.append(row)
 
     def _prefill_chunk(self, row: _Row, n: int) -> list[RowEvent]:
         ids = row.request.ids
@@ -275,12 +280,7 @@ class BatchEngine:
                 rows.take(0, c)
             row.in_rows = False
         if row.verifier is None:
-            req = row.request
-            row.verifier = Verifier(
-                self.model, row.cache, sampler=None if is_greedy(req.sampler) else req.sampler,
-                logits_processors=req.logits_processors, tap_ids=row.proposer.tap_ids, speedups=self.speedups,
-                kernels=self.kernels,
-            )  # fmt: skip
+            row.verifier = self._verifier(row, run_ahead=True)
 
     def _leave(self, index: int) -> None:
         row = self.running.pop(index)

@@ -9,8 +9,9 @@ lowers each row's length, nothing is copied; the stale entries past a row's leng
 block. A row joins by copying its prefilled cache in and leaves by copying its entries out.
 
 mlx-lm's ``BatchKVCache`` pads rows on the left and trims every row alike, which speculative decoding cannot
-use: each row keeps a different number of its block. Only the attention families whose layers take a mask and
-read ``cache.offset`` for RoPE run here (:data:`ROW_MODEL_TYPES`); the others are served one at a time.
+use: each row keeps a different number of its block. A sliding-window layer's rows keep their positions in place
+under a windowed mask; a hybrid target's Gated DeltaNet layers keep a state a row (:class:`RowsRecurrentCache`).
+The families of :data:`ROW_MODEL_TYPES` run here; others are served one at a time.
 """
 
 from typing import Any
@@ -55,6 +56,10 @@ class RowsKVCache:
 
     step = 256
 
+    def _whole(self, size: int) -> int:
+        # ``size`` positions rounded up to whole steps.
+        return -(-size // self.step) * self.step
+
     def __init__(self, window: int | None = None):
         self.keys = self.values = None
         self.lengths: list[int] = []
@@ -72,7 +77,7 @@ class RowsKVCache:
         # Grow the buffer (by whole steps) to hold ``size`` positions per row.
         if self.keys.shape[2] >= size:
             return
-        pad = -(-size // self.step) * self.step - self.keys.shape[2]
+        pad = self._whole(size) - self.keys.shape[2]
         self.keys = mx.pad(self.keys, [(0, 0), (0, 0), (0, pad), (0, 0)])
         self.values = mx.pad(self.values, [(0, 0), (0, 0), (0, pad), (0, 0)])
 
@@ -110,17 +115,14 @@ class RowsKVCache:
         else:
             k, v = cache.keys[..., :n, :], cache.values[..., :n, :]
         if self.keys is None or self.rows == 0:
-            size = -(-max(n, 1) // self.step) * self.step
+            size = self._whole(max(n, 1))
             self.keys = mx.zeros((1, k.shape[1], size, k.shape[3]), dtype=k.dtype)
             self.values = mx.zeros((1, v.shape[1], size, v.shape[3]), dtype=v.dtype)
             self.keys[..., :n, :], self.values[..., :n, :] = k, v
             self.lengths = [n]
             return 0
-        size = max(self.keys.shape[2], -(-n // self.step) * self.step)
-        if size > self.keys.shape[2]:
-            pad = size - self.keys.shape[2]
-            self.keys = mx.pad(self.keys, [(0, 0), (0, 0), (0, pad), (0, 0)])
-            self.values = mx.pad(self.values, [(0, 0), (0, 0), (0, pad), (0, 0)])
+        self._room(n)
+        size = self.keys.shape[2]
         k = mx.pad(k, [(0, 0), (0, 0), (0, size - n), (0, 0)])
         v = mx.pad(v, [(0, 0), (0, 0), (0, size - n), (0, 0)])
         self.keys = mx.concatenate([self.keys, k.astype(self.keys.dtype)], axis=0)
@@ -132,11 +134,12 @@ class RowsKVCache:
         """Row ``row``'s entries into ``into`` (a single-sequence cache, e.g. a conversation's), leaving here."""
         n = self.lengths[row]
         start = max(0, n - into.window + 1 - into.slack) if isinstance(into, SlidingKVCache) else 0
-        into.keys = mx.array(self.keys[row : row + 1, :, start:n, :])
-        into.values = mx.array(self.values[row : row + 1, :, start:n, :])
-        into.offset = n
+        keys = mx.array(self.keys[row : row + 1, :, start:n, :])
+        values = mx.array(self.values[row : row + 1, :, start:n, :])
         if isinstance(into, SlidingKVCache):
-            into.start, into._passed = start, False
+            into.hold(keys, values, start, n)
+        else:
+            into.keys, into.values, into.offset = keys, values, n
         self.remove(row)
 
     def remove(self, row: int) -> None:
@@ -147,7 +150,7 @@ class RowsKVCache:
             self.keys = self.values = None
             return
         index = mx.array(keep)
-        used = -(-max(self.lengths) // self.step) * self.step if max(self.lengths) else self.step
+        used = self._whole(max(self.lengths)) if max(self.lengths) else self.step
         self.keys, self.values = self.keys[index, :, :used, :], self.values[index, :, :used, :]
 
     def is_trimmable(self) -> bool:
@@ -229,11 +232,11 @@ def release(cache: Any) -> None:
     if isinstance(cache, hybrid.RecurrentCache):
         cache.cache = [None, None]
         cache.settled()
+    elif isinstance(cache, SlidingKVCache):
+        cache.hold(None, None, 0, 0)
     else:
         cache.keys = cache.values = None
         cache.offset = 0
-        if isinstance(cache, SlidingKVCache):
-            cache.start = 0
 
 
 def rows_mask(lengths: list[int], width: int, window: int | None = None) -> mx.array:

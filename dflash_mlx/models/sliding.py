@@ -103,6 +103,12 @@ class SlidingKVCache(Restoring):
         seen = min(used, self.window - 1)
         return self.keys[..., used - seen : used + n, :], self.values[..., used - seen : used + n, :]
 
+    def hold(self, keys: mx.array | None, values: mx.array | None, start: int, offset: int) -> None:
+        """Positions ``[start, offset)`` set from outside (a batch's row coming back; None: given to one), with no
+        pass of its own to keep; its checkpoints stay, they are its prompt's."""
+        self.keys, self.values, self.start, self.offset = keys, values, start, offset
+        self._passed = False
+
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         return self.keys[..., : self.stored, :], self.values[..., : self.stored, :]
 
