@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from ..loop.proposal import Proposal, Proposer
+from ..loop.proposal import DrafterPass, Proposal, Proposer
 from ..tuning.policy import FreeStats
 from .datastore import Datastore
 from .lookup import PromptLookup
@@ -197,6 +197,9 @@ class DrafterAndText(Proposer):
 
     def plain_next(self) -> bool:
         return self.inner.plain_next()
+
+    def drafter_pass(self, last: int, n: int) -> DrafterPass | None:
+        return self.inner.drafter_pass(last, n)
 
     def accept(self, num_accepted: int, taps: mx.array | None) -> None:
         self.inner.accept(num_accepted, taps)

@@ -17,7 +17,8 @@ import mlx.nn as nn
 
 from ..cpu.speedups import CpuSpeedups
 from ..loop.cache import DFlashCache
-from ..loop.proposal import Proposal, Proposer
+from ..loop.proposal import DrafterPass, Proposal, Proposer
+from ..models import draft_rows
 from ..models import target as tgt
 from ..models.tree import DraftTree
 from ..sampling import Sampler, sample_rows, top_probability
@@ -65,6 +66,7 @@ class DFlashProposer(Proposer):
         self.model, self.draft, self.cache = model, draft, cache
         self.sampler, self.min_confidence, self.speedups, self.width = sampler, min_confidence, speedups, width
         self.tap_ids, self.drafter = draft.target_layer_ids, self
+        self.given: mx.array | None = None  # this cycle's logits from a batched pass (DrafterPass)
         # The drafter's fc split by tap, for the target to apply as each tapped layer is done in a
         # prefill: a chunk then holds one projected row per position instead of n_taps raw ones.
         self.fold = draft.tap_blocks()
@@ -98,9 +100,8 @@ class DFlashProposer(Proposer):
         block = mx.array([[last] + [self.draft.mask_token_id] * (self.draft.block_size - 1)], dtype=mx.uint32)
         if self.width is not None:
             self.width.costs()  # measured before this pass's taps leave pending, if the bucket is new
-        taps = self.cache.take_pending()
         # (n, V) over the drafter's vocabulary; drafts and q index it until mapped to token ids.
-        logits = self.draft.propose(self.model, block, taps, self.cache.draft, self.speedups, num_drafts=n)[0, :n]
+        logits = self._logits(block, n)
         if self.sampler is None:
             drafts, q = mx.argmax(logits, axis=-1).astype(mx.uint32), None
         else:
@@ -117,6 +118,20 @@ class DFlashProposer(Proposer):
         # Start drafting now, so that the verify graph is built while the pass runs.
         mx.async_eval(drafts)
         return Proposal(drafts, q, "drafter")
+
+    def _logits(self, block: mx.array, n: int) -> mx.array:
+        # The drafter's (n, V) logits of the block: a batched pass's, else this row's own pass.
+        given, self.given = self.given, None
+        if given is not None:
+            return given[:n]
+        taps = self.cache.take_pending()
+        return self.draft.propose(self.model, block, taps, self.cache.draft, self.speedups, num_drafts=n)[0, :n]
+
+    def drafter_pass(self, last: int, n: int) -> DrafterPass | None:
+        # "auto" widths time this row's own passes, so its proposals stay its own.
+        if self.width is not None or not draft_rows.batchable(self.model, self.draft, self.cache.draft):
+            return None
+        return DrafterPass(self, last, n)
 
     @property
     def _fast_exp(self) -> bool:
@@ -139,6 +154,7 @@ class DFlashProposer(Proposer):
         return False
 
     def accept(self, num_accepted: int, taps: mx.array | None) -> None:
+        self.given = None  # a batched pass's logits serve the cycle they were made for only
         if self.width is not None:
             self.width.update(num_accepted)
         if taps is not None:
@@ -164,10 +180,9 @@ class TreeProposer(DFlashProposer):
 
     def propose(self, last: int, n: int) -> Proposal:
         block = mx.array([[last] + [self.draft.mask_token_id] * (self.draft.block_size - 1)], dtype=mx.uint32)
-        taps = self.cache.take_pending()
         if self.width is not None:
             self.width.costs()  # measured before this pass's taps leave pending, if the bucket is new
-        logits = self.draft.propose(self.model, block, taps, self.cache.draft, self.speedups, num_drafts=n)[0, :n]
+        logits = self._logits(block, n)
         # The heap runs on the host: each position's top `budget` (or `fanout`) ids are all it can use.
         log_probs, ids = top_log_probs(logits, min(self.fanout or self.budget, logits.shape[-1]))
         tree = (
@@ -236,6 +251,9 @@ class FallbackProposer(Proposer):
         self.drafted = proposal.size
         return proposal
 
+    def drafter_pass(self, last: int, n: int) -> DrafterPass | None:
+        return self.drafter.drafter_pass(last, n) if self.lookup_cycles == 0 else None
+
     def plain_next(self) -> bool:
         return False
 
@@ -303,6 +321,9 @@ class AdaptiveProposer(Proposer):
         if self.paused is not None:
             return self.paused.propose(last, n)
         return Proposal(mx.zeros((0,), dtype=mx.uint32))
+
+    def drafter_pass(self, last: int, n: int) -> DrafterPass | None:
+        return self.inner.drafter_pass(last, n) if self.policy.drafts_next() else None
 
     def plain_next(self) -> bool:
         return not self.drafting and (self.paused is None or self.paused.plain_next()) and self.policy.plain_follows()

@@ -14,7 +14,10 @@ Each :meth:`BatchEngine.step` is one cycle:
    cache is copied in as a new row.
 2. Every running row proposes up to ``W - 1`` drafts, ``W`` the width :class:`~dflash_mlx.tuning.batch.BatchCosts`
    finds best for this batch size from timed passes and the rows' acceptance so far (at one row, the
-   proposer's own choice: the single-stream policy). Width 1 is plain batched decoding.
+   proposer's own choice: the single-stream policy). Width 1 is plain batched decoding. The rows whose proposal
+   runs the DFlash drafter this cycle (asked first, :meth:`~dflash_mlx.loop.proposal.Proposer.drafter_pass`)
+   draft in one drafter pass over all of them (:func:`~dflash_mlx.models.draft_rows.propose_rows`), each row
+   from its own context caches; each proposer then drafts from its row's logits as from a pass of its own.
 3. One target pass over ``[last, drafts..., padding]`` of every row, each at its own positions and seeing only
    its own entries (:func:`~dflash_mlx.models.rows.forward_rows`).
 4. Each row accepts with the single-stream rules (greedy: the drafts the target's argmax agrees with; sampled:
@@ -50,13 +53,14 @@ import mlx.nn as nn
 
 from ..base.errors import DFlashError
 from ..cpu.speedups import CpuSpeedups
+from ..models import draft_rows
 from ..models import rows as rows_model
 from ..models.tree import DraftTree
 from ..sampling import Sampler, accept_one_hot, is_greedy, sample_rows, speculative_accept
 from ..tuning.batch import BatchCosts, RowAcceptance
 from .cache import DFlashCache
 from .options import Budget
-from .proposal import Proposal, Proposer
+from .proposal import DrafterPass, Proposal, Proposer
 from .verify import LogitsProcessor, Verifier
 
 # A stream for the engine on whichever thread runs it (a server's worker).
@@ -172,6 +176,7 @@ class BatchEngine:
         self.running: list[_Row] = []  # in the order of the rows cache
         self._next_id = 0
         self.last_width = 0
+        self.drafted_together = 0  # rows' drafter passes run batched, so far
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -331,9 +336,10 @@ class BatchEngine:
     def _cycle(self) -> list[RowEvent]:
         rows, width = self.running, self._width()
         self.last_width = width
+        wanted = [min(width, row.request.block_size, row.room) - 1 for row in rows]
+        self._draft_together([row.proposer.drafter_pass(row.last, n) for row, n in zip(rows, wanted) if n > 0])
         proposals = []
-        for row in rows:
-            n = min(width, row.request.block_size, row.room) - 1
+        for row, n in zip(rows, wanted):
             if n > 0:
                 p = row.proposer.propose(row.last, n)
                 if p.tree is not None:
@@ -379,6 +385,20 @@ class BatchEngine:
         for i in reversed(done):
             self._leave(i)
         return events
+
+    def _draft_together(self, passes: list[DrafterPass | None]) -> None:
+        # The rows' drafter passes of this cycle in one pass; each proposer then drafts from its row's logits.
+        passes = [p for p in passes if p is not None]
+        if len(passes) < 2:
+            return
+        first = passes[0].proposer
+        logits = draft_rows.propose_rows(
+            first.model, first.draft, [p.last for p in passes], [p.proposer.cache.draft for p in passes],
+            [p.proposer.cache.take_pending() for p in passes], max(p.n for p in passes), first.speedups,
+        )  # fmt: skip
+        for i, p in enumerate(passes):
+            p.proposer.given = logits[i]
+        self.drafted_together += len(passes)
 
     def _judge(self, row: _Row, p: Proposal, block: mx.array, logits: mx.array) -> tuple[mx.array, mx.array]:
         # (passed (k,), the target's own token at each of the k + 1 positions) for one row's block.

@@ -7,7 +7,7 @@ certain (greedy or looked-up drafts). The implementations live in :mod:`dflash_m
 """
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -34,6 +34,17 @@ class Proposal:
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
+
+
+@dataclass
+class DrafterPass:
+    """The DFlash drafter pass a proposer's next proposal runs (:meth:`Proposer.drafter_pass`): the batching
+    engine runs several rows' in one (:func:`dflash_mlx.models.draft_rows.propose_rows`) and hands each
+    proposer its rows' logits (``proposer.given``), which its next ``propose`` uses instead of a pass of its own."""
+
+    proposer: Any  # the DFlash proposer: its model, draft, cache and speedups, and ``given``
+    last: int
+    n: int
 
 
 class ContextTaker(Protocol):
@@ -73,6 +84,11 @@ class Proposer(Protocol):
     def rates(self) -> tuple[float | None, float | None]:
         """Measured tokens per second of plain decoding and of drafting (None: not measured)."""
         return None, None
+
+    def drafter_pass(self, last: int, n: int) -> DrafterPass | None:
+        """The drafter pass ``propose(last, n)`` will run next, asked before it without changing what it will
+        do, so that several rows' passes run as one (None: no pass, or one that runs only alone)."""
+        return None
 
 
 class PlainProposer(Proposer):
