@@ -394,12 +394,16 @@ def batch_request(
     """One request for the :class:`~dflash_mlx.loop.batch.BatchEngine`, drafting as
     :func:`dflash_generate_step` would with ``options`` (its proposer is built when the row joins).
 
+    A draft tree (``tree_budget``) is verified whole while the row runs alone, and as its likeliest line in
+    a cycle it shares with other rows.
+
     Raises:
-        DFlashError: For what the engine does not batch: draft trees, ``block_size="auto"``.
+        DFlashError: For what the engine does not batch: ``"auto"`` widths or trees, which time the row's own
+          passes (the engine sizes every row's drafts from its batched passes instead).
     """
     o = options
-    if o.tree_budget_for(model, draft):
-        raise DFlashError("Draft trees are not batched: leave tree_budget at 0 with several requests at once.")
+    if o.tree_budget_for(model, draft) == "auto":
+        raise DFlashError("tree_budget='auto' is not batched (it times one row's passes): pass a number of nodes.")
     if o.block_size == "auto":
         raise DFlashError("block_size='auto' is not batched (the engine sizes every row's drafts): pass a number.")
     block_size = o.block_size_for(draft)

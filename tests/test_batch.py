@@ -233,8 +233,8 @@ def make_cache_layer(n):
 
 def test_refusals_say_what_to_do(qwen3_pair, pair_dirs):
     model, draft, tok = qwen3_pair
-    with pytest.raises(DFlashError, match="Draft trees are not batched"):
-        batch_generate(model, draft, tok, PROMPTS[:2], tree_budget=4)
+    with pytest.raises(DFlashError, match="tree_budget='auto' is not batched"):
+        batch_generate(model, draft, tok, PROMPTS[:2], tree_budget="auto")
     with pytest.raises(DFlashError, match="block_size='auto' is not batched"):
         batch_generate(model, draft, tok, PROMPTS[:2], block_size="auto")
     with pytest.raises(DFlashError, match="max_tokens has 1 entries for 2 prompts"):

@@ -38,8 +38,9 @@ the pass, so a row rolls back alone by selecting (:class:`~dflash_mlx.models.row
 A sliding-window layer's rows keep their positions where they are and a mask shows each query its window.
 Targets :func:`~dflash_mlx.models.rows.rows_supported` refuses (a family it does not know, Gated DeltaNet layers
 it does not walk itself) run with ``max_batch=1`` only (the engine refuses more in one line). A row running
-alone verifies a proposer's draft tree whole; in a batched pass a tree is cut to its likeliest line. The
-drafter's own trees (``tree_budget``) and ``block_size="auto"`` are refused per request.
+alone verifies a proposer's draft tree whole (the text's trees, the drafter's own with ``tree_budget``); in a
+batched pass a tree is cut to its likeliest line, since a rows pass gives each row consecutive positions.
+``"auto"`` widths and trees are refused per request: they time the row's own passes.
 """
 
 from collections import deque
