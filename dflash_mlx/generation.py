@@ -414,7 +414,7 @@ def batch_request(
         return make_proposer(model, draft, cache, o, sampler=sampler, speedups=speedups)[0]
 
     return RowRequest(_prompt_ids(ids), proposer, prompt_cache, o.max_tokens, o.stop_tokens, sampler,
-                      o.logits_processors, block_size)  # fmt: skip
+                      o.logits_processors, block_size, o.seed)  # fmt: skip
 
 
 def batch_engine(model: nn.Module, draft, *, max_batch: int = 8, prefill_step_size: int = 512,

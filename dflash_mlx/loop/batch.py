@@ -29,6 +29,8 @@ Each :meth:`BatchEngine.step` is one cycle:
 Every row's tokens are the target's own samples given that row's tokens only, so a greedy row equals the same
 request decoded alone token for token, whatever else is in the batch (up to float rounding of a batched pass
 against a single one, as a verify pass against a one-token step).
+A seeded row draws its random numbers from its own generator and verifies its whole block every cycle, even
+alone, so its sampled reply is the same whatever else is in the batch (up to the same rounding).
 
 While one row runs (and others at most prefill), it runs alone on its own cache with the single-stream
 :class:`~dflash_mlx.loop.verify.Verifier`: the compiled CPU steps, a plain step queued ahead, every family. It
@@ -44,7 +46,8 @@ batched pass a tree is cut to its likeliest line, since a rows pass gives each r
 """
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from time import perf_counter
@@ -82,6 +85,9 @@ class RowRequest:
         logits_processors: mlx-lm logits processors, applied at every verified position.
         block_size: The most tokens a cycle verifies for this row (drafts + 1).
         proposer: Builds the row's proposer from its cache, once the cache is known.
+        seed: Draw this row's random numbers from its own generator, seeded so: its reply is then the same
+          whatever else is in the batch (up to float rounding of a batched pass). Such a row verifies its whole
+          block every cycle and runs as a row even alone, so that its draws never depend on the load.
     """
 
     ids: list[int]
@@ -92,6 +98,7 @@ class RowRequest:
     sampler: Callable | None = None
     logits_processors: list[LogitsProcessor] | None = None
     block_size: int = 16
+    seed: int | None = None
 
 
 @dataclass
@@ -123,9 +130,33 @@ class _Row:
     budget: Budget = field(init=False)
     acceptance: RowAcceptance = field(default_factory=RowAcceptance)
     cancelled: bool = False
+    seed: int | None = None  # a seeded row's generator: the seed its next draws start from
 
     def __post_init__(self):
         self.budget = Budget(self.request.max_tokens, frozenset(self.request.stop_tokens))
+        self.seed = self.request.seed
+
+    @property
+    def seeded(self) -> bool:
+        return self.seed is not None
+
+    @contextmanager
+    def drawing(self) -> Iterator[None]:
+        """MLX's random draws made inside come from this row's own generator when it is seeded. MLX's generator
+        can be seeded but not set back, so each scope starts from a seed and ends by drawing the next one; the
+        shared generator goes on from a seed drawn from it first. (A draw takes its key as its graph is built, so
+        evaluating it later is fine.)"""
+        if self.seed is None:
+            yield
+            return
+        resume = _next_seed()
+        mx.random.seed(self.seed)
+        try:
+            yield
+        finally:
+            self.seed = _next_seed()
+            mx.random.seed(resume)
+
 
     @property
     def room(self) -> int:
@@ -134,6 +165,12 @@ class _Row:
     def emit(self, tokens: list[int]) -> tuple[list[int], str | None]:
         tokens = self.budget.emit(tokens)
         return tokens, self.budget.finish(tokens)
+
+
+def _next_seed() -> int:
+    # A seed for what comes next, drawn from MLX's generator as it stands.
+    high, low = mx.random.randint(0, 2**31 - 1, (2,)).tolist()
+    return high << 31 | low
 
 
 class BatchEngine:
@@ -223,7 +260,7 @@ class BatchEngine:
                 n = min(budget, len(row.request.ids) - row.prefilled)
                 events += self._prefill_chunk(row, n)
                 budget -= n
-            if len(self.running) == 1:
+            if len(self.running) == 1 and not self.running[0].seeded:
                 events += self._solo_cycle(self.running[0])
             elif self.running:
                 self._to_rows()
@@ -250,7 +287,8 @@ class BatchEngine:
     def _prefill_chunk(self, row: _Row, n: int) -> list[RowEvent]:
         ids = row.request.ids
         chunk = ids[row.prefilled : row.prefilled + n]
-        first = row.verifier.prefill(chunk, len(chunk), row.proposer.drafter)
+        with row.drawing():
+            first = row.verifier.prefill(chunk, len(chunk), row.proposer.drafter)
         row.prefilled += len(chunk)
         if row.prefilled < len(ids):
             return []
@@ -337,12 +375,15 @@ class BatchEngine:
     def _cycle(self) -> list[RowEvent]:
         rows, width = self.running, self._width()
         self.last_width = width
-        wanted = [min(width, row.request.block_size, row.room) - 1 for row in rows]
+        # A seeded row verifies its whole block (cut to its budget after), so its draws never depend on the load.
+        wanted = [r.request.block_size - 1 if r.seeded else min(width, r.request.block_size, r.room) - 1
+                  for r in rows]  # fmt: skip
         self._draft_together([row.proposer.drafter_pass(row.last, n) for row, n in zip(rows, wanted) if n > 0])
         proposals = []
         for row, n in zip(rows, wanted):
             if n > 0:
-                p = row.proposer.propose(row.last, n)
+                with row.drawing():
+                    p = row.proposer.propose(row.last, n)
                 if p.tree is not None:
                     # Rows run at consecutive positions, so a tree is verified as its likeliest line; the
                     # proposer learns from the tokens the target kept, whatever it proposed.
@@ -360,7 +401,10 @@ class BatchEngine:
         block = mx.stack(blocks)  # (B, W)
         tic = perf_counter()
         logits, taps = rows_model.forward_rows(self.model, block, self.target, self.tap_ids, self.speedups)
-        verdicts = [self._judge(row, p, block[i], logits[i]) for i, (row, p) in enumerate(zip(rows, proposals))]
+        verdicts = []
+        for i, (row, p) in enumerate(zip(rows, proposals)):
+            with row.drawing():
+                verdicts.append(self._judge(row, p, block[i], logits[i]))
         mx.eval(block, verdicts)
         self.costs.timed(len(rows), W, perf_counter() - tic)
         host = block.tolist()

@@ -151,7 +151,7 @@ class BatchWorker(Worker):
                 max_tokens=req.max_tokens, block_size=block_size, tree_budget=req.tree_budget if self.draft else 0,
                 sampler=make_sampler(req.temperature, req.top_p, req.min_p, req.top_k), logits_processors=processors,
                 min_confidence=req.min_confidence, confidence_threshold=req.confidence_threshold,
-                lookup_fallback=req.lookup_fallback, policy=self.session.policy({"serve": list(setup)}), datastore=self.datastore,
+                lookup_fallback=req.lookup_fallback, seed=req.seed, policy=self.session.policy({"serve": list(setup)}), datastore=self.datastore,
                 stop_tokens=frozenset(self.tokenizer.eos_token_ids), prefill_step_size=self.prefill_step_size,
             )  # fmt: skip
             cache = self.caches.take(ids, busy)
