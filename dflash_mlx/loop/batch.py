@@ -157,7 +157,6 @@ class _Row:
             self.seed = _next_seed()
             mx.random.seed(resume)
 
-
     @property
     def room(self) -> int:
         return self.budget.room
