@@ -394,8 +394,8 @@ def batch_request(
     """One request for the :class:`~dflash_mlx.loop.batch.BatchEngine`, drafting as
     :func:`dflash_generate_step` would with ``options`` (its proposer is built when the row joins).
 
-    A draft tree (``tree_budget``) is verified whole while the row runs alone, and as its likeliest line in
-    a cycle it shares with other rows.
+    A draft tree (``tree_budget``) is verified whole while the row runs alone, and in a cycle it shares with
+    other rows where the target's rows pass can place each node (else as its likeliest line).
 
     Raises:
         DFlashError: For what the engine does not batch: ``"auto"`` widths or trees, which time the row's own

@@ -85,32 +85,61 @@ def test_rows_roll_back_alone_with_drafts_that_are_often_right(qwen3_pair):
     _same_as_alone(lookup, refs, frozenset(tok.eos_token_ids))
 
 
-def test_text_trees_run_alone_whole_and_batched_as_their_likeliest_line(qwen3_pair, monkeypatch):
-    """A datastore with branches makes draft trees (the tools' defaults): a row alone verifies the tree, rows
-    together its first line; either way every reply is the target's own."""
-    from test_text_trees import _branchy_store, _count_tree_passes, _tree_policy
+def count_batched_trees(monkeypatch) -> list[int]:
+    """Per shared pass given trees, how many of its rows' blocks branch (a tree that is no line)."""
+    branching = []
+    forward_rows = batch.rows_model.forward_rows
 
-    model, _, _ = qwen3_pair
-    prompts = PROMPTS[:3]
-    refs = _references(model, prompts, [40, 40, 40])
-    store = _branchy_store(model, prompts)
-    trees = _count_tree_passes(monkeypatch)
-    cut = []
-    first_path = batch.DraftTree.first_path
+    def counted(model, block, caches, tap_ids, speedups=None, trees=None):
+        if trees is not None:
+            W = block.shape[1]
+            line = mx.tril(mx.ones((W, W), dtype=mx.bool_))
+            branching.append(int((trees[0] != line).any(axis=(1, 2)).sum()))
+        return forward_rows(model, block, caches, tap_ids, speedups, trees)
+
+    monkeypatch.setattr(batch.rows_model, "forward_rows", counted)
+    return branching
+
+
+def count_cut_trees(monkeypatch) -> list[int]:
+    """The sizes of the draft trees a shared pass verifies as their likeliest line."""
+    cut, first_path = [], batch.DraftTree.first_path
 
     def counted(self):
         cut.append(self.size)
         return first_path(self)
 
     monkeypatch.setattr(batch.DraftTree, "first_path", counted)
+    return cut
+
+
+@pytest.mark.parametrize("cpu_speedups", [None, False])
+def test_text_trees_are_verified_whole_alone_and_batched(qwen3_pair, monkeypatch, cpu_speedups):
+    """A datastore with branches makes draft trees (the tools' defaults): a row alone verifies the tree, rows
+    together too where the pass can place each node (the compiled float32 steps), else its first line; either
+    way every reply is the target's own."""
+    from test_text_trees import _branchy_store, _count_tree_passes, _tree_policy
+
+    model, _, _ = qwen3_pair
+    prompts = PROMPTS[:3]
+    refs = _references(model, prompts, [40, 40, 40])
+    store = _branchy_store(model, prompts)
+    trees, batched, cut = (
+        _count_tree_passes(monkeypatch),
+        count_batched_trees(monkeypatch),
+        count_cut_trees(monkeypatch),
+    )
     for max_batch in (1, 3):
-        engine = batch_engine(model, None, max_batch=max_batch, costs=Widest())
+        engine = batch_engine(model, None, max_batch=max_batch, costs=Widest(), cpu_speedups=cpu_speedups)
         options = LoopOptions(max_tokens=40, block_size=8, datastore=store, policy=_tree_policy())
         ids = [engine.add(batch_request(model, None, p, options), lambda: make_cache(model, None)) for p in prompts]
         out, _ = _drain(engine, ids)
         assert [out[i] for i in ids] == refs, max_batch
     assert trees and max(trees) > 1, "no row running alone verified a tree"
-    assert cut and max(cut) > 1, "no batched row was given a tree"
+    if cpu_speedups is None:
+        assert engine.trees and max(batched) > 0 and not cut, "no shared pass verified a branching tree"
+    else:
+        assert not engine.trees and cut and max(cut) > 1 and not batched, "no batched row was given a tree"
 
 
 def _drain(engine, ids):
@@ -221,6 +250,61 @@ def test_a_rows_pass_runs_the_compiled_cpu_steps_and_matches_each_row_alone(pair
     assert len(used) == len(model.model.layers), "the rows pass did not run the compiled steps"
     for i in range(2):
         assert mx.allclose(logits[i], alone[i], atol=1e-4).item(), i
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3-untied"])
+def test_a_rows_pass_of_draft_trees_gives_every_node_its_own_trees_logits(pair_dirs, kind):
+    """Rows of different lengths, two with branching trees and one with a line, in one pass: every node's logits
+    are those of that row's tree pass alone (mlx-lm's layers, each node at its own depth), and keeping a row's
+    accepted path leaves its entries as the single-stream cache keeps them (a node at the wrong position, or one
+    seeing a sibling, fails here)."""
+    from mlx_lm.models.cache import KVCache
+
+    from dflash_mlx.cpu.speedups import CpuSpeedups
+    from dflash_mlx.loop.proposal import Proposal
+    from dflash_mlx.models import rows, target
+    from dflash_mlx.models.caches import keep_path
+    from dflash_mlx.models.tree import DraftTree
+
+    model, _, _ = load(pair_dirs[kind])
+    prompts = [PROMPTS[0], PROMPTS[1][:13], PROMPTS[2][:5]]
+    shapes = [
+        DraftTree([5, 6, 7, 8, 9], [-1, 0, 0, 1, 3, 2], [1, 1, 2, 3, 2]),
+        DraftTree([10, 11], [-1, 0, 1], [1, 2]),
+        DraftTree([12, 13, 14, 15], [-1, 0, 0, 0, 2], [1, 1, 1, 2]),
+    ]
+    paths = [[0, 1, 3, 4], [0, 1], [0, 2, 4]]
+    caches = rows.make_rows_cache(model)
+    assert rows.trees_supported(model, caches, CpuSpeedups())
+    alone, kept = [], []
+    for p, tree, path in zip(prompts, shapes, paths):
+        single = [KVCache() for _ in model.model.layers]
+        model(mx.array([p]), cache=single)
+        for r, c in zip(caches, single):
+            r.add(c)
+        start = single[0].offset
+        block = mx.array([[p[-1], *tree.tokens]])
+        alone.append(target.forward_with_taps(model, block, single, [], tree=tree)[0][0])
+        keep_path(single, start, path)
+        kept.append(single)
+    proposals = [Proposal(mx.array(t.tokens), tree=t) for t in shapes]
+    W = 1 + max(t.size for t in shapes)
+    block = mx.array([[p[-1], *t.tokens] + [p[-1]] * (W - 1 - t.size) for p, t in zip(prompts, shapes)])
+    starts = list(caches[0].lengths)
+    logits, _ = rows.forward_rows(model, block, caches, [], CpuSpeedups(), batch._tree_layout(proposals, W))
+    for i, tree in enumerate(shapes):
+        assert mx.allclose(logits[i, : tree.size + 1], alone[i], atol=1e-4).item(), i
+    for i, path in enumerate(paths):
+        for c in caches:
+            c.keep(i, starts[i], path)
+    for c in caches:
+        c.trim_rows([W - len(path) for path in paths])
+    for i, single in enumerate(kept):
+        for r, c in zip(caches, single):
+            n = r.lengths[i]
+            assert n == c.offset
+            assert mx.allclose(r.keys[i, :, :n], c.keys[0, :, :n], atol=1e-5).item(), i
+            assert mx.allclose(r.values[i, :, :n], c.values[0, :, :n], atol=1e-5).item(), i
 
 
 def make_cache_layer(n):

@@ -40,9 +40,11 @@ the pass, so a row rolls back alone by selecting (:class:`~dflash_mlx.models.row
 A sliding-window layer's rows keep their positions where they are and a mask shows each query its window.
 Targets :func:`~dflash_mlx.models.rows.rows_supported` refuses (a family it does not know, Gated DeltaNet layers
 it does not walk itself) run with ``max_batch=1`` only (the engine refuses more in one line). A row running
-alone verifies a proposer's draft tree whole (the text's trees, the drafter's own with ``tree_budget``); in a
-batched pass a tree is cut to its likeliest line, since a rows pass gives each row consecutive positions.
-``"auto"`` widths and trees are refused per request: they time the row's own passes.
+alone verifies a proposer's draft tree whole (the text's trees, the drafter's own with ``tree_budget``), and so
+does a shared pass where each node can sit at its own position (float32 Qwen3 and Llama targets through the
+compiled CPU steps, :func:`~dflash_mlx.models.rows.trees_supported`: every row's nodes see only their ancestors);
+elsewhere a shared pass verifies each tree's likeliest line. ``"auto"`` widths and trees are refused per request:
+they time the row's own passes.
 """
 
 from collections import deque
@@ -166,6 +168,30 @@ class _Row:
         return tokens, self.budget.finish(tokens)
 
 
+def _tree_layout(proposals: list[Proposal], width: int) -> tuple[mx.array, mx.array] | None:
+    """``(ancestors (B, W, W), depths (B, W))`` of the rows' blocks when any is a draft tree (a path's nodes each
+    see the ones before, as do the padding's), else None."""
+    if all(p.tree is None for p in proposals):
+        return None
+    ancestors, depths = [], []
+    for p in proposals:
+        line = [[k <= q for k in range(width)] for q in range(width)]
+        level = list(range(width))
+        if p.tree is not None:
+            n = p.tree.size + 1
+            tree = p.tree.ancestors().tolist()
+            for q in range(n):
+                line[q][:n] = tree[q]
+            level[:n] = [0, *p.tree.depths]
+            # Padding after a tree: each sits one further than the deepest node, seeing only itself and the root.
+            for q in range(n, width):
+                line[q] = [k in (0, q) for k in range(width)]
+                level[q] = 1 + max(level[:n]) + q - n
+        ancestors.append(line)
+        depths.append(level)
+    return mx.array(ancestors), mx.array(depths, dtype=mx.int32)
+
+
 def _next_seed() -> int:
     # A seed for what comes next, drawn from MLX's generator as it stands.
     high, low = mx.random.randint(0, 2**31 - 1, (2,)).tolist()
@@ -208,6 +234,8 @@ class BatchEngine:
         self.prefill_step_size, self.speedups, self.kernels = prefill_step_size, speedups, kernels
         self.costs = costs if costs is not None else BatchCosts()
         self.target = rows_model.make_rows_cache(model, kernels)
+        # Whether a shared pass verifies draft trees whole (else each as its likeliest line).
+        self.trees = rows_model.trees_supported(model, self.target, speedups)
         self.waiting: deque[_Row] = deque()
         self.joining: list[_Row] = []  # prefilling, in arrival order
         self.running: list[_Row] = []  # in the order of the rows cache
@@ -378,28 +406,17 @@ class BatchEngine:
         wanted = [r.request.block_size - 1 if r.seeded else min(width, r.request.block_size, r.room) - 1
                   for r in rows]  # fmt: skip
         self._draft_together([row.proposer.drafter_pass(row.last, n) for row, n in zip(rows, wanted) if n > 0])
-        proposals = []
-        for row, n in zip(rows, wanted):
-            if n > 0:
-                with row.drawing():
-                    p = row.proposer.propose(row.last, n)
-                if p.tree is not None:
-                    # Rows run at consecutive positions, so a tree is verified as its likeliest line; the
-                    # proposer learns from the tokens the target kept, whatever it proposed.
-                    p = Proposal(mx.array(DraftTree.first_path(p.tree), dtype=mx.uint32), None, p.source)
-                if p.size > n:  # drafts past the budget are never verified
-                    p = Proposal(p.tokens[:n], None if p.q is None else p.q[:n], p.source)
-            else:
-                p = Proposal(mx.zeros((0,), dtype=mx.uint32))
-            proposals.append(p)
+        proposals = [self._proposal(row, n) for row, n in zip(rows, wanted)]
         W = 1 + max(p.size for p in proposals)
         blocks = []
         for row, p in zip(rows, proposals):
             pad = mx.full((W - 1 - p.size,), row.last, dtype=mx.uint32)
             blocks.append(mx.concatenate([mx.array([row.last], dtype=mx.uint32), p.tokens.astype(mx.uint32), pad]))
         block = mx.stack(blocks)  # (B, W)
+        trees = _tree_layout(proposals, W)
+        starts = list(self.target[0].lengths) if trees is not None else None
         tic = perf_counter()
-        logits, taps = rows_model.forward_rows(self.model, block, self.target, self.tap_ids, self.speedups)
+        logits, taps = rows_model.forward_rows(self.model, block, self.target, self.tap_ids, self.speedups, trees)
         verdicts = []
         for i, (row, p) in enumerate(zip(rows, proposals)):
             with row.drawing():
@@ -409,19 +426,30 @@ class BatchEngine:
         host = block.tolist()
         events, trims, done = [], [], []
         for i, (row, p, (passed, target_tokens)) in enumerate(zip(rows, proposals, verdicts)):
-            passed, posterior = passed.tolist(), target_tokens.tolist()
-            n = 0
-            while n < p.size and passed[n]:
-                n += 1
-            emitted, finish = row.emit(host[i][1 : n + 1] + [posterior[n]])
+            posterior, path = target_tokens.tolist(), None
+            if p.tree is not None:
+                # The target's own token at every node picks the child to follow, as a tree alone is walked.
+                path, bonus = p.tree.walk(posterior)
+                n, drafted, num_draft = len(path) - 1, p.tree.path_tokens(path), max(p.tree.depths)
+            else:
+                passed, n = passed.tolist(), 0
+                while n < p.size and passed[n]:
+                    n += 1
+                drafted, bonus, num_draft = host[i][1 : n + 1], posterior[n], p.size
+            emitted, finish = row.emit(drafted + [bonus])
             kept = len(emitted)
+            row_taps = None if taps is None else taps[i : i + 1]
+            if path is not None and path[:kept] != list(range(kept)):
+                for c in self.target:
+                    c.keep(i, starts[i], path[:kept])
+                row_taps = None if taps is None else row_taps[:, mx.array(path[:kept])]
             trims.append(W - kept)
             row.cache.tokens.append(row.last)
             row.cache.tokens.extend(emitted[:-1])
-            row.proposer.accept(kept - 1, None if taps is None else taps[i : i + 1])
-            row.acceptance.judged(p.size, n)
+            row.proposer.accept(kept - 1, row_taps)
+            row.acceptance.judged(num_draft, min(n, num_draft))
             row.last = emitted[-1]
-            events.append(RowEvent(row.id, emitted, p.size, min(n, kept - 1), finish, p.source))
+            events.append(RowEvent(row.id, emitted, num_draft, min(n, kept - 1), finish, p.source))
             if finish is not None:
                 done.append(i)
         for c in self.target:
@@ -429,6 +457,23 @@ class BatchEngine:
         for i in reversed(done):
             self._leave(i)
         return events
+
+    def _proposal(self, row: _Row, n: int) -> Proposal:
+        # Row ``row``'s proposal of at most ``n`` drafts (or tree nodes) for a shared pass.
+        if n <= 0:
+            return Proposal(mx.zeros((0,), dtype=mx.uint32))
+        with row.drawing():
+            p = row.proposer.propose(row.last, n)
+        if p.tree is not None:
+            if self.trees and not row.request.logits_processors:
+                tree = p.tree if p.size <= n else p.tree.first(n)
+                return Proposal(p.tokens[: tree.size], None, p.source, tree)
+            # A pass that cannot place a tree's nodes verifies its likeliest line; the proposer learns from the
+            # tokens the target kept, whatever it proposed.
+            p = Proposal(mx.array(DraftTree.first_path(p.tree), dtype=mx.uint32), None, p.source)
+        if p.size > n:  # drafts past the budget are never verified
+            p = Proposal(p.tokens[:n], None if p.q is None else p.q[:n], p.source)
+        return p
 
     def _draft_together(self, passes: list[DrafterPass | None]) -> None:
         # The rows' drafter passes of this cycle in one pass; each proposer then drafts from its row's logits.

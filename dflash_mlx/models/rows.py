@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from ..cpu import compiled_layers, fast_math
 from ..cpu.speedups import CpuSpeedups
 from . import families, gemma, hybrid, kimi, linear_attention
 from . import target as tgt
@@ -103,6 +104,14 @@ class RowsKVCache:
     def trim_rows(self, counts: list[int]) -> None:
         """Forget the last ``counts[i]`` positions of row ``i``."""
         self.lengths = [s - n for s, n in zip(self.lengths, counts)]
+
+    def keep(self, row: int, start: int, path: list[int]) -> None:
+        """Row ``row``'s block written from ``start`` keeps its positions ``path`` (a draft tree's accepted
+        nodes, in order) as its first ones; the caller then trims the rest."""
+        where = mx.array([start + i for i in path])
+        end = start + len(path)
+        self.keys[row : row + 1, :, start:end, :] = self.keys[row : row + 1, :, where, :]
+        self.values[row : row + 1, :, start:end, :] = self.values[row : row + 1, :, where, :]
 
     def add(self, cache: KVCache | SlidingKVCache) -> int:
         """A prefilled single-sequence cache joins as the last row (copied); returns its row. A sliding
@@ -250,12 +259,49 @@ def rows_mask(lengths: list[int], width: int, window: int | None = None) -> mx.a
     return visible if window is None else visible & (keys > start + q - window)
 
 
+def trees_supported(model: nn.Module, caches: list[Any], speedups: CpuSpeedups | None) -> bool:
+    """Whether a rows pass over ``caches`` can verify draft trees (:func:`forward_rows`'s ``trees``): float32
+    layers the compiled CPU steps run, over full attention rows."""
+    return (
+        speedups is not None
+        and tgt.compute_dtype(model) == mx.float32
+        and all(type(c) is RowsKVCache and c.window is None for c in caches)
+        and tgt.cpu_layer_steps(model, speedups) is not None
+    )
+
+
+def tree_rows_mask(lengths: list[int], ancestors: mx.array) -> mx.array:
+    """``(B, 1, W, S)``: node ``q`` of row ``i`` sees the row's keys ``0 .. lengths[i] - 1`` and, of its block
+    (written from ``lengths[i]``), the nodes ``ancestors[i, q]`` marks (S = max(lengths) + W)."""
+    W = ancestors.shape[-1]
+    start = mx.array(lengths, dtype=mx.int32)[:, None, None, None]
+    index = mx.arange(max(lengths) + W, dtype=mx.int32)[None, None, None, :] - start  # key's place in the block
+    inside = (index >= 0) & (index < W)
+    picked = mx.take_along_axis(ancestors[:, None], mx.broadcast_to(mx.clip(index, 0, W - 1), (len(lengths), 1, W, index.shape[-1])), axis=-1)  # fmt: skip
+    return (index < 0) | (inside & picked)
+
+
+def _tree_block(layer: nn.Module, x: mx.array, cache: RowsKVCache, visible: mx.array, positions: mx.array,
+                speedups: CpuSpeedups, steps: compiled_layers.LayerSteps) -> mx.array:  # fmt: skip
+    # A layer's compiled steps over rows of draft trees: the projections and RoPE take every node as a batch row
+    # of one token at its own position (as a single tree pass does), the attention every row's block at once.
+    B, W, H = x.shape
+    attn = layer.self_attn
+    flat = x.reshape(B * W, 1, H)
+    q, k, v = compiled_layers.before(attn, layer.input_layernorm, flat, positions.reshape(-1), speedups, steps)
+    q, k, v = (a.reshape(B, W, a.shape[1], a.shape[3]).transpose(0, 2, 1, 3) for a in (q, k, v))
+    k, v = cache.update_and_fetch(k, v)
+    out = fast_math.attention(q, k, v, attn.scale, visible, fast_exp=speedups.fast_exp)
+    return compiled_layers.after(attn, layer.mlp, layer.post_attention_layernorm, out, x, speedups, steps)
+
+
 def forward_rows(
     model: nn.Module,
     tokens: mx.array,
     caches: list[RowsKVCache],
     tap_ids: list[int],
     speedups: CpuSpeedups | None = None,
+    trees: tuple[mx.array, mx.array] | None = None,
 ) -> tuple[mx.array, mx.array | None]:
     """The target over ``tokens`` ``(B, W)``, row ``i`` continuing row ``i`` of ``caches``.
 
@@ -263,9 +309,22 @@ def forward_rows(
     :func:`dflash_mlx.models.target.forward_with_taps` gives them (the last layer's after the final norm).
     With ``speedups``, float32 Qwen3 and Llama layers run as the single-stream passes' compiled CPU steps
     (the same operations; a batched pass is mostly the rows' weights read once, and their exp), else
-    mlx-lm's own layers.
+    mlx-lm's own layers. ``trees``, ``(ancestors (B, W, W), depths (B, W))``, makes each row's block a draft
+    tree (a path is one whose ancestors are the nodes before): node ``q`` sits at the row's length plus its
+    depth and sees its ancestors only; it needs :func:`trees_supported`.
     """
     lengths = next(c.lengths for c in caches if isinstance(c, RowsKVCache))
+    if trees is not None:
+        ancestors, depths = trees
+        visible = tree_rows_mask(lengths, ancestors)
+        positions = mx.array(lengths, dtype=mx.int32)[:, None] + depths.astype(mx.int32)
+        steps = tgt.cpu_layer_steps(model, speedups)
+        h, captured, wanted = model.model.embed_tokens(tokens), {}, set(tap_ids)
+        for i, (layer, c) in enumerate(zip(model.model.layers, caches)):
+            h = _tree_block(layer, h, c, visible, positions, speedups, steps[i])
+            if i in wanted:
+                captured[i] = h
+        return tgt.head(model, h, captured, tap_ids)
     windows = {c.window for c in caches if isinstance(c, RowsKVCache)}
     masks = {w: rows_mask(lengths, tokens.shape[1], w) for w in windows}
     captured = {}

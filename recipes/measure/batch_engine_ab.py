@@ -1,10 +1,13 @@
-"""The batching engine with the rows' drafter passes run as one pass against the same engine drafting row by row,
-in one process taking turns: N held-out chat prompts decoded at once, greedy, on an embedded pair. Prints each
-arm's aggregate tok/s (the first token of each reply on, prefills included), the drafter passes run batched, and
-whether both arms wrote the same tokens as each prompt decoded alone.
+"""The batching engine against itself with one of its parts taken out, in one process taking turns: N held-out
+chat prompts decoded at once, greedy, on an embedded pair, with the tools' default drafting (the drafter, prompt
+lookup and, on the default pair, its datastore's trees). ``--compare drafts``: the rows' drafter passes run as one
+pass against each row drafting alone; ``--compare trees``: shared passes verifying draft trees whole against
+each tree's likeliest line. Prints each arm's aggregate tok/s (the first token of each reply on, prefills
+included), the drafter passes run batched, and whether both arms wrote the same tokens as each prompt alone.
 
-    python -m dflash_mlx.cpu.openblas python recipes/measure/batched_drafts_ab.py --model dflash-tiny --rows 4
-    python -m dflash_mlx.cpu.openblas python recipes/measure/batched_drafts_ab.py --rows 4 --no-adaptive
+    python -m dflash_mlx.cpu.openblas python recipes/measure/batch_engine_ab.py --model dflash-tiny --rows 4
+    python -m dflash_mlx.cpu.openblas python recipes/measure/batch_engine_ab.py --rows 4 --no-adaptive
+    python -m dflash_mlx.cpu.openblas python recipes/measure/batch_engine_ab.py --rows 4 --compare trees
 
 ``--no-adaptive`` drafts every cycle (the adaptive policy pauses a drafter that does not pay for itself, which on
 the default pair's chat prompts is most cycles).
@@ -17,17 +20,27 @@ import time
 from dflash_mlx import LoopOptions, load, make_cache, stream_generate
 from dflash_mlx.cpu.openblas import blas_in_use
 from dflash_mlx.cpu.speedups import choose_speedups
+from dflash_mlx.drafts.datastore import pair_datastore
 from dflash_mlx.generation import batch_request
 from dflash_mlx.loading.pairs import DEFAULT_PAIR, embedded_pair_path
 from dflash_mlx.loop.batch import BatchEngine
 from dflash_mlx.models import target as tgt
+from dflash_mlx.tuning.policy import PolicyState
 
 
 class RowByRow(BatchEngine):
-    """The engine as it drafted before: every row's drafter pass its own."""
+    """Every row's drafter pass its own."""
 
     def _draft_together(self, passes) -> None:
         pass
+
+
+class Lines(BatchEngine):
+    """Shared passes verify each draft tree's likeliest line."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trees = False
 
 
 def _run(engine, model, draft, ids, options) -> tuple[list[list[int]], float, int]:
@@ -47,6 +60,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-adaptive", action="store_true")
+    parser.add_argument("--compare", choices=["drafts", "trees"], default="drafts")
     args = parser.parse_args()
     folder = embedded_pair_path(args.model)
     model, draft, tok = load(args.model)
@@ -57,9 +71,9 @@ def main() -> None:
     ]
     speedups = choose_speedups(tgt.compute_dtype(model), None)
     print("BLAS:", blas_in_use(), flush=True)
-    options = LoopOptions(max_tokens=args.max_tokens, stop_tokens=frozenset(tok.eos_token_ids),
-                          adaptive=False if args.no_adaptive else None)  # fmt: skip
-    arms = {"together": BatchEngine, "row by row": RowByRow}
+    options = LoopOptions(max_tokens=args.max_tokens, stop_tokens=frozenset(tok.eos_token_ids), policy=PolicyState(),
+                          adaptive=False if args.no_adaptive else None, datastore=pair_datastore(args.model))  # fmt: skip
+    arms = {"together": BatchEngine, "row by row": RowByRow} if args.compare == "drafts" else {"trees": BatchEngine, "lines": Lines}
     totals = {a: [0.0, 0, 0] for a in arms}
     same = True
     for k in range(args.rounds + 1):  # the first round warms up
@@ -76,9 +90,10 @@ def main() -> None:
                 flush=True,
             )
     rates = {a: n / s for a, (s, n, _) in totals.items()}
+    first, second = arms
     print(f"{args.model}, {args.rows} rows, {args.max_tokens} tokens, adaptive {'off' if args.no_adaptive else 'on'}: "
           + "  ".join(f"{a} {r:.1f} tok/s" for a, r in rates.items())
-          + f"  ratio {rates['together'] / rates['row by row']:.2f}x")  # fmt: skip
+          + f"  ratio {rates[first] / rates[second]:.2f}x")  # fmt: skip
     print("every reply as alone:", same)
 
 
