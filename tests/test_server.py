@@ -792,3 +792,38 @@ def test_a_successful_request_is_logged_and_the_banner_names_the_blas(server, ca
     assert line.startswith("dflash-serve: tiny (drafter block 16) at http://127.0.0.1:8000/v1")
     if sys.platform == "linux":
         assert line.endswith(f"; BLAS: {blas_in_use()}")
+
+
+def test_a_frozen_datastore_keeps_no_reply(qwen3_pair, monkeypatch):
+    """dflash-serve --frozen-datastore opens the datastore so that replies do not join it; without, they do."""
+    from test_sampling import PROMPT
+
+    from dflash_mlx.drafts.datastore import Datastore
+    from dflash_mlx.tools.server import app
+    from dflash_mlx.tools.session import Session
+
+    model, draft, tokenizer = qwen3_pair
+    for frozen in (True, False):
+        store = Datastore(None, tokenizer.vocab_size, learns=not frozen)
+        srv = app.DFlashServer(model, draft, tokenizer, model_name="tiny", port=0, max_batch=2, datastore=store)
+        srv.start()
+        try:
+            assert _post(srv.url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8})[0] == 200
+        finally:
+            srv.close()
+        assert len(store._replies) == (0 if frozen else 1)
+
+    asked = []
+
+    class Opened(Exception):
+        pass
+
+    def open_datastore(self, choice, **settings):
+        asked.append(settings)
+        raise Opened
+
+    monkeypatch.setattr(Session, "open_datastore", open_datastore)
+    for argv, learns in ((["--frozen-datastore"], False), ([], True)):
+        with pytest.raises(Opened):
+            app.main(["--model", "dflash-tiny", *argv])
+        assert asked.pop() == {"learns": learns}

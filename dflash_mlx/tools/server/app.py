@@ -282,6 +282,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="Conversation caches kept for prefix reuse (default: 4).",
     )
     p.add_argument(
+        "--frozen-datastore",
+        action="store_true",
+        help="Keep the datastore as it starts: replies do not join it (a load test that repeats its prompts would "
+        "otherwise draft each later reply from an earlier one).",
+    )
+    p.add_argument(
         "--max-context",
         type=int,
         action=InRange,
@@ -366,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         return
     try:  # plain decoding stays plain
-        datastore = session.open_datastore(args.datastore)
+        datastore = session.open_datastore(args.datastore, learns=not args.frozen_datastore)
     except DFlashError as e:
         _error(str(e))
     name = args.served_model_name or args.model or DEFAULT_PAIR
