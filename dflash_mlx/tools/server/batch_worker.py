@@ -15,19 +15,16 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from mlx_lm.sample_utils import make_logits_processors
-
 from ...base.errors import DFlashError
 from ...generation import batch_engine, batch_request
 from ...loop.cache import DFlashCache
 from ...loop.options import LoopOptions
 from ...models import target as tgt
-from ...sampling import make_sampler
-from ...text.chat_template import has_chat_template
 from ...text.reasoning import join, reasoning_parser
 from ...text.responses import AcceptanceStats
 from ...tuning.batch import BatchCosts
-from .protocol import CHAT, APIError, StopMatcher, spec_decoding, usage
+from .protocol import APIError, StopMatcher, spec_decoding, usage
+from .settings import generation_settings, loop_settings, num_spec_tokens, policy_setup
 from .worker import Job, PromptCaches, Worker
 
 log = logging.getLogger("dflash-serve")
@@ -140,19 +137,13 @@ class BatchWorker(Worker):
         if job is None or job.cancelled.is_set():
             return
         req, ids = job.request, job.ids
-        block_size = req.block_size if self.draft is not None else None
-        num_spec_tokens = (block_size if isinstance(block_size, int) else self.max_block_size) - 1
-        setup = (block_size, req.temperature > 0, req.min_confidence, req.lookup_fallback, req.tree_budget,
-                 req.confidence_threshold)  # fmt: skip
-        processors = make_logits_processors(repetition_penalty=req.repetition_penalty) if req.repetition_penalty else None  # fmt: skip
+        generation = generation_settings(req, ids, has_draft=self.draft is not None, tokenizer=self.tokenizer)
         busy = {id(f.cache) for f in self.flights.values()}
         try:
             options = LoopOptions(
-                max_tokens=req.max_tokens, block_size=block_size, tree_budget=req.tree_budget if self.draft else 0,
-                sampler=make_sampler(req.temperature, req.top_p, req.min_p, req.top_k), logits_processors=processors,
-                min_confidence=req.min_confidence, confidence_threshold=req.confidence_threshold,
-                lookup_fallback=req.lookup_fallback, seed=req.seed, policy=self.session.policy({"serve": list(setup)}), datastore=self.datastore,
-                stop_tokens=frozenset(self.tokenizer.eos_token_ids), prefill_step_size=self.prefill_step_size,
+                **loop_settings(generation), policy=self.session.policy(policy_setup(generation)),
+                datastore=self.datastore, stop_tokens=frozenset(self.tokenizer.eos_token_ids),
+                prefill_step_size=self.prefill_step_size,
             )  # fmt: skip
             cache = self.caches.take(ids, busy)
             row_id = self.engine.add(batch_request(self.model, self.draft, ids, options, prompt_cache=cache), None)
@@ -160,11 +151,9 @@ class BatchWorker(Worker):
             job.events.put(("error", APIError(400, str(e))))
             self.completed += 1
             return
-        parse = req.kind == CHAT and has_chat_template(self.tokenizer)
-        self.flights[row_id] = _Flight(
-            job, cache, StopMatcher(req.stop), self.tokenizer.detokenizer,
-            reasoning_parser(self.tokenizer, ids) if parse else None, num_spec_tokens,
-        )  # fmt: skip
+        parser = reasoning_parser(self.tokenizer, ids) if generation["parse_reasoning"] else None
+        self.flights[row_id] = _Flight(job, cache, StopMatcher(req.stop), self.tokenizer.detokenizer, parser,
+                                       num_spec_tokens(generation, self.max_block_size))  # fmt: skip
 
     def _deliver(self, event) -> None:
         flight = self.flights.get(event.id)

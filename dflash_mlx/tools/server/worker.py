@@ -16,17 +16,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from mlx_lm.sample_utils import make_logits_processors
-
 from ...base.errors import DFlashError
 from ...loop.cache import DFlashCache
-from ...sampling import make_sampler
-from ...text.chat_template import has_chat_template, render_chat
+from ...text.chat_template import render_chat
 from ...text.responses import AcceptanceStats
 from ...tuning.policy import PolicyState
 from ..session import Session
 from .metrics import Metrics
 from .protocol import CHAT, APIError, CompletionRequest, StopMatcher, spec_decoding, usage
+from .settings import generation_settings, loop_settings, num_spec_tokens, policy_setup
 
 log = logging.getLogger("dflash-serve")
 
@@ -88,28 +86,19 @@ class PromptCaches:
 
 def generate_for(session: Session, generation: dict, *, prompt_cache: DFlashCache, prefill_step_size: int,
                  setup: dict | None = None, policy: PolicyState | None = None):  # fmt: skip
-    """``session.stream`` for a request's plain ``generation`` settings (what rank 0 sends the
-    other ranks of a sharded target, :mod:`dflash_mlx.tools.server.ranks`); only rank 0 drafts, so only
-    its session has a datastore. ``setup``: the session's policy state to go on from; else ``policy``."""
-    g = generation
-    processors = make_logits_processors(repetition_penalty=g["repetition_penalty"]) if g["repetition_penalty"] else None
+    """``session.stream`` for a request's plain ``generation`` settings (:mod:`dflash_mlx.tools.server.settings`;
+    what rank 0 sends the other ranks of a sharded target, :mod:`dflash_mlx.tools.server.ranks`); only rank 0
+    drafts, so only its session has a datastore. ``setup``: the session's policy state to go on from; else
+    ``policy``."""
     return session.stream(
-        g["ids"],
-        max_tokens=g["max_tokens"],
-        block_size=g["block_size"],
-        sampler=make_sampler(g["temperature"], g["top_p"], g["min_p"], g["top_k"]),
-        logits_processors=processors,
-        min_confidence=g["min_confidence"],
-        confidence_threshold=g.get("confidence_threshold", 0.0),
-        lookup_fallback=g["lookup_fallback"],
-        tree_budget=g.get("tree_budget", 0),
-        seed=g["seed"],
+        generation["ids"],
+        **loop_settings(generation),
         setup=setup,
         policy=policy,
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step_size,
-        parse_reasoning=g["parse_reasoning"],
-    )  # fmt: skip
+        parse_reasoning=generation["parse_reasoning"],
+    )
 
 
 class Worker:
@@ -299,25 +288,13 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         req, ids = job.request, job.ids
-        block_size = req.block_size if self.draft is not None else None
-        # "auto" verifies up to the drafter's block size.
-        num_spec_tokens = (block_size if isinstance(block_size, int) else self.max_block_size) - 1
+        generation = generation_settings(req, ids, has_draft=self.draft is not None, tokenizer=self.tokenizer)
         acceptance = AcceptanceStats()
-        setup = (block_size, req.temperature > 0, req.min_confidence, req.lookup_fallback, req.tree_budget,
-                 req.confidence_threshold)  # fmt: skip
         stop = StopMatcher(req.stop)
-        generation = {
-            "ids": ids, "max_tokens": req.max_tokens, "block_size": block_size, "temperature": req.temperature,
-            "top_p": req.top_p, "min_p": req.min_p, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty,
-            "min_confidence": req.min_confidence, "confidence_threshold": req.confidence_threshold,
-            "lookup_fallback": req.lookup_fallback, "seed": req.seed,
-            "tree_budget": req.tree_budget if self.draft is not None else 0,
-            "parse_reasoning": req.kind == CHAT and has_chat_template(self.tokenizer),
-        }  # fmt: skip
         if self.ranks is not None:
             self.ranks.announce(generation)  # the other ranks run the same generation with this one
         responses = generate_for(self.session, generation, prompt_cache=self.caches.take(ids),
-                                 setup={"serve": list(setup)}, prefill_step_size=self.prefill_step_size)  # fmt: skip
+                                 setup=policy_setup(generation), prefill_step_size=self.prefill_step_size)  # fmt: skip
         last, finish = None, None
         try:
             for last in responses:
@@ -343,7 +320,9 @@ class Worker:
             responses.close()
         completion = last.generation_tokens if last else 0
         cached = len(ids) - last.prompt_tokens if last else 0
-        spec = spec_decoding(acceptance, num_spec_tokens) if self.draft is not None else None
+        spec = None
+        if self.draft is not None:
+            spec = spec_decoding(acceptance, num_spec_tokens(generation, self.max_block_size))
         metrics = {"speculative_decoding": spec}
         self.metrics.observe(
             prompt_tokens=len(ids),
