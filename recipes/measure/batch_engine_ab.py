@@ -66,20 +66,30 @@ def main() -> None:
     model, draft, tok = load(args.model)
     rows = [r for r in map(json.loads, open(folder / "prompts.jsonl")) if "messages" in r][: args.rows]
     ids = [tok.apply_chat_template(r["messages"], add_generation_prompt=True) for r in rows]
+    # Greedy: the datastore changes no token; left out here so that no reply joins it before the arms run.
     alone = [
-        [t for r in stream_generate(model, draft, tok, p, max_tokens=args.max_tokens) for t in r.tokens] for p in ids
+        [t for r in stream_generate(model, draft, tok, p, max_tokens=args.max_tokens, datastore=None) for t in r.tokens]
+        for p in ids
     ]
     speedups = choose_speedups(tgt.compute_dtype(model), None)
     print("BLAS:", blas_in_use(), flush=True)
-    options = LoopOptions(max_tokens=args.max_tokens, stop_tokens=frozenset(tok.eos_token_ids), policy=PolicyState(),
-                          adaptive=False if args.no_adaptive else None, datastore=pair_datastore(args.model))  # fmt: skip
-    arms = {"together": BatchEngine, "row by row": RowByRow} if args.compare == "drafts" else {"trees": BatchEngine, "lines": Lines}
+    store = pair_datastore(model, draft)  # the engine's rows add no reply to it
+
+    def options():  # a fresh policy state each run: neither arm goes on from what the other learned
+        return LoopOptions(max_tokens=args.max_tokens, stop_tokens=frozenset(tok.eos_token_ids), policy=PolicyState(),
+                           adaptive=False if args.no_adaptive else None, datastore=store)  # fmt: skip
+
+    arms = (
+        {"together": BatchEngine, "row by row": RowByRow}
+        if args.compare == "drafts"
+        else {"trees": BatchEngine, "lines": Lines}
+    )
     totals = {a: [0.0, 0, 0] for a in arms}
     same = True
     for k in range(args.rounds + 1):  # the first round warms up
         for name in list(arms) if k % 2 else [*arms][::-1]:
             engine = arms[name](model, tap_ids=draft.target_layer_ids, max_batch=args.rows, speedups=speedups)
-            out, seconds, together = _run(engine, model, draft, ids, options)
+            out, seconds, together = _run(engine, model, draft, ids, options())
             same &= all(o[: len(a)] == a for o, a in zip(out, alone))
             if k:
                 totals[name][0] += seconds

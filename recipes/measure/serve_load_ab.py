@@ -5,7 +5,9 @@ for each round and each level N: N clients send N prompts with dflash-serve, the
 mlx_lm.server (aggregate tok/s, p50/p95 latency), then N clients stream while a long chat prompt (``--join-tokens``)
 joins, with each server in turn (the running streams' longest gap while it is prefilled). Greedy, the default
 pair's held-out English chat prompts. Before the levels each server answers every prompt alone, one request at a
-time: every reply of a level is compared with that one (``same as alone``; dflash-serve's must all be). Prints
+time: every reply of a level is compared with that one (``same as alone``; dflash-serve's must all be). Since the
+levels send the same prompts again, dflash-serve runs with ``--frozen-datastore``: its datastore (the default
+pair's shipped answers) does not learn the replies, or a later reply would draft from an earlier one. Prints
 one Markdown table per round and the ratio per level.
 
     python recipes/measure/serve_load_ab.py --rounds 2 --levels 1 2 4 8 --max-tokens 128 --join-tokens 3000
@@ -55,6 +57,7 @@ servers = {
         "8731",
         "--blas",
         "openblas",
+        "--frozen-datastore",  # the levels send the same prompts again: no reply may draft from an earlier one
     ],  # fmt: skip
     "mlx_lm.server": [sys.executable, "-m", "mlx_lm", "server", "--model", target, "--port", "8732"],
 }
