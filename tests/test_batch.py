@@ -328,8 +328,8 @@ def test_refusals_say_what_to_do(qwen3_pair, pair_dirs):
 class Widest(BatchCosts):
     """Every row verifies all the drafts it may: drafts that never pay on a tiny model are still checked."""
 
-    def width(self, rows, most):
-        return most
+    def width(self, rows, sizes):
+        return 1 + max(sizes, default=0)
 
 
 def _batched_counts(pair, proposal, runs):

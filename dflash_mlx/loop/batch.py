@@ -12,9 +12,9 @@ Each :meth:`BatchEngine.step` is one cycle:
 1. Requests that joined are prefilled by themselves, in arrival order, ``prefill_step_size`` prompt tokens a
    cycle in all, so a long prompt does not stop the running rows for long; when its last chunk is done its first token is out and its
    cache is copied in as a new row.
-2. Every running row proposes up to ``W - 1`` drafts, ``W`` the width :class:`~dflash_mlx.tuning.batch.BatchCosts`
-   finds best for this batch size from timed passes and the rows' acceptance so far (at one row, the
-   proposer's own choice: the single-stream policy). Width 1 is plain batched decoding. The rows whose proposal
+2. Every running row proposes what it would alone, and all proposals are cut to ``W - 1`` drafts, ``W`` the
+   width :class:`~dflash_mlx.tuning.batch.BatchCosts` finds best for this batch size from timed passes, the
+   rows' acceptance so far and what each proposed. Width 1 is plain batched decoding. The rows whose proposal
    runs the DFlash drafter this cycle (asked first, :meth:`~dflash_mlx.loop.proposal.Proposer.drafter_pass`)
    draft in one drafter pass over all of them (:func:`~dflash_mlx.models.draft_rows.propose_rows`), each row
    from its own context caches; each proposer then drafts from its row's logits as from a pass of its own.
@@ -190,6 +190,17 @@ def _tree_layout(proposals: list[Proposal], width: int) -> tuple[mx.array, mx.ar
         ancestors.append(line)
         depths.append(level)
     return mx.array(ancestors), mx.array(depths, dtype=mx.int32)
+
+
+def _cut(p: Proposal, n: int) -> Proposal:
+    """``p``'s first ``n`` drafts (a tree's first ``n`` nodes: whole, a parent comes before its children)."""
+    if p.size <= n:
+        return p
+    if n == 0:
+        return Proposal(mx.zeros((0,), dtype=mx.uint32), None, p.source)
+    if p.tree is not None:
+        return Proposal(p.tokens[:n], None, p.source, p.tree.first(n))
+    return Proposal(p.tokens[:n], None if p.q is None else p.q[:n], p.source)
 
 
 def _next_seed() -> int:
@@ -375,10 +386,6 @@ class BatchEngine:
                 self._leave(i)
         return events
 
-    def _width(self) -> int:
-        most = max(r.request.block_size for r in self.running)
-        return self.costs.width([r.acceptance for r in self.running], most)
-
     def _solo_cycle(self, row: _Row) -> list[RowEvent]:
         # One row: the single-stream cycle on its own cache (the compiled CPU steps, a plain step queued
         # ahead), so one request runs as fast as dflash_generate_step runs it.
@@ -400,14 +407,14 @@ class BatchEngine:
         return [event]
 
     def _cycle(self) -> list[RowEvent]:
-        rows, width = self.running, self._width()
-        self.last_width = width
+        rows = self.running
         # A seeded row verifies its whole block (cut to its budget after), so its draws never depend on the load.
-        wanted = [r.request.block_size - 1 if r.seeded else min(width, r.request.block_size, r.room) - 1
-                  for r in rows]  # fmt: skip
+        wanted = [r.request.block_size - 1 if r.seeded else min(r.request.block_size, r.room) - 1 for r in rows]
         self._draft_together([row.proposer.drafter_pass(row.last, n) for row, n in zip(rows, wanted) if n > 0])
         proposals = [self._proposal(row, n) for row, n in zip(rows, wanted)]
-        W = 1 + max(p.size for p in proposals)
+        width = self.costs.width([r.acceptance for r in rows], [p.size for p in proposals])
+        proposals = [p if row.seeded else _cut(p, width - 1) for row, p in zip(rows, proposals)]
+        self.last_width = W = 1 + max(p.size for p in proposals)
         blocks = []
         for row, p in zip(rows, proposals):
             pad = mx.full((W - 1 - p.size,), row.last, dtype=mx.uint32)
@@ -464,16 +471,11 @@ class BatchEngine:
             return Proposal(mx.zeros((0,), dtype=mx.uint32))
         with row.drawing():
             p = row.proposer.propose(row.last, n)
-        if p.tree is not None:
-            if self.trees and not row.request.logits_processors:
-                tree = p.tree if p.size <= n else p.tree.first(n)
-                return Proposal(p.tokens[: tree.size], None, p.source, tree)
+        if p.tree is not None and not (self.trees and not row.request.logits_processors):
             # A pass that cannot place a tree's nodes verifies its likeliest line; the proposer learns from the
             # tokens the target kept, whatever it proposed.
             p = Proposal(mx.array(DraftTree.first_path(p.tree), dtype=mx.uint32), None, p.source)
-        if p.size > n:  # drafts past the budget are never verified
-            p = Proposal(p.tokens[:n], None if p.q is None else p.q[:n], p.source)
-        return p
+        return _cut(p, n)  # drafts past the budget are never verified
 
     def _draft_together(self, passes: list[DrafterPass | None]) -> None:
         # The rows' drafter passes of this cycle in one pass; each proposer then drafts from its row's logits.

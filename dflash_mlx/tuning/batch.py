@@ -2,9 +2,10 @@
 
 A batched target pass over ``B`` rows of width ``W`` (each row's last token and up to ``W - 1`` drafts, shorter
 rows padded) costs about ``a + b * B * W`` seconds on a CPU, and more per row at a larger batch than at one:
-a draft that pays at one request can cost the others more than it gives once several run. Each cycle the
-engine asks :meth:`BatchCosts.width` for the width that gives the most expected tokens per second over all
-rows, from
+a draft that pays at one request can cost the others more than it gives once several run. Each cycle every row
+proposes what it would alone (its proposer sizes its own drafts, prompt lookup's and the datastore's as long as
+the text goes on), and the engine asks :meth:`BatchCosts.width` for the width, the one cut of all of them, that
+gives the most expected tokens per second over all rows, from
 
 * the seconds of the passes it timed, by batch size and width (a running mean each, held to a line fitted over
   all of them, recent passes weighing most, so a width never run is costed from the line), and
@@ -12,9 +13,11 @@ rows, from
   (:class:`RowAcceptance`, learned per row from its verdicts; a new row starts from what finished rows
   taught).
 
-Width 1 is plain batched decoding: no row drafts, and a drafter is not run. At one row the proposers size
-their own drafts (the single-stream policy); this only caps them. Drafts are verified exactly whatever the
-width, so the choice changes speed, never output. Plain Python only.
+* what each row proposed: a row with fewer drafts than a width verifies only those, and one with none takes a
+  plain step in the pass.
+
+Width 1 is plain batched decoding. Drafts are verified exactly whatever the width, so the choice changes speed,
+never output. Plain Python only.
 """
 
 from dataclasses import dataclass, field
@@ -66,14 +69,18 @@ class BatchCosts:
 
     def line(self, tokens: int) -> float:
         w, sx, sy, sxx, sxy = self.fit
-        # The prior as PRIOR_WEIGHT passes at one token and as many at 16 tokens.
+        # The prior as PRIOR_WEIGHT passes at one token and as many at 16 tokens, its shape scaled to the passes
+        # timed so far: a machine or model k times as fast is k times as fast at every size until passes of
+        # other sizes say otherwise (a prior in seconds would keep a fast model from ever trying a wide pass).
+        scale = sy / (A_PRIOR * w + B_PRIOR * sx) if w > 0 else 1.0
+        a0, b0 = A_PRIOR * scale, B_PRIOR * scale
         pw = PRIOR_WEIGHT
         x1, x2 = 1.0, 16.0
-        w, sx, sy = w + 2 * pw, sx + pw * (x1 + x2), sy + pw * (2 * A_PRIOR + B_PRIOR * (x1 + x2))
+        w, sx, sy = w + 2 * pw, sx + pw * (x1 + x2), sy + pw * (2 * a0 + b0 * (x1 + x2))
         sxx = sxx + pw * (x1 * x1 + x2 * x2)
-        sxy = sxy + pw * (x1 * (A_PRIOR + B_PRIOR * x1) + x2 * (A_PRIOR + B_PRIOR * x2))
+        sxy = sxy + pw * (x1 * (a0 + b0 * x1) + x2 * (a0 + b0 * x2))
         det = w * sxx - sx * sx
-        b = (w * sxy - sx * sy) / det if det > 0 else B_PRIOR
+        b = (w * sxy - sx * sy) / det if det > 0 else b0
         b = max(b, 0.0)
         a = (sy - b * sx) / w
         return a + b * tokens
@@ -94,13 +101,14 @@ class BatchCosts:
         self.means[(rows, width)] = (DECAY * weight + 1.0, DECAY * total + seconds)
         self.passes += 1
 
-    def width(self, rows: list[RowAcceptance], most: int) -> int:
-        """The width (1 .. ``most``) with the most expected tokens per second over ``rows``."""
+    def width(self, rows: list[RowAcceptance], sizes: list[int]) -> int:
+        """The width with the most expected tokens per second over ``rows``, row ``i`` verifying the first
+        ``width - 1`` of the ``sizes[i]`` drafts it proposed (all of them if fewer)."""
         best, best_rate = 1, 0.0
         for w in WIDTHS:
-            if w > most:
+            if w > 1 + max(sizes, default=0):
                 break
-            tokens = sum(r.expected(w - 1) for r in rows)
+            tokens = sum(r.expected(min(s, w - 1)) for r, s in zip(rows, sizes))
             rate = tokens / self.seconds(len(rows), w)
             if rate > best_rate:
                 best, best_rate = w, rate
