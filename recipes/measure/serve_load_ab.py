@@ -1,8 +1,8 @@
 """dflash-serve against mlx_lm.server on the same target, prompts and BLAS, N clients at once, levels taking turns.
 
 Starts both servers (the default pair; mlx_lm.server on the converted target alone, batching plain decoding), then
-for each round and each level N: N clients send N prompts with dflash-serve, then the same with
-mlx_lm.server (aggregate tok/s, p50/p95 latency), then N clients stream while a long chat prompt (``--join-tokens``)
+for each round and each level N: N clients at once send the same ``--prompts`` prompts (8: one at a time at
+N = 1, all at once at N = 8) to dflash-serve, then to mlx_lm.server (aggregate tok/s, p50/p95 latency), then N clients stream while a long chat prompt (``--join-tokens``)
 joins, with each server in turn (the running streams' longest gap while it is prefilled). Greedy, the default
 pair's held-out English chat prompts. Before the levels each server answers every prompt alone, one request at a
 time: every reply of a level is compared with that one (``same as alone``; dflash-serve's must all be). Since the
@@ -36,6 +36,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--model", default=DEFAULT_PAIR, help="An embedded pair: the default one or dflash-tiny.")
 parser.add_argument("--rounds", type=int, default=1)
 parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8])
+parser.add_argument("--prompts", type=int, default=8, help="Prompts every level sends (N clients at a time).")
 parser.add_argument("--max-tokens", type=int, default=128)
 parser.add_argument("--join-tokens", type=int, default=3000)
 parser.add_argument("--join-stream-tokens", type=int, default=48, help="Tokens each running stream asks for then.")
@@ -89,21 +90,23 @@ try:
     for client in clients.values():  # a warm-up request each (compiles, loads the datastore)
         run_level(client, rows[:1], 1, 8)
     # Each prompt served alone, one request at a time: what every reply of a level must equal.
-    wanted = sorted({(r * 8) % len(rows) + i for r in range(args.rounds) for i in range(max(args.levels))})
+    wanted = sorted({(r * args.prompts + i) % len(rows) for r in range(args.rounds) for i in range(args.prompts)})
     alone = {name: {i: run_level(client, [rows[i]], 1, args.max_tokens)["texts"][0] for i in wanted}
              for name, client in clients.items()}  # fmt: skip
     results = []
     for r in range(args.rounds):
         for n in args.levels:
-            first = (r * 8) % len(rows)
-            picked = rows[first:][:n]
+            first = (r * args.prompts) % len(rows)
+            picked = [rows[(first + i) % len(rows)] for i in range(args.prompts)]
             for name, client in clients.items():
                 level = run_level(client, picked, n, args.max_tokens)
-                level["same_as_alone"] = sum(t == alone[name][first + i] for i, t in enumerate(level["texts"]))
+                level["same_as_alone"] = sum(
+                    t == alone[name][(first + i) % len(rows)] for i, t in enumerate(level["texts"])
+                )
                 # A prompt neither server has seen: a cached one would be no join at all.
                 fresh = {"messages": [{"role": "user", "content": f"({name}, round {r}, {n} clients) "
                                        + join["messages"][0]["content"]}]}  # fmt: skip
-                level.update(run_join(client, picked, n, args.join_stream_tokens, fresh))
+                level.update(run_join(client, picked[:n], n, args.join_stream_tokens, fresh))
                 level.update(server=name, round=r)
                 results.append(level)
                 print(
@@ -123,7 +126,7 @@ try:
                     for s in ("dflash-serve", "mlx_lm.server"))  # fmt: skip
             print(f"| {r + 1} | {n} | {m['tok_s']:.1f} | {d['tok_s']:.1f} | {d['tok_s'] / m['tok_s']:.2f}x "
                   f"| {m['latency_p50_s']:.1f} / {m['latency_p95_s']:.1f} | {d['latency_p50_s']:.1f} / "
-                  f"{d['latency_p95_s']:.1f} | {m['join_gap_s']:.2f} | {d['join_gap_s']:.2f} | {d['same_as_alone']}/{n} |")  # fmt: skip
+                  f"{d['latency_p95_s']:.1f} | {m['join_gap_s']:.2f} | {d['join_gap_s']:.2f} | {d['same_as_alone']}/{args.prompts} |")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
