@@ -6,6 +6,8 @@ import pytest
 from test_batch import LIMITS, PROMPTS, Widest, _drain, _references
 
 from dflash_mlx import LoopOptions, make_cache
+from dflash_mlx.cpu import compiled_layers
+from dflash_mlx.cpu.speedups import CpuSpeedups
 from dflash_mlx.generation import batch_engine, batch_request
 from dflash_mlx.loop import batch
 from dflash_mlx.loop.cache import make_draft_cache
@@ -23,24 +25,28 @@ def _context(draft, n, seed):
     return caches
 
 
-@pytest.mark.parametrize("num_drafts", [15, 4])
-def test_a_batched_drafter_pass_gives_every_row_its_own_passs_logits(qwen3_pair, num_drafts):
+@pytest.mark.parametrize(("num_drafts", "compiled"), [(15, False), (4, False), (15, True)])
+def test_a_batched_drafter_pass_gives_every_row_its_own_passs_logits(qwen3_pair, num_drafts, compiled, monkeypatch):
     """Rows of different context lengths, some with taps still pending: the rows' logits and grown contexts
     equal each row's pass alone (a mask that lets a row see another's padding, or a block at the wrong
     position, fails here)."""
     model, draft, _ = qwen3_pair
+    speedups = CpuSpeedups() if compiled else None  # the compiled CPU steps, alone and batched
     lengths, pending, lasts = [5, 23, 1], [3, None, 7], [4, 17, 9]
     alone, alone_caches = [], []
     for r, (n, p, last) in enumerate(zip(lengths, pending, lasts)):
         caches = _context(draft, n, r)
         taps = None if p is None else _taps(draft, p, 10 + r)
         block = mx.array([[last] + [draft.mask_token_id] * (draft.block_size - 1)], dtype=mx.uint32)
-        alone.append(draft.propose(model, block, taps, caches, num_drafts=num_drafts)[0])
+        alone.append(draft.propose(model, block, taps, caches, speedups, num_drafts=num_drafts)[0])
         alone_caches.append(caches)
     contexts = [_context(draft, n, r) for r, n in enumerate(lengths)]
     taps = [None if p is None else _taps(draft, p, 10 + r) for r, p in enumerate(pending)]
     assert all(draft_rows.batchable(model, draft, c) for c in contexts)
-    batched = draft_rows.propose_rows(model, draft, lasts, contexts, taps, num_drafts)
+    steps, before = [], compiled_layers.before
+    monkeypatch.setattr(compiled_layers, "before", lambda *a, **k: steps.append(1) or before(*a, **k))
+    batched = draft_rows.propose_rows(model, draft, lasts, contexts, taps, num_drafts, speedups)
+    assert len(steps) == (len(draft.layers) if compiled else 0)
     assert batched.shape[:2] == (3, num_drafts)
     for r in range(3):
         np.testing.assert_allclose(np.array(batched[r]), np.array(alone[r]), atol=1e-4, rtol=1e-4)

@@ -315,8 +315,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, h, context, cache=None, mask=None, block_offset=None, speedups=None) -> mx.array:
-        if cache is not None and mask is None and block_offset is None and self._compiled_steps(h, speedups):
-            return self._compiled_call(h, context, cache, speedups)
+        # Compiled: drafting (no mask), or several rows' blocks at their own positions under their mask; a causal
+        # layer's own mask (no block_offset) runs as written.
+        if cache is not None and (mask is None or block_offset is not None) and self._compiled_steps(h, speedups):
+            return self._compiled_call(h, context, cache, speedups, mask, block_offset)
         kernel = speedups is not None and speedups.fast_exp
         # The context is used as it comes out of hidden_norm, not re-normed per layer.
         h = h + self.self_attn(self.input_layernorm(h), context, cache, mask, block_offset, kernel)
@@ -332,15 +334,18 @@ class DecoderLayer(nn.Module):
             and compiled_layers.plain_layer(attn, self.mlp, self.input_layernorm, self.post_attention_layernorm)
         )
 
-    def _compiled_call(self, h: mx.array, context: mx.array, cache: Any, speedups: CpuSpeedups) -> mx.array:
+    def _compiled_call(
+        self, h: mx.array, context: mx.array, cache: Any, speedups: CpuSpeedups, mask=None, block_offset=None
+    ) -> mx.array:
         attn = self.self_attn
         ctx_offset = cache.offset
-        q, k, v = compiled_layers.before(attn, self.input_layernorm, h, ctx_offset + context.shape[1], speedups)
+        offset = ctx_offset + context.shape[1] if block_offset is None else block_offset
+        q, k, v = compiled_layers.before(attn, self.input_layernorm, h, offset, speedups)
         if context.shape[1] > 0:
             k_ctx, v_ctx = compiled_layers.key_values(attn, context, ctx_offset, speedups)
         else:
             k_ctx = v_ctx = mx.zeros((context.shape[0], attn.n_kv_heads, 0, attn.head_dim), dtype=h.dtype)
-        out = attn.attend(q, k, v, k_ctx, v_ctx, cache, None, speedups.fast_exp)
+        out = attn.attend(q, k, v, k_ctx, v_ctx, cache, mask, speedups.fast_exp)
         return compiled_layers.after(attn, self.mlp, self.post_attention_layernorm, out, h, speedups)
 
     def context_key_values(
