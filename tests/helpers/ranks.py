@@ -81,8 +81,15 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def launch(n: int, argv: list[str], tmp: Path, timeout: float = 60.0, env: dict | None = None) -> list[Rank]:
-    """Run ``argv`` on ``n`` ranks to the end (at most ``timeout`` seconds)."""
-    return finish(start(n, argv, tmp, env), tmp, timeout)
+    """Run ``argv`` on ``n`` ranks to the end (at most ``timeout`` seconds).
+
+    A job whose every rank was still running at the deadline having printed nothing is run once more, on fresh
+    ports: on a loaded machine running tests in parallel, a ring has been seen to stall this way (a port chosen
+    here can be taken before its rank binds it) and not again. A job that stalls twice is returned as it is."""
+    ranks = finish(start(n, argv, tmp, env), tmp, timeout)
+    if all(r.returncode == -signal.SIGKILL and not r.stdout for r in ranks):
+        ranks = finish(start(n, argv, tmp, env), tmp, timeout)
+    return ranks
 
 
 def python(*args: str) -> list[str]:
