@@ -343,3 +343,37 @@ def test_the_compiled_cpu_steps_run_the_layers_of_a_stage_of_our_split():
     h = model.model.embed_tokens(mx.array([[5, 6, 7, 8]]))
     steps = tgt._cpu_steps(model, h, cache, tgt._layer_masks(model, h, cache, stage), CPU_SPEEDUPS, stage)
     assert len(cache) == 2 and steps is not None and len(steps) == 2
+
+
+def test_a_sharded_targets_text_drafts_are_paths_and_rank_0_never_sends_a_tree(qwen3_pair, monkeypatch):
+    """The other ranks verify rank 0's drafts as a path, so a sharded target's text drafts build no tree (whether
+    one pays is timed, so a tree came only under load and left the ranks' passes apart), and rank 0 sends any tree
+    that still comes as its likeliest line."""
+    from dflash_mlx import LoopOptions, make_cache
+    from dflash_mlx.drafts import build
+    from dflash_mlx.drafts.datastore import Datastore
+    from dflash_mlx.drafts.free import FreeDrafts
+    from dflash_mlx.loop.distributed import LeadProposer, Peers
+    from dflash_mlx.loop.proposal import Proposal
+    from dflash_mlx.models.tree import DraftTree
+
+    model, draft, tok = qwen3_pair
+    options = LoopOptions(datastore=Datastore(None, tok.vocab_size))
+    for sharded in (False, True):
+        monkeypatch.setattr(build, "target_group", lambda m, s=sharded: object() if s else None)
+        proposer, _ = build.make_proposer(model, draft, make_cache(model, draft), options, sampler=None, speedups=None)
+        free = proposer.paused
+        assert isinstance(free, FreeDrafts) and (free.tree_nodes == 0) == sharded
+
+    tree = DraftTree([5, 6, 7], [-1, 0, 0, 1], [1, 1, 2])
+
+    class Trees:
+        tap_ids, drafter = [], None
+
+        def propose(self, last, n):
+            return Proposal(mx.array(tree.tokens, dtype=mx.uint32), tree=tree)
+
+    lead = LeadProposer(Trees(), Peers(None, 16))
+    lead.peers.decided([1], 0)
+    sent = lead.propose(1, 3)
+    assert sent.tree is None and sent.tokens.tolist() == tree.first_path() == [5, 7]

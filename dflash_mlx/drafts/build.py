@@ -12,6 +12,7 @@ import mlx.nn as nn
 from ..base.errors import DFlashError
 from ..cpu.speedups import CpuSpeedups
 from ..loop.cache import DFlashCache
+from ..loop.distributed import target_group
 from ..loop.options import FREE_DRAFTS, LoopOptions
 from ..loop.proposal import PlainProposer, Proposer, TextSource
 from ..models import drafter2, dspark
@@ -20,7 +21,7 @@ from ..tuning.policy import PolicyState
 from ..tuning.widths import VerifyWidth
 from .datastore import DatastoreProposer
 from .dspark import DSparkProposer
-from .free import DrafterAndText, FreeDrafts
+from .free import TREE_NODES, DrafterAndText, FreeDrafts
 from .lookup import LookupProposer, PromptLookup
 from .proposer import AdaptiveProposer, DFlashProposer, FallbackProposer, FirstOf, SelectorProposer, TreeProposer
 
@@ -46,10 +47,12 @@ def make_proposer(
     tree_budget = o.tree_budget_for(model, draft)  # checked first: a tree needs a DFlash drafter
     block_size = o.block_size_for(draft)
     policy = o.policy if o.policy is not None else PolicyState()  # what draft-free cycles learn, too
+    # The other ranks of a sharded target verify what rank 0 sends them as a path: its text drafts are paths too.
+    trees = target_group(model) is None
     if draft is None:
         if o.datastore is None or block_size == 1:
             return PlainProposer(), block_size
-        return free_sources(cache, o.datastore, 1, policy, block_size - 1), block_size
+        return free_sources(cache, o.datastore, 1, policy, block_size - 1, trees), block_size
     if isinstance(draft, PromptLookup):
         lookup = LookupProposer(draft, cache.tokens)
         if o.datastore is not None:
@@ -63,7 +66,7 @@ def make_proposer(
         drafter = FallbackProposer(drafter, lookup, o.lookup_fallback)
     if not o.adaptive_on:
         return drafter, block_size
-    free = free_sources(cache, o.datastore, policy.lookup, policy)
+    free = free_sources(cache, o.datastore, policy.lookup, policy, trees=trees)
     if isinstance(free, FreeDrafts) and not tree_budget:
         drafter = DrafterAndText(drafter, free)  # the text's continuations beside the drafter's, one tree
     return AdaptiveProposer(drafter, policy, free), block_size
@@ -96,14 +99,17 @@ def _drafter(
 
 
 def free_sources(
-    cache: DFlashCache, datastore: TextSource | None, lookup: int, state: PolicyState, width: int = FREE_DRAFTS
-) -> Proposer | None:
+    cache: DFlashCache, datastore: TextSource | None, lookup: int, state: PolicyState, width: int = FREE_DRAFTS,
+    trees: bool = True,
+) -> Proposer | None:  # fmt: skip
     """What drafts without a drafter pass: with a datastore, up to ``width`` drafts from it or
     from prompt lookup, as many as pay (:class:`~dflash_mlx.drafts.free.FreeDrafts`, learning
-    into ``state``, the policy state the caller keeps); without, prompt lookup's ``lookup``
-    drafts on any match (None: ``lookup`` 0, plain steps)."""
+    into ``state``, the policy state the caller keeps; with ``trees``, a tree of their continuations
+    where it pays, else one path); without, prompt lookup's ``lookup`` drafts on any match (None:
+    ``lookup`` 0, plain steps)."""
     if not lookup:  # paused cycles are plain steps (PolicyState(lookup=0))
         return None
     if datastore is None:
         return LookupProposer(PromptLookup(lookup + 1), cache.tokens)
-    return FreeDrafts(cache.tokens, datastore, width, state.free, clock=state.clock)
+    return FreeDrafts(cache.tokens, datastore, width, state.free, clock=state.clock,
+                      tree_nodes=TREE_NODES if trees else 0)  # fmt: skip
