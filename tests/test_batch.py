@@ -21,6 +21,7 @@ from dflash_mlx.drafts.lookup import PromptLookup
 from dflash_mlx.generation import batch_engine, batch_request
 from dflash_mlx.loop import batch
 from dflash_mlx.models.rows import RowsKVCache, RowsRecurrentCache
+from dflash_mlx.models.tree import DraftTree
 from dflash_mlx.sampling import make_sampler, speculative_accept
 from dflash_mlx.tuning.batch import BatchCosts
 
@@ -103,13 +104,13 @@ def count_batched_trees(monkeypatch) -> list[int]:
 
 def count_cut_trees(monkeypatch) -> list[int]:
     """The sizes of the draft trees a shared pass verifies as their likeliest line."""
-    cut, first_path = [], batch.DraftTree.first_path
+    cut, first_path = [], DraftTree.first_path
 
     def counted(self):
         cut.append(self.size)
         return first_path(self)
 
-    monkeypatch.setattr(batch.DraftTree, "first_path", counted)
+    monkeypatch.setattr(DraftTree, "first_path", counted)
     return cut
 
 
@@ -264,7 +265,6 @@ def test_a_rows_pass_of_draft_trees_gives_every_node_its_own_trees_logits(pair_d
     from dflash_mlx.loop.proposal import Proposal
     from dflash_mlx.models import rows, target
     from dflash_mlx.models.caches import keep_path
-    from dflash_mlx.models.tree import DraftTree
 
     model, _, _ = load(pair_dirs[kind])
     prompts = [PROMPTS[0], PROMPTS[1][:13], PROMPTS[2][:5]]

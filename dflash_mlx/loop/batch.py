@@ -61,7 +61,6 @@ from ..base.errors import DFlashError
 from ..cpu.speedups import CpuSpeedups
 from ..models import draft_rows
 from ..models import rows as rows_model
-from ..models.tree import DraftTree
 from ..sampling import Sampler, accept_one_hot, is_greedy, sample_rows, speculative_accept
 from ..tuning.batch import BatchCosts, RowAcceptance
 from .cache import DFlashCache
@@ -190,17 +189,6 @@ def _tree_layout(proposals: list[Proposal], width: int) -> tuple[mx.array, mx.ar
         ancestors.append(line)
         depths.append(level)
     return mx.array(ancestors), mx.array(depths, dtype=mx.int32)
-
-
-def _cut(p: Proposal, n: int) -> Proposal:
-    """``p``'s first ``n`` drafts (a tree's first ``n`` nodes: whole, a parent comes before its children)."""
-    if p.size <= n:
-        return p
-    if n == 0:
-        return Proposal(mx.zeros((0,), dtype=mx.uint32), None, p.source)
-    if p.tree is not None:
-        return Proposal(p.tokens[:n], None, p.source, p.tree.first(n))
-    return Proposal(p.tokens[:n], None if p.q is None else p.q[:n], p.source)
 
 
 def _next_seed() -> int:
@@ -394,7 +382,7 @@ class BatchEngine:
         n = min(row.request.block_size, row.room) - 1
         p = row.proposer.propose(row.last, n) if n > 0 else Proposal(mx.zeros((0,), dtype=mx.uint32))
         # A tree's acceptance is judged along its depth, as a path's is along its drafts.
-        num_draft = min(max(p.tree.depths) if p.tree is not None else p.size, max(n, 0))
+        num_draft = min(p.depth, max(n, 0))
         verdict = row.verifier.verify(row.last, p, plain_next=row.room > 1 and row.proposer.plain_next())
         emitted, finish = row.emit(verdict.tokens)
         row.cache.commit(row.last, emitted, verdict.cached)
@@ -413,7 +401,7 @@ class BatchEngine:
         self._draft_together([row.proposer.drafter_pass(row.last, n) for row, n in zip(rows, wanted) if n > 0])
         proposals = [self._proposal(row, n) for row, n in zip(rows, wanted)]
         width = self.costs.width([r.acceptance for r in rows], [p.size for p in proposals])
-        proposals = [p if row.seeded else _cut(p, width - 1) for row, p in zip(rows, proposals)]
+        proposals = [p if row.seeded else p.first(width - 1) for row, p in zip(rows, proposals)]
         self.last_width = W = 1 + max(p.size for p in proposals)
         blocks = []
         for row, p in zip(rows, proposals):
@@ -437,7 +425,7 @@ class BatchEngine:
             if p.tree is not None:
                 # The target's own token at every node picks the child to follow, as a tree alone is walked.
                 path, bonus = p.tree.walk(posterior)
-                n, drafted, num_draft = len(path) - 1, p.tree.path_tokens(path), max(p.tree.depths)
+                n, drafted, num_draft = len(path) - 1, p.tree.path_tokens(path), p.depth
             else:
                 passed, n = passed.tolist(), 0
                 while n < p.size and passed[n]:
@@ -449,7 +437,7 @@ class BatchEngine:
             if path is not None and path[:kept] != list(range(kept)):
                 for c in self.target:
                     c.keep(i, starts[i], path[:kept])
-                row_taps = None if taps is None else row_taps[:, mx.array(path[:kept])]
+                row_taps = None if row_taps is None else row_taps[:, mx.array(path[:kept])]
             trims.append(W - kept)
             row.cache.tokens.append(row.last)
             row.cache.tokens.extend(emitted[:-1])
@@ -471,11 +459,11 @@ class BatchEngine:
             return Proposal(mx.zeros((0,), dtype=mx.uint32))
         with row.drawing():
             p = row.proposer.propose(row.last, n)
-        if p.tree is not None and not (self.trees and not row.request.logits_processors):
+        if not self.trees or row.request.logits_processors:
             # A pass that cannot place a tree's nodes verifies its likeliest line; the proposer learns from the
             # tokens the target kept, whatever it proposed.
-            p = Proposal(mx.array(DraftTree.first_path(p.tree), dtype=mx.uint32), None, p.source)
-        return _cut(p, n)  # drafts past the budget are never verified
+            p = p.line()
+        return p.first(n)  # drafts past the budget are never verified
 
     def _draft_together(self, passes: list[DrafterPass | None]) -> None:
         # The rows' drafter passes of this cycle in one pass; each proposer then drafts from its row's logits.

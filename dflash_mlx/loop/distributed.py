@@ -195,10 +195,10 @@ class LeadProposer(Proposer):
 
     def propose(self, last: int, n: int) -> Proposal:
         drafts = self.inner.propose(last, n)
-        if drafts is not None and drafts.tree is not None:
+        if drafts is not None:
             # The others verify what they are told as a path: a tree (none is built for a sharded target; this
             # keeps any that comes from leaving the ranks' passes apart) goes as its likeliest line.
-            drafts = Proposal(mx.array(drafts.tree.first_path(), dtype=mx.uint32), None, drafts.source)
+            drafts = drafts.line()
         self.peers.tell(drafts)
         self.peers.sent = (last, drafts)
         return drafts

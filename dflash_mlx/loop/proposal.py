@@ -35,6 +35,27 @@ class Proposal:
     def size(self) -> int:
         return self.tokens.shape[0]
 
+    @property
+    def depth(self) -> int:
+        """The most drafts a cycle can keep: a path's size, a tree's depth."""
+        return max(self.tree.depths, default=0) if self.tree is not None else self.size
+
+    def line(self) -> "Proposal":
+        """A tree's likeliest line as a path (a path as it is), for a pass that verifies paths only."""
+        if self.tree is None:
+            return self
+        return Proposal(mx.array(self.tree.first_path(), dtype=mx.uint32), None, self.source)
+
+    def first(self, n: int) -> "Proposal":
+        """The first ``n`` drafts (a tree's first ``n`` nodes: whole, a parent comes before its children)."""
+        if self.size <= n:
+            return self
+        if n == 0:
+            return Proposal(mx.zeros((0,), dtype=mx.uint32), None, self.source)
+        if self.tree is not None:
+            return Proposal(self.tokens[:n], None, self.source, self.tree.first(n))
+        return Proposal(self.tokens[:n], None if self.q is None else self.q[:n], self.source)
+
 
 @dataclass
 class DrafterPass:

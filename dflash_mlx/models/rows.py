@@ -277,7 +277,8 @@ def tree_rows_mask(lengths: list[int], ancestors: mx.array) -> mx.array:
     start = mx.array(lengths, dtype=mx.int32)[:, None, None, None]
     index = mx.arange(max(lengths) + W, dtype=mx.int32)[None, None, None, :] - start  # key's place in the block
     inside = (index >= 0) & (index < W)
-    picked = mx.take_along_axis(ancestors[:, None], mx.broadcast_to(mx.clip(index, 0, W - 1), (len(lengths), 1, W, index.shape[-1])), axis=-1)  # fmt: skip
+    at = mx.broadcast_to(mx.clip(index, 0, W - 1), (len(lengths), 1, W, index.shape[-1]))
+    picked = mx.take_along_axis(ancestors[:, None], at, axis=-1)
     return (index < 0) | (inside & picked)
 
 
@@ -318,15 +319,9 @@ def forward_rows(
         ancestors, depths = trees
         visible = tree_rows_mask(lengths, ancestors)
         positions = mx.array(lengths, dtype=mx.int32)[:, None] + depths.astype(mx.int32)
-        steps = tgt.cpu_layer_steps(model, speedups)
-        h, captured, wanted = model.model.embed_tokens(tokens), {}, set(tap_ids)
-        for i, (layer, c) in enumerate(zip(model.model.layers, caches)):
-            h = _tree_block(layer, h, c, visible, positions, speedups, steps[i])
-            if i in wanted:
-                captured[i] = h
-        return tgt.head(model, h, captured, tap_ids)
-    windows = {c.window for c in caches if isinstance(c, RowsKVCache)}
-    masks = {w: rows_mask(lengths, tokens.shape[1], w) for w in windows}
+    else:
+        windows = {c.window for c in caches if isinstance(c, RowsKVCache)}
+        masks = {w: rows_mask(lengths, tokens.shape[1], w) for w in windows}
     captured = {}
     if model.model_type in gemma.GEMMA_MODEL_TYPES:
         # Its own walk (scaled embedding, per-layer inputs, layers reusing others' keys), with these masks.
@@ -335,12 +330,14 @@ def forward_rows(
     inner = model.model
     h = inner.embed_tokens(tokens)
     steps = None
-    if speedups is not None and h.dtype == mx.float32 and tokens.size >= speedups.min_tokens:
+    if trees is not None or (speedups is not None and h.dtype == mx.float32 and tokens.size >= speedups.min_tokens):
         steps = tgt.cpu_layer_steps(model, speedups)
     wanted = set(tap_ids)
     for i, (layer, c) in enumerate(zip(inner.layers, caches)):
         if isinstance(c, RowsRecurrentCache):
             h = hybrid.recorded_layer(layer, h, c)
+        elif trees is not None:
+            h = _tree_block(layer, h, c, visible, positions, speedups, steps[i])
         elif steps is None:
             h = layer(h, masks[c.window], c)
         else:
